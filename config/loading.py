@@ -1,0 +1,321 @@
+"""Presets, flat command-line flags and validation for :class:`PretrainingConfig`.
+
+Every user mistake raises :class:`ConfigError` (a ``ValueError``) whose message is one line naming
+the flag or preset key and what would be accepted; ``run_pretraining.py`` prints it and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from config.schema import PretrainingConfig, leaf_fields
+
+PRESETS_FILE = Path(__file__).with_name("pretraining.yml")
+DEFAULT_PRESET = "tiny"
+_BASE_KEY = "base"
+
+
+class ConfigError(ValueError):
+    """A preset, flag or combination of values that cannot be trained."""
+
+
+def load_presets(path: str | Path = PRESETS_FILE) -> dict[str, dict[str, Any]]:
+    """Reads the preset file and resolves ``base:`` inheritance into full nested dicts.
+
+    Args:
+        path: YAML file whose top-level keys are preset names.
+
+    Returns:
+        Preset name -> nested dict of overrides (base presets merged in).
+    """
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read preset file {path}: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"preset file {path} is not valid YAML: {_one_line(err)}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"preset file {path} must map preset names to settings")
+
+    def resolve(name: str, chain: tuple[str, ...]) -> dict[str, Any]:
+        if name in chain:
+            raise ConfigError(f"preset {name!r} inherits from itself via {' -> '.join(chain)}")
+        body = raw.get(name)
+        if not isinstance(body, dict):
+            raise ConfigError(f"preset {name!r} in {path} must be a mapping of settings")
+        body = copy.deepcopy(body)
+        parent = body.pop(_BASE_KEY, None)
+        if parent is None:
+            return body
+        if parent not in raw:
+            raise ConfigError(f"preset {name!r} has base {parent!r}, which is not in {path}")
+        return _deep_merge(resolve(parent, (*chain, name)), body)
+
+    return {name: resolve(name, ()) for name in raw}
+
+
+def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def config_from_dict(settings: dict[str, Any], source: str) -> PretrainingConfig:
+    """Builds a config from nested overrides, rejecting keys the tree does not have."""
+    config = PretrainingConfig()
+    leaves = {path: (owner, f) for path, owner, f in leaf_fields(config)}
+
+    def apply(node: dict[str, Any], prefix: str) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                if not any(p.startswith(path + ".") for p in leaves):
+                    raise ConfigError(f"{source}: unknown section {path!r}")
+                apply(value, path + ".")
+                continue
+            if path not in leaves:
+                raise ConfigError(f"{source}: unknown setting {path!r}")
+            owner, f = leaves[path]
+            setattr(owner, f.name, _coerce(value, f.type, f"{source}: {path}"))
+
+    apply(settings, "")
+    return config
+
+
+def _coerce(value: Any, type_name: str, where: str) -> Any:
+    """Converts a YAML or command-line value to the field's declared type."""
+    try:
+        if type_name == "bool":
+            return _parse_bool(value)
+        if type_name == "int":
+            if isinstance(value, bool):
+                raise ValueError
+            number = float(value) if isinstance(value, str) else value
+            if isinstance(number, float) and not number.is_integer():
+                raise ValueError
+            return int(number)
+        if type_name == "float":
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        if type_name == "str":
+            if not isinstance(value, str | int | float) or isinstance(value, bool):
+                raise ValueError
+            return str(value)
+        if type_name == "list[str]":
+            if isinstance(value, str):
+                return [value]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError
+            return list(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where} must be {_TYPE_WORDS[type_name]}, got {value!r}") from None
+    raise AssertionError(f"unsupported config field type {type_name}")
+
+
+_TYPE_WORDS = {
+    "bool": "true or false",
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "list[str]": "a list of strings",
+}
+
+
+def _parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse that raises instead of printing usage, so errors stay one line."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def build_parser(presets: Sequence[str]) -> argparse.ArgumentParser:
+    """The command line: ``--config``, ``--config_file`` and one flag per config leaf."""
+    parser = _OneLineParser(
+        prog="run_pretraining.py",
+        description="GPT-3 pretraining with phased execution.",
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--config",
+        default=DEFAULT_PRESET,
+        help=f"Preset from config/pretraining.yml: {', '.join(presets)}.",
+    )
+    parser.add_argument(
+        "--config_file", default=str(PRESETS_FILE), help="YAML file holding the presets."
+    )
+    for path, _, f in leaf_fields(PretrainingConfig()):
+        kwargs: dict[str, Any] = {"dest": path, "help": f.metadata.get("help", "")}
+        if f.type == "bool":
+            kwargs.update(nargs="?", const="true", metavar="BOOL")
+        elif f.type == "list[str]":
+            kwargs.update(nargs="*", metavar="PATH")
+        else:
+            kwargs["metavar"] = f.type.upper()
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(f"--{f.name}", **kwargs)
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None) -> tuple[PretrainingConfig, str]:
+    """Parses the command line into a validated config.
+
+    Args:
+        argv: Arguments without the program name (``sys.argv[1:]`` when None).
+
+    Returns:
+        The config and the name of the preset it started from.
+
+    Raises:
+        ConfigError: Unknown flag or preset, malformed value or inconsistent sizes.
+    """
+    pre = _OneLineParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config", default=DEFAULT_PRESET)
+    pre.add_argument("--config_file", default=str(PRESETS_FILE))
+    known, _ = pre.parse_known_args(argv)
+    presets = load_presets(known.config_file)
+    if known.config not in presets:
+        raise ConfigError(
+            f"unknown preset {known.config!r}; choose one of: {', '.join(sorted(presets))}"
+        )
+    config = config_from_dict(presets[known.config], f"preset {known.config!r}")
+
+    args = vars(build_parser(sorted(presets)).parse_args(argv))
+    leaves = {path: (owner, f) for path, owner, f in leaf_fields(config)}
+    for path, value in args.items():
+        if path in ("config", "config_file"):
+            continue
+        owner, f = leaves[path]
+        setattr(owner, f.name, _coerce(value, f.type, f"--{f.name}"))
+    validate(config)
+    return config, known.config
+
+
+def validate(config: PretrainingConfig) -> None:
+    """Checks that the sizes fit together; raises ConfigError naming the flags involved."""
+    m, t, o, d = config.model, config.training, config.training.optimizer, config.data
+    ex = config.execution
+
+    positive = {
+        "layers": m.layers,
+        "hidden_size": m.hidden_size,
+        "heads": m.heads,
+        "sequence_length": m.sequence_length,
+        "vocab_size": m.vocab_size,
+        "max_positional_length": m.max_positional_length,
+        "steps": t.steps,
+        "global_batch_size": t.global_batch_size,
+        "micro_batch_size": ex.micro_batch_size,
+        "data_parallel": ex.data_parallel,
+        "tensor_parallel_1": ex.tensor_parallel_1,
+        "tensor_parallel_2": ex.tensor_parallel_2,
+        "log_every": config.logging.log_every,
+    }
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"--{name} must be at least 1, got {value}")
+    non_negative = {
+        "warmup_tokens": o.warmup_tokens,
+        "decay_tokens": o.decay_tokens,
+        "weight_decay": o.weight_decay,
+        "gradient_clipping": o.gradient_clipping,
+        "eval_every": d.eval_every,
+        "eval_batches": d.eval_batches,
+        "peak_tflops": ex.peak_tflops,
+    }
+    for name, value in non_negative.items():
+        if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
+            raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
+    for name, value in {"learning_rate": o.learning_rate, "eps": o.eps}.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
+    if not (t.loss_scaling > 0 and math.isfinite(t.loss_scaling)):
+        raise ConfigError(f"--loss_scaling must be a finite number > 0, got {t.loss_scaling}")
+    if t.loss_scaling != 1.0 and t.precision != "float16":
+        raise ConfigError(
+            f"--loss_scaling {t.loss_scaling:g} only applies to --precision float16 "
+            f"(got {t.precision}); bfloat16 and float32 need no loss scaling"
+        )
+    ranges = {
+        "dropout_prob": (m.dropout_prob, 0.0, 1.0),
+        "beta1": (o.beta1, 0.0, 1.0),
+        "beta2": (o.beta2, 0.0, 1.0),
+        "validation_fraction": (d.validation_fraction, 0.0, 1.0),
+    }
+    for name, (value, low, high) in ranges.items():
+        if not low <= value < high:
+            raise ConfigError(f"--{name} must be in [{low:g}, {high:g}), got {value}")
+    if not 0.0 <= o.min_learning_rate_ratio <= 1.0:
+        raise ConfigError(
+            f"--min_learning_rate_ratio must be in [0, 1], got {o.min_learning_rate_ratio}"
+        )
+    if m.layer_norm_eps <= 0 or m.init_std <= 0:
+        raise ConfigError("--layer_norm_eps and --init_std must be > 0")
+
+    if m.hidden_size % m.heads:
+        raise ConfigError(
+            f"--hidden_size {m.hidden_size} is not divisible by --heads {m.heads}; "
+            "pick sizes so that every head has the same width"
+        )
+    if m.sequence_length > m.max_positional_length:
+        raise ConfigError(
+            f"--sequence_length {m.sequence_length} exceeds --max_positional_length "
+            f"{m.max_positional_length}; the position embedding has no rows for later tokens"
+        )
+    per_step = ex.micro_batch_size * ex.data_parallel
+    if t.global_batch_size % per_step:
+        raise ConfigError(
+            f"--global_batch_size {t.global_batch_size} is not divisible by --micro_batch_size "
+            f"{ex.micro_batch_size} x --data_parallel {ex.data_parallel} = {per_step}"
+        )
+    if m.heads % ex.tensor_parallel_1:
+        raise ConfigError(
+            f"--heads {m.heads} is not divisible by --tensor_parallel_1 {ex.tensor_parallel_1}; "
+            "each tensor_parallel_1 shard holds whole heads"
+        )
+    if m.hidden_size % ex.tensor_parallel_2:
+        raise ConfigError(
+            f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
+            f"{ex.tensor_parallel_2}"
+        )
+
+
+def config_to_dict(config: PretrainingConfig) -> dict[str, Any]:
+    """Nested plain-python dict of the whole tree (for config.yml and wandb)."""
+    out: dict[str, Any] = {}
+    for path, owner, f in leaf_fields(config):
+        node = out
+        *parents, _ = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[f.name] = copy.copy(getattr(owner, f.name))
+    return out
+
+
+def _one_line(err: Exception) -> str:
+    return " ".join(str(err).split())

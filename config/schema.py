@@ -1,0 +1,215 @@
+"""The typed configuration tree of a pretraining run.
+
+Precedence is dataclass defaults < preset (``config/pretraining.yml``) < command line. Every leaf
+field is also a flat command-line flag named after the field (``--hidden_size``), so leaf names
+are unique across the tree. The defaults are the GPT-3 paper's training recipe (Brown et al. 2020).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+PLACEMENTS = ("remote", "resident")
+DEVICES = ("auto", "cpu", "cuda")
+LR_SCHEDULES = ("cosine", "linear", "constant")
+
+
+def _doc(text: str, **choices: Any) -> dict[str, Any]:
+    """Field metadata: the help text shown by ``--help`` and, optionally, allowed values."""
+    return {"help": text, **choices}
+
+
+@dataclass
+class ModelConfig:
+    """Shape of the GPT-3 model (pre-layer-norm decoder, learned positions, tied embedding)."""
+
+    layers: int = field(default=12, metadata=_doc("Number of decoder layers."))
+    hidden_size: int = field(default=768, metadata=_doc("Width of the residual stream."))
+    heads: int = field(default=12, metadata=_doc("Attention heads; must divide hidden_size."))
+    sequence_length: int = field(default=2048, metadata=_doc("Tokens per training sequence."))
+    vocab_size: int = field(default=50257, metadata=_doc("Vocabulary size (GPT-2 BPE: 50257)."))
+    max_positional_length: int = field(
+        default=2048, metadata=_doc("Rows of the learned position embedding.")
+    )
+    dropout_prob: float = field(
+        default=0.1, metadata=_doc("Dropout on embeddings, attention probabilities and residuals.")
+    )
+    layer_norm_eps: float = field(default=1e-5, metadata=_doc("Layer-norm epsilon."))
+    init_std: float = field(
+        default=0.02,
+        metadata=_doc(
+            "Std of the truncated-normal weight init; residual projections use "
+            "init_std / sqrt(2 * layers) as in GPT-2."
+        ),
+    )
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW with global-norm clipping and a warm-up + decay learning-rate schedule."""
+
+    learning_rate: float = field(default=6e-4, metadata=_doc("Peak learning rate."))
+    min_learning_rate_ratio: float = field(
+        default=0.1, metadata=_doc("Final learning rate as a fraction of the peak.")
+    )
+    lr_schedule: str = field(
+        default="cosine",
+        metadata=_doc("Decay after warm-up: cosine, linear or constant.", choices=LR_SCHEDULES),
+    )
+    warmup_tokens: int = field(
+        default=375_000_000, metadata=_doc("Tokens of linear learning-rate warm-up.")
+    )
+    decay_tokens: int = field(
+        default=260_000_000_000,
+        metadata=_doc(
+            "Tokens (warm-up included) after which the learning rate stays at its minimum; "
+            "0 decays over the whole run."
+        ),
+    )
+    beta1: float = field(default=0.9, metadata=_doc("AdamW beta1."))
+    beta2: float = field(default=0.95, metadata=_doc("AdamW beta2."))
+    eps: float = field(default=1e-8, metadata=_doc("AdamW epsilon."))
+    weight_decay: float = field(
+        default=0.1,
+        metadata=_doc("Decoupled weight decay on matrices and embeddings (never biases or norms)."),
+    )
+    gradient_clipping: float = field(
+        default=1.0, metadata=_doc("Clip the global gradient norm to this value; 0 disables.")
+    )
+
+
+@dataclass
+class TrainingConfig:
+    """What one run trains for."""
+
+    steps: int = field(default=100, metadata=_doc("Optimizer steps to run."))
+    global_batch_size: int = field(
+        default=256, metadata=_doc("Sequences per optimizer step over all replicas.")
+    )
+    seed: int = field(default=42, metadata=_doc("Seed for weights, data order and dropout."))
+    precision: str = field(
+        default="float32",
+        metadata=_doc(
+            "Compute dtype; master weights and AdamW moments stay float32.", choices=PRECISIONS
+        ),
+    )
+    loss_scaling: float = field(
+        default=1.0, metadata=_doc("Static loss scale (use e.g. 4096 with float16).")
+    )
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+
+
+@dataclass
+class DataConfig:
+    """Where training and validation sequences come from."""
+
+    input_files: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "TFRecord files or globs; empty uses the sample data shipped in data/sample."
+        ),
+    )
+    validation_files: list[str] = field(
+        default_factory=list, metadata=_doc("Held-out TFRecord files or globs for evaluation.")
+    )
+    validation_fraction: float = field(
+        default=0.0, metadata=_doc("Fraction of the training windows held out for evaluation.")
+    )
+    eval_every: int = field(default=0, metadata=_doc("Evaluate every N steps; 0 disables."))
+    eval_batches: int = field(
+        default=8, metadata=_doc("Micro-batches per replica in one evaluation; 0 means all.")
+    )
+    skip_corrupt_records: bool = field(
+        default=False, metadata=_doc("Skip and count corrupt records instead of stopping.")
+    )
+
+
+@dataclass
+class ExecutionConfig:
+    """How the step is laid out over devices and memory."""
+
+    micro_batch_size: int = field(default=1, metadata=_doc("Sequences per micro-batch."))
+    data_parallel: int = field(default=1, metadata=_doc("Data-parallel replicas."))
+    tensor_parallel_1: int = field(
+        default=1, metadata=_doc("Tensor-parallel axis 1: heads, FFN columns, vocabulary.")
+    )
+    tensor_parallel_2: int = field(
+        default=1, metadata=_doc("Tensor-parallel axis 2: the hidden dimension.")
+    )
+    placement: str = field(
+        default="remote",
+        metadata=_doc(
+            "remote: weights, grads, optimizer state and activations in host memory, streamed "
+            "per phase; resident: the same schedule with buffers on the compute device.",
+            choices=PLACEMENTS,
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_doc("Compute device: auto, cpu or cuda.", choices=DEVICES)
+    )
+    peak_tflops: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Dense bf16/fp16 peak of one device in TFLOPS for MFU; 0 picks a known GPU's peak "
+            "(or, on CPU, reports MFU against 1 TFLOPS)."
+        ),
+    )
+
+
+@dataclass
+class LoggingConfig:
+    """Where metrics go."""
+
+    output_dir: str = field(
+        default="", metadata=_doc("Folder for metrics.jsonl and config.yml; default runs/<time>.")
+    )
+    log_every: int = field(default=1, metadata=_doc("Console line every N steps."))
+    wandb: bool = field(default=False, metadata=_doc("Log metrics to Weights & Biases."))
+    wandb_project: str = field(default="gpt3-phased", metadata=_doc("W&B project name."))
+    wandb_mode: str = field(
+        default="online",
+        metadata=_doc("W&B mode: online or offline.", choices=("online", "offline")),
+    )
+
+
+@dataclass
+class PretrainingConfig:
+    """Root of the tree."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def gradient_accumulation(self) -> int:
+        """Micro-batches each data-parallel replica runs per optimizer step."""
+        return self.training.global_batch_size // (
+            self.execution.micro_batch_size * self.execution.data_parallel
+        )
+
+    @property
+    def world_size(self) -> int:
+        """Processes the layout needs: data_parallel x tensor_parallel_1 x tensor_parallel_2."""
+        ex = self.execution
+        return ex.data_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.training.global_batch_size * self.model.sequence_length
+
+
+def leaf_fields(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """All leaves of a config tree as (dotted path, owning dataclass instance, Field)."""
+    leaves = []
+    for f in fields(node):
+        value = getattr(node, f.name)
+        path = f"{prefix}{f.name}"
+        if is_dataclass(value):
+            leaves.extend(leaf_fields(value, f"{path}."))
+        else:
+            leaves.append((path, node, f))
+    return leaves
