@@ -106,7 +106,7 @@ class GPT(nn.Module):
                 s.layer_norm_eps,
                 tp1,
                 tp2,
-            )  # fmt: skip
+            )
             for _ in range(s.layers)
         )
         self.head = LMHead(local_hidden, s.layer_norm_eps, tp1, tp2)
