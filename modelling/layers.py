@@ -227,21 +227,25 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.input_dtype = logits.dtype
         local_vocab = logits.shape[-1]
         start = tp1.rank * local_vocab
-        logits = logits.float()
-        padded = torch.arange(start, start + local_vocab, device=logits.device) >= vocab_size
-        logits = logits.masked_fill(padded, float("-inf"))
+        # Columns past the real vocabulary are padding: excluded from the max, zero probability.
+        real = min(max(vocab_size - start, 0), local_vocab)
+        if real:
+            local_max = logits[..., :real].amax(-1).float()
+        else:
+            local_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+        max_logit = tp1.all_reduce_(local_max, op="max")
 
-        max_logit = tp1.all_reduce_(logits.amax(-1), op="max")
-        shifted = logits - max_logit.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = tp1.all_reduce_(exp.sum(-1))
-
+        # One fp32 buffer of the logits' size, reused in place: shifted logits -> exp -> softmax.
+        shifted = logits.float() - max_logit.unsqueeze(-1)
+        shifted[..., real:] = float("-inf")
         local_label = labels - start
         owned = (local_label >= 0) & (local_label < local_vocab)
         local_label = local_label.clamp(0, local_vocab - 1)
         target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1)
         target = tp1.all_reduce_(torch.where(owned, target, 0.0))
 
+        exp = shifted.exp_()
+        sum_exp = tp1.all_reduce_(exp.sum(-1))
         loss = sum_exp.log() - target
         softmax = exp.div_(sum_exp.unsqueeze(-1))
         ctx.save_for_backward(softmax, local_label, owned)

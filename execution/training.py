@@ -1,0 +1,79 @@
+"""The training loop: one :meth:`PhasedEngine.train_step` per step, plus the cadence around it
+(learning rate, logging, evaluation)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+
+import torch
+
+from config.schema import PretrainingConfig
+from execution.optimizer import learning_rate
+from execution.phases import PhasedEngine
+from utils.metrics import device_peak_tflops, flops_per_token, throughput
+from utils.tracking import Tracker
+
+
+def train(
+    config: PretrainingConfig,
+    engine: PhasedEngine,
+    loader,
+    tracker: Tracker,
+    validation: Callable[[], Iterable[torch.Tensor]] | None = None,
+    start_step: int = 0,
+) -> list[dict]:
+    """Runs steps ``start_step .. config.training.steps - 1``.
+
+    Args:
+        config: The run's configuration.
+        engine: Holds the model state of this rank.
+        loader: Yields this rank's ``[GA, micro_batch, seq + 1]`` tokens via ``next_batch()``.
+        tracker: Receives each step's metrics (and evaluation results).
+        validation: Returns a fresh iterable of validation batches; None disables evaluation.
+        start_step: First step to run (resumption).
+
+    Returns:
+        The metrics logged for every training step.
+    """
+    t = config.training
+    layout = engine.layout
+    flops = flops_per_token(engine.shapes, config.model.sequence_length)
+    peak = device_peak_tflops(layout.device, config.execution.peak_tflops)
+    eval_every = config.data.eval_every if validation is not None else 0
+    history = []
+    for step in range(start_step, t.steps):
+        lr = learning_rate(step, t.optimizer, config.tokens_per_step, t.steps)
+        batch = loader.next_batch()
+        _synchronize(layout.device)
+        started = time.perf_counter()
+        result = engine.train_step(batch, step, lr)
+        _synchronize(layout.device)
+        seconds = time.perf_counter() - started
+        metrics = {
+            "step": step + 1,
+            "loss": result.loss,
+            "lr": lr,
+            "grad_norm": result.grad_norm,
+            "skipped": result.skipped,
+            "step_time": seconds,
+            **throughput(
+                seconds,
+                t.global_batch_size,
+                config.model.sequence_length,
+                flops,
+                peak,
+                config.world_size,
+            ),
+            "epoch": loader.epoch,
+        }
+        tracker.log(metrics)
+        history.append(metrics)
+        if eval_every and ((step + 1) % eval_every == 0 or step + 1 == t.steps):
+            tracker.log({"step": step + 1, "eval_loss": engine.evaluate(validation())})
+    return history
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

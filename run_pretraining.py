@@ -1,0 +1,100 @@
+"""Pretrain GPT-3 with phased execution.
+
+    python run_pretraining.py --config tiny
+    torchrun --nproc_per_node 8 run_pretraining.py --config tiny \
+        --data_parallel 2 --tensor_parallel_1 2 --tensor_parallel_2 2
+
+Every config field is a flag (``--help`` lists them); presets live in config/pretraining.yml.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from config.loading import config_to_dict, parse_config
+from data.loader import (
+    SAMPLE_DATA_GLOB,
+    SAMPLE_VALIDATION_GLOB,
+    PretrainingDataLoader,
+    validation_batches,
+)
+from execution.layout import setup_layout, teardown
+from execution.phases import PhasedEngine
+from execution.training import train
+from utils.tracking import ConsoleTracker, JsonlTracker, MultiTracker, NullTracker, WandbTracker
+
+
+def main(argv: list[str] | None = None) -> None:
+    config, preset = parse_config(argv)
+    layout, launch = setup_layout(config)
+    try:
+        run(config, preset, layout, launch)
+    finally:
+        teardown()
+
+
+def run(config, preset, layout, launch) -> None:
+    d, m, ex = config.data, config.model, config.execution
+    using_sample = not d.input_files
+    train_files = d.input_files or [SAMPLE_DATA_GLOB]
+    loader = PretrainingDataLoader(
+        train_files, m.sequence_length, config.training.global_batch_size, ex.micro_batch_size,
+        layout.dp.rank, layout.dp.size, config.training.seed, m.vocab_size,
+        skip_corrupt_records=d.skip_corrupt_records, validation_fraction=d.validation_fraction,
+    )  # fmt: skip
+    validation = None
+    if d.eval_every:
+        if d.validation_fraction:
+            files, fraction = train_files, d.validation_fraction
+        else:
+            files, fraction = d.validation_files or ([SAMPLE_VALIDATION_GLOB] if using_sample
+                                                     else []), 0.0  # fmt: skip
+        if files:
+
+            def validation():
+                return validation_batches(
+                    files, m.sequence_length, ex.micro_batch_size, layout.dp.rank, layout.dp.size,
+                    m.vocab_size, d.eval_batches or None, validation_fraction=fraction,
+                    skip_corrupt_records=d.skip_corrupt_records,
+                )  # fmt: skip
+
+    output_dir = Path(
+        config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
+    )
+    tracker = NullTracker()
+    if layout.is_main:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yml").write_text(yaml.safe_dump(config_to_dict(config)))
+        trackers = [JsonlTracker(output_dir / "metrics.jsonl"),
+                    ConsoleTracker(config.training.steps, config.logging.log_every)]  # fmt: skip
+        if config.logging.wandb:
+            trackers.append(WandbTracker(config.logging.wandb_project, config.logging.wandb_mode,
+                                         config_to_dict(config), output_dir))  # fmt: skip
+        tracker = MultiTracker(trackers)
+        print(
+            f"preset {preset}: {m.layers} layers x {m.hidden_size} hidden, "
+            f"{config.world_size} process(es) ({launch.launcher}) on {layout.device}, "
+            f"{ex.placement} buffers, {config.training.precision}, "
+            f"gradient accumulation {config.gradient_accumulation}\n"
+            f"data: {'shipped sample ' if using_sample else ''}{', '.join(train_files)} "
+            f"({loader.samples_per_epoch} sequences per epoch)\n"
+            f"output: {output_dir}/metrics.jsonl",
+            flush=True,
+        )
+    engine = PhasedEngine(config, layout)
+    try:
+        train(config, engine, loader, tracker, validation)
+    finally:
+        tracker.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ValueError as err:  # ConfigError and DataError: the user's input, not a bug
+        print(f"run_pretraining.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,100 @@
+"""Where step metrics go: a JSON-lines file, the console and, optionally, Weights & Biases.
+
+Only the main rank builds real trackers; the others get :class:`NullTracker`, so training code
+calls ``tracker.log`` unconditionally and tests never need wandb.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Protocol, TextIO
+
+
+class Tracker(Protocol):
+    def log(self, metrics: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class NullTracker:
+    def log(self, metrics: dict[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class JsonlTracker:
+    """Appends one JSON object per call to ``path`` (flushed, so a crash loses nothing)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in metrics.items()}  # fmt: skip
+        self._file.write(json.dumps(clean) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ConsoleTracker:
+    """A human-readable line per logged training step (every ``every`` steps) and evaluation."""
+
+    def __init__(self, total_steps: int, every: int, stream: TextIO = sys.stdout):
+        self.total_steps, self.every, self.stream = total_steps, every, stream
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        step = metrics["step"]
+        if "eval_loss" in metrics:
+            line = f"step {step:>6}/{self.total_steps} | eval_loss {metrics['eval_loss']:.4f}"
+        elif step % self.every and step != self.total_steps and step != 1:
+            return
+        else:
+            mfu = metrics.get("mfu")
+            line = (
+                f"step {step:>6}/{self.total_steps} | loss {metrics['loss']:.4f} | "
+                f"lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.3f} | "
+                f"{metrics['tokens_per_sec']:,.0f} tok/s | {metrics['tflops']:.3f} TFLOPS | "
+                f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
+                f"{metrics['step_time']:.2f} s" + (" | SKIPPED (non-finite grads)"
+                                                   if metrics.get("skipped") else "")
+            )  # fmt: skip
+        print(line, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        pass
+
+
+class WandbTracker:
+    """Logs the same keys to Weights & Biases (``mode='offline'`` needs no network)."""
+
+    def __init__(self, project: str, mode: str, config: dict[str, Any], directory: Path):
+        import wandb  # imported here: wandb is optional and slow to import
+
+        self._run = wandb.init(project=project, mode=mode, config=config, dir=str(directory))
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        self._run.log({k: v for k, v in metrics.items() if v is not None}, step=metrics["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MultiTracker:
+    def __init__(self, trackers: list[Tracker]):
+        self.trackers = trackers
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        for t in self.trackers:
+            t.log(metrics)
+
+    def close(self) -> None:
+        for t in self.trackers:
+            t.close()
