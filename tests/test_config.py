@@ -1,0 +1,156 @@
+"""Presets load and validate; flags override them; bad input gives one clear ConfigError."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.loading import ConfigError, config_to_dict, load_presets, parse_config
+from execution.layout import check_world_size, read_launch_environment
+
+PRESETS = sorted(load_presets())
+
+# GPT-3 paper, table 2.1: layers, hidden, heads, head dim, batch (tokens), peak lr.
+PAPER = {
+    "gpt3_125M": (12, 768, 12, 64, 0.5e6, 6.0e-4),
+    "gpt3_350M": (24, 1024, 16, 64, 0.5e6, 3.0e-4),
+    "gpt3_760M": (24, 1536, 16, 96, 0.5e6, 2.5e-4),
+    # The paper prints 24 heads, but 24 x 128 != 2048: the preset keeps hidden and head width.
+    "gpt3_1.3B": (24, 2048, 16, 128, 1e6, 2.0e-4),
+    "gpt3_2.7B": (32, 2560, 32, 80, 1e6, 1.6e-4),
+    "gpt3_6.7B": (32, 4096, 32, 128, 2e6, 1.2e-4),
+    "gpt3_13B": (40, 5120, 40, 128, 2e6, 1.0e-4),
+    "gpt3_175B": (96, 12288, 96, 128, 3.2e6, 0.6e-4),
+}
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_loads_and_validates(preset):
+    config, name = parse_config(["--config", preset])
+    assert name == preset
+    assert config.gradient_accumulation >= 1
+    assert config_to_dict(config)["model"]["layers"] == config.model.layers
+
+
+@pytest.mark.parametrize("preset", sorted(PAPER))
+def test_paper_sizes_and_recipe(preset):
+    layers, hidden, heads, head_dim, batch_tokens, lr = PAPER[preset]
+    config, _ = parse_config(["--config", preset])
+    m, o = config.model, config.training.optimizer
+    assert (m.layers, m.hidden_size, m.heads) == (layers, hidden, heads)
+    assert m.hidden_size // m.heads == head_dim
+    assert (m.sequence_length, m.vocab_size) == (2048, 50257)
+    assert config.tokens_per_step == pytest.approx(batch_tokens, rel=0.05)
+    assert o.learning_rate == pytest.approx(lr)
+    assert (o.beta1, o.beta2, o.eps, o.weight_decay, o.gradient_clipping) == (
+        0.9,
+        0.95,
+        1e-8,
+        0.1,
+        1.0,
+    )
+    assert (o.warmup_tokens, o.min_learning_rate_ratio, o.lr_schedule) == (375e6, 0.1, "cosine")
+    # 300B training tokens, as in the paper
+    assert config.training.steps * config.tokens_per_step == pytest.approx(300e9, rel=1e-3)
+
+
+def test_reference_layouts():
+    pod256, _ = parse_config(["--config", "gpt3_175B_pod256"])
+    ex = pod256.execution
+    assert (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2) == (4, 8, 8)
+    assert (ex.micro_batch_size, pod256.training.global_batch_size) == (1, 128)
+    assert pod256.gradient_accumulation == 32 and pod256.world_size == 256
+    assert pod256.model.layers == 96  # inherited from gpt3_175B
+    pod64, _ = parse_config(["--config", "gpt3_2.7B_pod64"])
+    ex = pod64.execution
+    assert (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2) == (4, 4, 4)
+    assert pod64.training.global_batch_size == 512 and pod64.model.hidden_size == 2560
+
+
+def test_flags_override_the_preset():
+    config, _ = parse_config(["--config", "tiny", "--layers", "3", "--learning_rate", "1e-4",
+                              "--wandb", "--input_files", "a/*.tfrecord", "b.tfrecord",
+                              "--skip_corrupt_records", "false", "--precision", "bfloat16"])  # fmt: skip
+    assert config.model.layers == 3
+    assert config.training.optimizer.learning_rate == 1e-4
+    assert config.logging.wandb is True
+    assert config.data.input_files == ["a/*.tfrecord", "b.tfrecord"]
+    assert config.data.skip_corrupt_records is False
+    assert config.training.precision == "bfloat16"
+    assert parse_config([])[1] == "tiny"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--layers", "0"], "--layers must be at least 1, got 0"),
+        (["--nonsense", "1"], "unrecognized arguments: --nonsense 1"),
+        (["--lay", "3"], "unrecognized arguments: --lay"),
+        (["--layers", "two"], "--layers must be an integer, got 'two'"),
+        (["--config", "gpt4"], "unknown preset 'gpt4'"),
+        (["--heads", "5"], "--hidden_size 128 is not divisible by --heads 5"),
+        (["--global_batch_size", "10"], "--global_batch_size 10 is not divisible by --micro_batch_size 4"),
+        (["--sequence_length", "256"], "exceeds --max_positional_length 128"),
+        (["--tensor_parallel_1", "3"], "--heads 4 is not divisible by --tensor_parallel_1 3"),
+        (["--tensor_parallel_2", "3"], "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+        (["--precision", "fp8"], "invalid choice: 'fp8'"),
+        (["--dropout_prob", "1.5"], "--dropout_prob must be in [0, 1)"),
+        (["--learning_rate", "0"], "--learning_rate must be a finite number > 0"),
+        (["--loss_scaling", "1024"], "only applies to --precision float16"),
+    ],
+)  # fmt: skip
+def test_bad_flags_name_the_problem(flags, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", "tiny", *flags])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("tiny:\n  model: {layerz: 2}\n", "unknown setting 'model.layerz'"),
+        ("tiny:\n  modle: {layers: 2}\n", "unknown section 'modle'"),
+        ("tiny:\n  model: {layers: two}\n", "model.layers must be an integer"),
+        ("tiny:\n  model: [1, 2\n", "is not valid YAML"),
+        ("tiny:\n  base: nowhere\n", "has base 'nowhere'"),
+        ("tiny:\n  base: other\nother:\n  base: tiny\n", "inherits from itself"),
+        ("- just a list\n", "must map preset names to settings"),
+    ],
+)
+def test_malformed_preset_files(tmp_path, text, message):
+    path = tmp_path / "presets.yml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config_file", str(path), "--config", "tiny"])
+    assert message in str(err.value)
+
+
+def test_inheritance_merges_nested_sections(tmp_path):
+    path = tmp_path / "presets.yml"
+    path.write_text("big:\n  model: {layers: 8, hidden_size: 256, heads: 8}\n"
+                    "small:\n  base: big\n  model: {layers: 2}\n")  # fmt: skip
+    config, _ = parse_config(["--config_file", str(path), "--config", "small"])
+    assert (config.model.layers, config.model.hidden_size, config.model.heads) == (2, 256, 8)
+
+
+def test_world_size_must_match_the_layout():
+    config, _ = parse_config(["--config", "gpt3_175B_pod256"])
+    check_world_size(config, 256)
+    with pytest.raises(ConfigError, match=r"= 256 processes, but the job has 8"):
+        check_world_size(config, 8)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (0, 1, 0, "single process")),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (3, 8, 1, "torchrun")),
+        ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "5"}, (5, 16, 5, "mpiexec")),
+        ({"PMI_RANK": "2", "PMI_SIZE": "4"}, (2, 4, 2, "mpiexec")),
+        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "64", "SLURM_LOCALID": "3"}, (7, 64, 3, "slurm")),
+    ],
+)  # fmt: skip
+def test_launcher_environments(env, expected):
+    info = read_launch_environment(env)
+    assert (info.rank, info.world_size, info.local_rank, info.launcher) == expected

@@ -1,0 +1,159 @@
+"""The phased step must equal an ordinary autograd training step with gradient accumulation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execution.layout import ParallelLayout
+from execution.phases import PhasedEngine
+from tests.reference import (
+    reference_model,
+    reference_optimizer,
+    reference_step,
+    relative_error,
+    small_config,
+    unpadded,
+)
+
+TOLERANCE = 1e-5
+CPU = torch.device("cpu")
+
+
+def random_tokens(config, steps: int, seed: int = 0) -> torch.Tensor:
+    """[steps, accumulation, micro_batch, seq + 1] token ids of the whole (dp = 1) batch."""
+    ex = config.execution
+    shape = (steps, config.gradient_accumulation, ex.micro_batch_size,
+             config.model.sequence_length + 1)  # fmt: skip
+    return torch.randint(
+        0, config.model.vocab_size, shape, generator=torch.Generator().manual_seed(seed)
+    )
+
+
+def assert_matches_reference(config, steps: int = 2, seeds: bool = False) -> None:
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    model = reference_model(config)
+    optimizer = reference_optimizer(model, config)
+    tokens = random_tokens(config, steps)
+    clip = config.training.optimizer.gradient_clipping
+    for step in range(steps):
+        lr = 1e-3 * (step + 1)
+        seed_fn = None
+        if seeds:
+
+            def seed_fn(m, step=step):
+                return (engine._embedding_seed(step, m),
+                        [engine._seeds(step, n, m) for n in range(config.model.layers)])  # fmt: skip
+
+        result = engine.train_step(tokens[step], step, lr)
+        loss, grads, norm = reference_step(model, optimizer, tokens[step], lr, clip, seed_fn)
+
+        assert not result.skipped
+        assert abs(result.loss - loss) <= TOLERANCE * abs(loss), (step, result.loss, loss)
+        assert abs(result.grad_norm - norm) <= TOLERANCE * norm, (step, result.grad_norm, norm)
+        phased_grads = engine.full_state("grads")
+        phased_weights = engine.full_state("weights")
+        params = dict(model.named_parameters())
+        assert phased_grads.keys() == params.keys()
+        for name, param in params.items():
+            err = relative_error(phased_grads[name], unpadded(name, grads[name], config))
+            assert err <= TOLERANCE, f"step {step} grad {name}: relative error {err:.2e}"
+            err = relative_error(phased_weights[name], unpadded(name, param.detach(), config))
+            assert err <= TOLERANCE, f"step {step} weight {name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(
+    ("layers", "accumulation"), [(1, 1), (2, 4), (3, 2), (4, 3)], ids=lambda v: str(v)
+)
+def test_phased_step_equals_autograd_with_accumulation(layers, accumulation):
+    config = small_config("--layers", str(layers), "--global_batch_size", str(2 * accumulation))
+    assert config.gradient_accumulation == accumulation
+    assert_matches_reference(config)
+
+
+def test_phased_dropout_recomputes_the_forward_masks():
+    """With dropout on, backward recomputation must reuse exactly the forward's masks."""
+    config = small_config("--dropout_prob", "0.2", "--global_batch_size", "4")
+    assert_matches_reference(config, seeds=True)
+
+
+def test_without_clipping_or_weight_decay():
+    config = small_config("--gradient_clipping", "0", "--weight_decay", "0")
+    assert_matches_reference(config, steps=1)
+
+
+def test_resident_placement_is_bitwise_equal_to_remote():
+    runs = {}
+    for placement in ("remote", "resident"):
+        config = small_config("--placement", placement, "--dropout_prob", "0.1")
+        engine = PhasedEngine(config, ParallelLayout.single(CPU))
+        tokens = random_tokens(config, 2)
+        losses = [engine.train_step(tokens[s], s, 1e-3).loss for s in range(2)]
+        runs[placement] = (losses, engine.full_state(), engine.full_state("exp_avg_sq"))
+    (remote_losses, remote_w, remote_v), (res_losses, res_w, res_v) = runs.values()
+    assert remote_losses == res_losses
+    for name in remote_w:
+        assert torch.equal(remote_w[name], res_w[name]), name
+        assert torch.equal(remote_v[name], res_v[name]), name
+
+
+def test_each_layer_is_loaded_once_per_phase(monkeypatch):
+    """Weights of a part are loaded once per phase whatever the gradient accumulation."""
+    config = small_config("--layers", "3", "--global_batch_size", "8", "--micro_batch_size", "1")
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    loads = []
+    original = engine._load_weights
+    monkeypatch.setattr(engine, "_load_weights", lambda part, row: loads.append((part, row))
+                        or original(part, row))  # fmt: skip
+    engine.train_step(random_tokens(config, 1)[0], 0, 1e-3)
+    layer_loads = [row for part, row in loads if part == "layers"]
+    # forward 0..2 then backward 2..0, each exactly once, despite 8 micro-batches
+    assert layer_loads == [0, 1, 2, 2, 1, 0]
+    assert loads.count(("embedding", 0)) == 3  # forward, tied head, backward
+    assert loads.count(("head", 0)) == 1
+
+
+def test_bfloat16_step_tracks_float32():
+    config32 = small_config()
+    config16 = small_config("--precision", "bfloat16")
+    tokens = random_tokens(config32, 1)[0]
+    r32 = PhasedEngine(config32, ParallelLayout.single(CPU)).train_step(tokens, 0, 1e-3)
+    r16 = PhasedEngine(config16, ParallelLayout.single(CPU)).train_step(tokens, 0, 1e-3)
+    assert abs(r16.loss - r32.loss) <= 2e-2 * r32.loss
+    assert abs(r16.grad_norm - r32.grad_norm) <= 5e-2 * r32.grad_norm
+
+
+def test_float16_loss_scaling_unscales_gradients_and_skips_overflow():
+    tokens = random_tokens(small_config(), 1)[0]
+    ref = PhasedEngine(small_config(), ParallelLayout.single(CPU))
+    ref_result = ref.train_step(tokens, 0, 1e-3)
+    scaled = PhasedEngine(small_config("--precision", "float16", "--loss_scaling", "1024"),
+                          ParallelLayout.single(CPU))  # fmt: skip
+    result = scaled.train_step(tokens, 0, 1e-3)
+    assert not result.skipped
+    assert abs(result.grad_norm - ref_result.grad_norm) <= 2e-2 * ref_result.grad_norm
+    grads, ref_grads = scaled.full_state("grads"), ref.full_state("grads")
+    assert (
+        relative_error(grads["layers.0.mlp.fc.weight"], ref_grads["layers.0.mlp.fc.weight"]) < 2e-2
+    )
+
+    overflow = PhasedEngine(small_config("--precision", "float16", "--loss_scaling", "1e30"),
+                            ParallelLayout.single(CPU))  # fmt: skip
+    before = overflow.full_state()
+    result = overflow.train_step(tokens, 0, 1e-3)
+    assert result.skipped and overflow.optimizer_steps == 0
+    after = overflow.full_state()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_evaluate_equals_reference_loss_without_changing_weights():
+    config = small_config("--dropout_prob", "0.3")
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    model = reference_model(config).eval()
+    batches = [*random_tokens(config, 1)[0], random_tokens(config, 1, seed=1)[0, 0]]
+    before = engine.full_state()
+    loss = engine.evaluate(batches)
+    with torch.no_grad():
+        expected = sum(model(b[:, :-1], b[:, 1:]).item() for b in batches) / len(batches)
+    assert abs(loss - expected) <= TOLERANCE * expected
+    assert all(torch.equal(before[k], v) for k, v in engine.full_state().items())

@@ -1,0 +1,77 @@
+"""The real entry point, as a user runs it: trains the tiny preset, writes metrics, fails cleanly."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "samples_per_sec",
+    "tokens_per_sec",
+    "tflops",
+    "mfu",
+}
+
+
+def run(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "run_pretraining.py", *flags], cwd=ROOT, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_tiny_preset_lowers_the_loss_on_the_sample_data(tmp_path):
+    result = run("--config", "tiny", "--steps", "12", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"output: {tmp_path}/metrics.jsonl" in result.stdout
+    metrics = [m for m in read_metrics(tmp_path) if "loss" in m]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert all(m.keys() >= METRIC_KEYS for m in metrics)
+    first, last = metrics[0]["loss"], sum(m["loss"] for m in metrics[-3:]) / 3
+    assert first == pytest.approx(10.8, abs=0.3)  # ln(50257): an untrained model
+    assert last < first - 1.0, (first, last)
+    assert (tmp_path / "config.yml").exists()
+
+
+def test_bfloat16_with_evaluation_and_offline_wandb(tmp_path):
+    result = run("--config", "tiny", "--steps", "3", "--precision", "bfloat16", "--eval_every", "2",
+                 "--eval_batches", "2", "--wandb", "--wandb_mode", "offline",
+                 "--output_dir", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    metrics = read_metrics(tmp_path)
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    evals = [m for m in metrics if "eval_loss" in m]
+    assert [m["step"] for m in evals] == [2, 3] and all(8 < m["eval_loss"] < 12 for m in evals)
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--layers", "0"], "--layers must be at least 1, got 0"),
+        (["--nonsense", "1"], "unrecognized arguments: --nonsense 1"),
+        (["--config", "tiny", "--data_parallel", "2"], "but the job has 1"),
+        (["--input_files", "/nonexistent/*.tfrecord"], "/nonexistent/*.tfrecord"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(tmp_path, flags, message):
+    result = run(*flags, "--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("run_pretraining.py: error: "), result.stderr
+    assert message in lines[0]
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
