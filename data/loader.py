@@ -1,0 +1,295 @@
+"""Training and validation batches from TFRecord shards, sharded by data-parallel rank.
+
+The data path is a pure function of (seed, step, rank, layout): epoch `e` visits the windows in
+the order of a permutation drawn from `(seed, e)`; the global batch of step `k` is positions
+`[k * GBS, (k + 1) * GBS)` of the concatenated epoch permutations; data-parallel rank `d` takes rows
+`[d * GA * mbs, (d + 1) * GA * mbs)` of it. So the global batch of a step is the same set of
+sequences whatever the number of replicas, each epoch is covered exactly once by the ranks
+together, and resuming only needs the step number.
+
+A bad record (corrupt, wrong length or feature, ids outside the vocabulary) raises `DataError`
+naming the file and record. With `skip_corrupt_records` it is counted instead and the window at
+the next position of the same epoch's permutation takes its place; the substitute depends only
+on the global position, so every layout still computes the same global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.dataset import WindowSet, WindowTable, split_records
+from data.errors import DataError
+
+__all__ = [
+    "SAMPLE_DATA_GLOB",
+    "SAMPLE_VALIDATION_GLOB",
+    "DataError",
+    "PretrainingDataLoader",
+    "validation_batches",
+]
+
+_SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
+SAMPLE_DATA_GLOB = str(_SAMPLE_DIR / "*.tfrecord")
+"""The shipped sample training shards (Python documentation text, GPT-2 BPE, 1025-id records)."""
+SAMPLE_VALIDATION_GLOB = str(_SAMPLE_DIR / "validation" / "*.tfrecord")
+"""The shipped sample validation shard (different documents from the training shards)."""
+
+STATE_FORMAT = 1
+
+
+def _read_rows(
+    table: WindowTable, positions: np.ndarray, window_at: Callable[[np.ndarray], np.ndarray]
+) -> np.ndarray:
+    """Read the windows at `positions` of a cyclic order; a bad window takes the next good one.
+
+    Args:
+        table: the windows.
+        positions: positions in the order; position p lies in cycle `p // num_windows`.
+        window_at: maps positions to window numbers.
+
+    Returns:
+        int64 array [len(positions), sequence_length + 1].
+    """
+    n = table.num_windows
+    rows = table.read(window_at(positions))
+    for i, row in enumerate(rows):
+        position = int(positions[i])
+        cycle_start, offset = position - position % n, position % n
+        step = 1
+        while row is None and step < n:  # only in skip mode: bad records give None
+            substitute = cycle_start + (offset + step) % n
+            row = table.read(window_at(np.array([substitute])))[0]
+            step += 1
+        if row is None:
+            raise DataError("every window of the data set lies in a corrupt record")
+        rows[i] = row
+    return np.stack(rows)
+
+
+class PretrainingDataLoader:
+    """Deterministic, resumable training batches for one data-parallel rank.
+
+    Args:
+        input_files: TFRecord paths or glob patterns (each file needs its `.index`).
+        sequence_length: the model's sequence length; windows hold `sequence_length + 1` ids.
+        global_batch_size: sequences per optimizer step over all replicas.
+        micro_batch_size: sequences per forward pass on one replica.
+        data_parallel_rank: this replica's data-parallel index.
+        data_parallel_size: number of data-parallel replicas.
+        seed: shuffle seed (>= 0).
+        vocab_size: the model's vocabulary size; every id must be below it.
+        skip_corrupt_records: skip and count bad records instead of raising `DataError`.
+        validation_fraction: fraction of records held out for validation (see
+            `validation_batches`); 0 trains on every record.
+
+    Raises:
+        DataError: bad files or records (naming them), or a batch layout that does not divide.
+    """
+
+    def __init__(
+        self,
+        input_files: Sequence[str],
+        sequence_length: int,
+        global_batch_size: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        seed: int,
+        vocab_size: int,
+        skip_corrupt_records: bool = False,
+        validation_fraction: float = 0.0,
+    ):
+        rows_per_pass = micro_batch_size * data_parallel_size
+        if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
+            raise DataError(
+                f"global_batch_size {global_batch_size}, micro_batch_size {micro_batch_size} and "
+                f"data_parallel_size {data_parallel_size} must be positive"
+            )
+        if global_batch_size % rows_per_pass:
+            raise DataError(
+                f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
+                f"{micro_batch_size} x data_parallel {data_parallel_size} = {rows_per_pass}"
+            )
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise DataError(
+                f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
+            )
+        if seed < 0:
+            raise DataError(f"seed {seed} must be >= 0")
+        self.sequence_length = sequence_length
+        self.global_batch_size = global_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.gradient_accumulation = global_batch_size // rows_per_pass
+        self.seed = seed
+        self._windows = WindowSet(input_files, sequence_length, vocab_size, skip_corrupt_records)
+        train_records, _ = split_records(self._windows.num_records, validation_fraction)
+        self._table = WindowTable(self._windows, train_records)
+        self.samples_per_epoch = self._table.num_windows
+        self.step = 0
+        self._skipped_before = 0  # skipped records counted before a resume
+        self._permutations: dict[int, np.ndarray] = {}
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the first sequence of the next global batch."""
+        return self.step * self.global_batch_size // self.samples_per_epoch
+
+    @property
+    def skipped_records(self) -> int:
+        """Bad records skipped so far by this rank (only non-zero with `skip_corrupt_records`)."""
+        return self._skipped_before + self._windows.skipped_records
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order in which epoch `epoch` visits the windows (a function of seed and epoch)."""
+        if epoch not in self._permutations:
+            if len(self._permutations) >= 2:  # a batch spans at most two epochs in practice
+                self._permutations.clear()
+            rng = np.random.default_rng([self.seed, epoch])
+            self._permutations[epoch] = rng.permutation(self.samples_per_epoch)
+        return self._permutations[epoch]
+
+    def _window_at(self, positions: np.ndarray) -> np.ndarray:
+        n = self.samples_per_epoch
+        epochs = positions // n
+        windows = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            windows[mask] = self.permutation(int(epoch))[positions[mask] % n]
+        return windows
+
+    def batch_positions(self, step: int) -> np.ndarray:
+        """Positions (in the concatenated epoch permutations) of this rank's rows of step `step`."""
+        rows = self.gradient_accumulation * self.micro_batch_size
+        first = step * self.global_batch_size + self.data_parallel_rank * rows
+        return np.arange(first, first + rows, dtype=np.int64)
+
+    def next_batch(self) -> torch.Tensor:
+        """Token ids of this rank's share of the next optimizer step.
+
+        Returns:
+            int64 tensor [gradient_accumulation, micro_batch_size, sequence_length + 1];
+            inputs are `[..., :-1]`, labels `[..., 1:]`.
+        """
+        rows = _read_rows(self._table, self.batch_positions(self.step), self._window_at)
+        self.step += 1
+        shape = (self.gradient_accumulation, self.micro_batch_size, self.sequence_length + 1)
+        return torch.from_numpy(rows).view(shape)
+
+    def state_dict(self) -> dict:
+        """The position in the data (JSON-serialisable), and what it is a position in."""
+        return {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "seed": self.seed,
+            "global_batch_size": self.global_batch_size,
+            "sequence_length": self.sequence_length,
+            "samples_per_epoch": self.samples_per_epoch,
+            "data_digest": self._windows.digest(),
+            "skipped_records": self.skipped_records,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`, so the next batch is the one the saved run would have seen next.
+
+        The data-parallel layout may differ from the saved run's: the global batches do not
+        depend on it.
+
+        Raises:
+            DataError: the state belongs to other data, another seed or another batch shape.
+        """
+        if state.get("format") != STATE_FORMAT:
+            raise DataError(
+                f"data loader state has format {state.get('format')}, expected {STATE_FORMAT}"
+            )
+        mine = self.state_dict()
+        for key in (
+            "seed",
+            "global_batch_size",
+            "sequence_length",
+            "samples_per_epoch",
+            "data_digest",
+        ):
+            if state.get(key) != mine[key]:
+                raise DataError(
+                    f"cannot resume the data loader: the checkpoint has {key} {state.get(key)}, this "
+                    f"run has {mine[key]}; resuming would change the batches (use the same data "
+                    f"files, seed, global_batch_size and sequence_length)"
+                )
+        self.step = int(state["step"])
+        self._skipped_before = int(state["skipped_records"]) - self._windows.skipped_records
+
+
+def validation_batches(
+    input_files: Sequence[str],
+    sequence_length: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    vocab_size: int,
+    max_batches: int | None,
+    validation_fraction: float = 0.0,
+    skip_corrupt_records: bool = False,
+) -> Iterator[torch.Tensor]:
+    """This rank's share of the validation set, in a fixed order.
+
+    With `validation_fraction == 0`, `input_files` are the validation shards and all their
+    windows are used; otherwise `input_files` are the training shards and the records that
+    `PretrainingDataLoader` holds out with the same fraction are used. Global validation batch
+    `b` is windows `[b * mbs * dp, (b + 1) * mbs * dp)` in file order; rank `d` gets rows
+    `[d * mbs, (d + 1) * mbs)`. Every rank yields the same number of batches (a last, partial
+    global batch is dropped).
+
+    Args:
+        input_files: TFRecord paths or glob patterns.
+        sequence_length: the model's sequence length.
+        micro_batch_size: sequences per batch on this rank.
+        data_parallel_rank: this replica's data-parallel index.
+        data_parallel_size: number of data-parallel replicas.
+        vocab_size: the model's vocabulary size.
+        max_batches: stop after this many batches (None: the whole set).
+        validation_fraction: see above.
+        skip_corrupt_records: skip and count bad records instead of raising `DataError`.
+
+    Yields:
+        int64 tensors [micro_batch_size, sequence_length + 1].
+
+    Raises:
+        DataError: bad files or records, or fewer windows than one batch on every rank.
+    """
+    if not 0 <= data_parallel_rank < data_parallel_size or micro_batch_size < 1:
+        raise DataError(
+            f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size}) or "
+            f"micro_batch_size {micro_batch_size} < 1"
+        )
+    windows = WindowSet(input_files, sequence_length, vocab_size, skip_corrupt_records)
+    if validation_fraction > 0:
+        _, records = split_records(windows.num_records, validation_fraction)
+    else:
+        records = np.arange(windows.num_records)
+    table = WindowTable(windows, records)
+    per_batch = micro_batch_size * data_parallel_size
+    num_batches = table.num_windows // per_batch
+    if max_batches is not None:
+        num_batches = min(num_batches, max_batches)
+    if table.num_windows < per_batch:
+        raise DataError(
+            f"the validation set has {table.num_windows} windows of {sequence_length + 1} ids, fewer "
+            f"than one batch over all ranks (micro_batch_size {micro_batch_size} x data_parallel "
+            f"{data_parallel_size}); add validation data or raise validation_fraction"
+        )
+
+    # A generator inside, so that the checks above run when this function is called, not at the
+    # first batch.
+    def batches() -> Iterator[torch.Tensor]:
+        for batch in range(num_batches):
+            first = batch * per_batch + data_parallel_rank * micro_batch_size
+            positions = np.arange(first, first + micro_batch_size, dtype=np.int64)
+            yield torch.from_numpy(_read_rows(table, positions, lambda p: p))
+
+    return batches()
