@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from config.loading import config_to_dict, parse_config
+from config.loading import ConfigError, config_to_dict, parse_config
 from data.loader import (
     SAMPLE_DATA_GLOB,
     SAMPLE_VALIDATION_GLOB,
@@ -50,17 +50,20 @@ def run(config, preset, layout, launch) -> None:
     if d.eval_every:
         if d.validation_fraction:
             files, fraction = train_files, d.validation_fraction
+        elif d.validation_files or using_sample:
+            files, fraction = d.validation_files or [SAMPLE_VALIDATION_GLOB], 0.0
         else:
-            files, fraction = d.validation_files or ([SAMPLE_VALIDATION_GLOB] if using_sample
-                                                     else []), 0.0  # fmt: skip
-        if files:
+            raise ConfigError(
+                "--eval_every needs held-out data: give --validation_files or "
+                "--validation_fraction (or --eval_every 0 to train without evaluation)"
+            )
 
-            def validation():
-                return validation_batches(
-                    files, m.sequence_length, ex.micro_batch_size, layout.dp.rank, layout.dp.size,
-                    m.vocab_size, d.eval_batches or None, validation_fraction=fraction,
-                    skip_corrupt_records=d.skip_corrupt_records,
-                )  # fmt: skip
+        def validation():
+            return validation_batches(
+                files, m.sequence_length, ex.micro_batch_size, layout.dp.rank, layout.dp.size,
+                m.vocab_size, d.eval_batches or None, validation_fraction=fraction,
+                skip_corrupt_records=d.skip_corrupt_records,
+            )  # fmt: skip
 
     output_dir = Path(
         config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
