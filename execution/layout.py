@@ -19,7 +19,11 @@ import torch.distributed as dist
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
 
-_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the flat-tensor collectives and deprecated the old names (a FutureWarning
+# per call); older versions only have the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(eq=False)
@@ -36,7 +40,7 @@ class GroupAxis:
     calls: collections.Counter = field(default_factory=collections.Counter)
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce of ``tensor`` over the group (``sum`` or ``max``)."""
+        """In-place all-reduce of ``tensor`` over the group (``sum``, ``max`` or ``min``)."""
         if self.size > 1:
             self.calls[f"all_reduce_{op}"] += 1
             dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group)
@@ -48,7 +52,7 @@ class GroupAxis:
             return shard
         self.calls["all_gather"] += 1
         out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
-        dist.all_gather_into_tensor(out, shard.contiguous(), group=self.group)
+        _all_gather_flat(out, shard.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
@@ -57,7 +61,7 @@ class GroupAxis:
             return full
         self.calls["reduce_scatter"] += 1
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
-        dist.reduce_scatter_tensor(out, full.contiguous(), group=self.group)
+        _reduce_scatter_flat(out, full.contiguous(), group=self.group)
         return out
 
 
