@@ -1,0 +1,237 @@
+"""Helpers for the distributed tests: forked gloo ranks, small configs and single-process runs.
+
+Ranks are forked (start-up well under a second for 8 ranks, where ``spawn`` re-imports torch in
+every rank for ~20 s on two cores). They rendezvous through a ``file://`` store in the test's
+temporary folder, so no port is ever fixed, and each rank runs one intra-op thread so that eight
+ranks share two cores without oversubscription. A rank that raises or hangs fails the test with
+its traceback; the others are killed.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import multiprocessing
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from config.loading import parse_config
+from config.schema import PretrainingConfig
+from execution.layout import ParallelLayout
+from execution.phases import PhasedEngine
+
+CPU = torch.device("cpu")
+# Losses and every unsharded weight of a float32 run must match the single-process run this
+# closely (relative to the tensor's largest element; see ``relative_error``).
+FLOAT32_TOLERANCE = 1e-5
+
+
+def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, folder: Path,
+               timeout: float, init: bool, args: tuple) -> None:  # fmt: skip
+    """Body of one forked rank: join the job, run ``fn``, save its result or its traceback."""
+    try:
+        torch.set_num_threads(1)
+        if init:
+            dist.init_process_group(
+                "gloo",
+                init_method=f"file://{folder / 'store'}",
+                rank=rank,
+                world_size=world_size,
+                # A collective waiting longer than this means another rank died: fail, not hang.
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            result = fn(*args)
+        else:
+            result = fn(rank, *args)
+        torch.save(result, folder / f"result_{rank}.pt")
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except BaseException:
+        (folder / f"error_{rank}.txt").write_text(traceback.format_exc())
+        # Skip interpreter clean-up inherited from the forked pytest process.
+        os._exit(1)
+
+
+@functools.cache
+def _warm_up() -> None:
+    """One single-process step in the parent, so forked ranks inherit the lazily imported
+    modules (torch.func pulls in sympy: ~2.5 s per rank on two cores otherwise)."""
+    config = small_config("--layers", "1", "--global_batch_size", "2")
+    single_process_run(config, global_batches(config, 1))
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
+              timeout: float = 120.0, init: bool = True) -> list[Any]:  # fmt: skip
+    """Runs ``fn(*args)`` on ``world_size`` forked gloo ranks and returns each rank's result.
+
+    Args:
+        fn: Called in every rank after ``init_process_group``; its return value must be
+            loadable with ``torch.load`` (tensors, numbers, lists, dicts).
+        world_size: Number of ranks.
+        folder: An empty folder for the rendezvous store and the results (pytest's tmp_path).
+        args: Passed to ``fn`` (inherited through fork, never pickled).
+        timeout: Seconds for the whole job.
+        init: Join a gloo job through a file store before calling ``fn``; when False, ``fn``
+            is called as ``fn(rank, *args)`` and joins (or not) by itself.
+
+    Raises:
+        AssertionError: A rank raised (its traceback is in the message), died or timed out.
+    """
+    _warm_up()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    assert not any(folder.glob("store*")), "a job needs a fresh folder for its store"
+    context = multiprocessing.get_context("fork")
+    procs = [
+        context.Process(target=_rank_main, args=(fn, r, world_size, folder, timeout, init, args))
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    try:
+        while any(p.is_alive() for p in procs):
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break  # the others may be blocked in a collective with it: stop them
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+    errors = [f"rank {r}:\n{(folder / f'error_{r}.txt').read_text()}"
+              for r in range(world_size) if (folder / f"error_{r}.txt").exists()]  # fmt: skip
+    if errors:
+        raise AssertionError("\n".join(errors))
+    codes = [p.exitcode for p in procs]
+    if timed_out:
+        raise AssertionError(f"ranks did not finish within {timeout:.0f} s; exit codes {codes}")
+    if any(code != 0 for code in codes):
+        raise AssertionError(f"a rank died without a Python error; exit codes {codes}")
+    return [torch.load(folder / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def small_config(*flags: str) -> PretrainingConfig:
+    """A small float32, dropout-free config on the ``tiny`` preset, then ``flags``.
+
+    Vocabulary 1000 and 10 positions need padding for every tensor_parallel_1 (1008, 1024 or
+    1024 rows; 10 or 12 positions).
+
+    AdamW epsilon is 1e-3. Adam divides by ``sqrt(v) + eps``, so an element whose gradient is
+    about eps in size turns a float32 rounding difference of its gradient into an update
+    difference ``lr / (4 eps)`` times larger. With eps 1e-6, two *single-process* runs that
+    differ only in micro-batch size already disagree by 4e-6 after one step, and a float32 run
+    differs from a float64 one by 3e-5 after three, so a 1e-5 tolerance could not tell a
+    layout bug from rounding. With eps 1e-3 float32 rounding stays near 1e-6, while a layout
+    bug (a wrong slice, a missing or doubled reduction, a misplaced micro-batch or dropout
+    mask) shows up orders of magnitude above the tolerance.
+    """
+    base = ["--config", "tiny", "--vocab_size", "1000", "--layers", "2", "--hidden_size", "32",
+            "--heads", "4", "--sequence_length", "8", "--max_positional_length", "10",
+            "--global_batch_size", "8", "--micro_batch_size", "2", "--dropout_prob", "0",
+            "--weight_decay", "0.1", "--eps", "1e-3", "--device", "cpu"]  # fmt: skip
+    config, _ = parse_config([*base, *flags])
+    return config
+
+
+def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
+    """(d, i, j) of a global rank, DESIGN.md section 3: ``r = d * tp1 * tp2 + i * tp2 + j``."""
+    return rank // (tp1 * tp2), (rank // tp2) % tp1, rank % tp2
+
+
+def layout_flags(dp: int, tp1: int, tp2: int) -> list[str]:
+    return ["--data_parallel", str(dp), "--tensor_parallel_1", str(tp1),
+            "--tensor_parallel_2", str(tp2)]  # fmt: skip
+
+
+def global_batches(config: PretrainingConfig, steps: int, seed: int = 0) -> torch.Tensor:
+    """``[steps, global_batch, seq + 1]`` random token ids, the same for every layout."""
+    shape = (steps, config.training.global_batch_size, config.model.sequence_length + 1)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, config.model.vocab_size, shape, generator=generator)
+
+
+def replica_batch(config: PretrainingConfig, batch: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    """Data-parallel replica ``dp_rank``'s ``[GA, mbs, seq + 1]`` share of one global batch.
+
+    Rows ``[d * GA * mbs, (d + 1) * GA * mbs)``, as ``data.loader.PretrainingDataLoader`` does.
+    """
+    mbs = config.execution.micro_batch_size
+    rows = config.gradient_accumulation * mbs
+    return batch[dp_rank * rows : (dp_rank + 1) * rows].reshape(-1, mbs, batch.shape[-1])
+
+
+def learning_rates(steps: int) -> list[float]:
+    """A rising learning rate so each step's update has a different size."""
+    return [2e-3 * (step + 1) for step in range(steps)]
+
+
+def train_steps(engine: PhasedEngine, batches: torch.Tensor, dp_rank: int) -> list[dict]:
+    """Runs one step per global batch; returns loss and grad norm of each (every rank)."""
+    out = []
+    for step, lr in enumerate(learning_rates(len(batches))):
+        result = engine.train_step(replica_batch(engine.config, batches[step], dp_rank), step, lr)
+        assert not result.skipped
+        out.append({"loss": result.loss, "grad_norm": result.grad_norm})
+    return out
+
+
+def single_process_run(config: PretrainingConfig, batches: torch.Tensor) -> dict[str, Any]:
+    """The reference: one process, every axis of size 1, fed each whole global batch.
+
+    Returns:
+        ``steps`` (loss and grad norm per step), the final unsharded ``weights``, the last
+        step's ``grads`` and the ``engine`` itself.
+    """
+    single = with_execution(config, data_parallel=1, tensor_parallel_1=1, tensor_parallel_2=1)
+    engine = PhasedEngine(single, ParallelLayout.single(CPU))
+    return {
+        "steps": train_steps(engine, batches, dp_rank=0),
+        "weights": engine.full_state("weights"),
+        "grads": engine.full_state("grads"),
+        "engine": engine,
+    }
+
+
+def with_execution(config: PretrainingConfig, **execution: int) -> PretrainingConfig:
+    """A deep copy of ``config`` with some execution fields replaced."""
+    out = copy.deepcopy(config)
+    for name, value in execution.items():
+        setattr(out.execution, name, value)
+    return out
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """``max |a - e| / max |e|``: error relative to the tensor's scale, so that elements that
+    happen to be near zero (fresh biases) do not dominate; 0 / 0 counts as 0."""
+    scale = expected.abs().max().item()
+    return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                        tolerance: float, what: str) -> None:  # fmt: skip
+    """Every tensor of ``expected`` is in ``actual`` with the same shape, within ``tolerance``."""
+    assert actual.keys() == expected.keys(), f"{what}: names differ"
+    for name, t in expected.items():
+        assert actual[name].shape == t.shape, f"{what} {name}: {actual[name].shape} != {t.shape}"
+    worst = {name: relative_error(actual[name], t) for name, t in expected.items()}
+    bad = {n: f"{e:.2e}" for n, e in worst.items() if not e <= tolerance}
+    assert not bad, f"{what}: relative error above {tolerance:g}: {bad}"
+
+
+def world_layout(config: PretrainingConfig) -> ParallelLayout:
+    """This rank's layout of ``config``'s (dp, tp1, tp2) mesh (call inside a rank)."""
+    ex = config.execution
+    return ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, CPU)

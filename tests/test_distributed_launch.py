@@ -1,0 +1,157 @@
+"""Joining a job from the launcher's environment, and the one-line errors of impossible layouts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from config.loading import ConfigError, parse_config
+from execution.layout import setup_layout, teardown
+from tests.distributed import run_ranks
+
+pytestmark = pytest.mark.distributed
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUT = ["--data_parallel", "2", "--tensor_parallel_1", "1", "--tensor_parallel_2", "2"]
+
+# The (rank, world size, local rank) variables each launcher sets (DESIGN.md section 1).
+LAUNCHERS = {
+    "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+    "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    "mpich": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+    "slurm": ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+}
+
+
+def launcher_env(launcher: str, rank: int, world_size: int) -> dict[str, str]:
+    """What ``launcher`` exports to process ``rank`` of a single-node job."""
+    rank_key, size_key, local_key = LAUNCHERS[launcher]
+    return {rank_key: str(rank), size_key: str(world_size), local_key: str(rank)}
+
+
+def _join_rank(rank: int, launcher: str, port: int) -> dict:
+    """A rank as a launcher starts it: only environment variables say where it belongs."""
+    # The parent hosts the rendezvous store (as torchrun's agent does), so no port is fixed
+    # and none is raced for: every rank connects to it as a client.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
+    config, _ = parse_config(["--config", "tiny", "--device", "cpu", *LAYOUT])
+    layout, info = setup_layout(config, launcher_env(launcher, rank, 4))
+    try:
+        me = torch.tensor([float(layout.rank)])
+        groups = {a.name: [int(v) for v in a.all_gather(me)] for a in layout.axes()}
+        return {"rank": info.rank, "world": info.world_size, "launcher": info.launcher,
+                "global_rank": dist.get_rank(), "groups": groups}  # fmt: skip
+    finally:
+        teardown()
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_launcher_variables_build_the_layout(tmp_path, launcher):
+    """setup_layout joins the job and builds the (dp 2, tp1 1, tp2 2) groups of section 3."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    results = run_ranks(_join_rank, 4, tmp_path, launcher, store.port, init=False)
+    expected_groups = {
+        "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "tp1": [[0], [1], [2], [3]],
+        "tp2": [[0, 1], [0, 1], [2, 3], [2, 3]],
+        "dp_tp1": [[0, 2], [1, 3], [0, 2], [1, 3]],
+        "dp_tp2": [[0, 1, 2, 3]] * 4,
+        "world": [[0, 1, 2, 3]] * 4,
+    }
+    for rank, result in enumerate(results):
+        assert (result["rank"], result["world"], result["global_rank"]) == (rank, 4, rank)
+        assert result["launcher"] == {"openmpi": "mpiexec", "mpich": "mpiexec"}.get(
+            launcher, launcher
+        )
+        for axis, groups in expected_groups.items():
+            assert result["groups"][axis] == groups[rank], (rank, axis)
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_world_size_mismatch_is_one_line_before_joining(launcher):
+    config, _ = parse_config(["--config", "tiny", "--device", "cpu", *LAYOUT])
+    with pytest.raises(ConfigError) as err:
+        setup_layout(config, launcher_env(launcher, 0, 2))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "= 4 processes, but the job has 2" in message
+    assert not dist.is_initialized()
+
+
+def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
+    """What a user sees from each rank of ``torchrun --nproc_per_node 2 ... --data_parallel 4``."""
+    env = {**os.environ, **launcher_env("torchrun", 0, 2)}
+    args = ["--config", "tiny", "--data_parallel", "4", "--micro_batch_size", "2",
+            "--global_batch_size", "8", "--output_dir", str(tmp_path / "run")]  # fmt: skip
+    proc = subprocess.run([sys.executable, "run_pretraining.py", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "run_pretraining.py: error: --data_parallel 4 x --tensor_parallel_1 1 x "
+        "--tensor_parallel_2 1 = 4 processes, but the job has 2; launch 4 processes "
+        "(e.g. torchrun --nproc_per_node 4) or change the layout flags"
+    ]
+    assert not (tmp_path / "run").exists(), "no work before the error"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--heads", "4", "--tensor_parallel_1", "3"],
+         "--heads 4 is not divisible by --tensor_parallel_1 3"),
+        (["--hidden_size", "128", "--tensor_parallel_2", "3"],
+         "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+    ],
+)  # fmt: skip
+def test_impossible_split_is_one_line(flags, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", "tiny", *flags])
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not installed")
+def test_torchrun_trains_the_tiny_preset_like_one_process(tmp_path):
+    """torchrun with 8 ranks (dp 2 x tp1 2 x tp2 2) on the shipped data gives the loss curve
+    of one process: the real loader, launcher and entry point, dropout 0, float32."""
+    flags = ["--config", "tiny", "--steps", "2", "--dropout_prob", "0", "--precision", "float32"]
+    single = tmp_path / "single"
+    subprocess.run([sys.executable, "run_pretraining.py", *flags, "--output_dir", str(single)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=300)  # fmt: skip
+    eight = tmp_path / "eight"
+    # --standalone rendezvous binds a free port (localhost:0): nothing is fixed.
+    command = ["torchrun", "--standalone", "--nproc_per_node", "8", "run_pretraining.py",
+               *flags, "--data_parallel", "2", "--tensor_parallel_1", "2",
+               "--tensor_parallel_2", "2", "--output_dir", str(eight)]  # fmt: skip
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for got, want in zip(_metrics(eight / "metrics.jsonl"), _metrics(single / "metrics.jsonl"),
+                         strict=True):  # fmt: skip
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+
+
+def _raise_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank one fails")
+    dist.barrier()  # the other ranks wait for rank 1 forever unless someone stops them
+
+
+def test_a_failing_rank_fails_the_job_with_its_traceback(tmp_path):
+    """The harness itself: a rank's exception reaches the test at once, nobody hangs."""
+    with pytest.raises(AssertionError, match="rank one fails"):
+        run_ranks(_raise_on_rank_one, 4, tmp_path, timeout=60)

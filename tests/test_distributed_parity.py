@@ -1,0 +1,175 @@
+"""Every (dp, tp1, tp2) layout trains exactly like one process on the same global batches.
+
+Each test forks ``dp x tp1 x tp2`` gloo ranks, trains 3 float32 steps with the real phased
+engine and compares, with the single-process engine fed each whole global batch: the loss and
+gradient norm of every step on every rank, the last step's unsharded gradients and the final
+unsharded weights (``full_state``, gathered over all three axes), and a validation loss.
+Equal gradient norms also show that each element is counted once: a vector replicated over
+tp1 or tp2 would otherwise be counted tp1 or tp2 times.
+
+(AdamW epsilon is 1e-3 for the reason ``tests.distributed.small_config`` gives.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from execution.phases import PhasedEngine
+from tests.distributed import (
+    FLOAT32_TOLERANCE,
+    assert_states_close,
+    global_batches,
+    layout_flags,
+    run_ranks,
+    single_process_run,
+    small_config,
+    train_steps,
+    world_layout,
+)
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 3
+# The layouts issue 4 names; dp x tp1 x tp2 ranks each.
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (1, 1, 4)]
+VALIDATION_SEQUENCES = 8
+
+
+def validation_micro_batches(config) -> torch.Tensor:
+    """``[n, mbs, seq + 1]``: the same 8 held-out sequences whatever the micro-batch size."""
+    shape = (VALIDATION_SEQUENCES, config.model.sequence_length + 1)
+    generator = torch.Generator().manual_seed(123)
+    ids = torch.randint(0, config.model.vocab_size, shape, generator=generator)
+    return ids.view(-1, config.execution.micro_batch_size, shape[-1])
+
+
+@functools.cache
+def reference(*flags: str) -> dict:
+    """Single-process training and validation loss of ``small_config(*flags)``."""
+    config = small_config(*flags)
+    batches = global_batches(config, STEPS)
+    out = single_process_run(config, batches)
+    out["eval_loss"] = _evaluate(out.pop("engine"), config, dp_rank=0, dp_size=1)
+    return out
+
+
+def _evaluate(engine: PhasedEngine, config, dp_rank: int, dp_size: int) -> float:
+    """Validation loss; replica ``dp_rank`` evaluates its contiguous share of the sequences."""
+    batches = validation_micro_batches(config)
+    share = len(batches) // dp_size
+    return engine.evaluate(list(batches[dp_rank * share : (dp_rank + 1) * share]))
+
+
+def _train_rank(config, batches: torch.Tensor) -> dict:
+    """One rank: train, then gather the full state (collective) and evaluate."""
+    layout = world_layout(config)
+    engine = PhasedEngine(config, layout)
+    steps = train_steps(engine, batches, layout.dp.rank)
+    grads, weights = engine.full_state("grads"), engine.full_state("weights")
+    eval_loss = _evaluate(engine, config, layout.dp.rank, layout.dp.size)
+    out = {"steps": steps, "eval_loss": eval_loss}
+    if layout.is_main:  # every rank gathered the same tensors; one copy is enough
+        out.update(grads=grads, weights=weights)
+    return out
+
+
+def assert_layout_matches(tmp_path, layout: tuple[int, int, int], model_flags: list[str],
+                          layout_only_flags: list[str], tolerance: float) -> None:  # fmt: skip
+    """Runs ``layout`` and checks it against the single-process run of the same model."""
+    expected = reference(*model_flags)
+    config = small_config(*model_flags, *layout_flags(*layout), *layout_only_flags)
+    results = run_ranks(_train_rank, config.world_size, tmp_path, config,
+                        global_batches(config, STEPS))  # fmt: skip
+    for rank, result in enumerate(results):
+        for step, (got, want) in enumerate(zip(result["steps"], expected["steps"], strict=True)):
+            for key in ("loss", "grad_norm"):
+                error = abs(got[key] - want[key]) / abs(want[key])
+                assert error <= tolerance, f"rank {rank} step {step} {key}: {got} vs {want}"
+        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
+        assert error <= tolerance, f"rank {rank} eval loss {result['eval_loss']}"
+    assert_states_close(results[0]["grads"], expected["grads"], tolerance, "last step's grads")
+    assert_states_close(results[0]["weights"], expected["weights"], tolerance, "weights")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda t: "dp{}-tp1_{}-tp2_{}".format(*t))
+def test_layout_matches_single_process(tmp_path, layout):
+    """Vocabulary 1000 is padded (1008 / 1024 rows) and 10 positions become 12 at tp1 4.
+
+    Replicas with dp 1 use micro-batches of 4 (2 accumulation steps), the reference and dp 2
+    micro-batches of 2, so the global batch, not its split, is what must match.
+    """
+    micro_batch = "2" if layout[0] > 1 else "4"
+    assert_layout_matches(tmp_path, layout, [], ["--micro_batch_size", micro_batch],
+                          FLOAT32_TOLERANCE)  # fmt: skip
+
+
+def test_resident_placement_matches_single_process(tmp_path):
+    """Buffers on the compute device run the same schedule as host (remote) buffers."""
+    assert_layout_matches(tmp_path, (2, 2, 2), [], ["--placement", "resident"],
+                          FLOAT32_TOLERANCE)  # fmt: skip
+
+
+def test_real_vocabulary_with_four_vocab_shards(tmp_path):
+    """GPT-2's 50257 tokens over tp1 4: shards of 12576 rows, the last one 63 rows of padding."""
+    assert_layout_matches(tmp_path, (1, 4, 1), ["--vocab_size", "50257"], [],
+                          FLOAT32_TOLERANCE)  # fmt: skip
+
+
+def test_real_vocabulary_with_eight_vocab_shards(tmp_path):
+    """50257 tokens over tp1 8 (shards of 6288 rows) with 8 heads of width 4."""
+    assert_layout_matches(tmp_path, (1, 8, 1), ["--vocab_size", "50257", "--heads", "8"], [],
+                          FLOAT32_TOLERANCE)  # fmt: skip
+
+
+def test_data_parallel_dropout_matches_single_process(tmp_path):
+    """With dropout on, dp replicas draw the masks the single process draws for the same
+    micro-batches: masks are seeded by the global micro-batch index, not by the rank."""
+    assert_layout_matches(tmp_path, (2, 1, 1), ["--dropout_prob", "0.1"], [],
+                          FLOAT32_TOLERANCE)  # fmt: skip
+
+
+def _placements_rank(configs: dict, batches: torch.Tensor) -> dict:
+    """Trains one engine per placement on the same layout; returns each one's results."""
+    layout = world_layout(next(iter(configs.values())))
+    out = {}
+    for placement, config in configs.items():
+        engine = PhasedEngine(config, layout)
+        steps = train_steps(engine, batches, layout.dp.rank)
+        out[placement] = {"steps": steps, "weights": engine.full_state("weights"),
+                          "grads": engine.full_state("grads")}  # fmt: skip
+    return out
+
+
+# Unit roundoff: 2^-8 (bfloat16), 2^-11 (float16). The tolerance is ~12 units: a float32
+# single-process run and a low-precision one already differ by ~5 units after three steps,
+# while a layout bug is an O(1) error.
+LOW_PRECISION_TOLERANCE = {"bfloat16": 12 * 2**-8, "float16": 12 * 2**-11}
+
+
+@pytest.mark.parametrize("precision", sorted(LOW_PRECISION_TOLERANCE))
+def test_low_precision_in_both_placements(tmp_path, precision):
+    """(2, 2, 2) in bfloat16, and float16 with a loss scale: host (remote) and device-resident
+    buffers give bitwise the same run, and it stays within a few units of roundoff of the
+    float32 single-process run (master weights and AdamW state are float32 in both)."""
+    flags = ["--precision", precision, *layout_flags(2, 2, 2)]
+    if precision == "float16":
+        flags += ["--loss_scaling", "1024"]
+    configs = {p: small_config(*flags, "--placement", p) for p in ("remote", "resident")}
+    results = run_ranks(_placements_rank, 8, tmp_path, configs,
+                        global_batches(configs["remote"], STEPS))  # fmt: skip
+    expected = reference()
+    tolerance = LOW_PRECISION_TOLERANCE[precision]
+    for result in results:
+        remote, resident = result["remote"], result["resident"]
+        assert remote["steps"] == resident["steps"]
+        for state in ("weights", "grads"):
+            assert all(torch.equal(remote[state][n], t) for n, t in resident[state].items())
+        for got, want in zip(remote["steps"], expected["steps"], strict=True):
+            assert got["loss"] == pytest.approx(want["loss"], rel=tolerance / 10)
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tolerance)
+    assert_states_close(results[0]["remote"]["grads"], expected["grads"], tolerance, "grads")
+    assert_states_close(results[0]["remote"]["weights"], expected["weights"], tolerance,
+                        "weights")  # fmt: skip
