@@ -65,6 +65,7 @@ def run(config, preset, layout, launch) -> None:
                 skip_corrupt_records=d.skip_corrupt_records,
             )  # fmt: skip
 
+    engine = PhasedEngine(config, layout)  # before any output: a failed start leaves nothing
     output_dir = Path(
         config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
     )
@@ -82,13 +83,13 @@ def run(config, preset, layout, launch) -> None:
             f"preset {preset}: {m.layers} layers x {m.hidden_size} hidden, "
             f"{config.world_size} process(es) ({launch.launcher}) on {layout.device}, "
             f"{ex.placement} buffers, {config.training.precision}, "
-            f"gradient accumulation {config.gradient_accumulation}\n"
+            f"gradient accumulation {config.gradient_accumulation}, "
+            f"{sum(engine.buffer_bytes().values()) / 2**30:.2f} GiB of buffers per process\n"
             f"data: {'shipped sample ' if using_sample else ''}{', '.join(train_files)} "
             f"({loader.samples_per_epoch} sequences per epoch)\n"
             f"output: {output_dir}/metrics.jsonl",
             flush=True,
         )
-    engine = PhasedEngine(config, layout)
     try:
         train(config, engine, loader, tracker, validation)
     finally:

@@ -34,7 +34,7 @@ __all__ = [
 
 _SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
 SAMPLE_DATA_GLOB = str(_SAMPLE_DIR / "*.tfrecord")
-"""The shipped sample training shards (Python documentation text, GPT-2 BPE, 1025-id records)."""
+"""The shipped sample training shards (Python documentation text, GPT-2 BPE, 2049-id records)."""
 SAMPLE_VALIDATION_GLOB = str(_SAMPLE_DIR / "validation" / "*.tfrecord")
 """The shipped sample validation shard (different documents from the training shards)."""
 

@@ -3,8 +3,8 @@
 #
 # Text: reStructuredText sources of the Python 3.11 documentation from Debian's python3.11-doc
 # package (PSF License Agreement, see data/sample/README.md). Training shards: the tutorial and five
-# HOWTOs; validation shard: two FAQ pages. GPT-2 BPE, records of 1025 ids (--seq-length 1024,
-# --stride 1024), so they serve sequence lengths 128, 256, 512 and 1024.
+# HOWTOs; validation shard: two FAQ pages. GPT-2 BPE, records of 2049 ids (--seq-length 2048,
+# --stride 2048), so they serve every sequence length from 128 to 2048 (the paper presets).
 #
 # Usage: data/make_sample_data.sh [SOURCES_DIR | python3.11-doc_*.deb]
 #   Without an argument the package is fetched with `apt-get download python3.11-doc`.
@@ -33,8 +33,8 @@ fi
 [ -d "$src/tutorial" ] || { echo "error: $src has no tutorial/: not the documentation sources" >&2; exit 2; }
 
 out="$repo/data/sample"
-write=(python3 "$repo/data/write_into_tfrecord.py" --input-format files --seq-length 1024
-       --stride 1024 --workers 2 --overwrite)
+write=(python3 "$repo/data/write_into_tfrecord.py" --input-format files --seq-length 2048
+       --stride 2048 --workers 2 --overwrite)
 "${write[@]}" --output-file-path "$out" --num-shards 4 --input-file-path \
   "$src"/tutorial/*.rst.txt "$src"/howto/{functional,logging,regex,sorting,unicode}.rst.txt
 "${write[@]}" --output-file-path "$out/validation" --num-shards 1 --input-file-path \

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
+from config.loading import ConfigError
 from config.schema import PretrainingConfig
 from execution.buffers import ActivationBuffers, PartBuffers, flat_specs, part_rows, rts_axes
 from execution.layout import ParallelLayout
@@ -52,6 +53,36 @@ class StepResult:
     loss: float
     grad_norm: float
     skipped: bool  # the gradients were not finite, so no weight changed
+
+
+def check_buffers_fit(needed: int, device: torch.device) -> None:
+    """Raises a one-line ConfigError when the buffers cannot fit, before allocating anything.
+
+    A model that does not fit would otherwise be killed by the kernel mid-allocation, or fail
+    deep inside torch with an out-of-memory error.
+    """
+    if device.type == "cuda":
+        available, where = torch.cuda.mem_get_info(device)[0], f"are free on {device}"
+    else:
+        available, where = _host_memory_available(), "of host memory are available"
+    if available is not None and needed > available:
+        raise ConfigError(
+            f"the buffers need {needed / 2**30:,.1f} GiB per process (float32 weights, grads and "
+            f"two AdamW moments, plus activations) but only {available / 2**30:,.1f} GiB {where}; "
+            "add data-parallel replicas (RTS shards this state) or tensor parallelism, use "
+            "--placement remote on a GPU, or choose a smaller model"
+        )
+
+
+def _host_memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class PhasedEngine:
@@ -86,6 +117,7 @@ class PhasedEngine:
 
         buffer_device = torch.device("cpu") if self.remote else self.device
         pin = self.remote and self.device.type == "cuda"
+        check_buffers_fit(self._planned_buffer_bytes(), buffer_device)
         layers = self.shapes.layers
         self.parts = {
             part: PartBuffers(self.specs[part], part_rows(part, layers), buffer_device, pin)
@@ -100,6 +132,22 @@ class PhasedEngine:
         )  # fmt: skip
         self.optimizer_steps = 0
         self._initialise_weights(config.training.seed, config.model.init_std)
+
+    def _planned_buffer_bytes(self) -> int:
+        """Bytes the buffers will take: 4 float32 states per stored element, plus x and dx."""
+        states = sum(
+            part_rows(part, self.shapes.layers) * spec.shard * 4 * 4
+            for part in PARTS
+            for spec in self.specs[part].values()
+        )
+        ex = self.config.execution
+        entry = (
+            ex.micro_batch_size
+            * self.config.model.sequence_length
+            * (self.shapes.hidden // self.shapes.tp2)
+        )
+        element = torch.finfo(self.dtype).bits // 8
+        return states + 2 * (self.shapes.layers + 1) * self.gradient_accumulation * entry * element
 
     # ----------------------------------------------------------------- weights in and out
 
