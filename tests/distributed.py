@@ -23,10 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from config.loading import parse_config
 from config.schema import PretrainingConfig
 from execution.layout import ParallelLayout
 from execution.phases import PhasedEngine
+from tests.reference import small_config as reference_small_config
 
 CPU = torch.device("cpu")
 # Losses and every unsharded weight of a float32 run must match the single-process run this
@@ -124,7 +124,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
 
 
 def small_config(*flags: str) -> PretrainingConfig:
-    """A small float32, dropout-free config on the ``tiny`` preset, then ``flags``.
+    """The single-process tests' small config (tests/reference.py) resized, then ``flags``.
 
     Vocabulary 1000 and 10 positions need padding for every tensor_parallel_1 (1008, 1024 or
     1024 rows; 10 or 12 positions).
@@ -138,12 +138,10 @@ def small_config(*flags: str) -> PretrainingConfig:
     bug (a wrong slice, a missing or doubled reduction, a misplaced micro-batch or dropout
     mask) shows up orders of magnitude above the tolerance.
     """
-    base = ["--config", "tiny", "--vocab_size", "1000", "--layers", "2", "--hidden_size", "32",
-            "--heads", "4", "--sequence_length", "8", "--max_positional_length", "10",
-            "--global_batch_size", "8", "--micro_batch_size", "2", "--dropout_prob", "0",
-            "--weight_decay", "0.1", "--eps", "1e-3", "--device", "cpu"]  # fmt: skip
-    config, _ = parse_config([*base, *flags])
-    return config
+    return reference_small_config(
+        "--vocab_size", "1000", "--sequence_length", "8", "--max_positional_length", "10",
+        "--eps", "1e-3", *flags,
+    )  # fmt: skip
 
 
 def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
