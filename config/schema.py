@@ -152,8 +152,8 @@ class ExecutionConfig:
     peak_tflops: float = field(
         default=0.0,
         metadata=_doc(
-            "Dense bf16/fp16 peak of one device in TFLOPS for MFU; 0 picks a known GPU's peak "
-            "(or, on CPU, reports MFU against 1 TFLOPS)."
+            "Dense bf16/fp16 peak of one device in TFLOPS for MFU; 0 takes a known GPU's data "
+            "sheet, and MFU is reported as null where the peak is unknown (e.g. on CPU)."
         ),
     )
 
