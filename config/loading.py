@@ -88,14 +88,22 @@ def config_from_dict(settings: dict[str, Any], source: str) -> PretrainingConfig
             if path not in leaves:
                 raise ConfigError(f"{source}: unknown setting {path!r}")
             owner, f = leaves[path]
-            setattr(owner, f.name, _coerce(value, f.type, f"{source}: {path}"))
+            setattr(owner, f.name, _coerce(value, f, f"{source}: {path}"))
 
     apply(settings, "")
     return config
 
 
-def _coerce(value: Any, type_name: str, where: str) -> Any:
-    """Converts a YAML or command-line value to the field's declared type."""
+def _coerce(value: Any, f: Any, where: str) -> Any:
+    """Converts a YAML or command-line value to the field's type and checks its choices."""
+    result = _coerce_type(value, f.type, where)
+    choices = f.metadata.get("choices")
+    if choices is not None and result not in choices:
+        raise ConfigError(f"{where} must be one of {', '.join(choices)}, got {value!r}")
+    return result
+
+
+def _coerce_type(value: Any, type_name: str, where: str) -> Any:
     try:
         if type_name == "bool":
             return _parse_bool(value)
@@ -211,7 +219,7 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[PretrainingConfig, 
         if path in ("config", "config_file"):
             continue
         owner, f = leaves[path]
-        setattr(owner, f.name, _coerce(value, f.type, f"--{f.name}"))
+        setattr(owner, f.name, _coerce(value, f, f"--{f.name}"))
     validate(config)
     return config, known.config
 
@@ -274,8 +282,16 @@ def validate(config: PretrainingConfig) -> None:
         raise ConfigError(
             f"--min_learning_rate_ratio must be in [0, 1], got {o.min_learning_rate_ratio}"
         )
-    if m.layer_norm_eps <= 0 or m.init_std <= 0:
-        raise ConfigError("--layer_norm_eps and --init_std must be > 0")
+    for name, value in {"layer_norm_eps": m.layer_norm_eps, "init_std": m.init_std}.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError(f"--seed must be in [0, 2^32), got {t.seed}")
+    for name, value in {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
+                        "max_positional_length": m.max_positional_length,
+                        "sequence_length": m.sequence_length}.items():  # fmt: skip
+        if value >= 2**31:
+            raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
 
     if m.hidden_size % m.heads:
         raise ConfigError(

@@ -64,6 +64,9 @@ def test_reference_layouts():
     ex = pod64.execution
     assert (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2) == (4, 4, 4)
     assert pod64.training.global_batch_size == 512 and pod64.model.hidden_size == 2560
+    for layout in (pod256, pod64):  # the paper's 300B tokens, so the schedule decays fully
+        assert layout.training.steps * layout.tokens_per_step == pytest.approx(300e9, rel=1e-3)
+        assert layout.training.optimizer.decay_tokens == 260e9
 
 
 def test_flags_override_the_preset():
@@ -96,6 +99,10 @@ def test_flags_override_the_preset():
         (["--dropout_prob", "1.5"], "--dropout_prob must be in [0, 1)"),
         (["--learning_rate", "0"], "--learning_rate must be a finite number > 0"),
         (["--loss_scaling", "1024"], "only applies to --precision float16"),
+        (["--layer_norm_eps", "nan"], "--layer_norm_eps must be a finite number > 0"),
+        (["--init_std", "inf"], "--init_std must be a finite number > 0"),
+        (["--seed", "20000000000000"], "--seed must be in [0, 2^32)"),
+        (["--vocab_size", "1e30"], "--vocab_size 1000000000000000019884624838656 is too large"),
     ],
 )  # fmt: skip
 def test_bad_flags_name_the_problem(flags, message):
@@ -111,6 +118,8 @@ def test_bad_flags_name_the_problem(flags, message):
         ("tiny:\n  model: {layerz: 2}\n", "unknown setting 'model.layerz'"),
         ("tiny:\n  modle: {layers: 2}\n", "unknown section 'modle'"),
         ("tiny:\n  model: {layers: two}\n", "model.layers must be an integer"),
+        ("tiny:\n  training: {precision: fp8}\n", "training.precision must be one of float32"),
+        ("tiny:\n  execution: {placement: host}\n", "placement must be one of remote, resident"),
         ("tiny:\n  model: [1, 2\n", "is not valid YAML"),
         ("tiny:\n  base: nowhere\n", "has base 'nowhere'"),
         ("tiny:\n  base: other\nother:\n  base: tiny\n", "inherits from itself"),
