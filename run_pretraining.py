@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 from config.loading import ConfigError, config_to_dict, parse_config
+from data.errors import DataError
 from data.loader import (
     SAMPLE_DATA_GLOB,
     SAMPLE_VALIDATION_GLOB,
@@ -65,14 +66,32 @@ def run(config, preset, layout, launch) -> None:
                 skip_corrupt_records=d.skip_corrupt_records,
             )  # fmt: skip
 
-    engine = PhasedEngine(config, layout)  # before any output: a failed start leaves nothing
+        # Open the validation data now: a bad file must not surface hours into training.
+        if next(iter(validation()), None) is None:
+            raise ConfigError(
+                f"the validation data {', '.join(files)} holds fewer than --micro_batch_size "
+                f"{ex.micro_batch_size} x --data_parallel {layout.dp.size} sequences of "
+                f"{m.sequence_length + 1} tokens; give more validation data"
+            )
+
     output_dir = Path(
         config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
     )
+    if layout.is_main and (output_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"{output_dir} already holds the metrics.jsonl of another run; "
+            "choose a new --output_dir (or leave it out for a fresh folder under runs/)"
+        )
+    engine = PhasedEngine(config, layout)  # before any output: a failed start leaves nothing
     tracker = NullTracker()
     if layout.is_main:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.yml").write_text(yaml.safe_dump(config_to_dict(config)))
+        try:
+            output_dir.mkdir(parents=True, exist_ok=True)
+            (output_dir / "config.yml").write_text(yaml.safe_dump(config_to_dict(config)))
+        except OSError as err:
+            raise ConfigError(
+                f"cannot write to --output_dir {output_dir}: {err.strerror}"
+            ) from None
         trackers = [JsonlTracker(output_dir / "metrics.jsonl"),
                     ConsoleTracker(config.training.steps, config.logging.log_every)]  # fmt: skip
         if config.logging.wandb:
@@ -99,6 +118,6 @@ def run(config, preset, layout, launch) -> None:
 if __name__ == "__main__":
     try:
         main()
-    except ValueError as err:  # ConfigError and DataError: the user's input, not a bug
+    except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
         print(f"run_pretraining.py: error: {err}", file=sys.stderr)
         sys.exit(2)

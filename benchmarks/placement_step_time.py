@@ -26,7 +26,7 @@ from execution.phases import PhasedEngine
 
 def measure(flags: list[str], placement: str, steps: int) -> dict:
     config, _ = parse_config([*flags, "--placement", placement])
-    device = select_device(config.execution.device, 0)
+    device = select_device(config.execution.device, 0, 1)
     engine = PhasedEngine(config, ParallelLayout.single(device))
     m, ex = config.model, config.execution
     loader = PretrainingDataLoader(config.data.input_files or [SAMPLE_DATA_GLOB],

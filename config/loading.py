@@ -293,6 +293,11 @@ def validate(config: PretrainingConfig) -> None:
         if value >= 2**31:
             raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
 
+    if d.validation_files and d.validation_fraction:
+        raise ConfigError("give either --validation_files or --validation_fraction, not both")
+    if d.validation_files and not d.eval_every:
+        raise ConfigError("--validation_files is only used with --eval_every N (N > 0)")
+
     if m.hidden_size % m.heads:
         raise ConfigError(
             f"--hidden_size {m.hidden_size} is not divisible by --heads {m.heads}; "

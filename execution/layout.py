@@ -84,6 +84,7 @@ class ParallelLayout:
     dp_tp2: GroupAxis
     world: GroupAxis
     device: torch.device
+    local_world_size: int = 1  # processes on this machine, sharing its host memory
 
     @property
     def rank(self) -> int:
@@ -144,6 +145,7 @@ class LaunchInfo:
     rank: int
     world_size: int
     local_rank: int
+    local_world_size: int  # processes on this node
     launcher: str
 
 
@@ -155,23 +157,27 @@ def read_launch_environment(env: Mapping[str, str]) -> LaunchInfo:
     (the README shows how).
     """
     schemes = (
-        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-        ("mpiexec", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-        ("mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
-        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
-    )
-    for launcher, rank_key, size_key, local_key in schemes:
+        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        ("mpiexec", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+         "OMPI_COMM_WORLD_LOCAL_SIZE"),
+        ("mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    )  # fmt: skip
+    for launcher, rank_key, size_key, local_key, local_size_key in schemes:
         if rank_key in env and size_key in env:
             try:
                 rank, size = int(env[rank_key]), int(env[size_key])
                 local = int(env.get(local_key, rank))
+                # Unknown node size: assume all processes share one node (the cautious answer
+                # for memory and GPU checks, and the same on every rank).
+                local_size = int(env.get(local_size_key, size))
             except ValueError:
                 raise ConfigError(
                     f"{launcher} variables {rank_key}={env[rank_key]!r} "
                     f"{size_key}={env[size_key]!r} are not integers"
                 ) from None
-            return LaunchInfo(rank, size, local, launcher)
-    return LaunchInfo(0, 1, 0, "single process")
+            return LaunchInfo(rank, size, local, local_size, launcher)
+    return LaunchInfo(0, 1, 0, 1, "single process")
 
 
 def check_world_size(config: PretrainingConfig, world_size: int) -> None:
@@ -186,15 +192,22 @@ def check_world_size(config: PretrainingConfig, world_size: int) -> None:
         )
 
 
-def select_device(requested: str, local_rank: int) -> torch.device:
-    """The compute device for ``--device`` (auto: this rank's GPU when there is one)."""
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was requested but no CUDA device is available")
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+def select_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """The compute device for ``--device``: one GPU per process, or the CPU.
+
+    ``auto`` takes this rank's GPU only when the node has a GPU for each of its processes, so
+    every rank of a node makes the same choice (NCCL cannot share one GPU between ranks).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cuda" and gpus < local_world_size:
+        raise ConfigError(
+            f"--device cuda needs a GPU for each of the {local_world_size} process(es) on this "
+            f"node, but {gpus} are available; launch fewer processes per node or use --device cpu"
+        )
+    if requested == "cpu" or (requested == "auto" and gpus < local_world_size):
         return torch.device("cpu")
-    index = local_rank % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None):
@@ -209,7 +222,7 @@ def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None
     """
     info = read_launch_environment(os.environ if env is None else env)
     check_world_size(config, info.world_size)
-    device = select_device(config.execution.device, info.local_rank)
+    device = select_device(config.execution.device, info.local_rank, info.local_world_size)
     ex = config.execution
     if info.world_size == 1:
         return ParallelLayout.single(device), info

@@ -55,19 +55,23 @@ class StepResult:
     skipped: bool  # the gradients were not finite, so no weight changed
 
 
-def check_buffers_fit(needed: int, device: torch.device) -> None:
+def check_buffers_fit(needed: int, device: torch.device, processes_per_node: int) -> None:
     """Raises a one-line ConfigError when the buffers cannot fit, before allocating anything.
 
     A model that does not fit would otherwise be killed by the kernel mid-allocation, or fail
-    deep inside torch with an out-of-memory error.
+    deep inside torch with an out-of-memory error. Host memory is shared by the node's
+    processes, so their buffers are counted together.
     """
     if device.type == "cuda":
         available, where = torch.cuda.mem_get_info(device)[0], f"are free on {device}"
+        total = needed
     else:
         available, where = _host_memory_available(), "of host memory are available"
-    if available is not None and needed > available:
+        total = needed * processes_per_node
+    if available is not None and total > available:
+        node = f" x {processes_per_node} processes on this node" if total != needed else ""
         raise ConfigError(
-            f"the buffers need {needed / 2**30:,.1f} GiB per process (float32 weights, grads and "
+            f"the buffers need {needed / 2**30:,.1f} GiB per process{node} (float32 weights, grads and "
             f"two AdamW moments, plus activations) but only {available / 2**30:,.1f} GiB {where}; "
             "add data-parallel replicas (RTS shards this state) or tensor parallelism, use "
             "--placement remote on a GPU, or choose a smaller model"
@@ -117,7 +121,7 @@ class PhasedEngine:
 
         buffer_device = torch.device("cpu") if self.remote else self.device
         pin = self.remote and self.device.type == "cuda"
-        check_buffers_fit(self._planned_buffer_bytes(), buffer_device)
+        check_buffers_fit(self._planned_buffer_bytes(), buffer_device, layout.local_world_size)
         layers = self.shapes.layers
         self.parts = {
             part: PartBuffers(self.specs[part], part_rows(part, layers), buffer_device, pin)
@@ -216,7 +220,7 @@ class PhasedEngine:
         shards = {}
         for kind, flat in acc.items():
             rts = self.rts[kind]
-            if rts is dp:
+            if rts.size == dp.size:  # the same replicas (tp1 or tp2 is 1): one reduce-scatter
                 shard = dp.reduce_scatter(flat)
             else:  # RTS group larger than dp: all-reduce over dp, then keep our slice.
                 shard = dp.all_reduce_(flat).view(rts.size, -1)[rts.rank]

@@ -67,6 +67,9 @@ def train(
             ),
             "epoch": loader.epoch,
         }
+        if config.data.skip_corrupt_records:  # same on every rank, so the collective matches
+            count = torch.tensor(float(loader.skipped_records), device=layout.device)
+            metrics["skipped_records"] = int(layout.dp.all_reduce_(count).item())
         tracker.log(metrics)
         history.append(metrics)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == t.steps):

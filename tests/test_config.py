@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from config.loading import ConfigError, config_to_dict, load_presets, parse_config
-from execution.layout import check_world_size, read_launch_environment
+from execution.layout import check_world_size, read_launch_environment, select_device
 
 PRESETS = sorted(load_presets())
 
@@ -99,6 +100,9 @@ def test_flags_override_the_preset():
         (["--dropout_prob", "1.5"], "--dropout_prob must be in [0, 1)"),
         (["--learning_rate", "0"], "--learning_rate must be a finite number > 0"),
         (["--loss_scaling", "1024"], "only applies to --precision float16"),
+        (["--validation_files", "v.tfrecord", "--validation_fraction", "0.1", "--eval_every", "5"],
+         "either --validation_files or --validation_fraction"),
+        (["--validation_files", "v.tfrecord"], "only used with --eval_every"),
         (["--layer_norm_eps", "nan"], "--layer_norm_eps must be a finite number > 0"),
         (["--init_std", "inf"], "--init_std must be a finite number > 0"),
         (["--seed", "20000000000000"], "--seed must be in [0, 2^32)"),
@@ -152,14 +156,26 @@ def test_world_size_must_match_the_layout():
 @pytest.mark.parametrize(
     ("env", "expected"),
     [
-        ({}, (0, 1, 0, "single process")),
-        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}, (3, 8, 1, "torchrun")),
+        ({}, (0, 1, 0, 1, "single process")),
+        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"},
+         (3, 8, 1, 4, "torchrun")),
         ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
-          "OMPI_COMM_WORLD_LOCAL_RANK": "5"}, (5, 16, 5, "mpiexec")),
-        ({"PMI_RANK": "2", "PMI_SIZE": "4"}, (2, 4, 2, "mpiexec")),
-        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "64", "SLURM_LOCALID": "3"}, (7, 64, 3, "slurm")),
+          "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"},
+         (5, 16, 5, 8, "mpiexec")),
+        ({"PMI_RANK": "2", "PMI_SIZE": "4"}, (2, 4, 2, 4, "mpiexec")),
+        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "64", "SLURM_LOCALID": "3",
+          "SLURM_NTASKS_PER_NODE": "8"}, (7, 64, 3, 8, "slurm")),
     ],
 )  # fmt: skip
 def test_launcher_environments(env, expected):
     info = read_launch_environment(env)
-    assert (info.rank, info.world_size, info.local_rank, info.launcher) == expected
+    assert (info.rank, info.world_size, info.local_rank, info.local_world_size,
+            info.launcher) == expected  # fmt: skip
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answers")
+def test_device_selection_without_enough_gpus():
+    assert select_device("auto", 0, 1) == torch.device("cpu")
+    assert select_device("cpu", 3, 8) == torch.device("cpu")
+    with pytest.raises(ConfigError, match=r"--device cuda needs a GPU for each of the 8"):
+        select_device("cuda", 0, 8)

@@ -128,7 +128,8 @@ def _metrics(path: Path) -> list[dict]:
 def test_torchrun_trains_the_tiny_preset_like_one_process(tmp_path):
     """torchrun with 8 ranks (dp 2 x tp1 2 x tp2 2) on the shipped data gives the loss curve
     of one process: the real loader, launcher and entry point, dropout 0, float32."""
-    flags = ["--config", "tiny", "--steps", "2", "--dropout_prob", "0", "--precision", "float32"]
+    flags = ["--config", "tiny", "--steps", "2", "--dropout_prob", "0", "--precision", "float32",
+             "--device", "cpu"]  # fmt: skip
     single = tmp_path / "single"
     subprocess.run([sys.executable, "run_pretraining.py", *flags, "--output_dir", str(single)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)  # fmt: skip

@@ -157,3 +157,16 @@ def test_evaluate_equals_reference_loss_without_changing_weights():
         expected = sum(model(b[:, :-1], b[:, 1:]).item() for b in batches) / len(batches)
     assert abs(loss - expected) <= TOLERANCE * expected
     assert all(torch.equal(before[k], v) for k, v in engine.full_state().items())
+
+
+def test_dropout_seeds_differ_across_steps_layers_and_micro_batches():
+    """Masks must never repeat: a seed that ignored step, layer or micro-batch would pass the
+    recomputation test above but train with correlated dropout."""
+    engine = PhasedEngine(small_config("--dropout_prob", "0.1"), ParallelLayout.single(CPU))
+    seeds = [engine._seeds(step, layer, micro) for step in range(3) for layer in range(-1, 2)
+             for micro in range(4)]  # fmt: skip
+    flat = [s for block in seeds for s in block]
+    assert len(set(flat)) == len(flat)
+    assert engine._seeds(None, 0, 0) is None  # evaluation: no dropout
+    dropout_free = PhasedEngine(small_config(), ParallelLayout.single(CPU))
+    assert dropout_free._seeds(0, 0, 0) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -80,3 +81,28 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, flags, message):
     assert len(lines) == 1 and lines[0].startswith("run_pretraining.py: error: "), result.stderr
     assert message in lines[0]
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_an_output_dir_with_metrics_is_not_reused(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    result = run("--steps", "1", "--output_dir", str(tmp_path))
+    assert result.returncode == 2 and "already holds the metrics.jsonl" in result.stderr
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
+
+
+def test_skipped_corrupt_records_are_reported(tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(ROOT / "data" / "sample", data, ignore=shutil.ignore_patterns("validation"))
+    shard = data / "data_0000.tfrecord"
+    payload = bytearray(shard.read_bytes())
+    payload[100] ^= 0xFF  # inside the first record's data: its CRC no longer matches
+    shard.write_bytes(bytes(payload))
+    flags = ["--steps", "2", "--input_files", str(data / "*.tfrecord")]
+
+    failed = run(*flags, "--output_dir", str(tmp_path / "strict"))
+    assert failed.returncode == 2 and "data_0000.tfrecord" in failed.stderr
+
+    result = run(*flags, "--skip_corrupt_records", "--output_dir", str(tmp_path / "lenient"))
+    assert result.returncode == 0, result.stderr
+    assert "corrupt records skipped" in result.stdout
+    assert all(m["skipped_records"] >= 1 for m in read_metrics(tmp_path / "lenient"))

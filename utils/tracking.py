@@ -63,8 +63,10 @@ class ConsoleTracker:
                 f"lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.3f} | "
                 f"{metrics['tokens_per_sec']:,.0f} tok/s | {metrics['tflops']:.3f} TFLOPS | "
                 f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
-                f"{metrics['step_time']:.2f} s" + (" | SKIPPED (non-finite grads)"
-                                                   if metrics.get("skipped") else "")
+                f"{metrics['step_time']:.2f} s"
+                + (" | SKIPPED (non-finite grads)" if metrics.get("skipped") else "")
+                + (f" | {n} corrupt records skipped" if (n := metrics.get("skipped_records"))
+                   else "")
             )  # fmt: skip
         print(line, file=self.stream, flush=True)
 
