@@ -52,6 +52,10 @@ def expand_files(patterns: Sequence[str]) -> list[str]:
             if not matches:
                 raise DataError(f"input pattern {pattern} matches no files")
             files.update(os.path.abspath(m) for m in matches)
+        elif os.path.isdir(pattern):
+            raise DataError(
+                f"input {pattern} is a folder; give its files with a glob, e.g. '{pattern}/*.tfrecord'"
+            )
         elif not os.path.isfile(pattern):
             raise DataError(f"input file {pattern} does not exist")
         else:

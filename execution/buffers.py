@@ -90,8 +90,9 @@ class PartBuffers:
         def alloc() -> dict[str, torch.Tensor]:
             out = {}
             for kind, spec in specs.items():
-                t = torch.zeros(rows, spec.shard, dtype=torch.float32, device=device)
-                out[kind] = t.pin_memory() if pin else t
+                # Allocated pinned, not pinned afterwards: .pin_memory() would copy, doubling the peak.
+                out[kind] = torch.zeros(rows, spec.shard, dtype=torch.float32, device=device,
+                                        pin_memory=pin)  # fmt: skip
             return out
 
         self.weights = alloc()
@@ -121,10 +122,8 @@ class ActivationBuffers:
     def __init__(self, layers: int, entries: int, entry_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, pin: bool):  # fmt: skip
         shape = (layers + 1, entries, *entry_shape)
-        self.x = torch.empty(shape, dtype=dtype, device=device)
-        self.dx = torch.empty(shape, dtype=dtype, device=device)
-        if pin:
-            self.x, self.dx = self.x.pin_memory(), self.dx.pin_memory()
+        self.x = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+        self.dx = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
     def nbytes(self) -> int:
         return 2 * self.x.numel() * self.x.element_size()
