@@ -83,6 +83,13 @@ def flat_specs(local_shapes: dict[str, dict[str, torch.Size]], layout) -> dict[s
 class PartBuffers:
     """Weights, gradients and AdamW moments of one part: ``[rows, shard]`` float32 per kind."""
 
+    STATES = ("weights", "grads", "exp_avg", "exp_avg_sq")
+
+    @classmethod
+    def planned_nbytes(cls, specs: dict[str, FlatSpec], rows: int) -> int:
+        """Bytes the buffers of a part will take, known before allocating them."""
+        return len(cls.STATES) * rows * sum(spec.shard for spec in specs.values()) * 4
+
     def __init__(self, specs: dict[str, FlatSpec], rows: int, device: torch.device, pin: bool):
         self.specs = specs
         self.rows = rows
@@ -104,7 +111,7 @@ class PartBuffers:
         """Bytes held, per kind of state (for memory accounting)."""
         return {
             state: sum(t.numel() * t.element_size() for t in getattr(self, state).values())
-            for state in ("weights", "grads", "exp_avg", "exp_avg_sq")
+            for state in self.STATES
         }
 
 
@@ -118,6 +125,12 @@ class ActivationBuffers:
     Row 0 is the embedding's output, row n + 1 the output of decoder layer n; dx mirrors it
     with gradients, filled from the head (row ``layers``) down to the embedding (row 0).
     """
+
+    @staticmethod
+    def planned_nbytes(layers: int, entries: int, entry_shape: tuple[int, ...],
+                       dtype: torch.dtype) -> int:  # fmt: skip
+        """Bytes x and dx will take together, known before allocating them."""
+        return 2 * math.prod((layers + 1, entries, *entry_shape)) * dtype.itemsize
 
     def __init__(self, layers: int, entries: int, entry_shape: tuple[int, ...],
                  dtype: torch.dtype, device: torch.device, pin: bool):  # fmt: skip

@@ -121,37 +121,25 @@ class PhasedEngine:
 
         buffer_device = torch.device("cpu") if self.remote else self.device
         pin = self.remote and self.device.type == "cuda"
-        check_buffers_fit(self._planned_buffer_bytes(), buffer_device, layout.local_world_size)
         layers = self.shapes.layers
-        self.parts = {
-            part: PartBuffers(self.specs[part], part_rows(part, layers), buffer_device, pin)
-            for part in PARTS
-        }
-        self.activations = ActivationBuffers(
+        activation_layout = (
             layers,
             self.gradient_accumulation,
             (config.execution.micro_batch_size, config.model.sequence_length,
              self.shapes.hidden // self.shapes.tp2),
-            self.dtype, buffer_device, pin,
+            self.dtype,
         )  # fmt: skip
+        planned = ActivationBuffers.planned_nbytes(*activation_layout) + sum(
+            PartBuffers.planned_nbytes(self.specs[part], part_rows(part, layers)) for part in PARTS
+        )
+        check_buffers_fit(planned, buffer_device, layout.local_world_size)
+        self.parts = {
+            part: PartBuffers(self.specs[part], part_rows(part, layers), buffer_device, pin)
+            for part in PARTS
+        }
+        self.activations = ActivationBuffers(*activation_layout, buffer_device, pin)
         self.optimizer_steps = 0
         self._initialise_weights(config.training.seed, config.model.init_std)
-
-    def _planned_buffer_bytes(self) -> int:
-        """Bytes the buffers will take: 4 float32 states per stored element, plus x and dx."""
-        states = sum(
-            part_rows(part, self.shapes.layers) * spec.shard * 4 * 4
-            for part in PARTS
-            for spec in self.specs[part].values()
-        )
-        ex = self.config.execution
-        entry = (
-            ex.micro_batch_size
-            * self.config.model.sequence_length
-            * (self.shapes.hidden // self.shapes.tp2)
-        )
-        element = torch.finfo(self.dtype).bits // 8
-        return states + 2 * (self.shapes.layers + 1) * self.gradient_accumulation * entry * element
 
     # ----------------------------------------------------------------- weights in and out
 
@@ -351,8 +339,7 @@ class PhasedEngine:
             buffers = self.parts[part]
             for row in range(buffers.rows):
                 for kind in self.specs[part]:
-                    stored = [getattr(buffers, s)[kind][row]
-                              for s in ("weights", "grads", "exp_avg", "exp_avg_sq")]  # fmt: skip
+                    stored = [getattr(buffers, s)[kind][row] for s in PartBuffers.STATES]
                     w, g, m, v = (self._to_device(t) for t in stored)
                     adamw_(w, g, m, v, step=self.optimizer_steps, lr=lr, optim=optim,
                            weight_decay=kind in DECAYED_KINDS, grad_scale=grad_scale)  # fmt: skip
