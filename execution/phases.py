@@ -145,17 +145,46 @@ class PhasedEngine:
 
     def _initialise_weights(self, seed: int, init_std: float) -> None:
         """Creates each part's full weights, keeps this rank's tensor-parallel and RTS slice."""
-        i, j = self.layout.tp1.rank, self.layout.tp2.rank
-        for part in PARTS:
-            for row in range(self.parts[part].rows):
-                full = init_full_part(self.shapes, part, row, seed, init_std)
-                self.set_part_weights(part, row, shard_part(part, full, self.shapes, i, j))
+        for part, row in self.part_rows():
+            self.write_part_state(
+                part, row, "weights", init_full_part(self.shapes, part, row, seed, init_std)
+            )
 
-    def set_part_weights(self, part: str, row: int, local: dict[str, torch.Tensor]) -> None:
-        """Stores this rank's tensor-parallel shard of a part's weights (keeps the RTS slice)."""
+    def part_rows(self) -> list[tuple[str, int]]:
+        """Every (part, row) of the model in order: the embedding, each decoder layer, the head."""
+        return [(part, row) for part in PARTS for row in range(part_rows(part, self.shapes.layers))]
+
+    def write_part_state(
+        self, part: str, row: int, state: str, full: dict[str, torch.Tensor]
+    ) -> None:
+        """Stores this rank's share (TP shard, then RTS slice) of a part's logical tensors.
+
+        Args:
+            part, row: Which part (``row`` is the layer for ``layers``, else 0).
+            state: ``weights``, ``exp_avg`` or ``exp_avg_sq``.
+            full: Unsharded, unpadded float32 tensors named within the part (as in :class:`GPT`).
+        """
+        local = shard_part(part, full, self.shapes, self.layout.tp1.rank, self.layout.tp2.rank)
         for kind, spec in self.specs[part].items():
             flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
-            self.parts[part].weights[kind][row].copy_(flat)
+            getattr(self.parts[part], state)[kind][row].copy_(flat)
+
+    def read_part_state(
+        self, part: str, row: int, state: str = "weights"
+    ) -> dict[str, torch.Tensor]:
+        """Unsharded, unpadded float32 tensors of one part, named within the part.
+
+        Collective over all ranks. ``state`` is ``weights``, ``grads`` (the last step's mean
+        gradients, loss scale included), ``exp_avg`` or ``exp_avg_sq``.
+        """
+        tp1, tp2 = self.layout.tp1, self.layout.tp2
+        shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        for kind, spec in self.specs[part].items():
+            stored = getattr(self.parts[part], state)[kind][row].to(self.device)
+            packed = tp1.all_gather(tp2.all_gather(self.rts[kind].all_gather(stored)))
+            for index, flat in enumerate(packed.view(-1, spec.padded).cpu()):
+                shards.setdefault(divmod(index, tp2.size), {}).update(spec.views(flat))
+        return {name: t.clone() for name, t in unshard_part(part, shards, self.shapes).items()}
 
     def full_state(self, state: str = "weights") -> dict[str, torch.Tensor]:
         """Unsharded, unpadded float32 tensors of every parameter, named as in :class:`GPT`.
@@ -163,19 +192,11 @@ class PhasedEngine:
         Collective over all ranks. ``state`` is ``weights``, ``grads`` (the last step's mean
         gradients, loss scale removed), ``exp_avg`` or ``exp_avg_sq``.
         """
-        tp1, tp2 = self.layout.tp1, self.layout.tp2
         out = {}
-        for part in PARTS:
-            for row in range(self.parts[part].rows):
-                shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-                for kind, spec in self.specs[part].items():
-                    stored = getattr(self.parts[part], state)[kind][row].to(self.device)
-                    packed = tp1.all_gather(tp2.all_gather(self.rts[kind].all_gather(stored)))
-                    for index, flat in enumerate(packed.view(-1, spec.padded).cpu()):
-                        shards.setdefault(divmod(index, tp2.size), {}).update(spec.views(flat))
-                prefix = f"{part}.{row}." if part == LAYERS else f"{part}."
-                for name, t in unshard_part(part, shards, self.shapes).items():
-                    out[prefix + name] = t.clone()
+        for part, row in self.part_rows():
+            prefix = f"{part}.{row}." if part == LAYERS else f"{part}."
+            for name, t in self.read_part_state(part, row, state).items():
+                out[prefix + name] = t
         if state == "grads":
             out = {k: v / self.config.training.loss_scaling for k, v in out.items()}
         return out
