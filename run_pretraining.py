@@ -25,6 +25,7 @@ from data.loader import (
 )
 from execution.layout import setup_layout, teardown
 from execution.phases import PhasedEngine
+from execution.planner import choose_plan, measure_budget
 from execution.training import train
 from utils.tracking import ConsoleTracker, JsonlTracker, MultiTracker, NullTracker, WandbTracker
 
@@ -82,7 +83,12 @@ def run(config, preset, layout, launch) -> None:
             f"{output_dir} already holds the metrics.jsonl of another run; "
             "choose a new --output_dir (or leave it out for a fresh folder under runs/)"
         )
-    engine = PhasedEngine(config, layout)  # before any output: a failed start leaves nothing
+    # Planned before any output: a run that cannot fit says so and leaves nothing behind.
+    budget = measure_budget(config, layout.device, layout.local_world_size)
+    plan = choose_plan(config, layout.device.type, budget)
+    if layout.is_main:
+        print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
+    engine = PhasedEngine(config, layout, plan)
     tracker = NullTracker()
     if layout.is_main:
         try:
@@ -101,8 +107,7 @@ def run(config, preset, layout, launch) -> None:
         print(
             f"preset {preset}: {m.layers} layers x {m.hidden_size} hidden, "
             f"{config.world_size} process(es) ({launch.launcher}) on {layout.device}, "
-            f"{ex.placement} buffers, {config.training.precision}, "
-            f"gradient accumulation {config.gradient_accumulation}, "
+            f"{config.training.precision}, gradient accumulation {config.gradient_accumulation}, "
             f"{sum(engine.buffer_bytes().values()) / 2**30:.2f} GiB of buffers per process\n"
             f"data: {'shipped sample ' if using_sample else ''}{', '.join(train_files)} "
             f"({loader.samples_per_epoch} sequences per epoch)\n"

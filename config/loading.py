@@ -255,6 +255,9 @@ def validate(config: PretrainingConfig) -> None:
         "eval_every": d.eval_every,
         "eval_batches": d.eval_batches,
         "peak_tflops": ex.peak_tflops,
+        "passes": ex.passes,
+        "device_memory_gb": ex.device_memory_gb,
+        "host_memory_gb": ex.host_memory_gb,
     }
     for name, value in non_negative.items():
         if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
@@ -313,6 +316,13 @@ def validate(config: PretrainingConfig) -> None:
         raise ConfigError(
             f"--global_batch_size {t.global_batch_size} is not divisible by --micro_batch_size "
             f"{ex.micro_batch_size} x --data_parallel {ex.data_parallel} = {per_step}"
+        )
+    if ex.passes > config.gradient_accumulation:
+        raise ConfigError(
+            f"--passes {ex.passes} exceeds the {config.gradient_accumulation} micro-batches each "
+            f"replica runs per step (--global_batch_size {t.global_batch_size} / "
+            f"(--micro_batch_size {ex.micro_batch_size} x --data_parallel {ex.data_parallel})); "
+            "each pass needs at least one micro-batch"
         )
     if m.heads % ex.tensor_parallel_1:
         raise ConfigError(

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 PRECISIONS = ("float32", "bfloat16", "float16")
-PLACEMENTS = ("remote", "resident")
+PLACEMENTS = ("auto", "remote", "resident")
+STATE_PLACEMENTS = ("auto", "device", "host")
 DEVICES = ("auto", "cpu", "cuda")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
@@ -139,11 +140,56 @@ class ExecutionConfig:
         default=1, metadata=_doc("Tensor-parallel axis 2: the hidden dimension.")
     )
     placement: str = field(
-        default="remote",
+        default="auto",
         metadata=_doc(
-            "remote: weights, grads, optimizer state and activations in host memory, streamed "
-            "per phase; resident: the same schedule with buffers on the compute device.",
+            "Where state lives. auto: the planner picks passes and each state's place to fit "
+            "the device and this process's share of host memory, fastest plan first; remote: "
+            "weights, optimizer state, gradients and activations in host memory, streamed per "
+            "phase; resident: all of it on the compute device. The per-state flags override it.",
             choices=PLACEMENTS,
+        ),
+    )
+    weights_placement: str = field(
+        default="auto",
+        metadata=_doc(
+            "Weights with their AdamW moments: device, host, or auto (follow --placement).",
+            choices=STATE_PLACEMENTS,
+        ),
+    )
+    grads_placement: str = field(
+        default="auto",
+        metadata=_doc(
+            "float32 gradient accumulators: device, host, or auto (follow --placement).",
+            choices=STATE_PLACEMENTS,
+        ),
+    )
+    activations_placement: str = field(
+        default="auto",
+        metadata=_doc(
+            "Activation buffers x and dx: device, host, or auto (follow --placement).",
+            choices=STATE_PLACEMENTS,
+        ),
+    )
+    passes: int = field(
+        default=0,
+        metadata=_doc(
+            "Walk the model this many times per step, each over its share of the step's "
+            "micro-batches (1: each layer loaded once per step, most activation memory; "
+            "gradient accumulation: per-micro-batch streaming, least). 0: the planner chooses."
+        ),
+    )
+    device_memory_gb: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Device memory the planner may use, in GiB; 0 measures the free memory (on a CPU "
+            "device, host and device are the same memory)."
+        ),
+    )
+    host_memory_gb: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Host memory this process may use, in GiB; 0 takes its share of the available "
+            "memory (available / processes on the node)."
         ),
     )
     device: str = field(

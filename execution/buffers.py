@@ -1,4 +1,4 @@
-"""Remote buffers: where weights, gradients, AdamW state and activations live between phases.
+"""Buffers: where weights, gradients, AdamW state and activations live between phases.
 
 Each part (embedding, the stack of decoder layers, head) stores, per parameter *kind* (see
 :mod:`execution.sharding`), one flat float32 tensor with a row per layer: its tensor-parallel
@@ -6,19 +6,22 @@ shard packed and padded to a multiple of the kind's RTS group, of which this ran
 1/group slice. Flat rows make a phase's load one copy and one all-gather, its gradient reduction
 one reduce-scatter, and the optimizer update a handful of vectorised ops.
 
-``remote`` placement keeps all of it in host memory (pinned when computing on a GPU) and every
-phase copies what it needs; ``resident`` keeps the same buffers on the compute device.
+Each state lives in one :class:`Place`: host memory (pinned when computing on a GPU; a phase
+copies what it needs) or the compute device (used in place). The byte counts the planner works
+with come from the ``planned_nbytes`` functions here, which the constructors allocate by, so a
+plan can never disagree with what is allocated.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
 from execution.sharding import KINDS, MATRIX, PLAN, TP1_VECTOR, TP2_VECTOR
-from modelling.gpt import LAYERS, PARTS
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
 from modelling.parallel import Axis
 
 
@@ -66,18 +69,82 @@ def rts_axes(layout) -> dict[str, Axis]:
     return {MATRIX: layout.dp, TP2_VECTOR: layout.dp_tp1, TP1_VECTOR: layout.dp_tp2}
 
 
-def flat_specs(local_shapes: dict[str, dict[str, torch.Size]], layout) -> dict[str, dict]:
-    """Per part, per kind present, the :class:`FlatSpec` of this rank's tensor-parallel shards."""
-    rts = rts_axes(layout)
+def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:
+    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, tp1, tp2) layout."""
+    return {MATRIX: dp, TP2_VECTOR: dp * tp1, TP1_VECTOR: dp * tp2}
+
+
+def local_parameter_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
+    """Per part, the shapes of one (tp1, tp2) shard's parameters (read off a meta model)."""
+    with torch.device("meta"):
+        template = GPT(
+            dataclasses.replace(shapes, layers=1), _SizedAxis(shapes.tp1), _SizedAxis(shapes.tp2)
+        )
+    modules = {EMBEDDING: template.embedding, LAYERS: template.layers[0], HEAD: template.head}
+    return {
+        part: {name: p.shape for name, p in module.named_parameters()}
+        for part, module in modules.items()
+    }
+
+
+class _SizedAxis:
+    """An axis that only knows its size: enough to build a shard's modules on the meta device."""
+
+    rank = 0
+
+    def __init__(self, size: int):
+        self.size = size
+
+
+def flat_specs(shapes: GPTShapes, rts: dict[str, int]) -> dict[str, dict[str, FlatSpec]]:
+    """Per part, per kind present, the :class:`FlatSpec` of one rank's tensor-parallel shards.
+
+    Args:
+        shapes: Model sizes with the layout's tp1 and tp2.
+        rts: RTS group size per kind (:func:`rts_sizes`).
+    """
+    local_shapes = local_parameter_shapes(shapes)
     specs: dict[str, dict[str, FlatSpec]] = {}
     for part in PARTS:
         specs[part] = {}
         for kind in KINDS:
             names = tuple(n for n, rule in PLAN[part].items() if rule.kind == kind)
             if names:
-                shapes = tuple(local_shapes[part][n] for n in names)
-                specs[part][kind] = FlatSpec(kind, names, shapes, rts[kind].size)
+                part_shapes = tuple(local_shapes[part][n] for n in names)
+                specs[part][kind] = FlatSpec(kind, names, part_shapes, rts[kind])
     return specs
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where one state lives.
+
+    Attributes:
+        device: The compute device, or the CPU for host memory.
+        pin: Page-locked host memory (when computing on a GPU), for asynchronous copies.
+        remote: Host memory that phases copy from and store back to, even when the compute
+            device is the CPU itself (so a CPU run measures and tests the same movement).
+    """
+
+    device: torch.device
+    pin: bool = False
+    remote: bool = False
+
+    @classmethod
+    def of(cls, where: str, compute: torch.device) -> Place:
+        """``device`` or ``host`` for a run computing on ``compute``."""
+        if where == "device":
+            return cls(compute)
+        return cls(torch.device("cpu"), pin=compute.type == "cuda", remote=True)
+
+
+def part_rows(part: str, layers: int) -> int:
+    return layers if part == LAYERS else 1
+
+
+# Model states as the planner places them: the weights travel with their AdamW moments.
+WEIGHT_STATES = ("weights", "exp_avg", "exp_avg_sq")
+GRAD_STATES = ("grads",)
 
 
 class PartBuffers:
@@ -86,26 +153,22 @@ class PartBuffers:
     STATES = ("weights", "grads", "exp_avg", "exp_avg_sq")
 
     @classmethod
-    def planned_nbytes(cls, specs: dict[str, FlatSpec], rows: int) -> int:
-        """Bytes the buffers of a part will take, known before allocating them."""
-        return len(cls.STATES) * rows * sum(spec.shard for spec in specs.values()) * 4
+    def planned_nbytes(cls, specs: dict[str, FlatSpec], rows: int, states=STATES) -> int:
+        """Bytes the given states of a part will take, known before allocating them."""
+        return len(states) * rows * sum(spec.shard for spec in specs.values()) * 4
 
-    def __init__(self, specs: dict[str, FlatSpec], rows: int, device: torch.device, pin: bool):
+    def __init__(self, specs: dict[str, FlatSpec], rows: int, places: dict[str, Place]):
         self.specs = specs
         self.rows = rows
-
-        def alloc() -> dict[str, torch.Tensor]:
-            out = {}
-            for kind, spec in specs.items():
-                # Allocated pinned, not pinned afterwards: .pin_memory() would copy, doubling the peak.
-                out[kind] = torch.zeros(rows, spec.shard, dtype=torch.float32, device=device,
-                                        pin_memory=pin)  # fmt: skip
-            return out
-
-        self.weights = alloc()
-        self.grads = alloc()
-        self.exp_avg = alloc()
-        self.exp_avg_sq = alloc()
+        self.places = places
+        for state in self.STATES:
+            place = places[state]
+            # Allocated pinned, not pinned afterwards: .pin_memory() would copy, doubling the peak.
+            setattr(self, state, {
+                kind: torch.zeros(rows, spec.shard, dtype=torch.float32, device=place.device,
+                                  pin_memory=place.pin)
+                for kind, spec in specs.items()
+            })  # fmt: skip
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, per kind of state (for memory accounting)."""
@@ -115,28 +178,58 @@ class PartBuffers:
         }
 
 
-def part_rows(part: str, layers: int) -> int:
-    return layers if part == LAYERS else 1
+@dataclass(frozen=True)
+class ActivationLayout:
+    """Sizes of the activation buffers of one rank.
+
+    Attributes:
+        layers: Decoder layers (x has ``layers + 1`` rows: the embedding's output and each
+            layer's).
+        entries: Micro-batches held at once (those of one pass).
+        tokens: ``(micro_batch, sequence)`` of one micro-batch.
+        hidden: Local width of the residual stream (``hidden / tp2``).
+        tp1: x is identical across tp1, so each tp1 rank stores a 1/tp1 slice of every entry.
+        dtype: Compute dtype.
+    """
+
+    layers: int
+    entries: int
+    tokens: tuple[int, int]
+    hidden: int
+    tp1: int
+    dtype: torch.dtype
+
+    @property
+    def entry_numel(self) -> int:
+        return math.prod(self.tokens) * self.hidden
+
+    @property
+    def x_shard(self) -> int:
+        """Elements of one x entry this rank stores (the entry padded to a multiple of tp1)."""
+        return math.ceil(self.entry_numel / self.tp1)
+
+    def planned_nbytes(self) -> int:
+        """Bytes x and dx will take together, known before allocating them."""
+        x = (self.layers + 1) * self.entries * self.x_shard
+        dx = 2 * self.entries * self.entry_numel
+        return (x + dx) * self.dtype.itemsize
 
 
 class ActivationBuffers:
-    """x and dx: (layers + 1) rows x gradient-accumulation entries of ``[mbs, seq, h/tp2]``.
+    """x: (layers + 1) rows of this rank's tp1 slice of each entry; dx: two rows of entries.
 
-    Row 0 is the embedding's output, row n + 1 the output of decoder layer n; dx mirrors it
-    with gradients, filled from the head (row ``layers``) down to the embedding (row 0).
+    Row 0 of x is the embedding's output, row n + 1 the output of decoder layer n. Backward
+    only ever holds the gradient entering a layer and the one leaving it, so dx alternates
+    between two rows: the gradient at layer boundary n lives in row ``n % 2``.
     """
 
-    @staticmethod
-    def planned_nbytes(layers: int, entries: int, entry_shape: tuple[int, ...],
-                       dtype: torch.dtype) -> int:  # fmt: skip
-        """Bytes x and dx will take together, known before allocating them."""
-        return 2 * math.prod((layers + 1, entries, *entry_shape)) * dtype.itemsize
-
-    def __init__(self, layers: int, entries: int, entry_shape: tuple[int, ...],
-                 dtype: torch.dtype, device: torch.device, pin: bool):  # fmt: skip
-        shape = (layers + 1, entries, *entry_shape)
-        self.x = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
-        self.dx = torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
+    def __init__(self, layout: ActivationLayout, place: Place):
+        self.layout = layout
+        a = layout
+        self.x = torch.empty((a.layers + 1, a.entries, a.x_shard), dtype=a.dtype,
+                             device=place.device, pin_memory=place.pin)  # fmt: skip
+        self.dx = torch.empty((2, a.entries, *a.tokens, a.hidden), dtype=a.dtype,
+                              device=place.device, pin_memory=place.pin)  # fmt: skip
 
     def nbytes(self) -> int:
-        return 2 * self.x.numel() * self.x.element_size()
+        return sum(t.numel() * t.element_size() for t in (self.x, self.dx))

@@ -1,18 +1,16 @@
-"""The phased training step (DESIGN.md section 6).
+"""The phased training step (DESIGN.md section 6): the engine and the body of every phase.
 
-One step walks the model part by part. Each phase loads one part's weights (a single copy and
-all-gather of its flat shards), runs it for *every* micro-batch, streaming activations through the
-x/dx buffers, and stores what it produced:
+Three concerns, three places:
 
-1. embedding forward        -> x[0][m]
-2. decoder n forward        x[n][m] -> x[n+1][m]                 (n = 0 .. L-1)
-3. head forward + backward  x[L][m] -> loss, dx[L][m]; tied word-embedding grad parked
-4. decoder n backward       recompute from x[n][m], dx[n+1][m] -> dx[n][m]; grads reduced
-5. embedding backward       dx[0][m] + parked tied grad; global grad norm complete
-6. optimizer, every part    clip by the global norm, AdamW on this rank's shards
+- *which* phases run, in which order, over which micro-batches: :mod:`execution.schedule`
+  (one or more passes over the step's micro-batches);
+- *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.state`, placed
+  by the plan of :mod:`execution.planner`;
+- *what* each phase computes: the ``_phase_*`` methods below, which only call the model's
+  stateless part templates on device tensors.
 
-Weights of a part are loaded once per phase whatever the gradient accumulation; the layers never
-know they are phased (one template block is bound to each layer's weights in turn).
+A phase loads one part's weights once and runs it for every micro-batch of its pass; the layers
+never know they are phased (one template block is bound to each layer's weights in turn).
 """
 
 from __future__ import annotations
@@ -23,16 +21,18 @@ from dataclasses import dataclass
 import torch
 from torch.func import functional_call
 
-from config.loading import ConfigError
 from config.schema import PretrainingConfig
-from execution.buffers import ActivationBuffers, PartBuffers, flat_specs, part_rows, rts_axes
+from execution import schedule
+from execution.buffers import Place, flat_specs, rts_axes
 from execution.layout import ParallelLayout
 from execution.optimizer import adamw_, clip_coefficient
-from execution.sharding import DECAYED_KINDS, MATRIX, shard_part, unshard_part
+from execution.planner import DTYPES, MemoryPlan, RankShape, choose_plan, measure_budget
+from execution.schedule import Phase
+from execution.sharding import DECAYED_KINDS, shard_part, unshard_part
+from execution.state import StateStore
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
 from modelling.layers import BlockSeeds
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MASK64 = (1 << 64) - 1
 
 
@@ -55,108 +55,66 @@ class StepResult:
     skipped: bool  # the gradients were not finite, so no weight changed
 
 
-def check_buffers_fit(needed: int, device: torch.device, processes_per_node: int) -> None:
-    """Raises a one-line ConfigError when the buffers cannot fit, before allocating anything.
-
-    A model that does not fit would otherwise be killed by the kernel mid-allocation, or fail
-    deep inside torch with an out-of-memory error. Host memory is shared by the node's
-    processes, so their buffers are counted together.
-    """
-    if device.type == "cuda":
-        available, where = torch.cuda.mem_get_info(device)[0], f"are free on {device}"
-        total = needed
-    else:
-        available, where = _host_memory_available(), "of host memory are available"
-        total = needed * processes_per_node
-    if available is not None and total > available:
-        node = f" x {processes_per_node} processes on this node" if total != needed else ""
-        raise ConfigError(
-            f"the buffers need {needed / 2**30:,.1f} GiB per process{node} (float32 weights, grads and "
-            f"two AdamW moments, plus activations) but only {available / 2**30:,.1f} GiB {where}; "
-            "add data-parallel replicas (RTS shards this state) or tensor parallelism, use "
-            "--placement remote on a GPU, or choose a smaller model"
-        )
-
-
-def _host_memory_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 class PhasedEngine:
     """Owns the buffers of one rank and runs training and evaluation steps phase by phase.
 
     Args:
         config: Validated run configuration.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
+        plan: Passes and placements; by default the planner chooses from the flags and the
+            memory this process may use.
     """
 
-    def __init__(self, config: PretrainingConfig, layout: ParallelLayout):
+    def __init__(self, config: PretrainingConfig, layout: ParallelLayout,
+                 plan: MemoryPlan | None = None):  # fmt: skip
         self.config = config
         self.layout = layout
         self.device = layout.device
         self.shapes = GPTShapes.from_config(config.model, layout.tp1.size, layout.tp2.size)
         self.dtype = DTYPES[config.training.precision]
-        self.remote = config.execution.placement == "remote"
-        self.gradient_accumulation = config.training.global_batch_size // (
-            config.execution.micro_batch_size * layout.dp.size
-        )
+        self.gradient_accumulation = config.gradient_accumulation
+        if plan is None:
+            budget = measure_budget(config, self.device, layout.local_world_size)
+            plan = choose_plan(config, self.device.type, budget)
+        self.plan = plan
         with torch.device("meta"):
             template = GPT(self.shapes, layout.tp1, layout.tp2)
         # Stateless templates: weights are bound per call with functional_call.
         self.templates = {EMBEDDING: template.embedding, LAYERS: template.layers[0],
                           HEAD: template.head}  # fmt: skip
-        local_shapes = {
-            part: {name: p.shape for name, p in module.named_parameters()}
-            for part, module in self.templates.items()
-        }
-        self.specs = flat_specs(local_shapes, layout)
         self.rts = rts_axes(layout)
-
-        buffer_device = torch.device("cpu") if self.remote else self.device
-        pin = self.remote and self.device.type == "cuda"
-        layers = self.shapes.layers
-        activation_layout = (
-            layers,
-            self.gradient_accumulation,
-            (config.execution.micro_batch_size, config.model.sequence_length,
-             self.shapes.hidden // self.shapes.tp2),
-            self.dtype,
-        )  # fmt: skip
-        planned = ActivationBuffers.planned_nbytes(*activation_layout) + sum(
-            PartBuffers.planned_nbytes(self.specs[part], part_rows(part, layers)) for part in PARTS
+        self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
+        places = {s: Place.of(getattr(plan.placement, s), self.device)
+                  for s in ("weights", "grads", "activations")}  # fmt: skip
+        rank_activations = RankShape.from_config(config).activation_layout(
+            plan.micro_batches_per_pass
         )
-        check_buffers_fit(planned, buffer_device, layout.local_world_size)
-        self.parts = {
-            part: PartBuffers(self.specs[part], part_rows(part, layers), buffer_device, pin)
-            for part in PARTS
-        }
-        self.activations = ActivationBuffers(*activation_layout, buffer_device, pin)
+        self.state = StateStore(self.specs, self.shapes.layers, self.rts, layout, places,
+                                rank_activations)  # fmt: skip
         self.optimizer_steps = 0
         self._initialise_weights(config.training.seed, config.model.init_std)
+        self._bodies = {
+            schedule.EMBEDDING_FORWARD: self._phase_embedding_forward,
+            schedule.LAYER_FORWARD: self._phase_layer_forward,
+            schedule.HEAD: self._phase_head,
+            schedule.LAYER_BACKWARD: self._phase_layer_backward,
+            schedule.EMBEDDING_BACKWARD: self._phase_embedding_backward,
+        }
 
     # ----------------------------------------------------------------- weights in and out
 
     def _initialise_weights(self, seed: int, init_std: float) -> None:
         """Creates each part's full weights, keeps this rank's tensor-parallel and RTS slice."""
         for part, row in self.part_rows():
-            self.write_part_state(
-                part, row, "weights", init_full_part(self.shapes, part, row, seed, init_std)
-            )
+            full = init_full_part(self.shapes, part, row, seed, init_std)
+            self.write_part_state(part, row, "weights", full)
 
     def part_rows(self) -> list[tuple[str, int]]:
         """Every (part, row) of the model in order: the embedding, each decoder layer, the head."""
-        return [(part, row) for part in PARTS for row in range(part_rows(part, self.shapes.layers))]
+        return [(part, row) for part in PARTS for row in range(self.state.parts[part].rows)]
 
-    def write_part_state(
-        self, part: str, row: int, state: str, full: dict[str, torch.Tensor]
-    ) -> None:
+    def write_part_state(self, part: str, row: int, state: str,
+                         full: dict[str, torch.Tensor]) -> None:  # fmt: skip
         """Stores this rank's share (TP shard, then RTS slice) of a part's logical tensors.
 
         Args:
@@ -167,11 +125,9 @@ class PhasedEngine:
         local = shard_part(part, full, self.shapes, self.layout.tp1.rank, self.layout.tp2.rank)
         for kind, spec in self.specs[part].items():
             flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
-            getattr(self.parts[part], state)[kind][row].copy_(flat)
+            getattr(self.state.parts[part], state)[kind][row].copy_(flat)
 
-    def read_part_state(
-        self, part: str, row: int, state: str = "weights"
-    ) -> dict[str, torch.Tensor]:
+    def read_part_state(self, part: str, row: int, state: str = "weights"):
         """Unsharded, unpadded float32 tensors of one part, named within the part.
 
         Collective over all ranks. ``state`` is ``weights``, ``grads`` (the last step's mean
@@ -180,7 +136,7 @@ class PhasedEngine:
         tp1, tp2 = self.layout.tp1, self.layout.tp2
         shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         for kind, spec in self.specs[part].items():
-            stored = getattr(self.parts[part], state)[kind][row].to(self.device)
+            stored = getattr(self.state.parts[part], state)[kind][row].to(self.device)
             packed = tp1.all_gather(tp2.all_gather(self.rts[kind].all_gather(stored)))
             for index, flat in enumerate(packed.view(-1, spec.padded).cpu()):
                 shards.setdefault(divmod(index, tp2.size), {}).update(spec.views(flat))
@@ -200,18 +156,6 @@ class PhasedEngine:
         if state == "grads":
             out = {k: v / self.config.training.loss_scaling for k, v in out.items()}
         return out
-
-    def _load_weights(self, part: str, row: int) -> dict[str, torch.Tensor]:
-        """Brings a part's weights to the device in compute dtype and gathers the RTS shards."""
-        weights = {}
-        for kind, spec in self.specs[part].items():
-            shard = self._to_device(self.parts[part].weights[kind][row], self.dtype)
-            weights.update(spec.views(self.rts[kind].all_gather(shard)))
-        return weights
-
-    def _to_device(self, t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A load from a remote buffer is a real copy; a resident buffer is used in place."""
-        return t.to(self.device, dtype, non_blocking=True, copy=self.remote)
 
     # ----------------------------------------------------------------- gradients
 
@@ -236,18 +180,23 @@ class PhasedEngine:
             shards[kind] = shard / dp.size if dp.size > 1 else shard
         return shards
 
-    def _store_grads(self, part: str, row: int, shards: dict[str, torch.Tensor]) -> None:
-        for kind, shard in shards.items():
-            self._grad_sumsq += shard.double().square().sum()
-            self.parts[part].grads[kind][row].copy_(shard, non_blocking=True)
+    def _finish_grads(self, part: str, row: int, acc: dict[str, torch.Tensor], phase: Phase):
+        """Reduces a phase's gradients and adds them to the step's; the last pass counts the norm."""
+        total = self.state.accumulate_grads(
+            part, row, self._reduce_over_replicas(acc), first=phase.first_pass
+        )
+        if phase.last_pass:
+            for shard in total.values():
+                self._grad_sumsq += shard.double().square().sum()
 
-    # ----------------------------------------------------------------- phases
+    # ----------------------------------------------------------------- phase bodies
 
     def _seeds(self, step: int | None, layer: int, micro: int) -> BlockSeeds | None:
         """Dropout seeds of (step, layer, global micro-batch); None disables dropout.
 
         Attention-probability masks must agree across tp2 (those ranks hold the same heads), so
-        they depend on the tp1 rank only; residual masks depend on the tp2 rank only.
+        they depend on the tp1 rank only; residual masks depend on the tp2 rank only. The
+        micro-batch index is global, so the masks do not depend on the number of passes.
         """
         if step is None or self.config.model.dropout_prob == 0.0:
             return None
@@ -260,113 +209,107 @@ class PhasedEngine:
         seeds = self._seeds(step, -1, micro)
         return seeds and seeds.attention_residual
 
-    def _fetch(self, buffer: torch.Tensor, row: int, micro: int) -> torch.Tensor:
-        return self._to_device(buffer[row, micro]).detach()
+    def _entries(self, phase: Phase):
+        """(micro-batch index in the step, activation buffer entry) for each of the phase's."""
+        return ((m, m - phase.micro_batches.start) for m in phase.micro_batches)
 
     @torch.no_grad()
-    def _forward_phases(self, ids: torch.Tensor, step: int | None) -> None:
-        """Phases 1-2: embedding and every decoder layer, all micro-batches each; fills x."""
-        x = self.activations.x
-        weights = self._load_weights(EMBEDDING, 0)
-        for m in range(ids.shape[0]):
-            y = functional_call(
-                self.templates[EMBEDDING], weights, (ids[m], self._embedding_seed(step, m))
-            )
-            x[0, m].copy_(y, non_blocking=True)
-        for n in range(self.shapes.layers):
-            weights = self._load_weights(LAYERS, n)
-            for m in range(ids.shape[0]):
-                y = functional_call(
-                    self.templates[LAYERS], weights, (self._fetch(x, n, m), self._seeds(step, n, m))
-                )
-                x[n + 1, m].copy_(y, non_blocking=True)
+    def _phase_embedding_forward(self, phase: Phase, batch: _Batch) -> None:
+        weights = self.state.load_weights(EMBEDDING, 0, self.dtype)
+        for m, e in self._entries(phase):
+            y = functional_call(self.templates[EMBEDDING], weights,
+                                (batch.ids[m], self._embedding_seed(batch.step, m)))  # fmt: skip
+            self.state.store_x(0, e, y)
 
-    def _head_phase(self, labels: torch.Tensor, backward: bool) -> list[torch.Tensor]:
-        """Phase 3: loss per micro-batch; with ``backward``, dx[L] and the head's grads."""
-        L = self.shapes.layers
-        head = self._load_weights(HEAD, 0)
-        word = self._load_weights(EMBEDDING, 0)["word.weight"]  # tied with the embedding
+    @torch.no_grad()
+    def _phase_layer_forward(self, phase: Phase, batch: _Batch) -> None:
+        n = phase.layer
+        weights = self.state.load_weights(LAYERS, n, self.dtype)
+        for m, e in self._entries(phase):
+            x = self.state.fetch_x(n, e)
+            y = functional_call(self.templates[LAYERS], weights, (x, self._seeds(batch.step, n, m)))
+            self.state.store_x(n + 1, e, y)
+
+    def _phase_head(self, phase: Phase, batch: _Batch) -> None:
+        """Loss per micro-batch; when training, dx at the last boundary and the head's grads.
+
+        The tied word embedding's gradient is added to the embedding's accumulators here and
+        completed by the embedding backward phase.
+        """
+        L, backward = self.shapes.layers, batch.training
+        head = self.state.load_weights(HEAD, 0, self.dtype)
+        word = self.state.load_weights(EMBEDDING, 0, self.dtype)["word.weight"]  # tied
         if backward:
             head = {k: v.detach().requires_grad_() for k, v in head.items()}
             word = word.detach().requires_grad_()
             head_acc, head_views = self._accumulators(HEAD)
             tied_acc, tied_views = self._accumulators(EMBEDDING)
-            scale = torch.tensor(self.config.training.loss_scaling / labels.shape[0],
+            # Every micro-batch's loss is 1/GA of the step's (whatever the passes).
+            scale = torch.tensor(self.config.training.loss_scaling / batch.micro_batches,
                                  device=self.device)  # fmt: skip
-        losses = []
-        for m in range(labels.shape[0]):
-            x = self._fetch(self.activations.x, L, m)
+        for m, e in self._entries(phase):
+            x = self.state.fetch_x(L, e)
             with torch.set_grad_enabled(backward):
                 x.requires_grad_(backward)
                 loss = functional_call(
-                    self.templates[HEAD], head, (x, word, labels[m], self.shapes.vocab)
+                    self.templates[HEAD], head, (x, word, batch.labels[m], self.shapes.vocab)
                 )
-            losses.append(loss.detach())
+            batch.losses.append(loss.detach())
             if not backward:
                 continue
             dx, dword, *grads = torch.autograd.grad(loss, [x, word, *head.values()], scale)
-            self.activations.dx[L, m].copy_(dx, non_blocking=True)
+            self.state.store_dx(L, e, dx)
             tied_views["word.weight"].add_(dword)
             for name, g in zip(head, grads, strict=True):
                 head_views[name].add_(g)
         if backward:
-            self._store_grads(HEAD, 0, self._reduce_over_replicas(head_acc))
-            # Parked in the embedding's grad buffer; phase 5 adds its own and counts the norm.
-            for kind, shard in self._reduce_over_replicas(tied_acc).items():
-                self.parts[EMBEDDING].grads[kind][0].copy_(shard, non_blocking=True)
-        return losses
+            self._finish_grads(HEAD, 0, head_acc, phase)
+            # Not the last word on the embedding's grads: its backward phase adds its own.
+            tied = self._reduce_over_replicas(tied_acc)
+            self.state.accumulate_grads(EMBEDDING, 0, tied, first=phase.first_pass)
 
-    def _layer_backward_phase(self, n: int, step: int) -> None:
-        """Phase 4 for layer n: recompute, backpropagate every micro-batch, reduce grads."""
-        acts = self.activations
-        weights = {k: v.detach().requires_grad_() for k, v in self._load_weights(LAYERS, n).items()}
+    def _phase_layer_backward(self, phase: Phase, batch: _Batch) -> None:
+        """Recompute layer n for each micro-batch, backpropagate, reduce its grads."""
+        n = phase.layer
+        weights = self.state.load_weights(LAYERS, n, self.dtype)
+        weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         acc, views = self._accumulators(LAYERS)
-        for m in range(self.gradient_accumulation):
-            x = self._fetch(acts.x, n, m).requires_grad_()
+        for m, e in self._entries(phase):
+            x = self.state.fetch_x(n, e).requires_grad_()
             with torch.enable_grad():
-                y = functional_call(self.templates[LAYERS], weights, (x, self._seeds(step, n, m)))
+                y = functional_call(self.templates[LAYERS], weights,
+                                    (x, self._seeds(batch.step, n, m)))  # fmt: skip
             dx, *grads = torch.autograd.grad(
-                y, [x, *weights.values()], self._fetch(acts.dx, n + 1, m)
+                y, [x, *weights.values()], self.state.fetch_dx(n + 1, e)
             )
-            acts.dx[n, m].copy_(dx, non_blocking=True)
+            self.state.store_dx(n, e, dx)
             for name, g in zip(weights, grads, strict=True):
                 views[name].add_(g)
-        self._store_grads(LAYERS, n, self._reduce_over_replicas(acc))
+        self._finish_grads(LAYERS, n, acc, phase)
 
-    def _embedding_backward_phase(self, ids: torch.Tensor, step: int) -> None:
-        """Phase 5: embedding grads plus the parked tied grad from the head."""
-        weights = {
-            k: v.detach().requires_grad_() for k, v in self._load_weights(EMBEDDING, 0).items()
-        }
+    def _phase_embedding_backward(self, phase: Phase, batch: _Batch) -> None:
+        """Embedding grads, added to the tied grad the head phase left in the accumulators."""
+        weights = self.state.load_weights(EMBEDDING, 0, self.dtype)
+        weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         acc, views = self._accumulators(EMBEDDING)
-        for m in range(ids.shape[0]):
+        for m, e in self._entries(phase):
             with torch.enable_grad():
-                y = functional_call(
-                    self.templates[EMBEDDING], weights, (ids[m], self._embedding_seed(step, m))
-                )
-            grads = torch.autograd.grad(
-                y, list(weights.values()), self._fetch(self.activations.dx, 0, m)
-            )
+                y = functional_call(self.templates[EMBEDDING], weights,
+                                    (batch.ids[m], self._embedding_seed(batch.step, m)))  # fmt: skip
+            grads = torch.autograd.grad(y, list(weights.values()), self.state.fetch_dx(0, e))
             for name, g in zip(weights, grads, strict=True):
                 views[name].add_(g)
-        shards = self._reduce_over_replicas(acc)
-        shards[MATRIX] += self._to_device(self.parts[EMBEDDING].grads[MATRIX][0])
-        self._store_grads(EMBEDDING, 0, shards)
+        self._finish_grads(EMBEDDING, 0, acc, phase)
 
     def _optimizer_phases(self, lr: float, grad_scale: float) -> None:
-        """Phase 6: AdamW on every part's shards, loaded and stored back one row at a time."""
+        """AdamW on every part's shards, one row of one kind at a time."""
         optim = self.config.training.optimizer
-        for part in PARTS:
-            buffers = self.parts[part]
-            for row in range(buffers.rows):
-                for kind in self.specs[part]:
-                    stored = [getattr(buffers, s)[kind][row] for s in PartBuffers.STATES]
-                    w, g, m, v = (self._to_device(t) for t in stored)
-                    adamw_(w, g, m, v, step=self.optimizer_steps, lr=lr, optim=optim,
-                           weight_decay=kind in DECAYED_KINDS, grad_scale=grad_scale)  # fmt: skip
-                    if self.remote:  # gradients are read-only here; store the rest back
-                        for target, value in ((stored[0], w), (stored[2], m), (stored[3], v)):
-                            target.copy_(value, non_blocking=True)
+        for part, row in self.part_rows():
+            for kind in self.specs[part]:
+                w, g, m, v = self.state.load_optimizer_row(part, kind, row)
+                adamw_(w, g, m, v, step=self.optimizer_steps, lr=lr, optim=optim,
+                       weight_decay=kind in DECAYED_KINDS, grad_scale=grad_scale)  # fmt: skip
+                self.state.store_optimizer_row(part, kind, row, [w, g, m, v])
 
     # ----------------------------------------------------------------- steps
 
@@ -381,20 +324,17 @@ class PhasedEngine:
         expected = (self.gradient_accumulation, self.config.execution.micro_batch_size,
                     self.config.model.sequence_length + 1)  # fmt: skip
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
-        tokens = tokens.to(self.device, non_blocking=True)
-        ids, labels = tokens[..., :-1], tokens[..., 1:]
+        batch = _Batch.of(tokens.to(self.device, non_blocking=True), step)
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-
-        self._forward_phases(ids, step)
-        losses = self._head_phase(labels, backward=True)
-        for n in reversed(range(self.shapes.layers)):
-            self._layer_backward_phase(n, step)
-        self._embedding_backward_phase(ids, step)
+        for phase in schedule.training_phases(
+            self.shapes.layers, self.gradient_accumulation, self.plan.micro_batches_per_pass
+        ):
+            self._bodies[phase.kind](phase, batch)
 
         world = self.layout.world
         scale = self.config.training.loss_scaling
         grad_norm = math.sqrt(world.all_reduce_(self._grad_sumsq).item()) / scale
-        loss = self._mean_over_replicas(torch.stack(losses).float().sum(), len(losses))
+        loss = self._mean_over_replicas(torch.stack(batch.losses).float().sum(), len(batch.losses))
         if not math.isfinite(grad_norm):
             return StepResult(loss, grad_norm, skipped=True)
         self.optimizer_steps += 1
@@ -406,26 +346,27 @@ class PhasedEngine:
     def evaluate(self, batches) -> float:
         """Mean loss (no dropout, no update) over batches of ``[micro_batch, seq + 1]``.
 
-        Runs the same forward phases, ``gradient_accumulation`` micro-batches at a time.
-        Collective: every rank must call it. Replicas use as many batches as the one with
-        the fewest, since each phase's weight all-gather needs every replica.
+        Runs the forward phases and the head over as many micro-batches at a time as one pass
+        holds. Collective: every rank must call it. Replicas use as many batches as the one
+        with the fewest, since each phase's weight all-gather needs every replica.
         """
         batches = list(batches)
         count_tensor = torch.tensor(len(batches), device=self.device)
         batches = batches[: int(self.layout.dp.all_reduce_(count_tensor, op="min"))]
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        count = 0
-        chunk: list[torch.Tensor] = []
-        for batch in [*batches, None]:
-            if batch is not None:
-                chunk.append(batch)
-            if chunk and (batch is None or len(chunk) == self.gradient_accumulation):
-                tokens = torch.stack(chunk).to(self.device)
-                self._forward_phases(tokens[..., :-1], step=None)
-                total += torch.stack(self._head_phase(tokens[..., 1:], backward=False)).sum()
-                count += len(chunk)
-                chunk = []
-        return self._mean_over_replicas(total, count)
+        per_pass = self.plan.micro_batches_per_pass
+        losses: list[torch.Tensor] = []
+        for start in range(0, len(batches), per_pass):
+            tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
+            batch = _Batch.of(tokens, step=None)
+            group = range(len(tokens))
+            for phase in [*schedule.forward_phases(self.shapes.layers, group),
+                          Phase(schedule.HEAD, 0, group)]:  # fmt: skip
+                self._bodies[phase.kind](phase, batch)
+            losses.extend(batch.losses)
+        total = (
+            torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)
+        )
+        return self._mean_over_replicas(total, len(losses))
 
     def _mean_over_replicas(self, total: torch.Tensor, count: int) -> float:
         both = torch.stack(
@@ -435,9 +376,28 @@ class PhasedEngine:
         return total_all / count_all if count_all else float("nan")
 
     def buffer_bytes(self) -> dict[str, int]:
-        """Bytes of host or device buffers held by this rank, by kind of state."""
-        out = {"activations": self.activations.nbytes()}
-        for buffers in self.parts.values():
-            for state, n in buffers.nbytes().items():
-                out[state] = out.get(state, 0) + n
-        return out
+        """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
+        activations."""
+        return self.state.nbytes()
+
+
+@dataclass
+class _Batch:
+    """The tokens a step (or an evaluation chunk) works on, and the losses its head emits."""
+
+    ids: torch.Tensor  # [micro_batches, micro_batch, seq]
+    labels: torch.Tensor
+    step: int | None  # None: evaluation (no dropout, no backward)
+    losses: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, step: int | None) -> _Batch:
+        return cls(tokens[..., :-1], tokens[..., 1:], step, [])
+
+    @property
+    def training(self) -> bool:
+        return self.step is not None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.ids.shape[0]

@@ -123,7 +123,10 @@ def test_bad_flags_name_the_problem(flags, message):
         ("tiny:\n  modle: {layers: 2}\n", "unknown section 'modle'"),
         ("tiny:\n  model: {layers: two}\n", "model.layers must be an integer"),
         ("tiny:\n  training: {precision: fp8}\n", "training.precision must be one of float32"),
-        ("tiny:\n  execution: {placement: host}\n", "placement must be one of remote, resident"),
+        (
+            "tiny:\n  execution: {placement: host}\n",
+            "placement must be one of auto, remote, resident",
+        ),
         ("tiny:\n  model: [1, 2\n", "is not valid YAML"),
         ("tiny:\n  base: nowhere\n", "has base 'nowhere'"),
         ("tiny:\n  base: other\nother:\n  base: tiny\n", "inherits from itself"),

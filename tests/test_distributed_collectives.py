@@ -246,7 +246,7 @@ def _rts_rank() -> dict:
                           "--tensor_parallel_2", "2")  # fmt: skip
     layout = world_layout(config)
     engine = PhasedEngine(config, layout)
-    loaded = {part: engine._load_weights(part, 0) for part in PARTS}
+    loaded = {part: engine.state.load_weights(part, 0, engine.dtype) for part in PARTS}
     reduced = {}
     for part in PARTS:
         acc = {kind: randn(spec.padded, seed=1000 * layout.rank + KINDS.index(kind))

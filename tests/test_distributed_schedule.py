@@ -141,35 +141,45 @@ def _phase_counts_rank(configs: list) -> list[dict[str, dict[str, int]]]:
 def test_each_phase_loads_its_weights_once_whatever_the_accumulation(tmp_path):
     """Per step on (2, 2, 2), with 1 and with 2 micro-batches per replica: the RTS traffic
     (all-gathers, gradient reduce-scatters and all-reduces over dp) is the same, the tensor-
-    parallel all-reduces grow with the micro-batches. L layers, RTS groups: matrices over dp,
-    tp2 vectors over dp x tp1, tp1 vectors over dp x tp2."""
+    parallel all-reduces grow with the micro-batches. With 2 passes over 2 micro-batches the
+    RTS traffic doubles and the tensor-parallel traffic does not change. L layers, RTS groups:
+    matrices over dp, tp2 vectors over dp x tp1, tp1 vectors over dp x tp2."""
     L = 2
+    runs = [(1, 1), (2, 1), (2, 2)]  # (micro-batches per replica, passes)
     configs = [small_config(*layout_flags(2, 2, 2), "--global_batch_size", str(2 * ga),
-                            "--micro_batch_size", "1") for ga in (1, 2)]  # fmt: skip
-    rts = {
-        # embedding fwd, L layers fwd, tied word embedding in the head, L layers bwd, embedding bwd
-        "dp": {
-            "all_gather": 2 * L + 3,
-            "reduce_scatter": L + 2,
-            # vector grads of every layer (2 kinds) and of the head, plus the loss mean
-            "all_reduce_sum": 2 * L + 1 + 1,
-        },
-        "dp_tp1": {"all_gather": 2 * L + 1},  # layer norms / output biases, and ln_f
-        "dp_tp2": {"all_gather": 2 * L},  # qkv and fc biases
-        "world": {"all_reduce_sum": 1},  # the global gradient norm
-    }
+                            "--micro_batch_size", "1", "--passes", str(passes))
+               for ga, passes in runs]  # fmt: skip
+
+    def rts(passes: int) -> dict:
+        # embedding fwd, L layers fwd, tied word embedding in the head, L layers bwd, embedding
+        # bwd: once per pass
+        return {
+            "dp": {
+                "all_gather": (2 * L + 3) * passes,
+                "reduce_scatter": (L + 2) * passes,
+                # vector grads of every layer (2 kinds) and of the head, plus the loss mean
+                "all_reduce_sum": (2 * L + 1) * passes + 1,
+            },
+            "dp_tp1": {"all_gather": (2 * L + 1) * passes},  # layer norms, output biases, ln_f
+            "dp_tp2": {"all_gather": 2 * L * passes},  # qkv and fc biases
+            "world": {"all_reduce_sum": 1},  # the global gradient norm
+        }
+
     # Per micro-batch, tp1: embedding g in its forward and its recompute (2); per layer 2 g
     # forward, 2 g recompute, 2 f backward; head max, target and sum-exp forward, 1 f backward.
-    tp1_per_micro = {"all_reduce_sum": 2 + 6 * L + 2 + 1, "all_reduce_max": 1}
+    # x is stored sharded over tp1: each of the 2L + 1 fetches (L layers forward, the head,
+    # L recomputes) gathers it.
+    tp1_per_micro = {"all_reduce_sum": 2 + 6 * L + 2 + 1, "all_reduce_max": 1,
+                     "all_gather": 2 * L + 1}  # fmt: skip
     # tp2: per layer (2 g + 4 norm statistics) forward, the same recomputed, (2 f + 4 norm
     # statistics) backward; head: ln_f 2 forward + 2 backward and the logits' g.
     tp2_per_micro = {"all_reduce_sum": 18 * L + 5}
     for counts in run_ranks(_phase_counts_rank, 8, tmp_path, configs):
-        for ga, step in zip((1, 2), counts, strict=True):
-            for axis, want in rts.items():
-                assert step[axis] == want, (ga, axis)
-            assert step["tp1"] == {k: ga * v for k, v in tp1_per_micro.items()}, ga
-            assert step["tp2"] == {k: ga * v for k, v in tp2_per_micro.items()}, ga
+        for (ga, passes), step in zip(runs, counts, strict=True):
+            for axis, want in rts(passes).items():
+                assert step[axis] == want, (ga, passes, axis)
+            assert step["tp1"] == {k: ga * v for k, v in tp1_per_micro.items()}, (ga, passes)
+            assert step["tp2"] == {k: ga * v for k, v in tp2_per_micro.items()}, (ga, passes)
 
 
 # ----------------------------------------------------------------- dropout consistency
@@ -185,10 +195,15 @@ def _dropout_rank(config) -> dict:
     )
     batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
     result = engine.train_step(batch, 0, 1e-3)
+    entries = range(engine.plan.micro_batches_per_pass)
+    boundaries = range(config.model.layers + 1)
     return {
         "loss": result.loss,
-        "x": engine.activations.x.clone(),
-        "dx": engine.activations.dx.clone(),
+        # x as the layers see it (each tp1 rank stores a slice; fetching gathers them)
+        "x": torch.stack(
+            [torch.stack([engine.state.fetch_x(n, e) for e in entries]) for n in boundaries]
+        ),
+        "dx": engine.state.activations.dx.clone(),
         "attention": torch.stack(attention_outputs),
     }
 
@@ -243,7 +258,7 @@ def test_rts_divides_host_buffers_by_data_parallel(tmp_path, tp):
         assert all(r == ranks[0] for r in ranks), "ranks of one layout hold equal shares"
         per_dp[dp] = ranks[0]
         world = config.world_size
-        for state in ("weights", "grads", "exp_avg", "exp_avg_sq"):
+        for state in ("weights", "optimizer", "grads"):
             assert world * ranks[0][state] == pytest.approx(single[state], rel=0.01), state
     for dp, got in per_dp.items():
         for state, nbytes in got.items():

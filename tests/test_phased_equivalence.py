@@ -97,20 +97,23 @@ def test_resident_placement_is_bitwise_equal_to_remote():
         assert torch.equal(remote_v[name], res_v[name]), name
 
 
-def test_each_layer_is_loaded_once_per_phase(monkeypatch):
-    """Weights of a part are loaded once per phase whatever the gradient accumulation."""
-    config = small_config("--layers", "3", "--global_batch_size", "8", "--micro_batch_size", "1")
+@pytest.mark.parametrize("passes", [1, 2, 8])
+def test_each_layer_is_loaded_once_per_phase(monkeypatch, passes):
+    """Weights of a part are loaded once per phase whatever the gradient accumulation; each
+    pass walks the model once more."""
+    config = small_config("--layers", "3", "--global_batch_size", "8", "--micro_batch_size", "1",
+                          "--passes", str(passes), "--placement", "remote")  # fmt: skip
     engine = PhasedEngine(config, ParallelLayout.single(CPU))
     loads = []
-    original = engine._load_weights
-    monkeypatch.setattr(engine, "_load_weights", lambda part, row: loads.append((part, row))
-                        or original(part, row))  # fmt: skip
+    original = engine.state.load_weights
+    monkeypatch.setattr(engine.state, "load_weights", lambda part, row, dtype:
+                        loads.append((part, row)) or original(part, row, dtype))  # fmt: skip
     engine.train_step(random_tokens(config, 1)[0], 0, 1e-3)
     layer_loads = [row for part, row in loads if part == "layers"]
-    # forward 0..2 then backward 2..0, each exactly once, despite 8 micro-batches
-    assert layer_loads == [0, 1, 2, 2, 1, 0]
-    assert loads.count(("embedding", 0)) == 3  # forward, tied head, backward
-    assert loads.count(("head", 0)) == 1
+    # forward 0..2 then backward 2..0, each exactly once per pass, despite 8 micro-batches
+    assert layer_loads == [0, 1, 2, 2, 1, 0] * passes
+    assert loads.count(("embedding", 0)) == 3 * passes  # forward, tied head, backward
+    assert loads.count(("head", 0)) == passes
 
 
 def test_bfloat16_step_tracks_float32():

@@ -1,0 +1,372 @@
+"""The memory planner: how many passes a step takes and where each state lives (DESIGN.md s. 9).
+
+Three states are placed, each on the compute device or in host memory:
+
+- ``weights``: float32 master weights with their two AdamW moments (16 bytes per parameter of
+  this rank's RTS shard, reported as 4 of weights and 8 of optimizer state);
+- ``grads``: float32 gradient accumulators (4 bytes per parameter of the shard);
+- ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
+  micro-batches of one pass, in the compute dtype.
+
+Byte counts come from the same functions the buffers are allocated by (:mod:`execution.buffers`).
+The device must also hold a transient working set (one layer's gathered weights, its gradient,
+the autograd state of one micro-batch, the logits of the head). Plans are ranked by the bytes
+they move between host and device per step; the first that fits is taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from config.loading import ConfigError
+from config.schema import PretrainingConfig
+from execution.buffers import (
+    GRAD_STATES,
+    WEIGHT_STATES,
+    ActivationLayout,
+    PartBuffers,
+    flat_specs,
+    part_rows,
+    rts_sizes,
+)
+from modelling.gpt import PARTS, GPTShapes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+STATES = ("weights", "grads", "activations")
+PLACES = ("device", "host")
+GiB = 2**30
+# Host memory the planner leaves to the interpreter, torch and the data loader.
+HOST_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each state lives: ``device`` or ``host``."""
+
+    weights: str
+    grads: str
+    activations: str
+
+    def describe(self) -> str:
+        return ", ".join(f"{s} on {getattr(self, s)}" for s in STATES)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A schedule and placement with the bytes it needs on this rank.
+
+    Attributes:
+        passes: Passes per step (each over ``micro_batches_per_pass`` micro-batches, the last
+            possibly fewer).
+        micro_batches_per_pass: Activation entries held at once.
+        placement: Where each state lives.
+        state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``, ``activations``.
+        working_set: Transient device bytes of the largest phase.
+        traffic: Estimated bytes moved between host and device per step.
+        shared_memory: The compute device is the CPU, so device and host are one pool.
+    """
+
+    passes: int
+    micro_batches_per_pass: int
+    placement: Placement
+    state_bytes: dict[str, int]
+    working_set: int
+    traffic: int
+    shared_memory: bool
+
+    def _place_of(self, key: str) -> str:
+        return getattr(self.placement, "weights" if key == "optimizer" else key)
+
+    def bytes_on(self, where: str) -> dict[str, int]:
+        """Bytes per state held on ``device`` or ``host`` (with ``working_set`` and ``total``)."""
+        out = {k: (v if self._place_of(k) == where else 0) for k, v in self.state_bytes.items()}
+        out["working_set"] = self.working_set if where == "device" else 0
+        out["total"] = sum(out.values())
+        return out
+
+    def describe(self) -> str:
+        """The start-up lines: passes, places and bytes, and why it fits."""
+        device, host = self.bytes_on("device"), self.bytes_on("host")
+        rows = [
+            f"plan: {self.passes} pass(es) of {self.micro_batches_per_pass} micro-batch(es); "
+            f"{self.placement.describe()}"
+        ]
+        for key in ("weights", "optimizer", "grads", "activations", "working_set"):
+            rows.append(
+                f"  {key:<12} device {device[key] / GiB:9.2f} GiB   host {host[key] / GiB:9.2f} GiB"
+            )
+        rows.append(
+            f"  {'total':<12} device {device['total'] / GiB:9.2f} GiB   "
+            f"host {host['total'] / GiB:9.2f} GiB   "
+            f"(host<->device {self.traffic / GiB:.2f} GiB per step)"
+        )
+        return "\n".join(rows)
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes this process may use. ``device`` is None when the device is the CPU (one pool)."""
+
+    device: int | None
+    host: int
+
+    def fits(self, plan: MemoryPlan) -> bool:
+        device, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
+        if self.device is None:
+            return device + host <= self.host
+        return device <= self.device and host <= self.host
+
+    def describe(self) -> str:
+        host = f"{self.host / GiB:,.1f} GiB of host memory"
+        if self.device is None:
+            return f"{host} (the CPU is the device)"
+        return f"{self.device / GiB:,.1f} GiB of device memory and {host}"
+
+
+def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
+    """The memory this process may plan with: flags first, else what the machine has free.
+
+    Host memory is shared by the node's processes, so each gets its share of what is available.
+    """
+    ex = config.execution
+    host = ex.host_memory_gb * GiB
+    if not host:
+        host = (_host_memory_available() or 0) * (1 - HOST_HEADROOM) / processes_per_node
+    gpu = None
+    if device.type != "cpu":
+        gpu = ex.device_memory_gb * GiB or torch.cuda.mem_get_info(device)[0]
+    return MemoryBudget(None if gpu is None else int(gpu), int(host))
+
+
+def _host_memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one rank's memory depends on: model shard sizes, batch and dtype."""
+
+    shapes: GPTShapes
+    dp: int
+    micro_batch: int
+    sequence: int
+    gradient_accumulation: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: PretrainingConfig) -> RankShape:
+        ex = config.execution
+        return cls(
+            GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
+            ex.data_parallel,
+            ex.micro_batch_size,
+            config.model.sequence_length,
+            config.gradient_accumulation,
+            DTYPES[config.training.precision],
+        )
+
+    @functools.cached_property
+    def specs(self):
+        s = self.shapes
+        return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2))
+
+    def activation_layout(self, entries: int) -> ActivationLayout:
+        s = self.shapes
+        return ActivationLayout(s.layers, entries, (self.micro_batch, self.sequence),
+                                s.hidden // s.tp2, s.tp1, self.dtype)  # fmt: skip
+
+
+def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
+    return math.ceil(gradient_accumulation / passes)
+
+
+def state_bytes(rank: RankShape, entries: int) -> dict[str, int]:
+    """Bytes of each state's buffers on one rank, from the allocating classes' own formulas."""
+    specs, layers = rank.specs, rank.shapes.layers
+
+    def part_bytes(states) -> int:
+        return sum(
+            PartBuffers.planned_nbytes(specs[p], part_rows(p, layers), states) for p in PARTS
+        )
+
+    weights = part_bytes(WEIGHT_STATES[:1])
+    return {
+        "weights": weights,
+        "optimizer": part_bytes(WEIGHT_STATES) - weights,
+        "grads": part_bytes(GRAD_STATES),
+        "activations": rank.activation_layout(entries).planned_nbytes(),
+    }
+
+
+def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bool) -> int:
+    """Transient device bytes of the largest phase (an estimate; buffers are exact).
+
+    Layer backward: the gathered weights, their gradient and float32 accumulator, the saved
+    tensors of one micro-batch's recompute, and dx in and out. Head: logits in the compute
+    dtype, their float32 softmax and gradient, the gathered word embedding and its gradient.
+    Optimizer, with host weights: one row's weights, gradient and moments in float32.
+    """
+    s, b = rank.shapes, rank.dtype.itemsize
+    specs = rank.specs
+    tokens = rank.micro_batch * rank.sequence
+    h2, h1 = s.hidden // s.tp2, s.hidden // s.tp1
+
+    def local(part: str) -> int:  # one row's tensor-parallel shard, in elements
+        return sum(spec.padded for spec in specs[part].values())
+
+    layer = local("layers") * (2 * b + 4)
+    layer += tokens * (8 * h2 + 13 * h1) * b + tokens * h2 * 8  # saved tensors, fp32 LN stats
+    if not flash_attention:  # the math kernel materialises scores, probabilities and grads
+        layer += 3 * rank.micro_batch * (s.heads // s.tp1) * rank.sequence**2 * 4
+    layer += 3 * tokens * h2 * b
+    vocab = s.vocab_padded // s.tp1
+    head = tokens * vocab * (2 * b + 4) + local("embedding") * (2 * b + 4) + 4 * tokens * h2 * b
+    optimizer = 0
+    if placement.weights == "host" or placement.grads == "host":
+        optimizer = 4 * 4 * max(spec.shard for part in PARTS for spec in specs[part].values())
+    return max(layer, head, optimizer)
+
+
+def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
+    """Bytes a step moves between host and device under a placement (0 for all-device)."""
+    state = state_bytes(rank, entries)
+    shard = state["weights"]  # float32 bytes of this rank's weight shards
+    traffic = 0
+    if placement.weights == "host":
+        # Each pass loads every part forward and again for backward; the optimizer reads
+        # weights and moments and writes them back.
+        traffic += 2 * passes * shard + 6 * shard
+    if placement.grads == "host":
+        traffic += (2 * passes - 1) * shard + shard  # stores, accumulating reads, optimizer
+    if placement.activations == "host":
+        layout = rank.activation_layout(entries)
+        s = rank.shapes
+        per_micro = (3 * layout.x_shard + 4 * layout.entry_numel) * (s.layers + 1)
+        traffic += per_micro * rank.gradient_accumulation * rank.dtype.itemsize
+    return traffic
+
+
+def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
+    """Each state's place as the flags fix it (None: the planner chooses)."""
+    ex = config.execution
+    shorthand = {"remote": "host", "resident": "device", "auto": None}[ex.placement]
+    flags = {
+        "weights": ex.weights_placement,
+        "grads": ex.grads_placement,
+        "activations": ex.activations_placement,
+    }
+    return {s: (v if v != "auto" else shorthand) for s, v in flags.items()}
+
+
+def candidate_plans(config: PretrainingConfig, device_type: str) -> list[MemoryPlan]:
+    """Every plan the flags allow, fastest first (least host traffic, then fewest passes)."""
+    rank = RankShape.from_config(config)
+    fixed = requested_placement(config)
+    ga = rank.gradient_accumulation
+    if config.execution.passes:
+        pass_options = [config.execution.passes]
+    else:  # each distinct number of micro-batches per pass, once
+        pass_options = sorted(
+            {math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)}
+        )
+    places = [[fixed[s]] if fixed[s] else list(PLACES) for s in STATES]
+    shared = device_type == "cpu"
+    plans = []
+    for where in itertools.product(*places):
+        placement = Placement(*where)
+        # CPU attention falls back to the math kernel (scores materialised) under dropout.
+        flash = device_type == "cuda" or config.model.dropout_prob == 0.0
+        working = working_set_bytes(rank, placement, flash_attention=flash)
+        for passes in pass_options:
+            entries = micro_batches_per_pass(ga, passes)
+            passes = math.ceil(ga / entries)
+            traffic = 0 if shared else host_traffic(rank, placement, passes, entries)
+            plans.append(MemoryPlan(passes, entries, placement, state_bytes(rank, entries),
+                                    working, traffic, shared))  # fmt: skip
+
+    # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
+    def hosted(plan: MemoryPlan) -> int:
+        return sum(getattr(plan.placement, s) == "host" for s in STATES)
+
+    return sorted(plans, key=lambda p: (p.traffic, hosted(p), p.passes))
+
+
+def choose_plan(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> MemoryPlan:
+    """The fastest plan that fits ``budget``; a one-line ConfigError when none does."""
+    plans = candidate_plans(config, device_type)
+    for plan in plans:
+        if budget.fits(plan):
+            return plan
+    least = min(plans, key=lambda p: _shortfall(p, budget))
+    need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
+    if budget.device is None:
+        needed = f"{sum(need) / GiB:,.1f} GiB"
+    else:
+        needed = f"{need[0] / GiB:,.1f} GiB of device and {need[1] / GiB:,.1f} GiB of host memory"
+    raise ConfigError(
+        f"this run needs at least {needed} per process (with {least.passes} pass(es), "
+        f"{least.placement.describe()}), but it may use {budget.describe()}; "
+        f"{_suggestions(config, device_type, budget)}"
+    )
+
+
+def _shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
+    device, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
+    if budget.device is None:
+        return device + host - budget.host
+    return max(device - budget.device, 0) + max(host - budget.host, 0)
+
+
+def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> str:
+    """Flags that would make the run fit, tried one change at a time."""
+    ex = config.execution
+    changes = []
+    for factor in (2, 4, 8, 16, 32, 64):
+        changes.append(("data_parallel", ex.data_parallel * factor))
+        changes.append(("tensor_parallel_1", ex.tensor_parallel_1 * factor))
+        changes.append(("tensor_parallel_2", ex.tensor_parallel_2 * factor))
+    micro = ex.micro_batch_size // 2
+    while micro >= 1:
+        changes.append(("micro_batch_size", micro))
+        micro //= 2
+    found: dict[str, str] = {}
+    for name, value in changes:
+        if name in found or not _valid_change(config, name, value):
+            continue
+        changed = _with_execution(config, **{name: value})
+        if any(budget.fits(p) for p in candidate_plans(changed, device_type)):
+            processes = f" ({changed.world_size} processes)" if "parallel" in name else ""
+            found[name] = f"--{name} {value}{processes}"
+    if not found:
+        return "no single change of data or tensor parallelism or micro-batch size makes it fit"
+    return "it would fit with " + " or ".join(found.values())
+
+
+def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:
+    m, ex = config.model, dataclasses.replace(config.execution, **{name: value})
+    per_step = ex.micro_batch_size * ex.data_parallel
+    return (
+        config.training.global_batch_size % per_step == 0
+        and m.heads % ex.tensor_parallel_1 == 0
+        and m.hidden_size % ex.tensor_parallel_2 == 0
+    )
+
+
+def _with_execution(config: PretrainingConfig, **changes) -> PretrainingConfig:
+    ex = dataclasses.replace(config.execution, **changes)
+    if ex.passes > (config.training.global_batch_size // (ex.micro_batch_size * ex.data_parallel)):
+        ex = dataclasses.replace(ex, passes=0)
+    return dataclasses.replace(config, execution=ex)

@@ -1,0 +1,181 @@
+"""Passes and placements change how often layers load and where state lives, never the numbers;
+the buffers allocated are exactly the bytes the planner predicted."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from execution.layout import GroupAxis, ParallelLayout
+from execution.phases import PhasedEngine
+from execution.planner import RankShape, state_bytes
+from tests.distributed import (
+    assert_states_close,
+    global_batches,
+    layout_flags,
+    replica_batch,
+    run_ranks,
+    small_config,
+    world_layout,
+)
+
+CPU = torch.device("cpu")
+# Passes change only the order in which float32 gradients are summed. The configs use AdamW eps
+# 1e-3 (see tests/distributed.py): with a tiny eps Adam magnifies that rounding in elements whose
+# gradient is ~0 (the key bias) past any tolerance, for any two correct summation orders.
+TOLERANCE = 1e-6
+STEPS = 3
+
+
+def train(config, layout: ParallelLayout | None = None, steps: int = STEPS) -> dict:
+    """``steps`` steps on the same global batches; losses, norms, final weights and moments."""
+    layout = layout or ParallelLayout.single(CPU)
+    engine = PhasedEngine(config, layout)
+    batches = global_batches(config, steps)
+    results = [
+        engine.train_step(replica_batch(config, batches[s], layout.dp.rank), s, 2e-3 * (s + 1))
+        for s in range(steps)
+    ]
+    return {
+        "losses": [r.loss for r in results],
+        "norms": [r.grad_norm for r in results],
+        "grads": engine.full_state("grads"),
+        "weights": engine.full_state("weights"),
+        "exp_avg_sq": engine.full_state("exp_avg_sq"),
+        "plan": (engine.plan.passes, engine.plan.placement),
+    }
+
+
+def assert_runs_close(run: dict, reference: dict, tolerance: float, what: str) -> None:
+    for key in ("losses", "norms"):
+        for got, want in zip(run[key], reference[key], strict=True):
+            assert abs(got - want) <= tolerance * abs(want), (what, key, got, want)
+    for state in ("grads", "weights", "exp_avg_sq"):
+        assert_states_close(run[state], reference[state], tolerance, f"{what} {state}")
+
+
+@pytest.mark.parametrize("dropout", ["0", "0.1"], ids=["no-dropout", "dropout"])
+def test_passes_give_the_same_steps(dropout):
+    """P = 1, 2 and GA (4 micro-batches): same losses, norms, gradients and updated weights
+    over 3 float32 steps. Dropout masks follow the global micro-batch, so they agree too."""
+    flags = ["--dropout_prob", dropout, "--global_batch_size", "8", "--micro_batch_size", "2"]
+    one = train(small_config(*flags, "--passes", "1"))
+    assert one["plan"][0] == 1
+    for passes in (2, 4):
+        other = train(small_config(*flags, "--passes", str(passes)))
+        assert other["plan"][0] == passes
+        assert_runs_close(other, one, TOLERANCE, f"passes {passes}")
+
+
+def test_uneven_passes_cover_every_micro_batch():
+    """3 passes over 4 micro-batches: groups of 2, 2 (the last pass may hold fewer)."""
+    flags = ["--global_batch_size", "8", "--micro_batch_size", "2"]
+    one = train(small_config(*flags, "--passes", "1"), steps=1)
+    uneven = train(small_config(*flags, "--passes", "3"), steps=1)
+    assert uneven["plan"][0] == 2
+    assert_runs_close(uneven, one, TOLERANCE, "3 passes requested")
+
+
+PLACEMENTS = list(itertools.product(("device", "host"), repeat=3))
+
+
+def placement_flags(weights: str, grads: str, activations: str) -> list[str]:
+    return ["--weights_placement", weights, "--grads_placement", grads,
+            "--activations_placement", activations]  # fmt: skip
+
+
+def test_every_placement_equals_all_remote():
+    """Each of the 8 combinations of device and host for weights (with optimizer state),
+    gradients and activations, with 2 passes and dropout, is bitwise equal to all-remote."""
+    flags = ["--dropout_prob", "0.1", "--passes", "2"]
+    remote = train(small_config(*flags, "--placement", "remote"))
+    assert remote["plan"][1].weights == "host"
+    for combo in PLACEMENTS:
+        run = train(small_config(*flags, *placement_flags(*combo)), steps=STEPS)
+        assert tuple(vars(run["plan"][1]).values()) == combo
+        assert run["losses"] == remote["losses"], combo
+        for state in ("grads", "weights", "exp_avg_sq"):
+            for name, t in remote[state].items():
+                assert torch.equal(run[state][name], t), (combo, state, name)
+
+
+# ----------------------------------------------------------------- the same at (2, 2, 2)
+
+
+def _passes_rank(configs: dict) -> dict:
+    return {name: train(config, world_layout(config)) for name, config in configs.items()}
+
+
+def test_passes_and_placements_at_2x2x2(tmp_path):
+    """On (dp, tp1, tp2) = (2, 2, 2) with 4 micro-batches per replica and dropout: 1 pass all
+    remote, 2 passes with mixed placements and 4 passes resident agree to 1e-6."""
+    flags = [*layout_flags(2, 2, 2), "--global_batch_size", "8", "--micro_batch_size", "1",
+             "--dropout_prob", "0.1"]  # fmt: skip
+    configs = {
+        "1 pass, remote": small_config(*flags, "--passes", "1", "--placement", "remote"),
+        "2 passes, mixed": small_config(
+            *flags, "--passes", "2", *placement_flags("host", "device", "host")
+        ),
+        "4 passes, resident": small_config(*flags, "--passes", "4", "--placement", "resident"),
+    }
+    ranks = run_ranks(_passes_rank, 8, tmp_path, configs, timeout=240)
+    for rank, runs in enumerate(ranks):
+        reference = runs["1 pass, remote"]
+        for name, run in runs.items():
+            assert_runs_close(run, reference, TOLERANCE, f"rank {rank}, {name}")
+    assert all(r["1 pass, remote"]["losses"] == ranks[0]["1 pass, remote"]["losses"] for r in ranks)
+
+
+# ----------------------------------------------------------------- bytes
+
+
+def local_layout(dp: int, tp1: int, tp2: int) -> ParallelLayout:
+    """Rank 0's view of a (dp, tp1, tp2) layout without process groups: enough to build an
+    engine's buffers (construction communicates nothing)."""
+    axes = {"dp": dp, "tp1": tp1, "tp2": tp2, "dp_tp1": dp * tp1, "dp_tp2": dp * tp2,
+            "world": dp * tp1 * tp2}  # fmt: skip
+    return ParallelLayout(**{n: GroupAxis(n, size, 0) for n, size in axes.items()}, device=CPU)
+
+
+def hand_activation_bytes(layers, entries, micro_batch, sequence, hidden, tp1, tp2, itemsize):
+    """x: layers + 1 boundaries, each entry's tp1 slice (padded up); dx: two boundaries."""
+    entry = micro_batch * sequence * hidden // tp2
+    return ((layers + 1) * entries * math.ceil(entry / tp1) + 2 * entries * entry) * itemsize
+
+
+@pytest.mark.parametrize("dp,tp1,tp2", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 3, 1), (1, 2, 2)])
+@pytest.mark.parametrize("passes", [1, 2, 4])
+def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes):
+    """Every state's allocated bytes equal the planner's prediction exactly, and activation
+    bytes shrink with tp1 and with the passes as the hand formula says."""
+    flags = ["--global_batch_size", str(8 * dp), "--micro_batch_size", "2", "--heads", "6",
+             "--hidden_size", "36", "--precision", "bfloat16", "--passes", str(passes),
+             *layout_flags(dp, tp1, tp2)]  # fmt: skip
+    config = small_config(*flags)
+    engine = PhasedEngine(config, local_layout(dp, tp1, tp2))
+    allocated = engine.buffer_bytes()
+    predicted = state_bytes(RankShape.from_config(config), engine.plan.micro_batches_per_pass)
+    assert allocated == predicted
+    assert predicted == {k: v for k, v in engine.plan.state_bytes.items()}
+    entries = 4 // passes  # 4 micro-batches per replica
+    seq = config.model.sequence_length
+    assert allocated["activations"] == hand_activation_bytes(2, entries, 2, seq, 36, tp1, tp2, 2)
+
+
+def test_engine_allocates_where_the_plan_says(monkeypatch):
+    """Host-placed states are 'remote' (copied per phase); device-placed ones are used in place."""
+    config = small_config(*placement_flags("host", "device", "host"))
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    places = engine.state.places
+    assert places["weights"].remote and places["activations"].remote
+    assert not places["grads"].remote
+    loaded = engine.state.load_weights("head", 0, torch.float32)["ln_f.weight"]
+    stored = engine.state.parts["head"].weights["tp2_vector"][0]
+    assert loaded.data_ptr() != stored.data_ptr()  # a real copy from the host
+    resident = PhasedEngine(small_config("--placement", "resident"), ParallelLayout.single(CPU))
+    loaded = resident.state.load_weights("head", 0, torch.float32)["ln_f.weight"]
+    stored = resident.state.parts["head"].weights["tp2_vector"][0]
+    assert loaded.data_ptr() == stored.data_ptr()  # used in place

@@ -1,0 +1,108 @@
+"""The planner picks the fastest plan that fits, honours the flags, and explains a misfit."""
+
+from __future__ import annotations
+
+import pytest
+
+from config.loading import ConfigError, parse_config
+from execution.planner import (
+    GiB,
+    MemoryBudget,
+    Placement,
+    RankShape,
+    candidate_plans,
+    choose_plan,
+    state_bytes,
+)
+from tests.reference import small_config
+
+UNLIMITED = MemoryBudget(device=None, host=1 << 50)
+
+
+def preset(name: str, *flags: str):
+    config, _ = parse_config(["--config", name, *flags])
+    return config
+
+
+def test_everything_on_the_device_in_one_pass_when_it_fits():
+    plan = choose_plan(small_config(), "cpu", UNLIMITED)
+    assert plan.passes == 1
+    assert plan.placement == Placement("device", "device", "device")
+    assert plan.traffic == 0
+
+
+def test_gpu_plans_stream_weights_before_activations():
+    """gpt3_1.3B on a GPU: each step of tighter device memory moves the next cheapest state
+    (by host traffic) off the device or adds passes; every plan chosen fits its budget."""
+    config = preset("gpt3_1.3B")
+    rank = RankShape.from_config(config)
+    one_pass = state_bytes(rank, rank.gradient_accumulation)
+    everything = sum(one_pass.values())
+    roomy = choose_plan(config, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
+    assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
+    for device_gib in (80, 40, 20):
+        budget = MemoryBudget(device_gib * GiB, 512 * GiB)
+        plan = choose_plan(config, "cuda", budget)
+        assert budget.fits(plan)
+        assert plan.bytes_on("device")["total"] <= device_gib * GiB
+        # Nothing cheaper (less traffic) fits: the choice is the fastest that does.
+        cheaper = [p for p in candidate_plans(config, "cuda") if p.traffic < plan.traffic]
+        assert not any(budget.fits(p) for p in cheaper)
+
+
+def test_passes_shrink_activations_to_fit_a_cpu():
+    """gpt3_350M (paper global batch 256, micro-batch 8) on 24 GiB: more than one pass."""
+    config = preset("gpt3_350M")
+    plan = choose_plan(config, "cpu", MemoryBudget(None, int(24 * GiB * 0.9)))
+    assert plan.passes > 1
+    assert plan.placement == Placement("device", "device", "device")
+    rank = RankShape.from_config(config)
+    per_entry = state_bytes(rank, 1)["activations"]
+    assert plan.state_bytes["activations"] == per_entry * plan.micro_batches_per_pass
+
+
+def test_flags_fix_what_the_planner_may_choose():
+    config = small_config("--placement", "remote", "--passes", "2")
+    plans = candidate_plans(config, "cuda")
+    assert {(p.passes, p.placement) for p in plans} == {(2, Placement("host", "host", "host"))}
+    mixed = small_config("--placement", "remote", "--grads_placement", "device")
+    assert {p.placement for p in candidate_plans(mixed, "cuda")} == {
+        Placement("host", "device", "host")
+    }
+    resident = small_config("--placement", "resident")
+    assert {p.placement for p in candidate_plans(resident, "cpu")} == {
+        Placement("device", "device", "device")
+    }
+
+
+def test_host_traffic_grows_with_passes_only_when_weights_stream():
+    config = small_config("--global_batch_size", "16", "--micro_batch_size", "1")
+    plans = candidate_plans(config, "cuda")
+    by = {(p.placement.weights, p.placement.grads, p.placement.activations, p.passes): p.traffic
+          for p in plans}  # fmt: skip
+    assert by["device", "device", "device", 1] == by["device", "device", "device", 16] == 0
+    assert by["host", "device", "device", 16] > by["host", "device", "device", 1] > 0
+
+
+def test_a_misfit_names_the_least_memory_and_the_flags_that_fit():
+    config = preset("gpt3_6.7B")
+    with pytest.raises(ConfigError) as err:
+        choose_plan(config, "cpu", MemoryBudget(None, 20 * GiB))
+    message = str(err.value)
+    assert "\n" not in message
+    assert "needs at least" in message and "20.0 GiB of host memory" in message
+    assert "--data_parallel 8 (8 processes)" in message or "--tensor_parallel_1" in message
+
+
+def test_plan_description_lists_every_state():
+    plan = choose_plan(small_config(), "cpu", UNLIMITED)
+    text = plan.describe()
+    for key in ("plan: 1 pass(es)", "weights", "optimizer", "grads", "activations", "working_set"):
+        assert key in text
+    totals = plan.bytes_on("device")
+    assert totals["total"] == sum(v for k, v in totals.items() if k != "total")
+
+
+def test_passes_beyond_the_micro_batches_are_an_error():
+    with pytest.raises(ConfigError, match="--passes 9 exceeds the 4 micro-batches"):
+        small_config("--passes", "9")
