@@ -271,13 +271,19 @@ def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
     return {s: (v if v != "auto" else shorthand) for s, v in flags.items()}
 
 
-def candidate_plans(config: PretrainingConfig, device_type: str) -> list[MemoryPlan]:
-    """Every plan the flags allow, fastest first (least host traffic, then fewest passes)."""
+def candidate_plans(config: PretrainingConfig, device_type: str,
+                    most_passes_only: bool = False) -> list[MemoryPlan]:  # fmt: skip
+    """Every plan the flags allow, fastest first (least host traffic, then fewest passes).
+
+    ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes).
+    """
     rank = RankShape.from_config(config)
     fixed = requested_placement(config)
     ga = rank.gradient_accumulation
     if config.execution.passes:
         pass_options = [config.execution.passes]
+    elif most_passes_only:
+        pass_options = [ga]
     else:  # each distinct number of micro-batches per pass, once
         pass_options = sorted(
             {math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)}
@@ -347,7 +353,9 @@ def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudg
         if name in found or not _valid_change(config, name, value):
             continue
         changed = _with_execution(config, **{name: value})
-        if any(budget.fits(p) for p in candidate_plans(changed, device_type)):
+        if any(
+            budget.fits(p) for p in candidate_plans(changed, device_type, most_passes_only=True)
+        ):
             processes = f" ({changed.world_size} processes)" if "parallel" in name else ""
             found[name] = f"--{name} {value}{processes}"
     if not found:

@@ -106,3 +106,26 @@ def test_skipped_corrupt_records_are_reported(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "corrupt records skipped" in result.stdout
     assert all(m["skipped_records"] >= 1 for m in read_metrics(tmp_path / "lenient"))
+
+
+def test_start_up_prints_the_memory_plan(tmp_path):
+    result = run("--config", "tiny", "--steps", "1", "--passes", "2", "--placement", "remote",
+                 "--output_dir", str(tmp_path))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert (
+        "plan: 2 pass(es) of 1 micro-batch(es); weights on host, grads on host, " in result.stdout
+    )
+    assert "activations on host" in result.stdout
+
+
+def test_a_run_that_fits_no_plan_says_what_would_fit(tmp_path):
+    """gpt3_6.7B in 8 GiB: one line with the least memory it needs and the flags that fit;
+    nothing is written."""
+    result = run("--config", "gpt3_6.7B", "--device", "cpu", "--host_memory_gb", "8",
+                 "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "this run needs at least" in lines[0] and "8.0 GiB of host memory" in lines[0]
+    assert "it would fit with " in lines[0] and "--data_parallel 32 (32 processes)" in lines[0]
+    assert not (tmp_path / "out").exists()
