@@ -28,8 +28,8 @@ from config.schema import PretrainingConfig
 from execution.buffers import ActivationBuffers, PartBuffers, flat_specs, part_rows, rts_axes
 from execution.layout import ParallelLayout
 from execution.optimizer import adamw_, clip_coefficient
-from execution.sharding import DECAYED_KINDS, MATRIX, shard_part, unshard_part
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
+from execution.sharding import DECAYED_KINDS, MATRIX, init_part_shard, shard_part, unshard_part
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
 from modelling.layers import BlockSeeds
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -144,11 +144,15 @@ class PhasedEngine:
     # ----------------------------------------------------------------- weights in and out
 
     def _initialise_weights(self, seed: int, init_std: float) -> None:
-        """Creates each part's full weights, keeps this rank's tensor-parallel and RTS slice."""
+        """Draws only this rank's tensor-parallel shard of each part, keeps its RTS slice.
+
+        The shard holds the same numbers as a slice of the full part (per-tile seeds), so every
+        layout starts identically while no rank draws or holds a whole part.
+        """
+        i, j = self.layout.tp1.rank, self.layout.tp2.rank
         for part, row in self.part_rows():
-            self.write_part_state(
-                part, row, "weights", init_full_part(self.shapes, part, row, seed, init_std)
-            )
+            local = init_part_shard(self.shapes, part, row, seed, init_std, i, j)
+            self._write_local_part_state(part, row, "weights", local)
 
     def part_rows(self) -> list[tuple[str, int]]:
         """Every (part, row) of the model in order: the embedding, each decoder layer, the head."""
@@ -165,6 +169,12 @@ class PhasedEngine:
             full: Unsharded, unpadded float32 tensors named within the part (as in :class:`GPT`).
         """
         local = shard_part(part, full, self.shapes, self.layout.tp1.rank, self.layout.tp2.rank)
+        self._write_local_part_state(part, row, state, local)
+
+    def _write_local_part_state(
+        self, part: str, row: int, state: str, local: dict[str, torch.Tensor]
+    ) -> None:
+        """As :meth:`write_part_state`, from this rank's tensor-parallel shards (padded)."""
         for kind, spec in self.specs[part].items():
             flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
             getattr(self.parts[part], state)[kind][row].copy_(flat)
