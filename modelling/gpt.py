@@ -207,7 +207,7 @@ def init_part_region(
 
     The result for ``name`` is ``full[positions[0]][:, positions[1]]...`` of the unsharded
     tensor, where a position of -1 is padding and gives zero. Each tile of ``INIT_TILE`` along
-    every dim is drawn from its own generator, so the peak extra memory is one tile.
+    every dim is drawn from its own generator, so beyond the result only one tile is held.
 
     Args:
         shapes, part, layer, seed, init_std: As for :func:`init_full_part`.
