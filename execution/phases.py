@@ -28,9 +28,9 @@ from execution.layout import ParallelLayout
 from execution.optimizer import adamw_, clip_coefficient
 from execution.planner import DTYPES, MemoryPlan, RankShape, choose_plan, measure_budget
 from execution.schedule import Phase
-from execution.sharding import DECAYED_KINDS, shard_part, unshard_part
+from execution.sharding import DECAYED_KINDS, init_part_shard, shard_part, unshard_part
 from execution.state import StateStore
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
 from modelling.layers import BlockSeeds
 
 _MASK64 = (1 << 64) - 1
@@ -104,10 +104,15 @@ class PhasedEngine:
     # ----------------------------------------------------------------- weights in and out
 
     def _initialise_weights(self, seed: int, init_std: float) -> None:
-        """Creates each part's full weights, keeps this rank's tensor-parallel and RTS slice."""
+        """Draws only this rank's tensor-parallel shard of each part, keeps its RTS slice.
+
+        The shard holds the same numbers as a slice of the full part (per-tile seeds), so every
+        layout starts identically while no rank draws or holds a whole part.
+        """
+        i, j = self.layout.tp1.rank, self.layout.tp2.rank
         for part, row in self.part_rows():
-            full = init_full_part(self.shapes, part, row, seed, init_std)
-            self.write_part_state(part, row, "weights", full)
+            local = init_part_shard(self.shapes, part, row, seed, init_std, i, j)
+            self._write_local_part_state(part, row, "weights", local)
 
     def part_rows(self) -> list[tuple[str, int]]:
         """Every (part, row) of the model in order: the embedding, each decoder layer, the head."""
@@ -123,6 +128,11 @@ class PhasedEngine:
             full: Unsharded, unpadded float32 tensors named within the part (as in :class:`GPT`).
         """
         local = shard_part(part, full, self.shapes, self.layout.tp1.rank, self.layout.tp2.rank)
+        self._write_local_part_state(part, row, state, local)
+
+    def _write_local_part_state(self, part: str, row: int, state: str,
+                                local: dict[str, torch.Tensor]) -> None:  # fmt: skip
+        """As :meth:`write_part_state`, from this rank's tensor-parallel shards (padded)."""
         for kind, spec in self.specs[part].items():
             flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
             getattr(self.state.parts[part], state)[kind][row].copy_(flat)

@@ -15,64 +15,82 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes, init_full_part
+from modelling.gpt import (
+    EMBEDDING,
+    HEAD,
+    LAYERS,
+    GPTShapes,
+    init_part_region,
+    part_inits,
+)
 
 MATRIX, TP2_VECTOR, TP1_VECTOR = "matrix", "tp2_vector", "tp1_vector"
 KINDS = (MATRIX, TP2_VECTOR, TP1_VECTOR)
 DECAYED_KINDS = frozenset({MATRIX})
 
+# A rule gives, for each dim of the unsharded tensor, the full-tensor indices that shard (i, j)
+# holds along that dim (-1 for a zero padding row). Every rule is such a product of per-dim
+# indices, so sharding, unsharding and shard-local initialisation all read the same indices
+# and cannot disagree, and none of them needs a full-size index tensor.
+ShardIndex = tuple[torch.Tensor, ...]
+IndexRule = Callable[[tuple[int, ...], GPTShapes, int, int], ShardIndex]
 
-def _block(t: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
-    return t.chunk(parts, dim)[index] if parts > 1 else t
+
+def _block(n: int, parts: int, index: int) -> torch.Tensor:
+    return torch.arange(n).chunk(parts)[index]
 
 
-def _rows_padded(rows: Callable[[GPTShapes], int]) -> Callable:
+def _rows_padded(rows: Callable[[GPTShapes], int]) -> IndexRule:
     """A table split by rows over tp1 (after zero-padding them) and columns over tp2."""
 
-    def shard(full: torch.Tensor, s: GPTShapes, i: int, j: int) -> torch.Tensor:
-        padded = F.pad(full, (0, 0, 0, rows(s) - full.shape[0]))
-        return _block(_block(padded, 0, s.tp1, i), 1, s.tp2, j)
+    def index(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+        padded = torch.arange(rows(s))
+        padded[shape[0] :] = -1
+        return padded.chunk(s.tp1)[i], _block(shape[1], s.tp2, j)
 
-    return shard
+    return index
 
 
-def _heads_rows(full: torch.Tensor, s: GPTShapes, i: int, j: int) -> torch.Tensor:
+def _head_rows(n: int, s: GPTShapes, i: int) -> torch.Tensor:
+    """Rows [3h] of the qkv heads of tp1 shard i: its q rows, then its k rows, then its v rows."""
+    per_head = torch.arange(n).view(3, s.heads, s.head_dim)
+    return per_head.chunk(s.tp1, 1)[i].reshape(-1)
+
+
+def _heads_rows(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
     """qkv weight [3h, h]: keep q, k and v of the heads of shard i together, columns over tp2."""
-    per_head = full.view(3, s.heads, s.head_dim, -1)
-    local = _block(per_head, 1, s.tp1, i).reshape(-1, full.shape[-1])
-    return _block(local, 1, s.tp2, j)
+    return _head_rows(shape[0], s, i), _block(shape[1], s.tp2, j)
 
 
-def _heads_vector(full: torch.Tensor, s: GPTShapes, i: int, j: int) -> torch.Tensor:
+def _heads_vector(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
     """qkv bias [3h]: split with the heads over tp1 (not over tp2, the reference's bug)."""
-    return _block(full.view(3, s.heads, s.head_dim), 1, s.tp1, i).reshape(-1)
+    return (_head_rows(shape[0], s, i),)
 
 
-def _out_in(out_axis_tp1: bool) -> Callable:
+def _out_in(out_axis_tp1: bool) -> IndexRule:
     """A [out, in] weight with one dim over tp1 and the other over tp2."""
 
-    def shard(full: torch.Tensor, s: GPTShapes, i: int, j: int) -> torch.Tensor:
+    def index(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
         if out_axis_tp1:
-            return _block(_block(full, 0, s.tp1, i), 1, s.tp2, j)
-        return _block(_block(full, 0, s.tp2, j), 1, s.tp1, i)
+            return _block(shape[0], s.tp1, i), _block(shape[1], s.tp2, j)
+        return _block(shape[0], s.tp2, j), _block(shape[1], s.tp1, i)
 
-    return shard
-
-
-def _over_tp1(full: torch.Tensor, s: GPTShapes, i: int, j: int) -> torch.Tensor:
-    return _block(full, 0, s.tp1, i)
+    return index
 
 
-def _over_tp2(full: torch.Tensor, s: GPTShapes, i: int, j: int) -> torch.Tensor:
-    return _block(full, 0, s.tp2, j)
+def _over_tp1(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+    return (_block(shape[0], s.tp1, i),)
+
+
+def _over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+    return (_block(shape[0], s.tp2, j),)
 
 
 @dataclass(frozen=True)
 class ParamRule:
     kind: str
-    shard: Callable[[torch.Tensor, GPTShapes, int, int], torch.Tensor]
+    index: IndexRule
 
 
 PLAN: dict[str, dict[str, ParamRule]] = {
@@ -101,14 +119,22 @@ PLAN: dict[str, dict[str, ParamRule]] = {
 }
 
 
+def shard_index(
+    part: str, shapes: GPTShapes, tp1_rank: int, tp2_rank: int
+) -> dict[str, ShardIndex]:
+    """Per-dim full-tensor indices (-1: padding) of this (tp1, tp2) rank's shard of a part."""
+    return {
+        name: PLAN[part][name].index(init.shape, shapes, tp1_rank, tp2_rank)
+        for name, init in part_inits(shapes, part).items()
+    }
+
+
 def shard_part(
     part: str, full: dict[str, torch.Tensor], shapes: GPTShapes, tp1_rank: int, tp2_rank: int
 ) -> dict[str, torch.Tensor]:
     """This (tp1, tp2) rank's shard of every tensor of an unsharded part (contiguous copies)."""
-    return {
-        name: PLAN[part][name].shard(t, shapes, tp1_rank, tp2_rank).contiguous()
-        for name, t in full.items()
-    }
+    index = shard_index(part, shapes, tp1_rank, tp2_rank)
+    return {name: _take(t, index[name]) for name, t in full.items()}
 
 
 def unshard_part(
@@ -116,25 +142,60 @@ def unshard_part(
 ) -> dict[str, torch.Tensor]:
     """Inverse of :func:`shard_part`: full unpadded tensors from the shards of every (i, j).
 
-    Works by sharding a tensor of 1-based element positions with the same rule, so the inverse
-    can never drift from the forward rule; padding shows up as position 0 and is dropped.
+    Each shard is scattered to the indices its rule names; padding (index -1) is dropped.
     """
     any_shard = next(iter(shards.values()))
-    full_shapes = _full_shapes(part, shapes)
-    out = {}
-    for name in any_shard:
-        numel = full_shapes[name].numel()
-        positions = torch.arange(1, numel + 1, dtype=torch.float64).view(full_shapes[name])
-        result = torch.zeros(numel, dtype=any_shard[name].dtype)
-        for (i, j), tensors in shards.items():
-            index = PLAN[part][name].shard(positions, shapes, i, j).reshape(-1)
-            real = index > 0
-            result[index[real].long() - 1] = tensors[name].reshape(-1)[real]
-        out[name] = result.view(full_shapes[name])
+    inits = part_inits(shapes, part)
+    out = {name: torch.zeros(inits[name].shape, dtype=t.dtype) for name, t in any_shard.items()}
+    for (i, j), tensors in shards.items():
+        index = shard_index(part, shapes, i, j)
+        for name, t in tensors.items():
+            real = tuple(torch.nonzero(p >= 0).squeeze(1) for p in index[name])
+            source = tuple(p[r] for p, r in zip(index[name], real, strict=True))
+            out[name][_outer(source)] = t.to(out[name].device)[_outer(real)]
     return out
 
 
-def _full_shapes(part: str, shapes: GPTShapes) -> dict[str, torch.Size]:
-    """Unsharded shapes of a part, read off a meta-device initialisation (no memory used)."""
-    with torch.device("meta"):
-        return {name: t.shape for name, t in init_full_part(shapes, part, 0, 0, 1.0).items()}
+def init_part_shard(
+    shapes: GPTShapes,
+    part: str,
+    layer: int,
+    seed: int,
+    init_std: float,
+    tp1_rank: int,
+    tp2_rank: int,
+) -> dict[str, torch.Tensor]:
+    """This rank's shard of a part's initial weights, drawing only the tiles it touches.
+
+    Bit-identical to ``shard_part(part, init_full_part(...), shapes, tp1_rank, tp2_rank)``
+    (padding rows zero) without ever holding the whole part: the extra memory is one tile.
+
+    Args:
+        shapes: Model and layout sizes.
+        part, layer: Which part (``layer`` is the decoder layer for ``layers``, else 0).
+        seed, init_std: As for :func:`modelling.gpt.init_full_part`.
+        tp1_rank, tp2_rank: This rank's tensor-parallel coordinates.
+
+    Returns:
+        dict of parameter name -> this rank's float32 shard, as :func:`shard_part` gives it.
+    """
+    index = shard_index(part, shapes, tp1_rank, tp2_rank)
+    return init_part_region(shapes, part, layer, seed, init_std, index)
+
+
+def _take(full: torch.Tensor, index: ShardIndex) -> torch.Tensor:
+    """``full`` at the product of per-dim indices, zero where an index is -1 (padding)."""
+    out = full
+    for dim, p in enumerate(index):
+        p = p.to(full.device)
+        out = out.index_select(dim, p.clamp(min=0))
+        padding = torch.nonzero(p < 0).squeeze(1)
+        if len(padding):
+            out.index_fill_(dim, padding, 0)
+    return out
+
+
+def _outer(index: ShardIndex) -> tuple[torch.Tensor, ...]:
+    """Per-dim index tensors reshaped to broadcast into their outer product."""
+    n = len(index)
+    return tuple(p.view([-1 if d == k else 1 for k in range(n)]) for d, p in enumerate(index))

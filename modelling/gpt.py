@@ -2,12 +2,15 @@
 
 The three named parts (``embedding``, ``layers``, ``head``) are the units the phase engine
 streams; the model never knows it is phased. :func:`init_full_part` creates the *unsharded*
-weights of one part from (seed, part, layer) alone, so every parallel layout slices the same
-numbers and no process ever holds the whole model.
+weights of one part and :func:`init_part_region` any product of per-dim positions of them
+(a rank's shard), both from the same fixed tiles seeded by (seed, part, layer, name, tile), so
+every parallel layout holds the same numbers and no process ever draws the whole model.
 """
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -125,44 +128,161 @@ class GPT(nn.Module):
         return self.head(x, self.embedding.word.weight, labels, self.shapes.vocab)
 
 
-def init_full_part(shapes: GPTShapes, part: str, layer: int, seed: int, init_std: float):
-    """Unsharded, unpadded initial weights of one part, named as in :class:`GPT`'s part.
+# Initial weights are drawn per fixed tile of each full tensor: a tile's numbers depend only on
+# (seed, part, layer, name, tile index), never on the layout, so a rank can draw just the tiles
+# its shard touches and still hold exactly the numbers every other layout holds.
+INIT_TILE = 256
+
+NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one unsharded parameter starts: its shape, and ``normal`` (with ``std``) or a constant."""
+
+    shape: tuple[int, ...]
+    fill: str
+    std: float = 0.0
+
+
+def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str, ParamInit]:
+    """Unpadded shape and initialisation of every parameter of a part, named as in :class:`GPT`.
 
     Linear and embedding weights are truncated normal (std ``init_std``, cut at 2 std); the
     residual projections ``attn.out`` and ``mlp.proj`` use ``init_std / sqrt(2 * layers)`` as
-    in GPT-2; biases are zero and layer-norm gains one. The generator is seeded from
-    (seed, part, layer) so the numbers do not depend on the layout or the order of creation.
+    in GPT-2; biases are zero and layer-norm gains one.
+    """
+    h = shapes.hidden
+    if part == EMBEDDING:
+        return {
+            "word.weight": ParamInit((shapes.vocab, h), NORMAL, init_std),
+            "position.weight": ParamInit((shapes.positions, h), NORMAL, init_std),
+        }
+    if part == HEAD:
+        return {"ln_f.weight": ParamInit((h,), ONES), "ln_f.bias": ParamInit((h,), ZEROS)}
+    residual_std = init_std / math.sqrt(2 * shapes.layers)
+    return {
+        "ln_1.weight": ParamInit((h,), ONES),
+        "ln_1.bias": ParamInit((h,), ZEROS),
+        "attn.qkv.weight": ParamInit((3 * h, h), NORMAL, init_std),
+        "attn.qkv.bias": ParamInit((3 * h,), ZEROS),
+        "attn.out.weight": ParamInit((h, h), NORMAL, residual_std),
+        "attn.out.bias": ParamInit((h,), ZEROS),
+        "ln_2.weight": ParamInit((h,), ONES),
+        "ln_2.bias": ParamInit((h,), ZEROS),
+        "mlp.fc.weight": ParamInit((4 * h, h), NORMAL, init_std),
+        "mlp.fc.bias": ParamInit((4 * h,), ZEROS),
+        "mlp.proj.weight": ParamInit((h, 4 * h), NORMAL, residual_std),
+        "mlp.proj.bias": ParamInit((h,), ZEROS),
+    }
+
+
+def init_full_part(
+    shapes: GPTShapes, part: str, layer: int, seed: int, init_std: float
+) -> dict[str, torch.Tensor]:
+    """Unsharded, unpadded initial weights of one part (see :func:`part_inits` for the rules).
+
+    Assembled from the same per-tile draws as :func:`init_part_region`, so slicing this result
+    and drawing a region directly give bit-identical numbers.
 
     Returns:
         dict of parameter name (within the part) -> float32 tensor.
     """
-    part_id = PARTS.index(part)
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + part_id * 100_003 + layer)
-
-    def normal(*size: int, std: float = init_std) -> torch.Tensor:
-        t = torch.empty(size)
-        return nn.init.trunc_normal_(t, 0.0, std, -2 * std, 2 * std, generator=generator)
-
-    h = shapes.hidden
-    if part == EMBEDDING:
-        return {
-            "word.weight": normal(shapes.vocab, h),
-            "position.weight": normal(shapes.positions, h),
-        }
-    if part == HEAD:
-        return {"ln_f.weight": torch.ones(h), "ln_f.bias": torch.zeros(h)}
-    residual_std = init_std / math.sqrt(2 * shapes.layers)
-    return {
-        "ln_1.weight": torch.ones(h),
-        "ln_1.bias": torch.zeros(h),
-        "attn.qkv.weight": normal(3 * h, h),
-        "attn.qkv.bias": torch.zeros(3 * h),
-        "attn.out.weight": normal(h, h, std=residual_std),
-        "attn.out.bias": torch.zeros(h),
-        "ln_2.weight": torch.ones(h),
-        "ln_2.bias": torch.zeros(h),
-        "mlp.fc.weight": normal(4 * h, h),
-        "mlp.fc.bias": torch.zeros(4 * h),
-        "mlp.proj.weight": normal(h, 4 * h, std=residual_std),
-        "mlp.proj.bias": torch.zeros(h),
+    whole = {
+        name: tuple(torch.arange(n) for n in p.shape)
+        for name, p in part_inits(shapes, part, init_std).items()
     }
+    return init_part_region(shapes, part, layer, seed, init_std, whole)
+
+
+def init_part_region(
+    shapes: GPTShapes,
+    part: str,
+    layer: int,
+    seed: int,
+    init_std: float,
+    positions: dict[str, tuple[torch.Tensor, ...]],
+) -> dict[str, torch.Tensor]:
+    """Initial values of a part's parameters at given positions, drawing only the tiles needed.
+
+    The result for ``name`` is ``full[positions[0]][:, positions[1]]...`` of the unsharded
+    tensor, where a position of -1 is padding and gives zero. Each tile of ``INIT_TILE`` along
+    every dim is drawn from its own generator, so beyond the result only one tile is held.
+
+    Args:
+        shapes, part, layer, seed, init_std: As for :func:`init_full_part`.
+        positions: Parameter name -> one int64 tensor of full-tensor indices per dim.
+
+    Returns:
+        dict of parameter name -> float32 tensor of shape ``[len(p) for p in positions[name]]``.
+    """
+    inits = part_inits(shapes, part, init_std)
+    out = {}
+    for name, index in positions.items():
+        init = inits[name]
+        assert len(index) == len(init.shape), f"{name}: {len(index)} index dims for {init.shape}"
+        region = torch.zeros([len(p) for p in index])
+        if init.fill == ONES:
+            region[_outer(*(p >= 0 for p in index))] = 1.0
+        elif init.fill == NORMAL:
+            for tiles in itertools.product(*(tile_groups(p) for p in index)):
+                tile = _draw_tile(init, tuple(t for t, _, _ in tiles), (seed, part, layer, name))
+                region[_where(*(at for _, at, _ in tiles))] = tile[
+                    _where(*(offset for _, _, offset in tiles))
+                ]
+        out[name] = region
+    return out
+
+
+def tile_groups(index: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """For each tile an index touches: (tile number, positions in the index, offsets in it)."""
+    real = index >= 0
+    tile_of = torch.where(real, index // INIT_TILE, -1)
+    groups = []
+    for tile in torch.unique(tile_of[real]).tolist():
+        at = torch.nonzero(tile_of == tile).squeeze(1)
+        groups.append((tile, at, index[at] - tile * INIT_TILE))
+    return groups
+
+
+def _draw_tile(init: ParamInit, tile: tuple[int, ...], key: tuple) -> torch.Tensor:
+    """One whole tile of a truncated normal tensor, from a generator of its own.
+
+    The tile is always drawn whole and contiguous, so its numbers do not depend on which of
+    its elements a caller keeps.
+    """
+    size = [min(INIT_TILE, n - t * INIT_TILE) for n, t in zip(init.shape, tile, strict=True)]
+    generator = torch.Generator().manual_seed(tile_seed(*key, *tile))
+    std = init.std
+    return nn.init.trunc_normal_(
+        torch.empty(size), 0.0, std, -2 * std, 2 * std, generator=generator
+    )
+
+
+def tile_seed(*key: int | str) -> int:
+    """A stable 63-bit seed from ints and strings (Python's ``hash`` is salted per process)."""
+    text = "/".join(f"{type(k).__name__}:{k}" for k in key)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _where(*indices: torch.Tensor) -> tuple:
+    """Index of the product of per-dim positions: slices where contiguous (a view), else outer."""
+    slices = tuple(_as_slice(p) for p in indices)
+    return slices if all(s is not None for s in slices) else _outer(*indices)
+
+
+def _outer(*indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-dim index or mask tensors reshaped to broadcast into their outer product."""
+    indices = tuple(torch.nonzero(p).squeeze(1) if p.dtype == torch.bool else p for p in indices)
+    n = len(indices)
+    return tuple(p.view([-1 if d == k else 1 for k in range(n)]) for d, p in enumerate(indices))
+
+
+def _as_slice(index: torch.Tensor) -> slice | None:
+    """``slice(a, b)`` when ``index`` is ``a, a + 1, ..., b - 1``; otherwise None."""
+    if len(index) == 0:
+        return slice(0, 0)
+    start, stop = int(index[0]), int(index[-1]) + 1
+    if stop - start == len(index) and torch.equal(index, torch.arange(start, stop)):
+        return slice(start, stop)
+    return None

@@ -1,0 +1,139 @@
+"""Time and peak memory of initialising one rank's shard of a decoder layer vs the whole layer.
+
+    python benchmarks/init_shard.py [--hidden 12288] [--heads 96] [--tp1 8] [--tp2 8]
+
+Defaults are a gpt3_175B decoder layer (12 h^2 + 13 h = 1.8e9 parameters, 7.2 GB in float32)
+at the pod256 tensor-parallel layout. Each measurement runs in a fresh process: its peak
+resident memory is reset (``/proc/self/clear_refs``) after importing torch and read back from
+``VmHWM`` afterwards, so "peak extra" is what the initialisation itself added, result included
+(torch's allocations are invisible to tracemalloc). "drawn" counts the elements of every tile
+the call draws, "held" those it returns. When the machine has too little free memory for the
+whole layer, that row is measured at the largest hidden size that fits and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from execution.sharding import init_part_shard, shard_index
+from modelling.gpt import INIT_TILE, LAYERS, GPTShapes, init_full_part, part_inits, tile_groups
+
+SEED, INIT_STD = 1234, 0.006
+
+
+def _shapes(args: argparse.Namespace, hidden: int) -> GPTShapes:
+    return GPTShapes(layers=96, hidden=hidden, heads=args.heads, vocab=50257, positions=2048,
+                     dropout_prob=0.0, layer_norm_eps=1e-5, tp1=args.tp1, tp2=args.tp2)  # fmt: skip
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _measure(args: argparse.Namespace) -> None:
+    """Child process: one initialisation, then a JSON line with its time and memory."""
+    torch.set_num_threads(args.threads)
+    shapes = _shapes(args, args.hidden)
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")  # resets VmHWM to the current resident size
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    if args.measure == "shard":
+        out = init_part_shard(shapes, LAYERS, 0, SEED, INIT_STD, args.tp1 - 1, args.tp2 - 1)
+    else:
+        out = init_full_part(shapes, LAYERS, 0, SEED, INIT_STD)
+    seconds = time.perf_counter() - start
+    peak = _status_kib("VmHWM")
+    held = sum(t.numel() for t in out.values())
+    print(json.dumps({"seconds": seconds, "peak_extra_kib": peak - before, "held": held}))
+
+
+def _drawn(shapes: GPTShapes, which: str, i: int, j: int) -> int:
+    """Elements of the tiles a call draws: every tile its per-dim indices touch."""
+    if which == "shard":
+        index = shard_index(LAYERS, shapes, i, j)
+    else:
+        inits = part_inits(shapes, LAYERS)
+        index = {name: tuple(torch.arange(n) for n in p.shape) for name, p in inits.items()}
+    total = 0
+    for name, init in part_inits(shapes, LAYERS).items():
+        if init.fill != "normal":
+            continue
+        tiles = [
+            [(t, min(INIT_TILE, n - t * INIT_TILE)) for t, _, _ in tile_groups(p)]
+            for p, n in zip(index[name], init.shape, strict=True)
+        ]
+        total += sum(r for _, r in tiles[0]) * sum(c for _, c in tiles[1])
+    return total
+
+
+def _available_bytes() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _run(args: argparse.Namespace, which: str, hidden: int) -> dict:
+    command = [sys.executable, __file__, "--measure", which, "--hidden", str(hidden),
+               "--heads", str(args.heads), "--tp1", str(args.tp1), "--tp2", str(args.tp2),
+               "--threads", str(args.threads)]  # fmt: skip
+    done = subprocess.run(command, check=True, capture_output=True, text=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--hidden", type=int, default=12288)
+    parser.add_argument("--heads", type=int, default=96)
+    parser.add_argument("--tp1", type=int, default=8)
+    parser.add_argument("--tp2", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
+    parser.add_argument("--measure", choices=["shard", "full"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.measure:
+        _measure(args)
+        return
+
+    full_hidden = args.hidden
+    # The whole layer needs its 4 * 12 h^2 bytes plus head-room for the rest of the machine.
+    while 4 * 12 * full_hidden**2 * 1.5 > _available_bytes() and full_hidden > args.heads:
+        full_hidden //= 2
+    rows = [("shard", args.hidden), ("full", full_hidden)]
+    print(f"decoder layer init, tp1={args.tp1} tp2={args.tp2}, rank ({args.tp1 - 1}, "
+          f"{args.tp2 - 1}), tile {INIT_TILE}x{INIT_TILE}, {args.threads} torch thread(s), "
+          f"{os.cpu_count()} core(s) visible")  # fmt: skip
+    header = f"{'what':<38} {'hidden':>6} {'seconds':>8} {'peak extra MiB':>14} "
+    print(header + f"{'drawn':>14} {'held':>14} {'drawn/held':>10}")
+    for which, hidden in rows:
+        shapes = _shapes(args, hidden)
+        result = _run(args, which, hidden)
+        drawn = _drawn(shapes, which, args.tp1 - 1, args.tp2 - 1)
+        label = (
+            "one rank's shard (init_part_shard)"
+            if which == "shard"
+            else "whole layer (init_full_part)"
+            + ("" if hidden == args.hidden else " [reduced: memory]")
+        )
+        print(f"{label:<38} {hidden:>6} {result['seconds']:>8.2f} "
+              f"{result['peak_extra_kib'] / 1024:>14,.0f} {drawn:>14,} {result['held']:>14,} "
+              f"{drawn / result['held']:>10.3f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
