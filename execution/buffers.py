@@ -132,7 +132,12 @@ class Place:
 
     @classmethod
     def of(cls, where: str, compute: torch.device) -> Place:
-        """``device`` or ``host`` for a run computing on ``compute``."""
+        """``device`` or ``host`` for a run computing on ``compute``.
+
+        On the meta device (a dry run) host state is meta too: nothing is allocated anywhere.
+        """
+        if compute.type == "meta":
+            return cls(compute, remote=where == "host")
         if where == "device":
             return cls(compute)
         return cls(torch.device("cpu"), pin=compute.type == "cuda", remote=True)

@@ -30,7 +30,9 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 class GroupAxis:
     """One communication group as seen by this rank; size 1 makes every collective a no-op.
 
-    ``calls`` counts the collectives issued (by op name) so tests can check the schedule.
+    ``calls`` counts the collectives issued (by op name) so tests can check the schedule, and
+    ``payload_bytes`` adds up their full-size tensors (the all-reduced tensor, the gathered
+    output, the reduce-scattered input) for the dry run's traffic figures.
     """
 
     name: str
@@ -38,11 +40,16 @@ class GroupAxis:
     rank: int
     group: dist.ProcessGroup | None = None
     calls: collections.Counter = field(default_factory=collections.Counter)
+    payload_bytes: collections.Counter = field(default_factory=collections.Counter)
+
+    def _count(self, op: str, full: torch.Tensor) -> None:
+        self.calls[op] += 1
+        self.payload_bytes[op] += full.numel() * full.element_size()
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of ``tensor`` over the group (``sum``, ``max`` or ``min``)."""
         if self.size > 1:
-            self.calls[f"all_reduce_{op}"] += 1
+            self._count(f"all_reduce_{op}", tensor)
             dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group)
         return tensor
 
@@ -50,8 +57,8 @@ class GroupAxis:
         """Concatenation of every member's equally sized 1-D shard, in group-rank order."""
         if self.size == 1:
             return shard
-        self.calls["all_gather"] += 1
         out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
+        self._count("all_gather", out)
         _all_gather_flat(out, shard.contiguous(), group=self.group)
         return out
 
@@ -59,7 +66,7 @@ class GroupAxis:
         """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
         if self.size == 1:
             return full
-        self.calls["reduce_scatter"] += 1
+        self._count("reduce_scatter", full)
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
         _reduce_scatter_flat(out, full.contiguous(), group=self.group)
         return out

@@ -92,7 +92,8 @@ class PhasedEngine:
         self.state = StateStore(self.specs, self.shapes.layers, self.rts, layout, places,
                                 rank_activations)  # fmt: skip
         self.optimizer_steps = 0
-        self._initialise_weights(config.training.seed, config.model.init_std)
+        if self.device.type != "meta":  # a dry run draws no weights
+            self._initialise_weights(config.training.seed, config.model.init_std)
         self._bodies = {
             schedule.EMBEDDING_FORWARD: self._phase_embedding_forward,
             schedule.LAYER_FORWARD: self._phase_layer_forward,
@@ -343,7 +344,7 @@ class PhasedEngine:
 
         world = self.layout.world
         scale = self.config.training.loss_scaling
-        grad_norm = math.sqrt(world.all_reduce_(self._grad_sumsq).item()) / scale
+        grad_norm = math.sqrt(_read(world.all_reduce_(self._grad_sumsq))) / scale
         loss = self._mean_over_replicas(torch.stack(batch.losses).float().sum(), len(batch.losses))
         if not math.isfinite(grad_norm):
             return StepResult(loss, grad_norm, skipped=True)
@@ -382,13 +383,20 @@ class PhasedEngine:
         both = torch.stack(
             [total.double(), torch.tensor(float(count), device=self.device).double()]
         )
-        total_all, count_all = self.layout.dp.all_reduce_(both).tolist()
+        both = self.layout.dp.all_reduce_(both)
+        total_all, count_all = _read(both[0]), _read(both[1])
         return total_all / count_all if count_all else float("nan")
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
         activations."""
         return self.state.nbytes()
+
+
+def _read(scalar: torch.Tensor) -> float:
+    """A scalar's value; a meta tensor (dry run) has none and reads as 0, so a dry-run step
+    runs its optimizer phases as a real one would."""
+    return 0.0 if scalar.is_meta else scalar.item()
 
 
 @dataclass

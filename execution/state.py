@@ -52,13 +52,23 @@ class StateStore:
             part: PartBuffers(specs[part], part_rows(part, layers), by_state) for part in PARTS
         }
         self.activations = ActivationBuffers(activations, places["activations"])
+        # Bytes copied over the host link, by direction (the dry run reports them).
+        self.host_to_device = 0
+        self.device_to_host = 0
 
     # ------------------------------------------------------------------ generic moves
 
     def _load(self, t: torch.Tensor, place: Place, dtype: torch.dtype | None = None):
         """A device tensor of a buffer: a real copy from the host, the buffer itself otherwise
         (a dtype conversion still makes a new tensor)."""
+        if place.remote:
+            self.host_to_device += t.numel() * t.element_size()
         return t.to(self.device, dtype, non_blocking=True, copy=place.remote)
+
+    def _store(self, target: torch.Tensor, value: torch.Tensor, place: Place) -> None:
+        if place.remote:
+            self.device_to_host += target.numel() * target.element_size()
+        target.copy_(value, non_blocking=True)
 
     # ------------------------------------------------------------------ weights
 
@@ -84,7 +94,7 @@ class StateStore:
             stored = self.parts[part].grads[kind][row]
             if not first:
                 shard = self._load(stored, place) + shard
-            stored.copy_(shard, non_blocking=True)
+            self._store(stored, shard, place)
             out[kind] = shard
         return out
 
@@ -106,7 +116,7 @@ class StateStore:
         buffers = self.parts[part]
         for state, value in zip(PartBuffers.STATES, updated, strict=True):
             if state not in GRAD_STATES:
-                getattr(buffers, state)[kind][row].copy_(value, non_blocking=True)
+                self._store(getattr(buffers, state)[kind][row], value, self.places["weights"])
 
     # ------------------------------------------------------------------ activations
 
@@ -119,7 +129,7 @@ class StateStore:
                 flat, (0, layout.x_shard * self.tp1.size - flat.numel())
             )
             flat = padded.view(self.tp1.size, -1)[self.tp1.rank]
-        self.activations.x[boundary, entry].copy_(flat, non_blocking=True)
+        self._store(self.activations.x[boundary, entry], flat, self.places["activations"])
 
     def fetch_x(self, boundary: int, entry: int) -> torch.Tensor:
         """The whole local residual stream ``[micro_batch, seq, h/tp2]`` at a layer boundary."""
@@ -130,7 +140,7 @@ class StateStore:
 
     def store_dx(self, boundary: int, entry: int, dx: torch.Tensor) -> None:
         """Stores the gradient at a layer boundary (rows alternate: only two are ever live)."""
-        self.activations.dx[boundary % 2, entry].copy_(dx, non_blocking=True)
+        self._store(self.activations.dx[boundary % 2, entry], dx, self.places["activations"])
 
     def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
         return self._load(self.activations.dx[boundary % 2, entry], self.places["activations"])
