@@ -76,3 +76,16 @@ def test_gpu_activity_from_a_hand_made_trace():
     assert bench_step.gpu_activity([], 1.0) == {
         "h2d_GBps": None, "h2d_GB": 0.0, "d2h_GBps": None, "d2h_GB": 0.0, "gpu_idle": 1.0
     }  # fmt: skip
+
+
+def test_gpu_check_says_it_needs_a_gpu_and_does_not_fail_without_one():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "needs a CUDA GPU" in result.stdout and "nothing was checked" in result.stdout
