@@ -35,6 +35,8 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -47,7 +49,7 @@ from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
 from execution.layout import ParallelLayout, select_device
-from execution.optimizer import learning_rate
+from execution.optimizer import adamw_, adamw_threaded_, learning_rate
 from execution.phases import DTYPES, PhasedEngine, mix_seed
 from execution.sharding import shard_part
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
@@ -387,6 +389,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--compare", action="store_true", help="add the PyTorch baselines")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--adamw_elements", type=int, default=1 << 24,
+                        help="compare host AdamW implementations on a flat vector this long "
+                        "(0 skips)")  # fmt: skip
     args, extra = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -423,9 +428,34 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"{base.training.precision}, gradient accumulation {base.gradient_accumulation}; "
           f"median of {args.steps} steps after {args.warmup} warm-up")  # fmt: skip
     print(format_table(rows))
+    if args.adamw_elements > 0:
+        print(host_adamw_line(args.adamw_elements, base))
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
+
+
+def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) -> str:
+    """Median time of one host AdamW update of ``elements`` floats: plain vs chunked threads."""
+    g = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
+    exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
+    hyper = dict(step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True,
+                 grad_scale=0.5)  # fmt: skip
+    threads = os.cpu_count() or 1
+    with ThreadPoolExecutor(threads) as pool:
+        timed = {}
+        for name, update in (("adamw_", adamw_),
+                             ("adamw_threaded_", partial(adamw_threaded_, pool=pool))):  # fmt: skip
+            seconds = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                update(weight, grad, exp_avg, exp_avg_sq, **hyper)
+                seconds.append(time.perf_counter() - started)
+            timed[name] = statistics.median(seconds)
+    plain, threaded = timed["adamw_"], timed["adamw_threaded_"]
+    return (f"host AdamW on {elements:,} float32: adamw_ {plain * 1e3:.1f} ms, adamw_threaded_ "
+            f"({threads} threads) {threaded * 1e3:.1f} ms: {plain / threaded:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

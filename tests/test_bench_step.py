@@ -22,7 +22,7 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     out = tmp_path / "rows.json"
     result = subprocess.run(
         [sys.executable, "benchmarks/bench_step.py", "--config", "tiny", "--steps", "2",
-         "--compare", "--json", str(out), *SMALL],
+         "--compare", "--json", str(out), "--adamw_elements", "300000", *SMALL],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -34,6 +34,7 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     for label in expected:
         assert any(line.startswith(label) for line in table[2:]), label
     assert "needs CUDA" in rows[bench_step.FSDP2_OFFLOAD]["skipped"]
+    assert "host AdamW on 300,000 float32: adamw_ " in result.stdout
 
     ours = rows[next(iter(bench_step.OUR_VARIANTS))]
     plain = rows[bench_step.PLAIN_LOOP]
