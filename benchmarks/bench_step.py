@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
 
     tokens = base.tokens_per_step
-    print(f"preset {args.config} {' '.join(extra)} on {device}: {tokens:,} tokens per step, "
+    print(f"preset {' '.join([args.config, *extra])} on {device}: {tokens:,} tokens per step, "
           f"{base.training.precision}, gradient accumulation {base.gradient_accumulation}; "
           f"median of {args.steps} steps after {args.warmup} warm-up")  # fmt: skip
     print(format_table(rows))
