@@ -34,8 +34,10 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -150,19 +152,42 @@ def gpu_activity(events: list[dict], wall_seconds: float) -> dict[str, float | N
     return out
 
 
-def profile_step(step_fn: StepFn, step: int, device: torch.device) -> dict[str, float | None]:
-    """Runs one step under torch.profiler (CUDA only) and summarises its GPU activity."""
-    from torch.profiler import ProfilerActivity, profile
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        step_fn(step)
-        torch.cuda.synchronize(device)
-        wall = time.perf_counter() - started
+
+def profile_step(step_fn: StepFn, step: int, device: torch.device) -> dict[str, float | None]:
+    """Profiles step ``step + 1`` after a profiler warm-up on step ``step``; its GPU activity.
+
+    The warm-up step keeps the profiler's start-up (CUPTI initialisation) out of the recorded
+    step's wall time. Kernels are only recorded on CUDA; elsewhere the idle share comes out 1.
+    """
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
+        with (
+            warnings.catch_warnings(),
+            profile(
+                activities=activities,
+                schedule=schedule(wait=0, warmup=1, active=1),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(path),
+            ) as prof,
+        ):
+            # Only the recorded step's events are wanted, which the profiler warns about.
+            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+            step_fn(step)
+            prof.step()
+            _synchronize(device)
+            started = time.perf_counter()
+            step_fn(step + 1)
+            _synchronize(device)
+            wall = time.perf_counter() - started
+            prof.step()
         with open(path) as trace:
             events = json.load(trace)["traceEvents"]
     return gpu_activity(events, wall)
@@ -299,41 +324,49 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
 # ---------------------------------------------------------------------------- measuring
 
 
-def measure(
-    label: str, build: Callable[[], StepFn], config: PretrainingConfig, device: torch.device,
-    steps: int, warmup: int,
-) -> dict:  # fmt: skip
-    """Times ``steps`` steps after ``warmup`` untimed ones; memory and, on CUDA, one profile."""
+@dataclass
+class Run:
+    """How many steps to run and on what: shared by every row of the table."""
+
+    device: torch.device
+    steps: int
+    warmup: int
+
+
+def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, run: Run) -> dict:
+    """Times ``run.steps`` steps after ``run.warmup`` untimed ones; memory; on CUDA, a profile."""
+    device = run.device
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     reset_peak_memory(device)
     step_fn = build()
     times, losses = [], []
-    for i in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+    for i in range(run.warmup + run.steps):
+        _synchronize(device)
         started = time.perf_counter()
         losses.append(step_fn(i))
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
+        _synchronize(device)
+        if i >= run.warmup:
             times.append(time.perf_counter() - started)
-    row = {"variant": label, "device": str(device), "step_s": statistics.median(times),
-           "first_loss": losses[0], "last_loss": losses[-1]}  # fmt: skip
-    shapes = GPTShapes.from_config(config.model)
-    peak = device_peak_tflops(device, config.execution.peak_tflops)
-    rates = throughput(row["step_s"], config.training.global_batch_size,
-                       config.model.sequence_length,
-                       flops_per_token(shapes, config.model.sequence_length), peak, 1)  # fmt: skip
+    row = {"variant": label, "device": str(device), "step_s": statistics.median(times)}
+    row.update(first_loss=losses[0], last_loss=losses[-1])
+    m = config.model
+    rates = throughput(
+        row["step_s"],
+        config.training.global_batch_size,
+        m.sequence_length,
+        flops_per_token(GPTShapes.from_config(m), m.sequence_length),
+        device_peak_tflops(device, config.execution.peak_tflops),
+        devices=1,
+    )
     row.update(tokens_per_s=rates["tokens_per_sec"], tflops=rates["tflops"], mfu=rates["mfu"])
     row["peak_mem_GiB"] = peak_memory(device) / 2**30
     row["host_rss_GiB"] = (_proc_status_bytes("VmRSS") or 0) / 2**30 or None
-    profiled = {"h2d_GBps": None, "d2h_GBps": None, "h2d_GB": None, "d2h_GB": None,
-                "gpu_idle": None}  # fmt: skip
     if device.type == "cuda":
-        profiled = profile_step(step_fn, warmup + steps, device)
-    row.update(profiled)
+        row.update(profile_step(step_fn, run.warmup + run.steps, device))
+    else:  # no copies to time and no kernels to count
+        row.update(dict.fromkeys(("h2d_GBps", "d2h_GBps", "h2d_GB", "d2h_GB", "gpu_idle")))
     return row
 
 
@@ -389,9 +422,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--compare", action="store_true", help="add the PyTorch baselines")
     parser.add_argument("--json", help="also write the rows to this JSON file")
-    parser.add_argument("--adamw_elements", type=int, default=1 << 24,
-                        help="compare host AdamW implementations on a flat vector this long "
-                        "(0 skips)")  # fmt: skip
+    adamw_help = "time host AdamW implementations on a flat vector this long (0 skips)"
+    parser.add_argument("--adamw_elements", type=int, default=1 << 24, help=adamw_help)
     args, extra = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
@@ -399,34 +431,30 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ours = OUR_VARIANTS if args.compare else {"ours": []}
     base, _ = parse_config(flags)
     device = select_device(base.execution.device, 0, 1)
-    batches = read_batches(base, args.warmup + args.steps + 1)  # + 1: the profiled step
+    batches = read_batches(base, args.warmup + args.steps + 2)  # + 2: the profiled steps
 
+    run = Run(device, args.steps, args.warmup)
     rows = []
     for label, variant_flags in ours.items():
         config, _ = parse_config([*flags, *variant_flags])
-        rows.append(measure(label, lambda c=config: our_engine(c, device, batches), config,
-                            device, args.steps, args.warmup))  # fmt: skip
+        rows.append(measure(label, lambda c=config: our_engine(c, device, batches), config, run))
     if args.compare:
-        rows.append(measure(PLAIN_LOOP, lambda: pytorch_loop(base, device, batches), base,
-                            device, args.steps, args.warmup))  # fmt: skip
+        rows.append(measure(PLAIN_LOOP, lambda: pytorch_loop(base, device, batches), base, run))
         if device.type == "cuda":
-            rows.append(measure(FSDP2_OFFLOAD, lambda: fsdp2_offload(base, device, batches),
-                                base, device, args.steps, args.warmup))  # fmt: skip
+            build = lambda: fsdp2_offload(base, device, batches)  # noqa: E731
+            rows.append(measure(FSDP2_OFFLOAD, build, base, run))
         else:
-            rows.append(
-                {
-                    "variant": FSDP2_OFFLOAD,
-                    "skipped": "needs CUDA (its offload moves state between host and GPU)",
-                }
-            )
+            reason = "needs CUDA (its offload moves state between host and GPU)"
+            rows.append({"variant": FSDP2_OFFLOAD, "skipped": reason})
     for row in rows:
         if "tokens_per_s" in row:
             row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
 
-    tokens = base.tokens_per_step
-    print(f"preset {' '.join([args.config, *extra])} on {device}: {tokens:,} tokens per step, "
-          f"{base.training.precision}, gradient accumulation {base.gradient_accumulation}; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")  # fmt: skip
+    print(
+        f"preset {' '.join([args.config, *extra])} on {device}: {base.tokens_per_step:,} tokens "
+        f"per step, {base.training.precision}, gradient accumulation "
+        f"{base.gradient_accumulation}; median of {args.steps} steps after {args.warmup} warm-up"
+    )
     print(format_table(rows))
     if args.adamw_elements > 0:
         print(host_adamw_line(args.adamw_elements, base))

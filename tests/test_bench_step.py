@@ -90,3 +90,19 @@ def test_gpu_check_says_it_needs_a_gpu_and_does_not_fail_without_one():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "needs a CUDA GPU" in result.stdout and "nothing was checked" in result.stdout
+
+
+def test_profile_step_records_only_the_step_after_the_profiler_warm_up():
+    import torch
+
+    calls = []
+
+    def step(i: int) -> float:
+        calls.append(i)
+        return float(torch.ones(64, 64).matmul(torch.ones(64, 64)).sum())
+
+    activity = bench_step.profile_step(step, 7, torch.device("cpu"))
+    assert calls == [7, 8]
+    # A CPU records no kernels and no copies: idle all along, no rates.
+    assert activity == {"h2d_GBps": None, "h2d_GB": 0.0, "d2h_GBps": None, "d2h_GB": 0.0,
+                        "gpu_idle": 1.0}  # fmt: skip
