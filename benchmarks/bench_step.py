@@ -6,8 +6,9 @@
 Every variant trains on the same token batches (read once from the project's data loader, the
 shipped sample data by default; data loading is not timed), from the same initial weights. The
 first ``--warmup`` steps are not timed; the table shows medians over ``--steps`` steps. On CUDA
-one more step runs under torch.profiler for the host<->device copy rates and the share of the
-step with no kernel running (the profiler slows that step a little; its figures are ratios).
+two more steps run under torch.profiler (one to warm it up, one recorded) for the host<->device
+copy rates and the share of the step with no kernel running (the profiler slows the recorded
+step a little; its figures are rates and shares, not times).
 
 Rows of ``--compare`` (tokens/s ratio to the first row):
 

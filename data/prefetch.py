@@ -14,6 +14,9 @@ so a checkpoint saved then resumes at batch ``k`` (the prefetched batches are re
 a resume, never lost). Each of these values is snapshotted by the worker right after it read
 the batch, and becomes current when that batch is handed out.
 
+Once wrapped, the loader belongs to the wrapper's thread: resume with the wrapper's
+``load_state_dict`` (it discards what was read ahead), never the wrapped loader's.
+
 Errors: an exception raised while reading (e.g. ``DataError`` from a corrupt record) is raised
 again, as the same object, by the ``next_batch()`` call that needed that batch, not earlier.
 """
