@@ -23,6 +23,7 @@ from data.loader import (
     PretrainingDataLoader,
     validation_batches,
 )
+from data.prefetch import PrefetchingLoader
 from execution.layout import setup_layout, teardown
 from execution.phases import PhasedEngine
 from execution.planner import choose_plan, measure_budget
@@ -114,9 +115,12 @@ def run(config, preset, layout, launch) -> None:
             f"output: {output_dir}/metrics.jsonl",
             flush=True,
         )
+    # The next step's batch is read (and pinned for the GPU) while the current step runs.
+    prefetcher = PrefetchingLoader(loader, pin_memory=layout.device.type == "cuda")
     try:
-        train(config, engine, loader, tracker, validation)
+        train(config, engine, prefetcher, tracker, validation)
     finally:
+        prefetcher.close()
         tracker.close()
 
 

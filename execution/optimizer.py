@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from concurrent.futures import Executor
 
 import torch
 
@@ -74,3 +75,40 @@ def adamw_(
     bias_correction2_sqrt = math.sqrt(1.0 - optim.beta2**step)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(optim.eps)
     weight.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+
+
+def adamw_threaded_(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    pool: Executor,
+    chunk_elements: int = 1 << 16,
+    **hyper,
+) -> None:
+    """:func:`adamw_` on cache-sized chunks of flat host shards, chunks spread over ``pool``.
+
+    The update is elementwise, so every chunk computes exactly what :func:`adamw_` computes for
+    those elements (bitwise, tested). Two gains on a CPU: the seven passes of the update run
+    over a chunk while it sits in cache instead of streaming whole shards through memory seven
+    times, and torch releases the GIL inside each op, so the pool's threads run chunks in
+    parallel. Chunks below torch's internal grain size run single-threaded inside torch, so the
+    pool does not oversubscribe the cores.
+
+    Args:
+        weight, grad, exp_avg, exp_avg_sq: Contiguous 1-D float32 tensors of equal length.
+        pool: Threads to run on (e.g. ``ThreadPoolExecutor(os.cpu_count())``), owned by the caller.
+        chunk_elements: Elements per chunk (64 Ki float32: 256 KiB per tensor).
+        **hyper: ``step``, ``lr``, ``optim``, ``weight_decay``, ``grad_scale`` of :func:`adamw_`.
+    """
+    tensors = (weight, grad, exp_avg, exp_avg_sq)
+    assert all(t.dim() == 1 and t.is_contiguous() and t.numel() == weight.numel()
+               for t in tensors), "flat shards of equal length"  # fmt: skip
+
+    def run(start: int) -> None:
+        adamw_(*(t[start : start + chunk_elements] for t in tensors), **hyper)
+
+    futures = [pool.submit(run, start) for start in range(0, weight.numel(), chunk_elements)]
+    for future in futures:
+        future.result()  # re-raises a worker's error here

@@ -28,7 +28,8 @@ def train(
     Args:
         config: The run's configuration.
         engine: Holds the model state of this rank.
-        loader: Yields this rank's ``[GA, micro_batch, seq + 1]`` tokens via ``next_batch()``.
+        loader: Yields this rank's ``[GA, micro_batch, seq + 1]`` tokens via ``next_batch()``
+            (a :class:`data.prefetch.PrefetchingLoader` reads them during the previous step).
         tracker: Receives each step's metrics (and evaluation results).
         validation: Returns a fresh iterable of validation batches; None disables evaluation.
         start_step: First step to run (resumption).
@@ -44,7 +45,9 @@ def train(
     history = []
     for step in range(start_step, t.steps):
         lr = learning_rate(step, t.optimizer, config.tokens_per_step, t.steps)
-        batch = loader.next_batch()
+        waited = time.perf_counter()
+        batch = loader.next_batch()  # with data.prefetch, read while the last step ran
+        data_seconds = time.perf_counter() - waited
         _synchronize(layout.device)
         started = time.perf_counter()
         result = engine.train_step(batch, step, lr)
@@ -57,6 +60,7 @@ def train(
             "grad_norm": result.grad_norm,
             "skipped": result.skipped,
             "step_time": seconds,
+            "data_time": data_seconds,  # waiting for the batch, not part of step_time
             **throughput(
                 seconds,
                 t.global_batch_size,

@@ -20,6 +20,8 @@ METRIC_KEYS = {
     "tokens_per_sec",
     "tflops",
     "mfu",
+    "step_time",
+    "data_time",
 }
 
 
@@ -55,6 +57,9 @@ def test_bfloat16_with_evaluation_and_offline_wandb(tmp_path):
     assert result.returncode == 0, result.stderr
     metrics = read_metrics(tmp_path)
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2, 3]
+    # The batch is prefetched during the previous step; the wait for it is reported.
+    assert all(0 <= m["data_time"] < m["step_time"] + 1 for m in metrics if "loss" in m)
+    assert "| data " in result.stdout
     evals = [m for m in metrics if "eval_loss" in m]
     assert [m["step"] for m in evals] == [2, 3] and all(8 < m["eval_loss"] < 12 for m in evals)
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))

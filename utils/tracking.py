@@ -64,6 +64,7 @@ class ConsoleTracker:
                 f"{metrics['tokens_per_sec']:,.0f} tok/s | {metrics['tflops']:.3f} TFLOPS | "
                 f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
                 f"{metrics['step_time']:.2f} s"
+                + (f" | data {t:.3f} s" if (t := metrics.get("data_time")) is not None else "")
                 + (" | SKIPPED (non-finite grads)" if metrics.get("skipped") else "")
                 + (f" | {n} corrupt records skipped" if (n := metrics.get("skipped_records"))
                    else "")

@@ -1,0 +1,108 @@
+"""benchmarks/bench_step.py as a user runs it on a CPU, and its trace arithmetic by hand."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_step  # noqa: E402
+
+SMALL = ["--hidden_size", "32", "--sequence_length", "32", "--max_positional_length", "32",
+         "--global_batch_size", "4", "--micro_batch_size", "2", "--device", "cpu"]  # fmt: skip
+
+
+def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
+    out = tmp_path / "rows.json"
+    result = subprocess.run(
+        [sys.executable, "benchmarks/bench_step.py", "--config", "tiny", "--warmup", "1", "--steps", "1",
+         "--compare", "--json", str(out), "--adamw_elements", "300000", *SMALL],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    rows = {row["variant"]: row for row in json.loads(out.read_text())}
+    expected = [*bench_step.OUR_VARIANTS, bench_step.PLAIN_LOOP, bench_step.FSDP2_OFFLOAD]
+    assert list(rows) == expected
+    table = result.stdout.splitlines()
+    assert table[1].split()[:3] == ["variant", "step", "s"]
+    for label in expected:
+        assert any(line.startswith(label) for line in table[2:]), label
+    assert "needs CUDA" in rows[bench_step.FSDP2_OFFLOAD]["skipped"]
+    assert "host AdamW on 300,000 float32: adamw_ " in result.stdout
+
+    ours = rows[next(iter(bench_step.OUR_VARIANTS))]
+    plain = rows[bench_step.PLAIN_LOOP]
+    assert ours["ratio"] == 1.0 and plain["ratio"] == pytest.approx(
+        plain["tokens_per_s"] / ours["tokens_per_s"]
+    )
+    for label in [*bench_step.OUR_VARIANTS, bench_step.PLAIN_LOOP]:
+        row = rows[label]
+        assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(128 / row["step_s"])
+        assert row["mfu"] is None and row["h2d_GBps"] is None and row["gpu_idle"] is None
+        assert row["peak_mem_GiB"] > 0.05 and row["host_rss_GiB"] > 0.05
+        # Same weights, same batch, float32: the independent loop's first loss is ours, and
+        # after an AdamW update (same lr schedule, clipping, decay groups) still close.
+        assert row["first_loss"] == pytest.approx(ours["first_loss"], abs=1e-4)
+        assert row["last_loss"] == pytest.approx(ours["last_loss"], abs=1e-3)
+        assert row["last_loss"] < row["first_loss"]
+
+
+def test_gpu_activity_from_a_hand_made_trace():
+    events = [
+        # two overlapping kernels (0-30 and 20-50 us) and one apart (80-90): 60 us busy
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1000.0, "dur": 30.0},
+        {"ph": "X", "cat": "kernel", "name": "gelu", "ts": 1020.0, "dur": 30.0},
+        {"ph": "X", "cat": "kernel", "name": "add", "ts": 1080.0, "dur": 10.0},
+        # 4 MB host-to-device in 100 us + 2 MB in 100 us: 30 GB/s; 1 MB back in 50 us: 20 GB/s
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
+         "ts": 900.0, "dur": 100.0, "args": {"bytes": 4_000_000}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
+         "ts": 1000.0, "dur": 100.0, "args": {"bytes": 2_000_000}},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)",
+         "ts": 1100.0, "dur": 50.0, "args": {"bytes": 1_000_000}},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 990.0, "dur": 500.0},
+        {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1000.0},
+    ]  # fmt: skip
+    activity = bench_step.gpu_activity(events, wall_seconds=200e-6)
+    assert activity["h2d_GBps"] == pytest.approx(30.0)
+    assert activity["d2h_GBps"] == pytest.approx(20.0)
+    assert activity["h2d_GB"] == pytest.approx(0.006) and activity["d2h_GB"] == pytest.approx(0.001)
+    assert activity["gpu_idle"] == pytest.approx(1 - 60 / 200)
+    assert bench_step.gpu_activity([], 1.0) == {
+        "h2d_GBps": None, "h2d_GB": 0.0, "d2h_GBps": None, "d2h_GB": 0.0, "gpu_idle": 1.0
+    }  # fmt: skip
+
+
+def test_gpu_check_says_it_needs_a_gpu_and_does_not_fail_without_one():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "needs a CUDA GPU" in result.stdout and "nothing was checked" in result.stdout
+
+
+def test_profile_step_records_only_the_step_after_the_profiler_warm_up():
+    import torch
+
+    calls = []
+
+    def step(i: int) -> float:
+        calls.append(i)
+        return float(torch.ones(64, 64).matmul(torch.ones(64, 64)).sum())
+
+    activity = bench_step.profile_step(step, 7, torch.device("cpu"))
+    assert calls == [7, 8]
+    # A CPU records no kernels and no copies: idle all along, no rates.
+    assert activity == {"h2d_GBps": None, "h2d_GB": 0.0, "d2h_GBps": None, "d2h_GB": 0.0,
+                        "gpu_idle": 1.0}  # fmt: skip
