@@ -33,11 +33,29 @@ from utils.tracking import ConsoleTracker, JsonlTracker, MultiTracker, NullTrack
 
 def main(argv: list[str] | None = None) -> None:
     config, preset = parse_config(argv)
+    if config.planning.dry_run or config.planning.plan_for:
+        plan_without_launching(config, preset)
+        return
     layout, launch = setup_layout(config)
     try:
         run(config, preset, layout, launch)
     finally:
         teardown()
+
+
+def plan_without_launching(config, preset) -> None:
+    """--dry_run and --plan_for: one CPU process, no data read, no weights drawn."""
+    from execution.dry_run import check_input_files, dry_run
+    from execution.plan_search import print_layouts
+
+    if config.planning.plan_for:
+        print_layouts(config, preset)
+        return
+    check_input_files(config.data.input_files or [SAMPLE_DATA_GLOB])
+    output_dir = Path(
+        config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}-dry"
+    )
+    dry_run(config, output_dir)
 
 
 def run(config, preset, layout, launch) -> None:

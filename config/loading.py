@@ -258,6 +258,12 @@ def validate(config: PretrainingConfig) -> None:
         "passes": ex.passes,
         "device_memory_gb": ex.device_memory_gb,
         "host_memory_gb": ex.host_memory_gb,
+        "plan_for": config.planning.plan_for,
+        "host_link_gb_per_s": config.planning.host_link_gb_per_s,
+        "intra_node_gb_per_s": config.planning.intra_node_gb_per_s,
+        "inter_node_gb_per_s": config.planning.inter_node_gb_per_s,
+        "devices_per_node": config.planning.devices_per_node,
+        "compute_efficiency": config.planning.compute_efficiency,
     }
     for name, value in non_negative.items():
         if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
@@ -296,6 +302,13 @@ def validate(config: PretrainingConfig) -> None:
         if value >= 2**31:
             raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
 
+    if config.planning.compute_efficiency > 1:
+        raise ConfigError(
+            f"--compute_efficiency is a fraction of the peak, at most 1, got "
+            f"{config.planning.compute_efficiency}"
+        )
+    if config.planning.dry_run and config.planning.plan_for:
+        raise ConfigError("give either --dry_run or --plan_for N, not both")
     if d.validation_files and d.validation_fraction:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
     if d.validation_files and not d.eval_every:

@@ -204,6 +204,60 @@ class ExecutionConfig:
     )
 
 
+DEVICE_SPECS = ("h100_sxm", "h200", "a100_80gb")
+
+
+@dataclass
+class PlanningConfig:
+    """Plan and check a run without launching it (one CPU process, no data, no weights)."""
+
+    dry_run: bool = field(
+        default=False,
+        metadata=_doc(
+            "Run set-up and one training step of every kind of rank on a fake process group "
+            "and meta tensors; print each rank's memory, traffic, FLOPs and estimated step "
+            "time for --device_spec, write plan.json to --output_dir, and exit."
+        ),
+    )
+    plan_for: int = field(
+        default=0,
+        metadata=_doc(
+            "List the layouts (parallelism, micro-batch, passes, placements) of this many "
+            "devices of --device_spec that fit the preset's model and global batch, fastest "
+            "first, and exit. 0: off."
+        ),
+    )
+    device_spec: str = field(
+        default="h100_sxm",
+        metadata=_doc(
+            "Device the dry run and --plan_for estimate for; --peak_tflops, --device_memory_gb, "
+            "--host_memory_gb and the bandwidth flags override its numbers.",
+            choices=DEVICE_SPECS,
+        ),
+    )
+    host_link_gb_per_s: float = field(
+        default=0.0, metadata=_doc("Host<->device bandwidth per device in GB/s; 0: the spec's.")
+    )
+    intra_node_gb_per_s: float = field(
+        default=0.0,
+        metadata=_doc("Collective bandwidth within a node per device in GB/s; 0: the spec's."),
+    )
+    inter_node_gb_per_s: float = field(
+        default=0.0,
+        metadata=_doc("Collective bandwidth between nodes per device in GB/s; 0: the spec's."),
+    )
+    devices_per_node: int = field(
+        default=0, metadata=_doc("Devices per node (where groups leave the node); 0: the spec's.")
+    )
+    compute_efficiency: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Fraction of the dense peak the model's matmuls reach, for step-time estimates; 0: "
+            "the spec's."
+        ),
+    )
+
+
 @dataclass
 class LoggingConfig:
     """Where metrics go."""
@@ -228,6 +282,7 @@ class PretrainingConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
+    planning: PlanningConfig = field(default_factory=PlanningConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     @property

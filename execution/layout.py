@@ -39,6 +39,7 @@ class GroupAxis:
     size: int
     rank: int
     group: dist.ProcessGroup | None = None
+    members: tuple[int, ...] = ()  # global ranks of the group, in group-rank order
     calls: collections.Counter = field(default_factory=collections.Counter)
     payload_bytes: collections.Counter = field(default_factory=collections.Counter)
 
@@ -137,7 +138,7 @@ class ParallelLayout:
                 ranks = groups[key]
                 pg = dist.new_group(ranks) if len(ranks) > 1 else None
                 if rank in ranks:
-                    mine = GroupAxis(name, len(ranks), ranks.index(rank), pg)
+                    mine = GroupAxis(name, len(ranks), ranks.index(rank), pg, tuple(ranks))
             axes[name] = mine
         return cls(**axes, device=device)
 

@@ -1,0 +1,244 @@
+"""The dry run: the real set-up and one real training step of every kind of rank, on meta tensors.
+
+``run_pretraining.py --dry_run`` builds the preset's full layout on a fake process group (one
+process plays each rank in turn), plans its memory for ``--device_spec`` and runs one
+:meth:`PhasedEngine.train_step` on meta tensors, so every shape, split and collective of the
+real code runs without memory, data or devices. It measures, per kind of rank, the buffers, the
+peak working set and the FLOPs executed (:class:`StepMeter`) (recomputation included), the bytes of every collective
+and of the host link, and estimates the step time and MFU.
+
+Kinds of rank: ranks whose shards differ only in which rows of the padded vocabulary and
+position tables are real (the last tensor_parallel_1 shard usually holds padding) run different
+code in the head; all ranks of one kind are identical up to their data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from config.schema import PretrainingConfig
+from execution.device_specs import DeviceSpec, resolve_spec
+from execution.layout import GroupAxis, ParallelLayout
+from execution.phases import PhasedEngine
+from execution.planner import GiB, MemoryBudget, MemoryPlan, candidate_plans
+from execution.step_meter import StepMeter
+from modelling.gpt import GPTShapes
+from utils.metrics import flops_per_token
+
+META = torch.device("meta")
+STATE_KEYS = ("weights", "grads", "optimizer", "activations", "working_set", "total")
+# Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
+RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n}  # fmt: skip
+
+
+def rank_kinds(config: PretrainingConfig) -> list[list[int]]:
+    """Ranks grouped by the real (unpadded) vocabulary and position rows of their shards."""
+    ex = config.execution
+    shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    vocab_rows = shapes.vocab_padded // shapes.tp1
+    position_rows = shapes.positions_padded // shapes.tp1
+
+    def real(total: int, rows: int, i: int) -> int:
+        return min(max(total - i * rows, 0), rows)
+
+    kinds: dict[tuple[int, int], list[int]] = {}
+    tp = ex.tensor_parallel_1 * ex.tensor_parallel_2
+    for rank in range(config.world_size):
+        i = (rank % tp) // ex.tensor_parallel_2
+        key = (real(shapes.vocab, vocab_rows, i), real(shapes.positions, position_rows, i))
+        kinds.setdefault(key, []).append(rank)
+    return list(kinds.values())
+
+
+@contextmanager
+def fake_job(rank: int, world_size: int) -> Iterator[None]:
+    """This process plays ``rank`` of a job whose collectives only check shapes."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass
+class RankMeasurement:
+    """What one real training step of one rank did, measured on meta tensors."""
+
+    plan: MemoryPlan
+    fits: bool
+    why: str
+    buffer_bytes: dict[str, int]
+    working_set: int
+    comm_bytes: dict[str, int]  # per group, bytes this rank sends; plus host_link
+    comm_seconds: dict[str, float]
+    flops: int
+
+
+def spec_budget(spec: DeviceSpec) -> MemoryBudget:
+    return MemoryBudget(int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB))
+
+
+def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[MemoryPlan, bool]:
+    """The planner's choice for a GPU of ``budget``, or, when nothing fits, the plan that
+    needs the least device memory (so the dry run can still show what it would take)."""
+    plans = candidate_plans(config, "cuda")
+    for plan in plans:
+        if budget.fits(plan):
+            return plan, True
+    return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
+
+
+def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
+    """Set-up and one training step of ``rank`` on a fake process group and meta tensors."""
+    ex = config.execution
+    budget = spec_budget(spec)
+    plan, planned_fit = choose_or_least(config, budget)
+    with fake_job(rank, config.world_size):
+        layout = ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1,
+                                      ex.tensor_parallel_2, META)  # fmt: skip
+        engine = PhasedEngine(config, layout, plan)
+        tokens = torch.zeros((config.gradient_accumulation, ex.micro_batch_size,
+                              config.model.sequence_length + 1), dtype=torch.long, device=META)  # fmt: skip
+        with StepMeter() as meter:
+            engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
+        comm, seconds = {}, {}
+        for axis in layout.axes():
+            comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)
+        host = engine.state.host_to_device + engine.state.device_to_host
+        comm["host_link"] = host
+        seconds["host_link"] = host / (spec.host_link_gb_per_s * 1e9)
+        buffers = engine.buffer_bytes()
+    device = plan.bytes_on("device")
+    device_total = device["total"] - plan.working_set + meter.peak
+    fits = planned_fit and device_total <= budget.device
+    why = _why(plan, budget, device_total, planned_fit)
+    return RankMeasurement(plan, fits, why, buffers, meter.peak, comm, seconds, meter.flops)
+
+
+def _axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:
+    """Bytes this rank sends over a group in the step, and the seconds that takes."""
+    if axis.size == 1:
+        return 0, 0.0
+    sent = sum(RING_FACTOR[_op_family(op)](axis.size) * nbytes
+               for op, nbytes in axis.payload_bytes.items())  # fmt: skip
+    nodes = {member // spec.devices_per_node for member in axis.members}
+    bandwidth = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
+    return int(sent), sent / (bandwidth * 1e9)
+
+
+def _op_family(op: str) -> str:
+    return "all_reduce" if op.startswith("all_reduce") else op
+
+
+def _why(plan: MemoryPlan, budget: MemoryBudget, device_total: int, planned_fit: bool) -> str:
+    host = plan.bytes_on("host")["total"]
+    if planned_fit and device_total <= budget.device:
+        return (f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
+                f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host")  # fmt: skip
+    return (f"does not fit: needs {device_total / GiB:,.1f} GiB device (of "
+            f"{budget.device / GiB:,.1f}) and {host / GiB:,.1f} GiB host (of "
+            f"{budget.host / GiB:,.1f}) even with its least-memory plan; add data or tensor "
+            "parallelism (see --plan_for) or use a larger device")  # fmt: skip
+
+
+def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:
+    """Step time and MFU from a rank's measurements: compute overlaps host copies (they are
+    prefetched), collectives do not overlap compute."""
+    compute = m.flops / (spec.peak_tflops * 1e12 * spec.compute_efficiency)
+    collectives = sum(v for k, v in m.comm_seconds.items() if k != "host_link")
+    step = max(compute, m.comm_seconds["host_link"]) + collectives
+    model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
+    per_rank = model_flops * config.tokens_per_step / config.world_size
+    return {"step_time_s": step, "mfu": per_rank / (step * spec.peak_tflops * 1e12),
+            "compute_s": compute, "collectives_s": collectives}  # fmt: skip
+
+
+def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
+    """Measures every kind of rank, prints the report and writes ``plan.json``."""
+    spec = resolve_spec(config)
+    entries = []
+    for ranks in rank_kinds(config):
+        m = measure_rank(config, ranks[0], spec)
+        device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
+        device["working_set"] = m.working_set
+        device["total"] = sum(v for k, v in device.items() if k != "total")
+        entries.append({
+            "ranks": ranks,
+            "host_bytes": {k: host[k] for k in STATE_KEYS},
+            "device_bytes": {k: device[k] for k in STATE_KEYS},
+            "comm_bytes": m.comm_bytes,
+            "flops_per_step": m.flops,
+            **estimate(config, m, spec),
+            "fits": m.fits,
+            "why": m.why,
+            "plan": _plan_dict(m.plan),
+        })  # fmt: skip
+    report = {
+        "world_size": config.world_size,
+        "device_spec": vars(spec),
+        "plan": entries[0]["plan"],
+        "ranks": entries,
+        "fits": all(e["fits"] for e in entries),
+    }
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "plan.json").write_text(json.dumps(report, indent=2))
+    print(format_report(config, report))
+    print(f"written: {output_dir / 'plan.json'}")
+    return report
+
+
+def _plan_dict(plan: MemoryPlan) -> dict:
+    return {"passes": plan.passes, "micro_batches_per_pass": plan.micro_batches_per_pass,
+            "placement": vars(plan.placement)}  # fmt: skip
+
+
+def format_report(config: PretrainingConfig, report: dict) -> str:
+    """The console table: one block per kind of rank, then the verdict."""
+    ex, spec = config.execution, report["device_spec"]
+    lines = [
+        f"dry run: {config.model.layers} layers x {config.model.hidden_size}, "
+        f"{ex.data_parallel} x {ex.tensor_parallel_1} x {ex.tensor_parallel_2} = "
+        f"{report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
+        f"{spec['memory_gb']:g} GiB, host {spec['host_memory_gb']:g} GiB), "
+        f"global batch {config.training.global_batch_size} x {config.model.sequence_length}"
+    ]
+    for entry in report["ranks"]:
+        plan = entry["plan"]
+        ranks = entry["ranks"]
+        shown = ", ".join(map(str, ranks[:6])) + (", ..." if len(ranks) > 6 else "")
+        lines.append(f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
+                     f"{plan['micro_batches_per_pass']} micro-batch(es), "
+                     + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items()))  # fmt: skip
+        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>13}" for k in STATE_KEYS))
+        for where in ("device", "host"):
+            values = entry[f"{where}_bytes"]
+            lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:13.2f}" for k in STATE_KEYS))
+        comm = entry["comm_bytes"]
+        lines.append("  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}"
+                                                        for k, v in comm.items() if v))  # fmt: skip
+        lines.append(
+            f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
+            f"estimated step {entry['step_time_s']:,.2f} s (compute {entry['compute_s']:,.2f} s, "
+            f"collectives {entry['collectives_s']:,.2f} s), MFU {entry['mfu']:.1%}"
+        )
+        lines.append(f"  {entry['why']}")
+    verdict = "FITS" if report["fits"] else "DOES NOT FIT"
+    lines.append(f"\nverdict: {verdict} on {report['world_size']} x {spec['name']}")
+    return "\n".join(lines)
+
+
+def check_input_files(patterns: list[str]) -> None:
+    """The dry run reads no data, but the files it would train on must exist."""
+    from data.dataset import expand_files
+
+    expand_files(patterns)

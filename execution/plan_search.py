@@ -1,0 +1,2 @@
+def print_layouts(config, preset):
+    raise NotImplementedError
