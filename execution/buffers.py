@@ -15,6 +15,7 @@ plan can never disagree with what is allocated.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -74,6 +75,7 @@ def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:
     return {MATRIX: dp, TP2_VECTOR: dp * tp1, TP1_VECTOR: dp * tp2}
 
 
+@functools.cache
 def local_parameter_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
     """Per part, the shapes of one (tp1, tp2) shard's parameters (read off a meta model)."""
     with torch.device("meta"):

@@ -7,9 +7,8 @@ real code runs without memory, data or devices. It measures, per kind of rank, t
 peak working set and the FLOPs executed (:class:`StepMeter`) (recomputation included), the bytes of every collective
 and of the host link, and estimates the step time and MFU.
 
-Kinds of rank: ranks whose shards differ only in which rows of the padded vocabulary and
-position tables are real (the last tensor_parallel_1 shard usually holds padding) run different
-code in the head; all ranks of one kind are identical up to their data.
+Kinds of rank: ranks whose tensor-parallel shards have the same shapes hold the same buffers,
+run the same ops and send the same bytes, so one rank of each kind is measured.
 """
 
 from __future__ import annotations
@@ -22,14 +21,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from config.schema import PretrainingConfig
 from execution.device_specs import DeviceSpec, resolve_spec
 from execution.layout import GroupAxis, ParallelLayout
 from execution.phases import PhasedEngine
 from execution.planner import GiB, MemoryBudget, MemoryPlan, candidate_plans
+from execution.sharding import shard_index
 from execution.step_meter import StepMeter
-from modelling.gpt import GPTShapes
+from modelling.gpt import PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
@@ -40,22 +42,45 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
 
 
 def rank_kinds(config: PretrainingConfig) -> list[list[int]]:
-    """Ranks grouped by the real (unpadded) vocabulary and position rows of their shards."""
+    """Ranks grouped by the shapes of their tensor-parallel shards (the shapes of every
+    parameter and so of every buffer and activation). Padding keeps the shards of the
+    vocabulary and position tables equal, so today every layout has one kind; ranks of a kind
+    differ only in values, which a dry run does not have."""
     ex = config.execution
     shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    vocab_rows = shapes.vocab_padded // shapes.tp1
-    position_rows = shapes.positions_padded // shapes.tp1
-
-    def real(total: int, rows: int, i: int) -> int:
-        return min(max(total - i * rows, 0), rows)
-
-    kinds: dict[tuple[int, int], list[int]] = {}
     tp = ex.tensor_parallel_1 * ex.tensor_parallel_2
+
+    def signature(i: int, j: int) -> tuple:
+        return tuple(
+            (part, name, tuple(len(dim) for dim in index))
+            for part in PARTS
+            for name, index in shard_index(part, shapes, i, j).items()
+        )
+
+    by_coords = {(i, j): signature(i, j) for i in range(shapes.tp1) for j in range(shapes.tp2)}
+    kinds: dict[tuple, list[int]] = {}
     for rank in range(config.world_size):
-        i = (rank % tp) // ex.tensor_parallel_2
-        key = (real(shapes.vocab, vocab_rows, i), real(shapes.positions, position_rows, i))
-        kinds.setdefault(key, []).append(rank)
+        i, j = (rank % tp) // ex.tensor_parallel_2, rank % ex.tensor_parallel_2
+        kinds.setdefault(by_coords[i, j], []).append(rank)
     return list(kinds.values())
+
+
+class FlashAttentionOnMeta(TorchFunctionMode):
+    """Runs attention as the flash kernel a GPU would use.
+
+    On the meta device ``scaled_dot_product_attention`` always takes the math path, which
+    materialises every score; the flash op's meta implementation has the real kernel's outputs
+    and saved tensors, so the working set and FLOPs are those of the GPU.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k, v = args[:3]
+            dropout_p, causal = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
+            flash = torch.ops.aten._scaled_dot_product_flash_attention
+            return flash(q, k, v, dropout_p, causal)[0]
+        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -98,31 +123,36 @@ def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[Me
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
 
 
-def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
-    """Set-up and one training step of ``rank`` on a fake process group and meta tensors."""
+def meta_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> RankMeasurement:
+    """Set-up and one training step of this fake job's rank, on meta tensors, measured."""
     ex = config.execution
+    layout = ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2,
+                                  META)  # fmt: skip
+    engine = PhasedEngine(config, layout, plan)
+    tokens = torch.zeros((config.gradient_accumulation, ex.micro_batch_size,
+                          config.model.sequence_length + 1), dtype=torch.long, device=META)  # fmt: skip
+    with FlashAttentionOnMeta(), StepMeter() as meter:
+        engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
+    comm, seconds = {}, {}
+    for axis in layout.axes():
+        comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)
+    host = engine.state.host_to_device + engine.state.device_to_host
+    comm["host_link"] = host
+    seconds["host_link"] = host / (spec.host_link_gb_per_s * 1e9)
+    return RankMeasurement(plan, True, "", engine.buffer_bytes(), meter.peak, comm, seconds,
+                           meter.flops)  # fmt: skip
+
+
+def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
+    """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits."""
     budget = spec_budget(spec)
     plan, planned_fit = choose_or_least(config, budget)
     with fake_job(rank, config.world_size):
-        layout = ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1,
-                                      ex.tensor_parallel_2, META)  # fmt: skip
-        engine = PhasedEngine(config, layout, plan)
-        tokens = torch.zeros((config.gradient_accumulation, ex.micro_batch_size,
-                              config.model.sequence_length + 1), dtype=torch.long, device=META)  # fmt: skip
-        with StepMeter() as meter:
-            engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
-        comm, seconds = {}, {}
-        for axis in layout.axes():
-            comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)
-        host = engine.state.host_to_device + engine.state.device_to_host
-        comm["host_link"] = host
-        seconds["host_link"] = host / (spec.host_link_gb_per_s * 1e9)
-        buffers = engine.buffer_bytes()
-    device = plan.bytes_on("device")
-    device_total = device["total"] - plan.working_set + meter.peak
-    fits = planned_fit and device_total <= budget.device
-    why = _why(plan, budget, device_total, planned_fit)
-    return RankMeasurement(plan, fits, why, buffers, meter.peak, comm, seconds, meter.flops)
+        m = meta_step(config, plan, spec)
+    device_total = plan.bytes_on("device")["total"] - plan.working_set + m.working_set
+    m.fits = planned_fit and device_total <= budget.device
+    m.why = _why(plan, budget, device_total, planned_fit)
+    return m
 
 
 def _axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:

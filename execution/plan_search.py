@@ -1,2 +1,143 @@
-def print_layouts(config, preset):
-    raise NotImplementedError
+"""``--plan_for N``: the layouts of N devices that fit a preset, fastest first.
+
+Each candidate layout (data_parallel x tensor_parallel_1 x tensor_parallel_2 = N, a micro-batch
+size) gets the planner's passes and placements for ``--device_spec``. Its step is then measured
+with the dry run's instruments, on meta tensors, but on a shrunk copy of the step: every count
+the estimate needs (FLOPs, bytes of each collective and of the host link) is exactly
+``c0 + c1 L + c2 P + c3 P L + c4 M + c5 M L`` in the layers L, passes P and micro-batches M of
+the step, so six steps of 1-2 layers and 1-2 micro-batches determine it for the full preset.
+A test checks the extrapolation against a full dry-run step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+from config.loading import validate
+from config.schema import PretrainingConfig
+from execution.device_specs import DeviceSpec, resolve_spec
+from execution.dry_run import RankMeasurement, estimate, fake_job, meta_step, spec_budget
+from execution.planner import GiB, MemoryPlan, candidate_plans
+
+# (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
+# linearly independent.
+PROBES = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2))
+
+
+def _basis(layers: int, micro_batches: int, passes: int) -> list[int]:
+    return [1, layers, passes, passes * layers, micro_batches, micro_batches * layers]
+
+
+def shrunk(config: PretrainingConfig, layers: int, micro_batches: int, passes: int):
+    """``config`` with fewer layers and micro-batches per replica, and fixed passes."""
+    out = copy.deepcopy(config)
+    out.model.layers = layers
+    ex = out.execution
+    out.training.global_batch_size = micro_batches * ex.micro_batch_size * ex.data_parallel
+    ex.passes = passes
+    return out
+
+
+def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
+    """Rank 0's FLOPs, bytes per group and working set for the full step, from six small ones.
+
+    Returns:
+        (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set).
+    """
+    placement = vars(plan.placement)
+    samples, working_set = [], 0
+    with fake_job(0, config.world_size):
+        for layers, micro, passes in PROBES:
+            small = shrunk(config, layers, micro, passes)
+            for state, where in placement.items():
+                setattr(small.execution, f"{state}_placement", where)
+            small_plan = next(iter(candidate_plans(small, "cuda")))
+            step = meta_step(small, small_plan, spec)
+            samples.append(step)
+            working_set = max(working_set, step.working_set)
+    keys = ["flops", *samples[0].comm_bytes]
+    matrix = np.array([_basis(*probe) for probe in PROBES], dtype=np.float64)
+    values = np.array([[s.flops, *s.comm_bytes.values()] for s in samples], dtype=np.float64)
+    coefficients = np.linalg.solve(matrix, values)
+    full = np.array(_basis(config.model.layers, config.gradient_accumulation, plan.passes))
+    totals = dict(zip(keys, (full @ coefficients).round().astype(np.int64).tolist(), strict=True))
+    seconds = {}
+    for group, nbytes in totals.items():
+        if group == "flops":
+            continue
+        rate = samples[-1].comm_seconds[group] / max(samples[-1].comm_bytes[group], 1)
+        seconds[group] = nbytes * rate
+    flops = totals.pop("flops")
+    return flops, totals, seconds, working_set
+
+
+def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
+    """Every (dp, tp1, tp2, micro-batch) of ``devices`` that the model and batch allow."""
+    m, t = config.model, config.training
+    out = []
+    for tp1 in range(1, devices + 1):
+        for tp2 in range(1, devices // tp1 + 1):
+            if devices % (tp1 * tp2) or m.heads % tp1 or m.hidden_size % tp2:
+                continue
+            dp = devices // (tp1 * tp2)
+            for micro in (1, 2, 4, 8, 16):
+                if t.global_batch_size % (micro * dp):
+                    continue
+                candidate = copy.deepcopy(config)
+                ex = candidate.execution
+                ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2 = dp, tp1, tp2
+                ex.micro_batch_size, ex.passes = micro, 0
+                validate(candidate)
+                out.append(candidate)
+    return out
+
+
+def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
+    """Layouts that fit, each with its plan and estimate, fastest first; and how many did not."""
+    spec = resolve_spec(config)
+    budget = spec_budget(spec)
+    rows, misfits = [], 0
+    for candidate in layouts(config, devices):
+        plan = next((p for p in candidate_plans(candidate, "cuda") if budget.fits(p)), None)
+        if plan is None:
+            misfits += 1
+            continue
+        flops, comm, seconds, working_set = extrapolated_step(candidate, plan, spec)
+        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops)
+        device_total = plan.bytes_on("device")["total"] - plan.working_set + working_set
+        if device_total > budget.device:
+            misfits += 1
+            continue
+        rows.append({"config": candidate, "plan": plan, "device_bytes": device_total,
+                     "host_bytes": plan.bytes_on("host")["total"],
+                     **estimate(candidate, measured, spec)})  # fmt: skip
+    rows.sort(key=lambda r: r["step_time_s"])
+    return rows, misfits
+
+
+def print_layouts(config: PretrainingConfig, preset: str) -> None:
+    devices = config.planning.plan_for
+    spec = resolve_spec(config)
+    rows, misfits = search(config, devices)
+    tokens = config.tokens_per_step
+    print(f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
+          f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
+          f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not")  # fmt: skip
+    header = (f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<18}"
+              f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}")  # fmt: skip
+    print(header)
+    for row in rows:
+        ex, plan = row["config"].execution, row["plan"]
+        where = "/".join(vars(plan.placement).values())
+        print(f"{ex.data_parallel:>3} {ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
+              f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<18}"
+              f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
+              f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
+              f"{row['mfu']:>6.1%}")  # fmt: skip
+    if rows:
+        ex = rows[0]["config"].execution
+        print(f"fastest: --data_parallel {ex.data_parallel} --tensor_parallel_1 "
+              f"{ex.tensor_parallel_1} --tensor_parallel_2 {ex.tensor_parallel_2} "
+              f"--micro_batch_size {ex.micro_batch_size}")  # fmt: skip
