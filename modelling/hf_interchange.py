@@ -67,6 +67,7 @@ def hf_config(model: dict[str, Any]):
     """A ``transformers.GPT2Config`` for our model section (``config.yml``'s ``model``)."""
     import transformers  # imported here: only export needs it
 
+    eot = 50256 if model["vocab_size"] > 50256 else None  # GPT-2's <|endoftext|>
     return transformers.GPT2Config(
         vocab_size=model["vocab_size"],
         n_positions=model["max_positional_length"],
@@ -80,6 +81,8 @@ def hf_config(model: dict[str, Any]):
         layer_norm_epsilon=model["layer_norm_eps"],
         initializer_range=model["init_std"],
         tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=eot,
     )
 
 
