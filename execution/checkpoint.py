@@ -41,7 +41,6 @@ from typing import Any
 import crc32c
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 from config.loading import ConfigError, config_to_dict
 from execution.phases import PhasedEngine
@@ -209,6 +208,8 @@ class Checkpointer:
     def _write(self, state, tmp: Path, final: Path, trainer: dict, started: float,
                held: float) -> None:  # fmt: skip
         """Background thread: every rank writes its items, then rank 0 commits."""
+        import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
         rank = self.layout.world.rank
         if self.group is None:
             with _single_process_quiet():
@@ -319,6 +320,8 @@ def read_trainer_state(path: Path) -> dict[str, Any]:
 
 def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Key -> shape of every tensor in a checkpoint (from DCP's index, no data read)."""
+    import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
     try:
         metadata = dcp.FileSystemReader(path).read_metadata()
     except Exception as err:  # DCP raises whatever unpickling raised
@@ -355,6 +358,8 @@ def check_shapes(path: Path, shapes: GPTShapes, states: tuple[str, ...] = STATES
 
 
 def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
     try:
         with _single_process_quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)

@@ -7,6 +7,7 @@ processes, or an engine in this process) and the bytes that were written.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -79,6 +80,7 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     assert resolve(ckpt) == ckpt / "step_3"
 
     resumed = entry_point(*RUN_FLAGS, "--load", str(ckpt), "--save", str(ckpt),
+                          "--eval_every", "3", "--eval_batches", "2",
                           "--output_dir", str(tmp_path / "resumed"))  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
@@ -89,6 +91,18 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
         assert got[step] == expected[step], (step, got[step], expected[step])
     # The resumed run removed the killed write and committed its own step 6.
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_3", "step_6"]
+
+    # --eval_only on the saved step 6 reproduces the resumed run's evaluation after step 6.
+    evaluated = entry_point(*RUN_FLAGS, "--load", str(ckpt), "--eval_only", "--eval_batches", "2",
+                            "--output_dir", str(tmp_path / "eval"))  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    final_eval = [json.loads(line) for line in
+                  (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()][-1]  # fmt: skip
+    assert final_eval["step"] == 6
+    loss = final_eval["eval_loss"]
+    assert f"validation loss {loss:.4f}, perplexity {math.exp(loss):.2f}" in evaluated.stdout
+    (row,) = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").open()]
+    assert row == {"step": 6, "eval_loss": loss, "eval_perplexity": math.exp(loss)}
 
 
 def _engine(config):
