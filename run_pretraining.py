@@ -99,7 +99,8 @@ def run(config, preset, layout, launch) -> None:
                     f"{config.training.steps}: nothing to train; raise --steps"
                 )
         dp, tp1, tp2 = trainer["saved_layout"]
-        resumed = (f"resumed from {trainer['folder']} at step {start_step} (saved by "
+        verb = "loaded" if c.eval_only else "resumed from"
+        resumed = (f"{verb} {trainer['folder']} at step {start_step} (saved by "
                    f"{dp} x {tp1} x {tp2} processes, {trainer['saved_placement']} buffers)\n")  # fmt: skip
     elif c.hf_model:
         load_hf_weights(c.hf_model, engine)
