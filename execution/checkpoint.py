@@ -15,8 +15,8 @@ Layout of a ``--save`` folder::
     step_9.tmp/             a checkpoint being written (never loaded)
     latest                  "step_6": the newest complete checkpoint
 
-Saving: the model's (part, row) items are dealt round-robin to ranks; every rank takes part in
-each collective :meth:`PhasedEngine.read_part_state` (the copy off the device, which is all
+Saving: the model's (part, row, state) items are dealt round-robin to ranks; every rank takes
+part in each collective :meth:`PhasedEngine.read_part_state` (the copy off the device, which is all
 that holds the training loop), keeps the items it owns and writes them with ``dcp.save`` in a
 background thread, over a process group of its own. When every rank has written, rank 0
 writes ``trainer.json`` and ``manifest.json`` and renames ``step_N.tmp`` to ``step_N``, then
@@ -175,15 +175,19 @@ class Checkpointer:
         self.last_saved = step
 
     def _stage(self) -> dict[str, torch.Tensor]:
-        """This rank's items as CPU float32 tensors (collective: every rank reads every part)."""
+        """This rank's items as CPU float32 tensors (collective: every rank reads every part).
+
+        An item is one state of one part row, so the three states of the large embedding are
+        written by three ranks.
+        """
         world = self.layout.world
+        items = [(part, row, s) for part, row in self.engine.part_rows() for s in STATES]
         state = {}
-        for index, (part, row) in enumerate(self.engine.part_rows()):
-            for s in STATES:
-                tensors = self.engine.read_part_state(part, row, s)
-                if index % world.size == world.rank:
-                    for name, t in tensors.items():
-                        state[tensor_key(s, part, row, name)] = t
+        for index, (part, row, s) in enumerate(items):
+            tensors = self.engine.read_part_state(part, row, s)
+            if index % world.size == world.rank:
+                for name, t in tensors.items():
+                    state[tensor_key(s, part, row, name)] = t
         if self.layout.is_main:
             state["rng/cpu"] = torch.get_rng_state()
             if torch.cuda.is_available() and self.layout.device.type == "cuda":
