@@ -115,7 +115,7 @@ def run(config, preset, layout, launch) -> None:
                 f"cannot write to --output_dir {output_dir}: {err.strerror}"
             ) from None
         trackers = [JsonlTracker(output_dir / "metrics.jsonl"),
-                    ConsoleTracker(config.training.steps, config.logging.log_every)]  # fmt: skip
+                    ConsoleTracker(max(config.training.steps, start_step), config.logging.log_every)]  # fmt: skip
         if config.logging.wandb:
             trackers.append(WandbTracker(config.logging.wandb_project, config.logging.wandb_mode,
                                          config_to_dict(config), output_dir))  # fmt: skip

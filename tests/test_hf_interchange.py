@@ -4,6 +4,9 @@ downloaded: HF models are built from a ``GPT2Config`` with random weights."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,26 @@ def test_import_checks_the_shape(tmp_path):
         load_hf_weights(tmp_path / "hf", engine)
     with pytest.raises(ConfigError, match=r"nothing/config\.json"):
         load_hf_weights(tmp_path / "nothing", engine)
+
+
+@pytest.mark.slow
+def test_hf_model_flag_evaluates_the_hf_weights_like_transformers(tmp_path):
+    """The entry point with --hf_model --eval_only reports HF's own loss on the same batch."""
+    from data.loader import SAMPLE_VALIDATION_GLOB, validation_batches
+
+    hf = _hf_model(vocab=50257, positions=128, layers=1)
+    hf.save_pretrained(tmp_path / "hf")
+    result = subprocess.run(
+        [sys.executable, "run_pretraining.py", "--config", "tiny", "--layers", "1",
+         "--hidden_size", "32", "--heads", "4", "--sequence_length", "16", "--device", "cpu",
+         "--hf_model", str(tmp_path / "hf"), "--eval_only", "--eval_batches", "1",
+         "--output_dir", str(tmp_path / "out")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"weights from the HuggingFace model {tmp_path / 'hf'}" in result.stdout
+    (row,) = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]
+    (batch,) = validation_batches([SAMPLE_VALIDATION_GLOB], 16, 4, 0, 1, 50257, 1)
+    with torch.no_grad():
+        expected = hf(input_ids=batch, labels=batch).loss.item()
+    assert abs(row["eval_loss"] - expected) <= TOLERANCE * expected
