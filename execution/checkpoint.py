@@ -135,7 +135,6 @@ class Checkpointer:
         self.keep = keep
         self.log = log if self.layout.is_main else (lambda _: None)
         self.commit_delay = commit_delay
-        self.last_saved: int | None = None
         # The background writes talk over their own gloo group, never the training's groups.
         distributed = dist.is_available() and dist.is_initialized()
         self.group = dist.new_group(backend="gloo") if distributed else None
@@ -172,7 +171,6 @@ class Checkpointer:
         self._pending = self._executor.submit(
             self._write, state, tmp, final, trainer, started, held
         )
-        self.last_saved = step
 
     def _stage(self) -> dict[str, torch.Tensor]:
         """This rank's items as CPU float32 tensors (collective: every rank reads every part).
