@@ -9,6 +9,8 @@ Every config field is a flag (``--help`` lists them); presets live in config/pre
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -24,6 +26,7 @@ from data.loader import (
     validation_batches,
 )
 from data.prefetch import PrefetchingLoader
+from execution.checkpoint import Checkpointer, load_checkpoint, load_hf_weights
 from execution.layout import setup_layout, teardown
 from execution.phases import PhasedEngine
 from execution.planner import choose_plan, measure_budget
@@ -59,7 +62,7 @@ def plan_without_launching(config, preset) -> None:
 
 
 def run(config, preset, layout, launch) -> None:
-    d, m, ex = config.data, config.model, config.execution
+    d, m, ex, c = config.data, config.model, config.execution, config.checkpoint
     using_sample = not d.input_files
     train_files = d.input_files or [SAMPLE_DATA_GLOB]
     loader = PretrainingDataLoader(
@@ -68,14 +71,15 @@ def run(config, preset, layout, launch) -> None:
         skip_corrupt_records=d.skip_corrupt_records, validation_fraction=d.validation_fraction,
     )  # fmt: skip
     validation = None
-    if d.eval_every:
+    if d.eval_every or c.eval_only:
         if d.validation_fraction:
             files, fraction = train_files, d.validation_fraction
         elif d.validation_files or using_sample:
             files, fraction = d.validation_files or [SAMPLE_VALIDATION_GLOB], 0.0
         else:
+            flag = "--eval_only" if c.eval_only else "--eval_every"
             raise ConfigError(
-                "--eval_every needs held-out data: give --validation_files or "
+                f"{flag} needs held-out data: give --validation_files or "
                 "--validation_fraction (or --eval_every 0 to train without evaluation)"
             )
 
@@ -108,6 +112,24 @@ def run(config, preset, layout, launch) -> None:
     if layout.is_main:
         print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
     engine = PhasedEngine(config, layout, plan)
+    start_step, resumed = 0, ""
+    if c.load:
+        trainer = load_checkpoint(c.load, engine)
+        start_step = trainer["step"]
+        if not c.eval_only:
+            loader.load_state_dict(trainer["loader"])
+            if start_step >= config.training.steps:
+                raise ConfigError(
+                    f"the checkpoint {trainer['folder']} is at step {start_step} and --steps is "
+                    f"{config.training.steps}: nothing to train; raise --steps"
+                )
+        dp, tp1, tp2 = trainer["saved_layout"]
+        verb = "loaded" if c.eval_only else "resumed from"
+        resumed = (f"{verb} {trainer['folder']} at step {start_step} (saved by "
+                   f"{dp} x {tp1} x {tp2} processes, {trainer['saved_placement']} buffers)\n")  # fmt: skip
+    elif c.hf_model:
+        load_hf_weights(c.hf_model, engine)
+        resumed = f"weights from the HuggingFace model {c.hf_model}\n"
     tracker = NullTracker()
     if layout.is_main:
         try:
@@ -118,7 +140,7 @@ def run(config, preset, layout, launch) -> None:
                 f"cannot write to --output_dir {output_dir}: {err.strerror}"
             ) from None
         trackers = [JsonlTracker(output_dir / "metrics.jsonl"),
-                    ConsoleTracker(config.training.steps, config.logging.log_every)]  # fmt: skip
+                    ConsoleTracker(max(config.training.steps, start_step), config.logging.log_every)]  # fmt: skip
         if config.logging.wandb:
             trackers.append(WandbTracker(config.logging.wandb_project, config.logging.wandb_mode,
                                          config_to_dict(config), output_dir))  # fmt: skip
@@ -130,16 +152,33 @@ def run(config, preset, layout, launch) -> None:
             f"{sum(engine.buffer_bytes().values()) / 2**30:.2f} GiB of buffers per process\n"
             f"data: {'shipped sample ' if using_sample else ''}{', '.join(train_files)} "
             f"({loader.samples_per_epoch} sequences per epoch)\n"
-            f"output: {output_dir}/metrics.jsonl",
+            f"{resumed}output: {output_dir}/metrics.jsonl",
             flush=True,
         )
+    if c.eval_only:
+        try:
+            loss = engine.evaluate(validation())
+            perplexity = math.exp(loss) if loss < 700 else math.inf
+            tracker.log({"step": start_step, "eval_loss": loss, "eval_perplexity": perplexity})
+            if layout.is_main:
+                print(f"validation loss {loss:.4f}, perplexity {perplexity:.2f}", flush=True)
+        finally:
+            tracker.close()
+        return
+    checkpointer = None
+    if c.save:
+        # Test hook, read here only: seconds to wait before committing each checkpoint.
+        delay = float(os.environ.get("GPT3_TEST_CHECKPOINT_COMMIT_DELAY", "0"))
+        checkpointer = Checkpointer(c.save, engine, c.keep_checkpoints, commit_delay=delay)
     # The next step's batch is read (and pinned for the GPU) while the current step runs.
     prefetcher = PrefetchingLoader(loader, pin_memory=layout.device.type == "cuda")
     try:
-        train(config, engine, prefetcher, tracker, validation)
+        train(config, engine, prefetcher, tracker, validation, start_step, checkpointer)
     finally:
         prefetcher.close()
         tracker.close()
+        if checkpointer is not None:
+            checkpointer.close()
 
 
 if __name__ == "__main__":

@@ -264,6 +264,8 @@ def validate(config: PretrainingConfig) -> None:
         "inter_node_gb_per_s": config.planning.inter_node_gb_per_s,
         "devices_per_node": config.planning.devices_per_node,
         "compute_efficiency": config.planning.compute_efficiency,
+        "checkpoint_steps": config.checkpoint.checkpoint_steps,
+        "keep_checkpoints": config.checkpoint.keep_checkpoints,
     }
     for name, value in non_negative.items():
         if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
@@ -313,6 +315,18 @@ def validate(config: PretrainingConfig) -> None:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
     if d.validation_files and not d.eval_every:
         raise ConfigError("--validation_files is only used with --eval_every N (N > 0)")
+
+    c = config.checkpoint
+    if c.load and c.hf_model:
+        raise ConfigError("give either --load (a checkpoint) or --hf_model (HuggingFace weights)")
+    if c.checkpoint_steps and not c.save:
+        raise ConfigError("--checkpoint_steps needs --save DIR, the folder to write them to")
+    if c.keep_checkpoints and not c.save:
+        raise ConfigError("--keep_checkpoints needs --save DIR, the folder to prune")
+    if c.eval_only and not (c.load or c.hf_model):
+        raise ConfigError("--eval_only evaluates saved weights: give --load CKPT or --hf_model DIR")
+    if c.eval_only and c.save:
+        raise ConfigError("--eval_only trains nothing, so there is nothing to --save")
 
     if m.hidden_size % m.heads:
         raise ConfigError(

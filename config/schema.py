@@ -275,6 +275,46 @@ class LoggingConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Saving, resuming and importing model state."""
+
+    load: str = field(
+        default="",
+        metadata=_doc(
+            "Resume from a checkpoint: a --save folder (its latest checkpoint) or one step_N "
+            "folder in it. Any layout, placement and precision can load it."
+        ),
+    )
+    save: str = field(
+        default="",
+        metadata=_doc(
+            "Folder for checkpoints (step_N subfolders, written atomically and in the "
+            "background); a checkpoint is always written at the end of the run."
+        ),
+    )
+    checkpoint_steps: int = field(
+        default=0, metadata=_doc("Also save every N steps (with --save); 0: only at the end.")
+    )
+    keep_checkpoints: int = field(
+        default=0, metadata=_doc("Keep only the last K checkpoints in --save; 0 keeps all.")
+    )
+    hf_model: str = field(
+        default="",
+        metadata=_doc(
+            "Start from the weights of a local HuggingFace GPT-2 folder (config.json and "
+            "model.safetensors or pytorch_model.bin); its shape must match the model flags."
+        ),
+    )
+    eval_only: bool = field(
+        default=False,
+        metadata=_doc(
+            "Only evaluate the --load (or --hf_model) weights on the validation data: print "
+            "validation loss and perplexity, train nothing."
+        ),
+    )
+
+
+@dataclass
 class PretrainingConfig:
     """Root of the tree."""
 
@@ -284,6 +324,7 @@ class PretrainingConfig:
     execution: ExecutionConfig = field(default_factory=ExecutionConfig)
     planning: PlanningConfig = field(default_factory=PlanningConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     @property
     def gradient_accumulation(self) -> int:

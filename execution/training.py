@@ -1,5 +1,5 @@
 """The training loop: one :meth:`PhasedEngine.train_step` per step, plus the cadence around it
-(learning rate, logging, evaluation)."""
+(learning rate, logging, evaluation, checkpoints)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ def train(
     tracker: Tracker,
     validation: Callable[[], Iterable[torch.Tensor]] | None = None,
     start_step: int = 0,
+    checkpointer=None,
 ) -> list[dict]:
     """Runs steps ``start_step .. config.training.steps - 1``.
 
@@ -33,6 +34,8 @@ def train(
         tracker: Receives each step's metrics (and evaluation results).
         validation: Returns a fresh iterable of validation batches; None disables evaluation.
         start_step: First step to run (resumption).
+        checkpointer: A :class:`execution.checkpoint.Checkpointer` that saves every
+            ``checkpoint_steps`` steps and at the end (None: no checkpoints).
 
     Returns:
         The metrics logged for every training step.
@@ -78,6 +81,13 @@ def train(
         history.append(metrics)
         if eval_every and ((step + 1) % eval_every == 0 or step + 1 == t.steps):
             tracker.log({"step": step + 1, "eval_loss": engine.evaluate(validation())})
+        every = config.checkpoint.checkpoint_steps
+        if checkpointer is not None and (
+            (every and (step + 1) % every == 0) or step + 1 == t.steps
+        ):
+            checkpointer.save(step + 1, loader.state_dict())
+    if checkpointer is not None:
+        checkpointer.wait()  # the last checkpoint is complete before the run ends
     return history
 
 

@@ -1,0 +1,50 @@
+"""Convert a checkpoint of any layout into a HuggingFace GPT-2 folder.
+
+    python convert_checkpoint.py --load runs/ckpt --hf_output gpt2-export
+
+The folder (``config.json`` and ``model.safetensors``) loads with
+``transformers.GPT2LMHeadModel.from_pretrained`` and no code of ours. The other direction is
+``run_pretraining.py --hf_model FOLDER``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from config.loading import ConfigError
+from execution.checkpoint import read_weights
+from modelling.hf_interchange import export_hf
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = _Parser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
+                     allow_abbrev=False)  # fmt: skip
+    parser.add_argument("--load", required=True, help="A --save folder or one step_N in it.")
+    parser.add_argument("--hf_output", required=True, help="Folder to write the HF model into.")
+    args = parser.parse_args(argv)
+    model_config, weights = read_weights(args.load)
+    out = Path(args.hf_output)
+    if out.exists() and any(out.iterdir()):
+        raise ConfigError(f"--hf_output {out} is not empty; choose a new folder")
+    try:
+        export_hf(model_config, weights, out)
+    except OSError as err:
+        raise ConfigError(f"cannot write --hf_output {out}: {err.strerror}") from None
+    params = sum(t.numel() for t in weights.values())
+    print(f"wrote {out}/config.json and {out}/model.safetensors ({params:,} parameters)")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as err:
+        print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
+        sys.exit(2)

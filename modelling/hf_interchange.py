@@ -1,0 +1,191 @@
+"""Our parameter names <-> HuggingFace GPT-2 (``GPT2LMHeadModel``) names, and its files.
+
+GPT-3 is GPT-2's architecture, so the weights map one to one. HF's ``Conv1D`` stores weights
+``[in, out]`` where ours are ``[out, in]`` like ``nn.Linear``: the four matrices of a block are
+transposed. Both keep q, k and v as consecutive thirds of the qkv projection (rows here, columns
+there). The LM head is tied to ``transformer.wte.weight``, as ours is to ``embedding.word``.
+
+Reading uses ``safetensors`` (or ``torch.load`` for ``pytorch_model.bin``) tensor by tensor;
+writing builds a ``transformers.GPT2LMHeadModel`` and calls ``save_pretrained``, so the folder
+is exactly what ``from_pretrained`` expects.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from config.loading import ConfigError
+
+# Our name within a decoder layer -> (HF name within transformer.h.N, transposed).
+LAYER_NAMES = {
+    "ln_1.weight": ("ln_1.weight", False),
+    "ln_1.bias": ("ln_1.bias", False),
+    "attn.qkv.weight": ("attn.c_attn.weight", True),
+    "attn.qkv.bias": ("attn.c_attn.bias", False),
+    "attn.out.weight": ("attn.c_proj.weight", True),
+    "attn.out.bias": ("attn.c_proj.bias", False),
+    "ln_2.weight": ("ln_2.weight", False),
+    "ln_2.bias": ("ln_2.bias", False),
+    "mlp.fc.weight": ("mlp.c_fc.weight", True),
+    "mlp.fc.bias": ("mlp.c_fc.bias", False),
+    "mlp.proj.weight": ("mlp.c_proj.weight", True),
+    "mlp.proj.bias": ("mlp.c_proj.bias", False),
+}
+OTHER_NAMES = {
+    "embedding.word.weight": "transformer.wte.weight",
+    "embedding.position.weight": "transformer.wpe.weight",
+    "head.ln_f.weight": "transformer.ln_f.weight",
+    "head.ln_f.bias": "transformer.ln_f.bias",
+}
+# HF activations that are GPT-2's tanh approximation of GELU (ours).
+TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
+
+
+def hf_name(ours: str) -> tuple[str, bool]:
+    """HF name of one of our logical parameter names, and whether it is transposed."""
+    if ours in OTHER_NAMES:
+        return OTHER_NAMES[ours], False
+    _, n, rest = ours.split(".", 2)  # layers.N.rest
+    name, transpose = LAYER_NAMES[rest]
+    return f"transformer.h.{n}.{name}", transpose
+
+
+def to_hf(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Our logical weights -> an HF GPT-2 state dict (``lm_head`` tied, so left out)."""
+    out = {}
+    for ours, t in weights.items():
+        name, transpose = hf_name(ours)
+        out[name] = t.t().contiguous() if transpose else t
+    return out
+
+
+def hf_config(model: dict[str, Any]):
+    """A ``transformers.GPT2Config`` for our model section (``config.yml``'s ``model``)."""
+    import transformers  # imported here: only export needs it
+
+    eot = 50256 if model["vocab_size"] > 50256 else None  # GPT-2's <|endoftext|>
+    return transformers.GPT2Config(
+        vocab_size=model["vocab_size"],
+        n_positions=model["max_positional_length"],
+        n_embd=model["hidden_size"],
+        n_layer=model["layers"],
+        n_head=model["heads"],
+        activation_function="gelu_new",
+        resid_pdrop=model["dropout_prob"],
+        embd_pdrop=model["dropout_prob"],
+        attn_pdrop=model["dropout_prob"],
+        layer_norm_epsilon=model["layer_norm_eps"],
+        initializer_range=model["init_std"],
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=eot,
+    )
+
+
+def export_hf(model: dict[str, Any], weights: dict[str, torch.Tensor], folder: str | Path) -> None:
+    """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``.
+
+    Args:
+        model: The ``model`` section of the run's config (as a dict).
+        weights: Our logical float32 weights, named as in :class:`modelling.gpt.GPT`.
+        folder: Output folder (created).
+    """
+    import transformers
+
+    hf = transformers.GPT2LMHeadModel(hf_config(model))
+    missing, unexpected = hf.load_state_dict(to_hf(weights), strict=False)
+    # Only the tied head and attention-mask buffers are absent from our weights.
+    assert not unexpected and all("lm_head" in k or k.endswith(".attn.bias") for k in missing), (
+        missing,
+        unexpected,
+    )
+    hf.tie_weights()
+    hf.save_pretrained(folder, safe_serialization=True)
+
+
+class HFWeights:
+    """Tensors of a local HuggingFace GPT-2 folder, read one at a time.
+
+    Args:
+        folder: Holds ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``.
+
+    Raises:
+        ConfigError: missing or unreadable files, or a model that is not GPT-2.
+    """
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        config_file = self.folder / "config.json"
+        try:
+            self.config = json.loads(config_file.read_text())
+        except OSError as err:
+            raise ConfigError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
+        except ValueError:
+            raise ConfigError(f"--hf_model: {config_file} is not valid JSON") from None
+        if self.config.get("model_type") != "gpt2":
+            raise ConfigError(
+                f"--hf_model: {config_file} describes a {self.config.get('model_type')!r} "
+                "model; only GPT-2 (model_type gpt2) maps onto this model"
+            )
+        safetensors_file = self.folder / "model.safetensors"
+        bin_file = self.folder / "pytorch_model.bin"
+        if safetensors_file.is_file():
+            from safetensors import safe_open
+
+            try:
+                handle = safe_open(str(safetensors_file), framework="pt")
+            except Exception as err:  # safetensors raises its own error types
+                raise ConfigError(f"--hf_model: {safetensors_file} is damaged: {err}") from None
+            self._names = set(handle.keys())
+            self._get = handle.get_tensor
+        elif bin_file.is_file():
+            try:
+                state = torch.load(bin_file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:
+                raise ConfigError(f"--hf_model: {bin_file} is damaged: {err}") from None
+            self._names = set(state)
+            self._get = state.__getitem__
+        else:
+            raise ConfigError(
+                f"--hf_model: {self.folder} has neither model.safetensors nor pytorch_model.bin"
+            )
+
+    def check_shape(self, model) -> None:
+        """Raises a one-line ConfigError when the HF model differs from ``model`` (ModelConfig)."""
+        c = self.config
+        pairs = {
+            "n_layer": ("layers", model.layers),
+            "n_embd": ("hidden_size", model.hidden_size),
+            "n_head": ("heads", model.heads),
+            "vocab_size": ("vocab_size", model.vocab_size),
+            "n_positions": ("max_positional_length", model.max_positional_length),
+        }
+        for key, (flag, ours) in pairs.items():
+            if c.get(key) != ours:
+                raise ConfigError(
+                    f"--hf_model {self.folder} has {key} {c.get(key)} but this run has --{flag} "
+                    f"{ours}; pass --{flag} {c.get(key)}"
+                )
+        activation = c.get("activation_function", "gelu_new")
+        if activation not in TANH_GELUS:
+            raise ConfigError(
+                f"--hf_model {self.folder} uses activation {activation!r}; this model computes "
+                "the tanh approximation (gelu_new)"
+            )
+        if c.get("scale_attn_by_inverse_layer_idx") or c.get("scale_attn_weights") is False:
+            raise ConfigError(
+                f"--hf_model {self.folder} scales attention differently from GPT-2/GPT-3"
+            )
+
+    def get(self, ours: str) -> torch.Tensor:
+        """Our logical float32 tensor ``ours`` (e.g. ``layers.0.attn.qkv.weight``)."""
+        name, transpose = hf_name(ours)
+        for candidate in (name, name.removeprefix("transformer.")):  # old files lack the prefix
+            if candidate in self._names:
+                t = self._get(candidate).float()
+                return t.t().contiguous() if transpose else t.clone()
+        raise ConfigError(f"--hf_model {self.folder} has no tensor {name}")

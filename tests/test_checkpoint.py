@@ -1,0 +1,207 @@
+"""Checkpoints: exact resume after a killed process, atomic writes, pruning and bad input.
+
+The references are an uninterrupted run of the same steps (the real entry point in separate
+processes, or an engine in this process) and the bytes that were written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from execution.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    load_checkpoint,
+    read_weights,
+    resolve,
+)
+from execution.layout import ParallelLayout
+from execution.phases import PhasedEngine
+from tests.distributed import (
+    CPU,
+    global_batches,
+    learning_rates,
+    replica_batch,
+    small_config,
+    with_execution,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# A small model on the shipped sample data (GPT-2 vocabulary), with dropout.
+RUN_FLAGS = ["--config", "tiny", "--layers", "1", "--hidden_size", "32", "--heads", "2",
+             "--sequence_length", "16", "--global_batch_size", "4", "--micro_batch_size", "2",
+             "--dropout_prob", "0.1", "--steps", "6", "--device", "cpu"]  # fmt: skip
+
+
+def entry_point(*flags: str, env: dict | None = None, popen: bool = False):
+    command = [sys.executable, "run_pretraining.py", *flags]
+    env = {**os.environ, **(env or {})}
+    if popen:
+        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def losses(output_dir: Path) -> dict[int, tuple[float, float]]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpoint(tmp_path):
+    # Trains 6 steps straight, saving after step 3 and at the end (step 6). The test hook holds
+    # each commit for 2 s, so the process is still writing step 6 when step 3 is complete:
+    # kill it (SIGKILL) then. Its 6 logged steps are the uninterrupted reference.
+    ckpt = tmp_path / "ckpt"
+    killed = entry_point(*RUN_FLAGS, "--checkpoint_steps", "3", "--save", str(ckpt),
+                         "--output_dir", str(tmp_path / "killed"), popen=True,
+                         env={"GPT3_TEST_CHECKPOINT_COMMIT_DELAY": "2"})  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not ((ckpt / "step_3").is_dir() and (ckpt / "step_6.tmp" / ".metadata").exists()):
+        assert killed.poll() is None, killed.stdout.read()
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    output = killed.communicate()[0]
+    assert killed.returncode == -signal.SIGKILL
+    assert "checkpoint: saving step 6" in output and "saved step 6" not in output
+    assert (ckpt / "latest").read_text().strip() == "step_3"
+    assert not (ckpt / "step_6").exists()  # the half-written one is still .tmp, never loaded
+    assert resolve(ckpt) == ckpt / "step_3"
+
+    resumed = entry_point(*RUN_FLAGS, "--load", str(ckpt), "--save", str(ckpt),
+                          "--eval_every", "3", "--eval_batches", "2",
+                          "--output_dir", str(tmp_path / "resumed"))  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
+    expected, got = losses(tmp_path / "killed"), losses(tmp_path / "resumed")
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    assert sorted(got) == [4, 5, 6]
+    for step in (4, 5, 6):  # float32 on CPU, dropout on, the data order from the loader state
+        assert got[step] == expected[step], (step, got[step], expected[step])
+    # The resumed run removed the killed write and committed its own step 6.
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_3", "step_6"]
+
+    # --eval_only on the saved step 6 reproduces the resumed run's evaluation after step 6.
+    evaluated = entry_point(*RUN_FLAGS, "--load", str(ckpt), "--eval_only", "--eval_batches", "2",
+                            "--output_dir", str(tmp_path / "eval"))  # fmt: skip
+    assert evaluated.returncode == 0, evaluated.stderr
+    final_eval = [json.loads(line) for line in
+                  (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()][-1]  # fmt: skip
+    assert final_eval["step"] == 6
+    loss = final_eval["eval_loss"]
+    assert f"validation loss {loss:.4f}, perplexity {math.exp(loss):.2f}" in evaluated.stdout
+    (row,) = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").open()]
+    assert row == {"step": 6, "eval_loss": loss, "eval_perplexity": math.exp(loss)}
+
+
+def _engine(config):
+    return PhasedEngine(config, ParallelLayout.single(CPU))
+
+
+def _train(engine, batches, steps):
+    return [
+        engine.train_step(replica_batch(engine.config, batches[s], 0), s, learning_rates(6)[s]).loss
+        for s in steps
+    ]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A checkpoint of the small config after 2 steps (keep 2 of steps 1, 2), its engine."""
+    folder = tmp_path_factory.mktemp("saved")
+    config = small_config()
+    engine = _engine(config)
+    batches = global_batches(config, 3)
+    checkpointer = Checkpointer(folder, engine, keep=2, log=lambda _: None)
+    for step in range(2):
+        _train(engine, batches, [step])
+        checkpointer.save(step + 1, {"step": step + 1})
+    checkpointer.save(2, {"step": 2})  # the same step again replaces it
+    checkpointer.close()
+    return folder, config, engine, batches
+
+
+def test_resume_in_process_matches_and_restores_state(saved):
+    folder, config, engine, _ = saved
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_1", "step_2"]
+    resumed = _engine(with_execution(config, placement="resident"))
+    trainer = load_checkpoint(folder, resumed)
+    assert trainer["step"] == 2 and trainer["loader"] == {"step": 2}
+    assert resumed.optimizer_steps == engine.optimizer_steps == 2
+    for state in ("weights", "exp_avg", "exp_avg_sq"):
+        ours, theirs = resumed.full_state(state), engine.full_state(state)
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs), state
+    # weights as read for generation and export are the same tensors
+    model, weights = read_weights(folder / "step_2")
+    assert model["hidden_size"] == 32 and torch.equal(
+        weights["layers.1.mlp.fc.weight"], engine.full_state()["layers.1.mlp.fc.weight"]
+    )
+
+
+def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+    engine = _engine(small_config("--layers", "1"))
+    checkpointer = Checkpointer(tmp_path, engine, keep=2, log=lambda _: None)
+    for step in (1, 2, 3):
+        checkpointer.save(step, None)
+    checkpointer.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+
+
+def _copy(folder: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "copy"
+    target.mkdir()
+    for file in folder.iterdir():
+        (target / file.name).write_bytes(file.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "delete"])
+def test_a_damaged_file_is_named(saved, tmp_path, damage):
+    folder = _copy(saved[0] / "step_2", tmp_path)
+    data = folder / "__0_0.distcp"
+    if damage == "truncate":
+        data.write_bytes(data.read_bytes()[:-100])
+    elif damage == "flip":
+        payload = bytearray(data.read_bytes())
+        payload[len(payload) // 2] ^= 0x01
+        data.write_bytes(bytes(payload))
+    else:
+        data.unlink()
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(folder, _engine(saved[1]))
+    message = str(err.value)
+    assert str(data) in message and "\n" not in message
+    assert {"truncate": "damaged", "flip": "CRC", "delete": "missing"}[damage] in message
+
+
+def test_another_model_shape_names_the_tensor_and_both_shapes(saved):
+    with pytest.raises(CheckpointError, match=r"weights/embedding.word.weight has shape \[1000, 32\] "
+                       r"in the checkpoint but \[1000, 64\] in this model"):  # fmt: skip
+        load_checkpoint(saved[0], _engine(small_config("--hidden_size", "64")))
+    with pytest.raises(CheckpointError, match=r"no tensor weights/layers.2.ln_1.weight"):
+        load_checkpoint(saved[0], _engine(small_config("--layers", "3")))
+
+
+def test_an_unfinished_or_missing_checkpoint_is_one_line_and_exit_2(saved, tmp_path):
+    unfinished = tmp_path / "step_9.tmp"
+    unfinished.mkdir()
+    with pytest.raises(CheckpointError, match="never completed"):
+        resolve(unfinished)
+    result = entry_point(*RUN_FLAGS, "--load", str(tmp_path / "nothing"),
+                         "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"run_pretraining.py: error: checkpoint {tmp_path / 'nothing'} does not exist"
+    )
+    assert not (tmp_path / "out").exists()

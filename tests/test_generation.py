@@ -1,0 +1,86 @@
+"""Generation: the key/value cache changes nothing but the cost, and the CLI streams text.
+
+References: the model's training forward (its loss), generation without the cache (the whole
+prefix recomputed for every token), and the tokenizer's decoding of the generated ids.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import run_generation
+from execution.checkpoint import Checkpointer
+from execution.layout import ParallelLayout
+from execution.phases import PhasedEngine
+from modelling.generation import KVCache, forward_logits, generate, sample_next
+from tests.distributed import CPU
+from tests.reference import reference_model, relative_error, small_config
+
+
+def _model():
+    """A random model whose greedy continuations vary (wide weights, non-trivial biases)."""
+    config = small_config("--max_positional_length", "40", "--init_std", "0.3")
+    model = reference_model(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.normal_(1.0 if "ln" in name and "weight" in name else 0.0, 0.2)
+    return model
+
+
+def test_logits_agree_with_the_training_forward_and_the_cache():
+    model = _model()
+    ids = torch.randint(0, 307, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = forward_logits(model, ids)
+        labels = torch.roll(ids, -1, 1)
+        loss = F.cross_entropy(full.reshape(-1, full.shape[-1]), labels.reshape(-1))
+        assert abs(loss.item() - model(ids, labels).item()) <= 1e-5 * loss.item()
+        cache = KVCache(model, 2, 12)
+        pieces = [forward_logits(model, ids[:, :5], cache)]  # a prompt, then token by token
+        pieces += [forward_logits(model, ids[:, t : t + 1], cache) for t in range(5, 12)]
+    assert relative_error(torch.cat(pieces, 1), full) <= 1e-5
+
+
+def test_greedy_with_the_cache_gives_exactly_the_tokens_without_it():
+    model = _model()
+    prompt = torch.randint(0, 307, (2, 4), generator=torch.Generator().manual_seed(1))
+    cached = torch.stack(list(generate(model, prompt, 30, use_cache=True)), 1)
+    uncached = torch.stack(list(generate(model, prompt, 30, use_cache=False)), 1)
+    assert cached.shape == (2, 30)
+    assert torch.equal(cached, uncached)
+    assert len(set(cached.flatten().tolist())) >= 5, "a degenerate continuation proves little"
+    # The position table (40) bounds the length.
+    assert len(list(generate(model, prompt, 100))) == 36
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    gen = torch.Generator().manual_seed(0)
+    assert sample_next(logits, 0.0).item() == 1
+    assert {sample_next(logits, 1.0, top_k=1, generator=gen).item() for _ in range(20)} == {1}
+    assert {sample_next(logits, 1.0, top_p=0.5, generator=gen).item() for _ in range(20)} == {1}
+    two = {sample_next(logits, 1.0, top_k=2, generator=gen).item() for _ in range(200)}
+    assert two == {1, 3}
+
+
+def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
+    config = small_config("--vocab_size", "50257", "--layers", "1")
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    checkpointer = Checkpointer(tmp_path, engine, log=lambda _: None)
+    checkpointer.save(0, None)
+    checkpointer.close()
+    run_generation.main(["--load", str(tmp_path), "--prompt", "Hello world", "--temperature", "0",
+                         "--max_new_tokens", "6", "--device", "cpu"])  # fmt: skip
+    out = capsys.readouterr().out
+    # The reference: the same model's greedy ids (without the cache), decoded at once.
+    from data.tokenizer import TokenizerSpec, load_tokenizer
+    from execution.checkpoint import read_weights
+    from modelling.generation import build_model
+
+    tokenizer = load_tokenizer(TokenizerSpec())[0]
+    model = build_model(*read_weights(tmp_path))
+    prompt = torch.tensor([tokenizer.encode("Hello world").ids])
+    ids = [int(t[0]) for t in generate(model, prompt, 6, use_cache=False)]
+    assert out.startswith("Hello world" + tokenizer.decode(ids) + "\n[6 tokens in ")
