@@ -1,7 +1,7 @@
 """A checkpoint saved by one layout resumes on any other (forked gloo ranks on CPU).
 
-Saved at (dp, tp1, tp2) = (2, 2, 1) after two steps; resumed at (1, 1, 2), at (1, 1, 1) and with
-the other placement, each runs the third step. The reference is an uninterrupted single-process
+Saved at (dp, tp1, tp2) = (2, 2, 1), everything on the host, 1 pass, after two steps; resumed at
+(1, 1, 2) with 2 passes and at (1, 1, 1) resident with 4 passes, each runs the third step. The reference is an uninterrupted single-process
 run of the same three steps: the third loss and every weight after it must agree within 1e-5.
 """
 
@@ -50,7 +50,7 @@ def _resume(config, batches, folder, layout=None):
 
 
 def test_save_on_one_layout_resume_on_others(tmp_path):
-    saved_config = small_config(*layout_flags(2, 2, 1))
+    saved_config = small_config(*layout_flags(2, 2, 1), "--placement", "remote", "--passes", "1")
     batches = global_batches(saved_config, STEPS)
     reference = single_process_run(saved_config, batches)
     folder = tmp_path / "ckpt"
@@ -59,13 +59,15 @@ def test_save_on_one_layout_resume_on_others(tmp_path):
     for got, want in zip(saved[0], reference["steps"], strict=False):
         assert abs(got["loss"] - want["loss"]) <= FLOAT32_TOLERANCE * want["loss"]
 
-    config_112 = small_config(*layout_flags(1, 1, 2))
-    resident_111 = small_config("--placement", "resident")
+    config_112 = small_config(*layout_flags(1, 1, 2), "--placement", "remote", "--passes", "2")
+    resident_111 = small_config("--placement", "resident", "--passes", "4")
     resumes = {
-        "(1, 1, 2) remote": run_ranks(_resume, 2, tmp_path / "r112", config_112, batches, folder)[
-            0
-        ],
-        "(1, 1, 1) resident": _resume(resident_111, batches, folder, ParallelLayout.single(CPU)),
+        "(1, 1, 2) remote, 2 passes": run_ranks(
+            _resume, 2, tmp_path / "r112", config_112, batches, folder
+        )[0],
+        "(1, 1, 1) resident, 4 passes": _resume(
+            resident_111, batches, folder, ParallelLayout.single(CPU)
+        ),
     }
     expected_loss = reference["steps"][STEPS - 1]["loss"]
     for name, got in resumes.items():
