@@ -196,7 +196,8 @@ def check_world_size(config: PretrainingConfig, world_size: int) -> None:
             f"--data_parallel {ex.data_parallel} x --tensor_parallel_1 {ex.tensor_parallel_1} x "
             f"--tensor_parallel_2 {ex.tensor_parallel_2} = {config.world_size} processes, but "
             f"the job has {world_size}; launch {config.world_size} processes (e.g. torchrun "
-            f"--nproc_per_node {config.world_size}) or change the layout flags"
+            f"--nproc_per_node {config.world_size}) or change the layout flags (--dry_run checks "
+            f"this layout in one process; --plan_for {world_size} lists layouts of {world_size})"
         )
 
 

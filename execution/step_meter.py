@@ -13,7 +13,6 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 
@@ -35,17 +34,16 @@ class StepMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.untyped_storage() not in self._seen:
+        for t in _tensors((*args, *kwargs.values())):
+            if t.untyped_storage() not in self._seen:
                 # Made before the block (a buffer): an in-place op writing it allocates nothing.
                 self._seen.add(t.untyped_storage())
         out = func(*args, **kwargs)
         count_flops = flop_registry.get(func._overloadpacket)
         if count_flops is not None:
             self.flops += count_flops(*args, **kwargs, out_val=out)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._count(t.untyped_storage())
+        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
+            self._count(t.untyped_storage())
         return out
 
     def _count(self, storage) -> None:
@@ -59,3 +57,15 @@ class StepMeter(TorchDispatchMode):
 
     def _free(self, nbytes: int) -> None:
         self.live -= nbytes
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    """Tensors among aten arguments or results: flat, or in one level of lists (cheaper than a
+    pytree walk, which would double the cost of a dry run)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (tuple, list)):
+            out.extend(t for t in v if isinstance(t, torch.Tensor))
+    return out

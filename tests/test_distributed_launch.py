@@ -98,7 +98,8 @@ def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [
         "run_pretraining.py: error: --data_parallel 4 x --tensor_parallel_1 1 x "
         "--tensor_parallel_2 1 = 4 processes, but the job has 2; launch 4 processes "
-        "(e.g. torchrun --nproc_per_node 4) or change the layout flags"
+        "(e.g. torchrun --nproc_per_node 4) or change the layout flags (--dry_run checks "
+        "this layout in one process; --plan_for 2 lists layouts of 2)"
     ]
     assert not (tmp_path / "run").exists(), "no work before the error"
 

@@ -1,0 +1,140 @@
+"""The dry run: exact per-rank bytes at full scale, agreement with real CPU runs, --plan_for."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from execution.device_specs import resolve_spec
+from execution.dry_run import fake_job, measure_rank, meta_step, rank_kinds
+from execution.phases import PhasedEngine
+from execution.plan_search import extrapolated_step, search
+from execution.planner import candidate_plans
+from execution.step_meter import StepMeter
+from tests.distributed import global_batches, layout_flags, replica_batch, run_ranks, world_layout
+from tests.distributed import small_config as distributed_config
+from tests.reference import small_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
+    """gpt3_175B_pod256 (dp 4 x tp1 8 x tp2 8, float16) through the entry point, in one CPU
+    process: every rank's weights, gradients, optimizer state and activations, by hand."""
+    result = subprocess.run(
+        [sys.executable, "run_pretraining.py", "--config", "gpt3_175B_pod256", "--dry_run",
+         "--output_dir", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "verdict: FITS on 256 x h100_sxm" in result.stdout
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["world_size"] == 256
+    assert len(report["ranks"]) == 1 and report["ranks"][0]["ranks"] == list(range(256))
+    rank = report["ranks"][0]
+
+    h, layers, dp, tp1, tp2 = 12288, 96, 4, 8, 8
+    # Per decoder layer: the four matrices (12 h^2) over tp1 x tp2, then RTS over dp; six
+    # h-vectors over tp2 (2 layer norms x 2, two output biases), RTS over dp x tp1; the qkv and
+    # fc biases (7 h) over tp1, RTS over dp x tp2.
+    per_layer = 12 * h * h // (tp1 * tp2 * dp) + 6 * h // tp2 // (dp * tp1)
+    per_layer += 7 * h // tp1 // (dp * tp2)
+    # Vocabulary padded to 8 shards of 6288 rows (6283 rounded up to 16) and 2048 positions.
+    embedding = (8 * 6288 + 2048) * h // (tp1 * tp2 * dp)
+    head = 2 * h // tp2 // (dp * tp1)  # ln_f
+    elements = layers * per_layer + embedding + head
+    assert elements == 682_050_144
+    totals = {k: rank["device_bytes"][k] + rank["host_bytes"][k] for k in rank["device_bytes"]}
+    assert totals["weights"] == 4 * elements
+    assert totals["grads"] == 4 * elements
+    assert totals["optimizer"] == 8 * elements
+    entries = report["plan"]["micro_batches_per_pass"]
+    tokens_hidden = 1 * 2048 * h // tp2  # micro-batch 1 x sequence 2048 x hidden / tp2
+    x = (layers + 1) * entries * tokens_hidden // tp1  # sharded over tp1
+    dx = 2 * entries * tokens_hidden
+    assert totals["activations"] == 2 * (x + dx)  # float16
+    assert rank["fits"] and rank["flops_per_step"] > 0 and 0 < rank["mfu"] < 1
+    assert set(rank["comm_bytes"]) >= {"dp", "tp1", "tp2", "host_link"}
+
+
+def _real_rank(config) -> dict:
+    """One real CPU step of this rank: its buffers and the peak of what the step allocated."""
+    layout = world_layout(config)
+    engine = PhasedEngine(config, layout)
+    batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
+    with StepMeter() as meter:
+        engine.train_step(batch, 0, 1e-3)
+    return {"buffers": engine.buffer_bytes(), "working_set": meter.peak}
+
+
+CASES = [
+    ((1, 1, 1), ["--placement", "resident", "--passes", "1"]),
+    ((2, 2, 1), ["--placement", "remote", "--passes", "2"]),
+    ((1, 2, 2), ["--weights_placement", "host", "--grads_placement", "device",
+                 "--activations_placement", "host", "--passes", "4"]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("layout", "flags"), CASES, ids=["1x1x1", "2x2x1", "1x2x2"])
+def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
+    """Buffers exactly, and the working set within 10%, of a real CPU step of the same plan."""
+    config = distributed_config(*layout_flags(*layout), "--global_batch_size", "8",
+                                "--micro_batch_size", "1", "--hidden_size", "64", *flags)  # fmt: skip
+    real = run_ranks(_real_rank, config.world_size, tmp_path, config)[0]
+    dry = measure_rank(config, 0, resolve_spec(config))
+    assert dry.buffer_bytes == real["buffers"]
+    print("working set: dry", dry.working_set, "real", real["working_set"])
+    assert abs(dry.working_set - real["working_set"]) <= 0.10 * real["working_set"], (
+        dry.working_set,
+        real["working_set"],
+    )
+
+
+def test_extrapolated_step_equals_a_full_dry_run_step():
+    """--plan_for's six shrunk steps give exactly the FLOPs and bytes of the full step."""
+    config = distributed_config(*layout_flags(2, 2, 1), "--layers", "5", "--global_batch_size",
+                                "12", "--micro_batch_size", "1", "--passes", "3",
+                                "--placement", "remote", "--grads_placement", "device")  # fmt: skip
+    spec = resolve_spec(config)
+    plan = candidate_plans(config, "cuda")[0]
+    flops, comm, _, _ = extrapolated_step(config, plan, spec)
+    with fake_job(0, config.world_size):
+        full = meta_step(config, plan, spec)
+    assert flops == full.flops
+    assert comm == full.comm_bytes
+    assert comm["host_link"] > 0 and comm["dp"] > 0
+
+
+def test_plan_for_ranks_layouts_that_fit_by_step_time():
+    config = small_config("--layers", "2", "--global_batch_size", "8")
+    rows, misfits = search(config, 4)
+    assert rows and misfits == 0
+    times = [r["step_time_s"] for r in rows]
+    assert times == sorted(times)
+    layouts = {(r["config"].execution.data_parallel, r["config"].execution.tensor_parallel_1,
+                r["config"].execution.tensor_parallel_2) for r in rows}  # fmt: skip
+    assert {(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)} <= layouts
+    assert all(r["config"].world_size == 4 for r in rows)
+
+
+def test_plan_for_through_the_entry_point():
+    result = subprocess.run(
+        [sys.executable, "run_pretraining.py", "--config", "tiny", "--plan_for", "2",
+         "--device_spec", "a100_80gb"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "tiny on 2 x a100_80gb" in result.stdout
+    assert "fastest: --data_parallel" in result.stdout
+
+
+def test_kinds_of_rank_group_equal_shard_shapes():
+    config = distributed_config(*layout_flags(2, 4, 1))
+    kinds = rank_kinds(config)
+    assert sorted(r for kind in kinds for r in kind) == list(range(8))
+    assert len(kinds) == 1  # padding keeps every shard the same shape
