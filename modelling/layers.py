@@ -44,7 +44,12 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type):
-        torch.manual_seed(seed)
+        # Only the generator the ops draw from: torch.manual_seed would also queue a lazy seed
+        # (with a captured stack) for every uninitialised accelerator type, forever.
+        if device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
         yield
 
 
