@@ -30,33 +30,35 @@ class StepMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.flops = 0
-        self._seen: weakref.WeakSet = weakref.WeakSet()
+        # id of each counted storage object (torch keeps one Python object per live storage,
+        # and the finaliser drops the id when it dies, before the id can be reused).
+        self._counted: dict[int, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        for t in _tensors((*args, *kwargs.values())):
-            if t.untyped_storage() not in self._seen:
-                # Made before the block (a buffer): an in-place op writing it allocates nothing.
-                self._seen.add(t.untyped_storage())
         out = func(*args, **kwargs)
         count_flops = flop_registry.get(func._overloadpacket)
         if count_flops is not None:
             self.flops += count_flops(*args, **kwargs, out_val=out)
+        inputs = None
         for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
-            self._count(t.untyped_storage())
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in self._counted:
+                continue  # a view, or an in-place op, of a tensor made in the block
+            if inputs is None:
+                inputs = {id(i.untyped_storage()) for i in _tensors((*args, *kwargs.values()))}
+            if key in inputs:
+                continue  # a view or in-place op of a buffer made before the block
+            nbytes = storage.nbytes()
+            self._counted[key] = nbytes
+            self.live += nbytes
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(storage, self._free, key)
         return out
 
-    def _count(self, storage) -> None:
-        if storage in self._seen:
-            return  # a view, or an in-place op's own output
-        self._seen.add(storage)
-        nbytes = storage.nbytes()
-        self.live += nbytes
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, nbytes)
-
-    def _free(self, nbytes: int) -> None:
-        self.live -= nbytes
+    def _free(self, key: int) -> None:
+        self.live -= self._counted.pop(key)
 
 
 def _tensors(values) -> list[torch.Tensor]:
