@@ -113,7 +113,7 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
         rows.append({"config": candidate, "plan": plan, "device_bytes": device_total,
                      "host_bytes": plan.bytes_on("host")["total"],
                      **estimate(candidate, measured, spec)})  # fmt: skip
-    rows.sort(key=lambda r: r["step_time_s"])
+    rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, misfits
 
 
