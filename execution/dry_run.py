@@ -21,8 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from config.schema import PretrainingConfig
 from execution.device_specs import DeviceSpec, resolve_spec
@@ -30,7 +28,7 @@ from execution.layout import GroupAxis, ParallelLayout
 from execution.phases import PhasedEngine
 from execution.planner import GiB, MemoryBudget, MemoryPlan, candidate_plans
 from execution.sharding import shard_index
-from execution.step_meter import StepMeter
+from execution.step_meter import FlashAttentionOnMeta, StepMeter
 from modelling.gpt import PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
@@ -63,24 +61,6 @@ def rank_kinds(config: PretrainingConfig) -> list[list[int]]:
         i, j = (rank % tp) // ex.tensor_parallel_2, rank % ex.tensor_parallel_2
         kinds.setdefault(by_coords[i, j], []).append(rank)
     return list(kinds.values())
-
-
-class FlashAttentionOnMeta(TorchFunctionMode):
-    """Runs attention as the flash kernel a GPU would use.
-
-    On the meta device ``scaled_dot_product_attention`` always takes the math path, which
-    materialises every score; the flash op's meta implementation has the real kernel's outputs
-    and saved tensors, so the working set and FLOPs are those of the GPU.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            dropout_p, causal = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
-            flash = torch.ops.aten._scaled_dot_product_flash_attention
-            return flash(q, k, v, dropout_p, causal)[0]
-        return func(*args, **kwargs)
 
 
 @contextmanager
@@ -175,10 +155,15 @@ def _why(plan: MemoryPlan, budget: MemoryBudget, device_total: int, planned_fit:
     if planned_fit and device_total <= budget.device:
         return (f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
                 f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host")  # fmt: skip
-    return (f"does not fit: needs {device_total / GiB:,.1f} GiB device (of "
-            f"{budget.device / GiB:,.1f}) and {host / GiB:,.1f} GiB host (of "
-            f"{budget.host / GiB:,.1f}) even with its least-memory plan; add data or tensor "
-            "parallelism (see --plan_for) or use a larger device")  # fmt: skip
+    needs = (f"does not fit: needs {device_total / GiB:,.2f} GiB device (of "
+             f"{budget.device / GiB:,.2f}) and {host / GiB:,.2f} GiB host (of "
+             f"{budget.host / GiB:,.2f})")  # fmt: skip
+    if planned_fit:  # the full step allocated more than the planner's one-layer measurement
+        return (
+            f"{needs}: the full step's working set exceeds the plan's; try --passes or more memory"
+        )
+    return (f"{needs} even with its least-memory plan; add data or tensor parallelism (see "
+            "--plan_for) or use a larger device")  # fmt: skip
 
 
 def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:

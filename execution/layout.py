@@ -40,6 +40,9 @@ class GroupAxis:
     rank: int
     group: dist.ProcessGroup | None = None
     members: tuple[int, ...] = ()  # global ranks of the group, in group-rank order
+    # No process group at all: collectives only produce outputs of the right shape (meta
+    # tensors), for measuring one rank's step inside a running job.
+    shapes_only: bool = False
     calls: collections.Counter = field(default_factory=collections.Counter)
     payload_bytes: collections.Counter = field(default_factory=collections.Counter)
 
@@ -51,8 +54,13 @@ class GroupAxis:
         """In-place all-reduce of ``tensor`` over the group (``sum``, ``max`` or ``min``)."""
         if self.size > 1:
             self._count(f"all_reduce_{op}", tensor)
-            dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group)
+            if not self._shapes_only(tensor):
+                dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group)
         return tensor
+
+    def _shapes_only(self, tensor: torch.Tensor) -> bool:
+        assert not self.shapes_only or tensor.is_meta, "a shapes-only axis takes meta tensors"
+        return self.shapes_only
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Concatenation of every member's equally sized 1-D shard, in group-rank order."""
@@ -60,7 +68,8 @@ class GroupAxis:
             return shard
         out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
         self._count("all_gather", out)
-        _all_gather_flat(out, shard.contiguous(), group=self.group)
+        if not self._shapes_only(out):
+            _all_gather_flat(out, shard.contiguous(), group=self.group)
         return out
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
@@ -69,7 +78,8 @@ class GroupAxis:
             return full
         self._count("reduce_scatter", full)
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
-        _reduce_scatter_flat(out, full.contiguous(), group=self.group)
+        if not self._shapes_only(out):
+            _reduce_scatter_flat(out, full.contiguous(), group=self.group)
         return out
 
 
@@ -111,6 +121,15 @@ class ParallelLayout:
         """The layout of one process: every axis has size 1."""
         axes = {name: GroupAxis(name, 1, 0) for name in _AXIS_NAMES}
         return cls(**axes, device=device)
+
+    @classmethod
+    def shapes_only(cls, dp: int, tp1: int, tp2: int) -> ParallelLayout:
+        """Rank 0 of a (dp, tp1, tp2) layout on the meta device, with no process groups:
+        collectives only shape their outputs. Lets a process measure a step of any layout."""
+        sizes = {"dp": dp, "tp1": tp1, "tp2": tp2, "dp_tp1": dp * tp1, "dp_tp2": dp * tp2,
+                 "world": dp * tp1 * tp2}  # fmt: skip
+        axes = {n: GroupAxis(n, size, 0, shapes_only=True) for n, size in sizes.items()}
+        return cls(**axes, device=torch.device("meta"))
 
     @classmethod
     def build(cls, dp: int, tp1: int, tp2: int, device: torch.device) -> ParallelLayout:

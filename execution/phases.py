@@ -338,7 +338,7 @@ class PhasedEngine:
         batch = _Batch.of(tokens.to(self.device, non_blocking=True), step)
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         for phase in schedule.training_phases(
-            self.shapes.layers, self.gradient_accumulation, self.plan.micro_batches_per_pass
+            self.shapes.layers, self.gradient_accumulation, self.plan.passes
         ):
             self._bodies[phase.kind](phase, batch)
 

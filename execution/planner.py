@@ -16,6 +16,8 @@ they move between host and device per step; the first that fits is taken.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import functools
 import itertools
@@ -43,6 +45,8 @@ PLACES = ("device", "host")
 GiB = 2**30
 # Host memory the planner leaves to the interpreter, torch and the data loader.
 HOST_HEADROOM = 0.10
+# Free device memory it leaves to the CUDA context and the caching allocator's fragmentation.
+DEVICE_HEADROOM = 0.10
 
 
 @dataclass(frozen=True)
@@ -62,8 +66,8 @@ class MemoryPlan:
     """A schedule and placement with the bytes it needs on this rank.
 
     Attributes:
-        passes: Passes per step (each over ``micro_batches_per_pass`` micro-batches, the last
-            possibly fewer).
+        passes: Passes per step, over groups of micro-batches whose sizes differ by at most
+            one (at most ``micro_batches_per_pass``).
         micro_batches_per_pass: Activation entries held at once.
         placement: Where each state lives.
         state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``, ``activations``.
@@ -140,7 +144,8 @@ def measure_budget(config: PretrainingConfig, device: torch.device, processes_pe
         host = (_host_memory_available() or 0) * (1 - HOST_HEADROOM) / processes_per_node
     gpu = None
     if device.type != "cpu":
-        gpu = ex.device_memory_gb * GiB or torch.cuda.mem_get_info(device)[0]
+        gpu = ex.device_memory_gb * GiB
+        gpu = gpu or torch.cuda.mem_get_info(device)[0] * (1 - DEVICE_HEADROOM)
     return MemoryBudget(None if gpu is None else int(gpu), int(host))
 
 
@@ -212,12 +217,10 @@ def state_bytes(rank: RankShape, entries: int) -> dict[str, int]:
 
 
 def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bool) -> int:
-    """Transient device bytes of the largest phase (an estimate; buffers are exact).
+    """A quick estimate of the transient device bytes of the largest phase.
 
-    Layer backward: the gathered weights, their gradient and float32 accumulator, the saved
-    tensors of one micro-batch's recompute, and dx in and out. Head: logits in the compute
-    dtype, their float32 softmax and gradient, the gathered word embedding and its gradient.
-    Optimizer, with host weights: one row's weights, gradient and moments in float32.
+    Used only to advise which flags would make a misfit fit (a measurement per candidate
+    layout would take minutes); plans are chosen with :func:`measured_working_set`.
     """
     s, b = rank.shapes, rank.dtype.itemsize
     specs = rank.specs
@@ -227,19 +230,54 @@ def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bo
     def local(part: str) -> int:  # one row's tensor-parallel shard, in elements
         return sum(spec.padded for spec in specs[part].values())
 
-    layer = local("layers") * (2 * b + 4)
+    layer = local("layers") * (2 * b + 8)
     layer += tokens * (8 * h2 + 13 * h1) * b + tokens * h2 * 8  # saved tensors, fp32 LN stats
     if not flash_attention:
-        # The math kernel materialises scores, probabilities, the dropout mask and their
-        # gradients: 16 bytes per score measured for gpt3_350M in bfloat16 on a CPU.
         layer += 16 * rank.micro_batch * (s.heads // s.tp1) * rank.sequence**2
     layer += 3 * tokens * h2 * b
     vocab = s.vocab_padded // s.tp1
-    head = tokens * vocab * (2 * b + 4) + local("embedding") * (2 * b + 4) + 4 * tokens * h2 * b
-    optimizer = 0
-    if placement.weights == "host" or placement.grads == "host":
-        optimizer = 4 * 4 * max(spec.shard for part in PARTS for spec in specs[part].values())
+    head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
+    largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
+    optimizer = (28 if placement.weights == "host" else 12) * largest_row
     return max(layer, head, optimizer)
+
+
+_MEASURED: dict[tuple, int] = {}
+
+
+def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
+    """Peak bytes one step allocates beyond the buffers, measured, for this rank's shapes.
+
+    Runs one decoder layer and one micro-batch of the real engine on meta tensors (collectives
+    only shape their outputs), with every state on the host: loads from the host are copies,
+    so this bounds every placement. Attention runs as the kernel the device would use (flash
+    on a GPU, and on a CPU without dropout). The result does not depend on the number of
+    layers or micro-batches, which only repeat the same phases.
+    """
+    from execution.layout import ParallelLayout
+    from execution.phases import PhasedEngine
+    from execution.step_meter import FlashAttentionOnMeta, StepMeter
+
+    ex = config.execution
+    flash = device_type == "cuda" or config.model.dropout_prob == 0.0
+    key = (RankShape.from_config(config), flash, config.model.dropout_prob)
+    if key in _MEASURED:
+        return _MEASURED[key]
+    small = copy.deepcopy(config)
+    small.model.layers = 1
+    small.training.global_batch_size = ex.micro_batch_size * ex.data_parallel
+    small.execution.passes = 1
+    host = Placement("host", "host", "host")
+    plan = MemoryPlan(1, 1, host, {}, 0, 0, shared_memory=False)
+    layout = ParallelLayout.shapes_only(ex.data_parallel, ex.tensor_parallel_1,
+                                        ex.tensor_parallel_2)  # fmt: skip
+    engine = PhasedEngine(small, layout, plan)
+    tokens = torch.zeros((1, ex.micro_batch_size, config.model.sequence_length + 1),
+                         dtype=torch.long, device="meta")  # fmt: skip
+    with FlashAttentionOnMeta() if flash else contextlib.nullcontext(), StepMeter() as meter:
+        engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
+    _MEASURED[key] = meter.peak
+    return meter.peak
 
 
 def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
@@ -273,11 +311,12 @@ def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
     return {s: (v if v != "auto" else shorthand) for s, v in flags.items()}
 
 
-def candidate_plans(config: PretrainingConfig, device_type: str,
-                    most_passes_only: bool = False) -> list[MemoryPlan]:  # fmt: skip
+def candidate_plans(config: PretrainingConfig, device_type: str, most_passes_only: bool = False,
+                    estimate_working_set: bool = False) -> list[MemoryPlan]:  # fmt: skip
     """Every plan the flags allow, fastest first (least host traffic, then fewest passes).
 
-    ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes).
+    ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
+    ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
     """
     rank = RankShape.from_config(config)
     fixed = requested_placement(config)
@@ -295,12 +334,13 @@ def candidate_plans(config: PretrainingConfig, device_type: str,
     plans = []
     for where in itertools.product(*places):
         placement = Placement(*where)
-        # CPU attention falls back to the math kernel (scores materialised) under dropout.
-        flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-        working = working_set_bytes(rank, placement, flash_attention=flash)
+        if estimate_working_set:
+            flash = device_type == "cuda" or config.model.dropout_prob == 0.0
+            working = working_set_bytes(rank, placement, flash_attention=flash)
+        else:
+            working = measured_working_set(config, device_type)
         for passes in pass_options:
             entries = micro_batches_per_pass(ga, passes)
-            passes = math.ceil(ga / entries)
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries)
             plans.append(MemoryPlan(passes, entries, placement, state_bytes(rank, entries),
                                     working, traffic, shared))  # fmt: skip

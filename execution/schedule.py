@@ -13,7 +13,6 @@ as many passes as micro-batches streams the layers per micro-batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,13 +42,16 @@ class Phase:
     last_pass: bool = True
 
 
-def pass_groups(micro_batches: int, per_pass: int) -> list[range]:
-    """Contiguous groups of at most ``per_pass`` micro-batches covering ``range(micro_batches)``."""
-    return [range(s, min(s + per_pass, micro_batches)) for s in range(0, micro_batches, per_pass)]
-
-
-def passes_for(micro_batches: int, per_pass: int) -> int:
-    return math.ceil(micro_batches / per_pass)
+def pass_groups(micro_batches: int, passes: int) -> list[range]:
+    """``passes`` contiguous groups covering ``range(micro_batches)``, sizes differing by at
+    most one (the largest, ``ceil(micro_batches / passes)``, is what the buffers hold)."""
+    base, extra = divmod(micro_batches, passes)
+    groups, start = [], 0
+    for index in range(passes):
+        size = base + (index < extra)
+        groups.append(range(start, start + size))
+        start += size
+    return groups
 
 
 def forward_phases(layers: int, group: range) -> Iterator[Phase]:
@@ -59,9 +61,9 @@ def forward_phases(layers: int, group: range) -> Iterator[Phase]:
         yield Phase(LAYER_FORWARD, n, group)
 
 
-def training_phases(layers: int, micro_batches: int, per_pass: int) -> Iterator[Phase]:
+def training_phases(layers: int, micro_batches: int, passes: int) -> Iterator[Phase]:
     """Every phase of one training step up to (not including) the optimizer, in order."""
-    groups = pass_groups(micro_batches, per_pass)
+    groups = pass_groups(micro_batches, passes)
     for index, group in enumerate(groups):
         first, last = index == 0, index == len(groups) - 1
         yield from forward_phases(layers, group)

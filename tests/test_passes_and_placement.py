@@ -12,6 +12,7 @@ import torch
 from execution.layout import GroupAxis, ParallelLayout
 from execution.phases import PhasedEngine
 from execution.planner import RankShape, state_bytes
+from execution.schedule import pass_groups
 from tests.distributed import (
     assert_states_close,
     global_batches,
@@ -71,12 +72,14 @@ def test_passes_give_the_same_steps(dropout):
 
 
 def test_uneven_passes_cover_every_micro_batch():
-    """3 passes over 4 micro-batches: groups of 2, 2 (the last pass may hold fewer)."""
+    """3 passes over 4 micro-batches: groups of 2, 1 and 1, exactly as asked."""
     flags = ["--global_batch_size", "8", "--micro_batch_size", "2"]
     one = train(small_config(*flags, "--passes", "1"), steps=1)
     uneven = train(small_config(*flags, "--passes", "3"), steps=1)
-    assert uneven["plan"][0] == 2
-    assert_runs_close(uneven, one, TOLERANCE, "3 passes requested")
+    assert uneven["plan"][0] == 3
+    assert_runs_close(uneven, one, TOLERANCE, "3 passes")
+    assert [list(g) for g in pass_groups(4, 3)] == [[0, 1], [2], [3]]
+    assert [len(g) for g in pass_groups(10, 4)] == [3, 3, 2, 2]
 
 
 PLACEMENTS = list(itertools.product(("device", "host"), repeat=3))
