@@ -126,10 +126,15 @@ def run(config, preset, layout, launch) -> None:
         dp, tp1, tp2 = trainer["saved_layout"]
         verb = "loaded" if c.eval_only else "resumed from"
         resumed = (f"{verb} {trainer['folder']} at step {start_step} (saved by "
-                   f"{dp} x {tp1} x {tp2} processes, {trainer['saved_placement']} buffers)\n")  # fmt: skip
+                   f"{dp} x {tp1} x {tp2} processes, {trainer['saved_placement']})\n")  # fmt: skip
     elif c.hf_model:
         load_hf_weights(c.hf_model, engine)
         resumed = f"weights from the HuggingFace model {c.hf_model}\n"
+    checkpointer = None
+    if c.save and not c.eval_only:  # before any output: a bad --save must not leave a run behind
+        # Test hook, read here only: seconds to wait before committing each checkpoint.
+        delay = float(os.environ.get("GPT3_TEST_CHECKPOINT_COMMIT_DELAY", "0"))
+        checkpointer = Checkpointer(c.save, engine, c.keep_checkpoints, commit_delay=delay)
     tracker = NullTracker()
     if layout.is_main:
         try:
@@ -165,11 +170,6 @@ def run(config, preset, layout, launch) -> None:
         finally:
             tracker.close()
         return
-    checkpointer = None
-    if c.save:
-        # Test hook, read here only: seconds to wait before committing each checkpoint.
-        delay = float(os.environ.get("GPT3_TEST_CHECKPOINT_COMMIT_DELAY", "0"))
-        checkpointer = Checkpointer(c.save, engine, c.keep_checkpoints, commit_delay=delay)
     # The next step's batch is read (and pinned for the GPU) while the current step runs.
     prefetcher = PrefetchingLoader(loader, pin_memory=layout.device.type == "cuda")
     try:

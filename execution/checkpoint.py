@@ -203,7 +203,7 @@ class Checkpointer:
             "learning_rate_position": {"step": step, "total_steps": config.training.steps},
             "loader": loader_state,
             "saved_layout": [ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2],
-            "saved_placement": ex.placement,
+            "saved_placement": f"{self.engine.plan.passes} pass(es), {self.engine.plan.placement.describe()}",
             "config": config_to_dict(config),
         }
 
