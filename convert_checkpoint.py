@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     model_config, weights = read_weights(args.load)
     out = Path(args.hf_output)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--hf_output {out} is a file; give a folder (new or empty)")
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--hf_output {out} is not empty; choose a new folder")
     try:

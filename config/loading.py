@@ -311,6 +311,13 @@ def validate(config: PretrainingConfig) -> None:
         )
     if config.planning.dry_run and config.planning.plan_for:
         raise ConfigError("give either --dry_run or --plan_for N, not both")
+    if config.planning.dry_run or config.planning.plan_for:
+        ck = config.checkpoint
+        used = [f"--{n}" for n in ("load", "save", "hf_model", "eval_only") if getattr(ck, n)]
+        if used:
+            mode = "--dry_run" if config.planning.dry_run else "--plan_for"
+            raise ConfigError(f"{mode} plans without training, so {' and '.join(used)} would "
+                              "do nothing; leave them out")  # fmt: skip
     if d.validation_files and d.validation_fraction:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
     if d.validation_files and not d.eval_every:

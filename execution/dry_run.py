@@ -39,28 +39,42 @@ RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: 
                "reduce_scatter": lambda n: (n - 1) / n}  # fmt: skip
 
 
-def rank_kinds(config: PretrainingConfig) -> list[list[int]]:
-    """Ranks grouped by the shapes of their tensor-parallel shards (the shapes of every
-    parameter and so of every buffer and activation). Padding keeps the shards of the
-    vocabulary and position tables equal, so today every layout has one kind; ranks of a kind
-    differ only in values, which a dry run does not have."""
+def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[int]]:
+    """Ranks grouped by the shapes of their tensor-parallel shards (so of every buffer and
+    activation) and by how many nodes each of their groups spans (so the speed of each
+    collective). Padding keeps the vocabulary and position shards equal, so layouts whose
+    groups align with nodes have one kind; ranks of a kind differ only in values."""
     ex = config.execution
     shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    tp = ex.tensor_parallel_1 * ex.tensor_parallel_2
+    dp, tp1, tp2 = ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2
 
-    def signature(i: int, j: int) -> tuple:
+    def shard_signature(i: int, j: int) -> tuple:
         return tuple(
             (part, name, tuple(len(dim) for dim in index))
             for part in PARTS
             for name, index in shard_index(part, shapes, i, j).items()
         )
 
-    by_coords = {(i, j): signature(i, j) for i in range(shapes.tp1) for j in range(shapes.tp2)}
+    def rank(d: int, i: int, j: int) -> int:
+        return d * tp1 * tp2 + i * tp2 + j
+
+    def nodes(members) -> int:
+        return len({r // devices_per_node for r in members})
+
+    shards = {(i, j): shard_signature(i, j) for i in range(tp1) for j in range(tp2)}
     kinds: dict[tuple, list[int]] = {}
-    for rank in range(config.world_size):
-        i, j = (rank % tp) // ex.tensor_parallel_2, rank % ex.tensor_parallel_2
-        kinds.setdefault(by_coords[i, j], []).append(rank)
-    return list(kinds.values())
+    for d in range(dp):
+        for i in range(tp1):
+            for j in range(tp2):
+                spans = (
+                    nodes(rank(d, i, b) for b in range(tp2)),
+                    nodes(rank(d, a, j) for a in range(tp1)),
+                    nodes(rank(c, i, j) for c in range(dp)),
+                    nodes(rank(c, a, j) for c in range(dp) for a in range(tp1)),
+                    nodes(rank(c, i, b) for c in range(dp) for b in range(tp2)),
+                )
+                kinds.setdefault((shards[i, j], spans), []).append(rank(d, i, j))
+    return [sorted(ranks) for ranks in kinds.values()]
 
 
 @contextmanager
@@ -182,7 +196,7 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     """Measures every kind of rank, prints the report and writes ``plan.json``."""
     spec = resolve_spec(config)
     entries = []
-    for ranks in rank_kinds(config):
+    for ranks in rank_kinds(config, spec.devices_per_node):
         m = measure_rank(config, ranks[0], spec)
         device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
         device["working_set"] = m.working_set

@@ -125,17 +125,23 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     print(f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
           f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
           f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not")  # fmt: skip
-    header = (f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<18}"
+    header = (f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<21}"
               f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}")  # fmt: skip
     print(header)
     for row in rows:
         ex, plan = row["config"].execution, row["plan"]
         where = "/".join(vars(plan.placement).values())
         print(f"{ex.data_parallel:>3} {ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
-              f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<18}"
+              f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
               f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
               f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
               f"{row['mfu']:>6.1%}")  # fmt: skip
+    if not rows and not misfits:
+        m = config.model
+        print(f"no layout of {devices} devices suits this model: tensor_parallel_1 must divide "
+              f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, and "
+              f"micro-batch x data_parallel --global_batch_size "
+              f"{config.training.global_batch_size}")  # fmt: skip
     if rows:
         ex = rows[0]["config"].execution
         print(f"fastest: --data_parallel {ex.data_parallel} --tensor_parallel_1 "

@@ -379,30 +379,43 @@ def _shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
 
 
 def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> str:
-    """Flags that would make the run fit, tried one change at a time."""
+    """Flags that would make the run fit, tried one change at a time: first letting the planner
+    choose what the flags fixed, then smaller micro-batches, then more processes."""
     ex = config.execution
-    changes = []
-    for factor in (2, 4, 8, 16, 32, 64):
-        changes.append(("data_parallel", ex.data_parallel * factor))
-        changes.append(("tensor_parallel_1", ex.tensor_parallel_1 * factor))
-        changes.append(("tensor_parallel_2", ex.tensor_parallel_2 * factor))
+    changes: list[tuple[str, object, str]] = []
+    if ex.passes:
+        changes.append(("passes", 0, f"without --passes {ex.passes}"))
+    fixed = [n for n in ("placement", "weights_placement", "grads_placement",
+                         "activations_placement") if getattr(ex, n) != "auto"]  # fmt: skip
+    if fixed:
+        flags = " ".join(f"--{n} {getattr(ex, n)}" for n in fixed)
+        changes.append(("placements", None, f"without {flags}"))
     micro = ex.micro_batch_size // 2
     while micro >= 1:
-        changes.append(("micro_batch_size", micro))
+        changes.append(("micro_batch_size", micro, f"--micro_batch_size {micro}"))
         micro //= 2
+    for factor in (2, 4, 8, 16, 32, 64):
+        for name in ("data_parallel", "tensor_parallel_1", "tensor_parallel_2"):
+            changes.append((name, getattr(ex, name) * factor, ""))
     found: dict[str, str] = {}
-    for name, value in changes:
-        if name in found or not _valid_change(config, name, value):
+    for name, value, text in changes:
+        if name in found:
             continue
-        changed = _with_execution(config, **{name: value})
-        if any(
-            budget.fits(p) for p in candidate_plans(changed, device_type, most_passes_only=True)
-        ):
-            processes = f" ({changed.world_size} processes)" if "parallel" in name else ""
-            found[name] = f"--{name} {value}{processes}"
+        if name == "placements":
+            changed = _with_execution(config, **{n: "auto" for n in fixed})
+        elif not _valid_change(config, name, value):
+            continue
+        else:
+            changed = _with_execution(config, **{name: value})
+        plans = candidate_plans(changed, device_type, most_passes_only=True,
+                                estimate_working_set=True)  # fmt: skip
+        if any(budget.fits(p) for p in plans):
+            found[name] = text or f"--{name} {value} ({changed.world_size} processes)"
     if not found:
-        return "no single change of data or tensor parallelism or micro-batch size makes it fit"
-    return "it would fit with " + " or ".join(found.values())
+        return "no single change of passes, placement, micro-batch size or parallelism makes it fit"
+    return "it would fit " + " or ".join(
+        t if t.startswith("without") else f"with {t}" for t in found.values()
+    )
 
 
 def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:

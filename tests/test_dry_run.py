@@ -136,8 +136,16 @@ def test_plan_for_through_the_entry_point():
     assert "fastest: --data_parallel" in result.stdout
 
 
-def test_kinds_of_rank_group_equal_shard_shapes():
+def test_kinds_of_rank_group_equal_shards_and_node_spans():
     config = distributed_config(*layout_flags(2, 4, 1))
-    kinds = rank_kinds(config)
+    kinds = rank_kinds(config, devices_per_node=8)
     assert sorted(r for kind in kinds for r in kind) == list(range(8))
-    assert len(kinds) == 1  # padding keeps every shard the same shape
+    assert len(kinds) == 1  # padding keeps every shard the same shape; one node holds all
+    # tp1 2 x tp2 3 over nodes of 8: rank 0's tp1 group {0, 3} is one node, rank 6's {6, 9}
+    # spans two, so they are measured apart.
+    config = distributed_config(*layout_flags(4, 2, 3), "--global_batch_size", "8",
+                                "--micro_batch_size", "1", "--heads", "6", "--hidden_size", "36")  # fmt: skip
+    kinds = rank_kinds(config, devices_per_node=8)
+    kind_of = {r: k for k, ranks in enumerate(kinds) for r in ranks}
+    assert kind_of[0] != kind_of[6]
+    assert sorted(r for kind in kinds for r in kind) == list(range(24))

@@ -106,3 +106,13 @@ def test_plan_description_lists_every_state():
 def test_passes_beyond_the_micro_batches_are_an_error():
     with pytest.raises(ConfigError, match="--passes 9 exceeds the 4 micro-batches"):
         small_config("--passes", "9")
+
+
+def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed():
+    """One pass of gpt3_350M's 32 micro-batches does not fit 21 GiB; the planner's own passes
+    would, so that is the first suggestion (before any extra processes)."""
+    config = preset("gpt3_350M", "--passes", "1")
+    with pytest.raises(ConfigError) as err:
+        choose_plan(config, "cpu", MemoryBudget(None, 21 * GiB))
+    assert "it would fit without --passes 1 or with --" in str(err.value)
+    assert choose_plan(preset("gpt3_350M"), "cpu", MemoryBudget(None, 21 * GiB)).passes > 1

@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         print(f"utils.plot: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except OSError as err:  # an output folder that does not exist or cannot be written
+        print(f"utils.plot: error: cannot write {err.filename}: {err.strerror}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
