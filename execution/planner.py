@@ -281,20 +281,31 @@ def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
 
 
 def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
-    """Bytes a step moves between host and device under a placement (0 for all-device)."""
-    state = state_bytes(rank, entries)
-    shard = state["weights"]  # float32 bytes of this rank's weight shards
+    """Bytes a step moves between host and device under a placement (0 for all-device).
+
+    Counts exactly what :class:`execution.state.StateStore` copies (a test holds the two
+    together): per pass each part's weights are loaded for forward and backward (the word
+    embedding a third time, tied in the head), gradients are stored and, after the first pass,
+    read back to accumulate (the embedding's twice: the head's tied part and its own); the
+    optimizer reads gradients, weights and moments once and writes weights and moments back;
+    each micro-batch stores x at L + 1 boundaries and reads it 2L + 1 times, and stores and
+    reads dx at L + 1.
+    """
+    specs, layers = rank.specs, rank.shapes.layers
+
+    def fp32(part: str) -> int:  # bytes of one state of a part (all its rows)
+        return PartBuffers.planned_nbytes(specs[part], part_rows(part, layers), ("weights",))
+
+    total = sum(fp32(part) for part in PARTS)
+    emb, lay, head = fp32("embedding"), fp32("layers"), fp32("head")
     traffic = 0
     if placement.weights == "host":
-        # Each pass loads every part forward and again for backward; the optimizer reads
-        # weights and moments and writes them back.
-        traffic += 2 * passes * shard + 6 * shard
+        traffic += passes * (2 * lay + 3 * emb + head) + 6 * total
     if placement.grads == "host":
-        traffic += (2 * passes - 1) * shard + shard  # stores, accumulating reads, optimizer
+        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb + total
     if placement.activations == "host":
         layout = rank.activation_layout(entries)
-        s = rank.shapes
-        per_micro = (3 * layout.x_shard + 4 * layout.entry_numel) * (s.layers + 1)
+        per_micro = (3 * layers + 2) * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
         traffic += per_micro * rank.gradient_accumulation * rank.dtype.itemsize
     return traffic
 

@@ -116,3 +116,30 @@ def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed
         choose_plan(config, "cpu", MemoryBudget(None, 21 * GiB))
     assert "it would fit without --passes 1 or with --" in str(err.value)
     assert choose_plan(preset("gpt3_350M"), "cpu", MemoryBudget(None, 21 * GiB)).passes > 1
+
+
+@pytest.mark.parametrize("passes", [1, 3])
+def test_host_traffic_is_what_the_engine_copies(passes):
+    """For every placement, the planner's bytes per step equal the engine's own counters of
+    one real step (on meta tensors, so nothing is allocated)."""
+    import itertools
+
+    import torch
+
+    from execution.layout import ParallelLayout
+    from execution.phases import PhasedEngine
+
+    for where in itertools.product(("device", "host"), repeat=3):
+        flags = dict(zip(("weights", "grads", "activations"), where, strict=True))
+        config = small_config("--global_batch_size", "12", "--micro_batch_size", "2",
+                              "--layers", "3", "--precision", "bfloat16", "--passes", str(passes),
+                              "--tensor_parallel_1", "2",
+                              *[a for s, w in flags.items() for a in (f"--{s}_placement", w)])  # fmt: skip
+        plan = candidate_plans(config, "cuda")[0]
+        engine = PhasedEngine(config, ParallelLayout.shapes_only(1, 2, 1), plan)
+        tokens = torch.zeros((6, 2, config.model.sequence_length + 1), dtype=torch.long,
+                             device="meta")  # fmt: skip
+        engine.train_step(tokens, 0, 1e-3)
+        moved = engine.state.host_to_device + engine.state.device_to_host
+        assert plan.traffic == moved, (where, plan.traffic, moved)
+        assert (moved == 0) == (where == ("device", "device", "device"))
