@@ -27,6 +27,7 @@ from data.loader import (
 )
 from data.prefetch import PrefetchingLoader
 from execution.checkpoint import Checkpointer, load_checkpoint, load_hf_weights
+from execution.checkpoint import resolve as resolve_checkpoint
 from execution.layout import setup_layout, teardown
 from execution.phases import PhasedEngine
 from execution.planner import choose_plan, measure_budget
@@ -106,6 +107,10 @@ def run(config, preset, layout, launch) -> None:
             f"{output_dir} already holds the metrics.jsonl of another run; "
             "choose a new --output_dir (or leave it out for a fresh folder under runs/)"
         )
+    if c.load:  # a missing checkpoint is reported before minutes of set-up, not after
+        resolve_checkpoint(c.load)
+    elif c.hf_model and not Path(c.hf_model).is_dir():
+        raise ConfigError(f"--hf_model {c.hf_model} is not a folder (a local HuggingFace GPT-2)")
     # Planned before any output: a run that cannot fit says so and leaves nothing behind.
     budget = measure_budget(config, layout.device, layout.local_world_size)
     plan = choose_plan(config, layout.device.type, budget)

@@ -20,7 +20,6 @@ from modelling.gpt import (
     INIT_TILE,
     LAYERS,
     NORMAL,
-    PARTS,
     GPTShapes,
     init_full_part,
     part_inits,
@@ -83,15 +82,6 @@ def test_shards_equal_slices_of_the_full_part(
     back = unshard_part(part, shards, shapes)
     for name, t in full.items():
         assert torch.equal(back[name], t), f"{part}.{name}: unsharded shards differ"
-
-
-def test_full_part_does_not_depend_on_the_layout() -> None:
-    for part in PARTS:
-        reference = init_full_part(shapes_for(1, 1, 211), part, 0, SEED, STD)
-        for tp1, tp2 in LAYOUTS[1:]:
-            full = init_full_part(shapes_for(tp1, tp2, 211), part, 0, SEED, STD)
-            for name, t in reference.items():
-                assert torch.equal(full[name], t), (tp1, tp2, part, name)
 
 
 def test_statistics() -> None:
