@@ -5,6 +5,9 @@ Three states are placed, each on the compute device or in host memory:
 - ``weights``: float32 master weights with their two AdamW moments (16 bytes per parameter of
   this rank's RTS shard, reported as 4 of weights and 8 of optimizer state);
 - ``grads``: float32 gradient accumulators (4 bytes per parameter of the shard);
+- with weights on the host and a 16-bit compute dtype, ``weight_copies`` of the weights in that
+  dtype beside the masters (2 bytes per parameter, placed with the weights), which the phases
+  load instead of the masters;
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
   micro-batches of one pass, in the compute dtype.
 
@@ -34,6 +37,7 @@ from execution.buffers import (
     flat_specs,
     part_rows,
     rts_sizes,
+    weight_copy_dtype,
 )
 from modelling.gpt import PARTS, GPTShapes
 
@@ -41,6 +45,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 STATES = ("weights", "grads", "activations")
 PLACES = ("device", "host")
 GiB = 2**30
+# Keys of state_bytes that live where the weights do.
+WEIGHT_STATE_KEYS = ("optimizer", "weight_copies")
 # Host memory the planner leaves to the interpreter, torch and the data loader.
 HOST_HEADROOM = 0.10
 
@@ -66,7 +72,8 @@ class MemoryPlan:
             possibly fewer).
         micro_batches_per_pass: Activation entries held at once.
         placement: Where each state lives.
-        state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``, ``activations``.
+        state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``,
+            ``weight_copies``, ``activations``.
         working_set: Transient device bytes of the largest phase.
         traffic: Estimated bytes moved between host and device per step.
         shared_memory: The compute device is the CPU, so device and host are one pool.
@@ -81,7 +88,7 @@ class MemoryPlan:
     shared_memory: bool
 
     def _place_of(self, key: str) -> str:
-        return getattr(self.placement, "weights" if key == "optimizer" else key)
+        return getattr(self.placement, "weights" if key in WEIGHT_STATE_KEYS else key)
 
     def bytes_on(self, where: str) -> dict[str, int]:
         """Bytes per state held on ``device`` or ``host`` (with ``working_set`` and ``total``)."""
@@ -97,7 +104,10 @@ class MemoryPlan:
             f"plan: {self.passes} pass(es) of {self.micro_batches_per_pass} micro-batch(es); "
             f"{self.placement.describe()}"
         ]
-        for key in ("weights", "optimizer", "grads", "activations", "working_set"):
+        keys = ["weights", "optimizer", "grads", "activations", "working_set"]
+        if self.state_bytes["weight_copies"]:  # only shown where kept
+            keys.insert(3, "weight_copies")
+        for key in keys:
             rows.append(
                 f"  {key:<12} device {device[key] / GiB:9.2f} GiB   host {host[key] / GiB:9.2f} GiB"
             )
@@ -193,9 +203,11 @@ def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
     return math.ceil(gradient_accumulation / passes)
 
 
-def state_bytes(rank: RankShape, entries: int) -> dict[str, int]:
-    """Bytes of each state's buffers on one rank, from the allocating classes' own formulas."""
+def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str, int]:
+    """Bytes of each state's buffers on one rank, from the allocating classes' own formulas
+    (``placement`` decides whether compute-dtype weight copies are kept)."""
     specs, layers = rank.specs, rank.shapes.layers
+    copy_dtype = weight_copy_dtype(placement.weights == "host", rank.dtype)
 
     def part_bytes(states) -> int:
         return sum(
@@ -207,17 +219,25 @@ def state_bytes(rank: RankShape, entries: int) -> dict[str, int]:
         "weights": weights,
         "optimizer": part_bytes(WEIGHT_STATES) - weights,
         "grads": part_bytes(GRAD_STATES),
+        "weight_copies": sum(
+            PartBuffers.planned_copy_nbytes(specs[p], part_rows(p, layers), copy_dtype)
+            for p in PARTS
+        ),
         "activations": rank.activation_layout(entries).planned_nbytes(),
     }
 
 
-def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bool) -> int:
+def working_set_bytes(
+    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool
+) -> int:
     """Transient device bytes of the largest phase (an estimate; buffers are exact).
 
     Layer backward: the gathered weights, their gradient and float32 accumulator, the saved
     tensors of one micro-batch's recompute, and dx in and out. Head: logits in the compute
     dtype, their float32 softmax and gradient, the gathered word embedding and its gradient.
     Optimizer, with host weights: one row's weights, gradient and moments in float32.
+    With ``prefetch`` and host weights, a phase also holds the next phase's weight shards in
+    the compute dtype (a layer's, or the head's with the tied embedding).
     """
     s, b = rank.shapes, rank.dtype.itemsize
     specs = rank.specs
@@ -226,6 +246,9 @@ def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bo
 
     def local(part: str) -> int:  # one row's tensor-parallel shard, in elements
         return sum(spec.padded for spec in specs[part].values())
+
+    def shard(part: str) -> int:  # one row's RTS shard of it, in elements
+        return sum(spec.shard for spec in specs[part].values())
 
     layer = local("layers") * (2 * b + 4)
     layer += tokens * (8 * h2 + 13 * h1) * b + tokens * h2 * 8  # saved tensors, fp32 LN stats
@@ -239,18 +262,22 @@ def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bo
     optimizer = 0
     if placement.weights == "host" or placement.grads == "host":
         optimizer = 4 * 4 * max(spec.shard for part in PARTS for spec in specs[part].values())
-    return max(layer, head, optimizer)
+    ahead = 0
+    if prefetch and placement.weights == "host":
+        ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
+    return max(layer + ahead, head + ahead, optimizer)
 
 
 def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
     """Bytes a step moves between host and device under a placement (0 for all-device)."""
-    state = state_bytes(rank, entries)
+    state = state_bytes(rank, entries, placement)
     shard = state["weights"]  # float32 bytes of this rank's weight shards
+    copies = state["weight_copies"]  # the same in the compute dtype, where kept
     traffic = 0
     if placement.weights == "host":
-        # Each pass loads every part forward and again for backward; the optimizer reads
-        # weights and moments and writes them back.
-        traffic += 2 * passes * shard + 6 * shard
+        # Each pass loads every part forward and again for backward (the copies where kept);
+        # the optimizer reads weights and moments, writes them back and refreshes the copies.
+        traffic += 2 * passes * (copies or shard) + 6 * shard + copies
     if placement.grads == "host":
         traffic += (2 * passes - 1) * shard + shard  # stores, accumulating reads, optimizer
     if placement.activations == "host":
@@ -297,13 +324,16 @@ def candidate_plans(config: PretrainingConfig, device_type: str,
         placement = Placement(*where)
         # CPU attention falls back to the math kernel (scores materialised) under dropout.
         flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-        working = working_set_bytes(rank, placement, flash_attention=flash)
+        working = working_set_bytes(
+            rank, placement, flash_attention=flash, prefetch=config.execution.prefetch
+        )
         for passes in pass_options:
             entries = micro_batches_per_pass(ga, passes)
             passes = math.ceil(ga / entries)
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries)
-            plans.append(MemoryPlan(passes, entries, placement, state_bytes(rank, entries),
-                                    working, traffic, shared))  # fmt: skip
+            plans.append(MemoryPlan(passes, entries, placement,
+                                    state_bytes(rank, entries, placement), working, traffic,
+                                    shared))  # fmt: skip
 
     # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
     def hosted(plan: MemoryPlan) -> int:
