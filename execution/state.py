@@ -20,9 +20,13 @@ only then all-gathers them over RTS. The all-gather stays on the compute stream 
 ``load_weights``: every rank issues its collectives in the same order as without prefetch, on
 the stream the other collectives use. The engine prefetches the next phase's parts just before
 running the current phase, so at most two phases' weights (two layers) are on the device: the
-running phase's and the next one's. Activation stores stay on the compute stream: the next
-phase reads them back in stream order, so no event is needed (overlapping them is future work).
-On a CPU or meta device there are no streams; the prefetch is the same copy, one phase early.
+running phase's and the next one's.
+
+Activation stores to host memory run on a second side stream on CUDA, so the copy of one
+micro-batch's output overlaps the next one's compute; each buffer entry's event orders its next
+load after its store (:meth:`StateStore._store_activation`). Gradient and optimizer stores stay
+on the compute stream, which reads them back in stream order. On a CPU or meta device there are
+no streams: prefetch is the same copy, one phase early, and stores happen in program order.
 """
 
 from __future__ import annotations
@@ -79,9 +83,13 @@ class StateStore:
         # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None).
         self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object]] = {}
         self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
-        self._copy_stream = None
+        # CUDA only: a stream for loads issued ahead and one for activation stores to host.
+        self._copy_stream = self._store_stream = None
         if self.device.type == "cuda":
             self._copy_stream = torch.cuda.Stream(device=self.device)
+            self._store_stream = torch.cuda.Stream(device=self.device)
+        # Activation stores in flight on the store stream: buffer entry -> event of its copy.
+        self._stores: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------ generic moves
 
@@ -214,21 +222,50 @@ class StateStore:
                 flat, (0, layout.x_shard * self.tp1.size - flat.numel())
             )
             flat = padded.view(self.tp1.size, -1)[self.tp1.rank]
-        self._store(self.activations.x[boundary, entry], flat, self.places["activations"])
+        self._store_activation(("x", boundary, entry), self.activations.x[boundary, entry], flat)
 
     def fetch_x(self, boundary: int, entry: int) -> torch.Tensor:
         """The whole local residual stream ``[micro_batch, seq, h/tp2]`` at a layer boundary."""
         layout = self.activations.layout
-        shard = self._load(self.activations.x[boundary, entry], self.places["activations"])
+        shard = self._load_activation(("x", boundary, entry), self.activations.x[boundary, entry])
         full = self.tp1.all_gather(shard)[: layout.entry_numel]
         return full.view(*layout.tokens, layout.hidden).detach()
 
     def store_dx(self, boundary: int, entry: int, dx: torch.Tensor) -> None:
         """Stores the gradient at a layer boundary (rows alternate: only two are ever live)."""
-        self._store(self.activations.dx[boundary % 2, entry], dx, self.places["activations"])
+        row = boundary % 2
+        self._store_activation(("dx", row, entry), self.activations.dx[row, entry], dx)
 
     def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
-        return self._load(self.activations.dx[boundary % 2, entry], self.places["activations"])
+        row = boundary % 2
+        return self._load_activation(("dx", row, entry), self.activations.dx[row, entry])
+
+    def _store_activation(self, key: tuple, target: torch.Tensor, value: torch.Tensor) -> None:
+        """Stores an activation entry; to host memory on CUDA, on the store stream.
+
+        The store stream first waits for the compute stream (the kernels that made ``value``,
+        and earlier reads of this entry, which x and the two dx rows reuse), records an event
+        that the entry's next load waits for, and keeps ``value``'s memory from being reused
+        until the copy is done (``record_stream``).
+        """
+        place = self.places["activations"]
+        if self._store_stream is None or not place.remote:
+            self._store(target, value, place)  # in stream order, nothing to wait for
+            return
+        self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store_stream):
+            self._store(target, value, place)
+            stored = torch.cuda.Event()
+            stored.record(self._store_stream)
+        value.record_stream(self._store_stream)
+        self._stores[key] = stored
+
+    def _load_activation(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
+        """Loads an activation entry once its store (if still in flight) has completed."""
+        stored = self._stores.pop(key, None)
+        if stored is not None:  # later loads of the entry follow this wait in stream order
+            torch.cuda.current_stream(self.device).wait_event(stored)
+        return self._load(source, self.places["activations"])
 
     # ------------------------------------------------------------------ accounting
 

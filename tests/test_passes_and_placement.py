@@ -263,3 +263,88 @@ def test_engine_allocates_where_the_plan_says(monkeypatch):
     loaded = resident.state.load_weights("head", 0, torch.float32)["ln_f.weight"]
     stored = resident.state.parts["head"].weights["tp2_vector"][0]
     assert loaded.data_ptr() == stored.data_ptr()  # used in place
+
+
+# ----------------------------------------------------------------- stream protocol, on a CPU
+
+
+class _Stream:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event: _Event) -> None:
+        assert event.stream is not None, "waited for an event never recorded"
+        self.log.append((self.name, "wait_event", event.stream))
+
+
+class _Event:
+    def __init__(self):
+        self.stream = None
+
+    def record(self, stream: _Stream) -> None:
+        self.stream = stream.name
+
+
+def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
+    """The CUDA bookkeeping of prefetch and activation stores, run on a CPU with stand-in
+    streams and events (copies then happen at once, so the numbers must not change): weight
+    loads issued ahead run on the copy stream after it waited for the compute stream, the
+    compute stream waits for their event before using them, activation stores run on the
+    store stream, and every entry is read back only after waiting for its store."""
+    flags = ["--precision", "bfloat16", "--passes", "2", "--placement", "remote"]
+    config = small_config(*flags)
+    batch = replica_batch(config, global_batches(config, 1)[0], 0)
+    plain = PhasedEngine(config, ParallelLayout.single(CPU))
+    plain_loss = plain.train_step(batch, 0, 2e-3).loss
+
+    log: list = []
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    state = engine.state
+    compute = _Stream("compute", log)
+    state._copy_stream, state._store_stream = _Stream("copy", log), _Stream("store", log)
+    current = [compute]
+
+    class _Use:  # torch.cuda.stream(s): makes s current inside the block
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", _Use)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, s: log.append((s.name, "record_stream")))  # fmt: skip
+    load, store = state._load, state._store
+    monkeypatch.setattr(
+        state, "_load", lambda *a: log.append((current[-1].name, "load")) or load(*a)
+    )
+    monkeypatch.setattr(
+        state, "_store", lambda *a: log.append((current[-1].name, "store")) or store(*a)
+    )
+    assert engine.train_step(batch, 0, 2e-3).loss == plain_loss
+    for name, t in plain.full_state().items():
+        assert torch.equal(engine.full_state()[name], t), name
+
+    # Each prefetch: the copy stream waits for the compute stream, then copies its part.
+    prefetches = [i for i, e in enumerate(log) if e == ("copy", "wait_stream", "compute")]
+    assert len(prefetches) == state.prefetch_hits > 0
+    assert all(log[i + 1] == ("copy", "load") for i in prefetches)
+    # Every shard copied ahead is marked as used on the compute stream.
+    assert log.count(("compute", "record_stream")) == log.count(("copy", "load"))
+    waits = [e for e in log if e[1] == "wait_event"]
+    assert all(e[0] == "compute" for e in waits)
+    assert sum(e[2] == "copy" for e in waits) == state.prefetch_hits
+    # x: L + 1 boundaries per pass, dx: L + 1 stored per pass; all read back after a wait
+    layers, entries = config.model.layers, engine.plan.micro_batches_per_pass
+    stores = 2 * 2 * (layers + 1) * entries
+    assert log.count(("store", "store")) == stores
+    assert sum(e[2] == "store" for e in waits) == stores
+    assert log.count(("store", "record_stream")) == stores
