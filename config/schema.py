@@ -178,6 +178,14 @@ class ExecutionConfig:
             "gradient accumulation: per-micro-batch streaming, least). 0: the planner chooses."
         ),
     )
+    prefetch: bool = field(
+        default=True,
+        metadata=_doc(
+            "Load the next phase's host-placed weights while the current phase computes (on a "
+            "side CUDA stream; on a CPU the same copies, one phase early). The numbers are the "
+            "same either way; false loads each phase's weights when it starts."
+        ),
+    )
     device_memory_gb: float = field(
         default=0.0,
         metadata=_doc(

@@ -154,8 +154,22 @@ WEIGHT_STATES = ("weights", "exp_avg", "exp_avg_sq")
 GRAD_STATES = ("grads",)
 
 
+def weight_copy_dtype(weights_on_host: bool, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the weight copies kept beside host-placed masters; None when none are kept.
+
+    Host weights cross the host link at every phase that loads them; a 16-bit copy, cast once
+    per step after the update, halves those bytes for 2 bytes per parameter of host memory.
+    Weights on the device are cast where they are, and a float32 run loads the masters.
+    """
+    return dtype if weights_on_host and dtype.itemsize < 4 else None
+
+
 class PartBuffers:
-    """Weights, gradients and AdamW moments of one part: ``[rows, shard]`` float32 per kind."""
+    """Weights, gradients and AdamW moments of one part: ``[rows, shard]`` float32 per kind.
+
+    With ``copy_dtype`` (see :func:`weight_copy_dtype`), ``weight_copies`` holds the weights
+    cast to it, beside the masters and in the same place, for loads to copy instead.
+    """
 
     STATES = ("weights", "grads", "exp_avg", "exp_avg_sq")
 
@@ -164,10 +178,26 @@ class PartBuffers:
         """Bytes the given states of a part will take, known before allocating them."""
         return len(states) * rows * sum(spec.shard for spec in specs.values()) * 4
 
-    def __init__(self, specs: dict[str, FlatSpec], rows: int, places: dict[str, Place]):
+    @classmethod
+    def planned_copy_nbytes(
+        cls, specs: dict[str, FlatSpec], rows: int, copy_dtype: torch.dtype | None
+    ) -> int:
+        """Bytes of the weight copies of a part (0 when none are kept)."""
+        if copy_dtype is None:
+            return 0
+        return rows * sum(spec.shard for spec in specs.values()) * copy_dtype.itemsize
+
+    def __init__(
+        self,
+        specs: dict[str, FlatSpec],
+        rows: int,
+        places: dict[str, Place],
+        copy_dtype: torch.dtype | None = None,
+    ):
         self.specs = specs
         self.rows = rows
         self.places = places
+        self.copy_dtype = copy_dtype
         for state in self.STATES:
             place = places[state]
             # Allocated pinned, not pinned afterwards: .pin_memory() would copy, doubling the peak.
@@ -176,12 +206,19 @@ class PartBuffers:
                                   pin_memory=place.pin)
                 for kind, spec in specs.items()
             })  # fmt: skip
+        self.weight_copies: dict[str, torch.Tensor] = {}
+        if copy_dtype is not None:
+            place = places["weights"]
+            for kind, spec in specs.items():
+                self.weight_copies[kind] = torch.zeros(
+                    rows, spec.shard, dtype=copy_dtype, device=place.device, pin_memory=place.pin
+                )
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes held, per kind of state (for memory accounting)."""
+        """Bytes held, per kind of state (for memory accounting), ``weight_copies`` included."""
         return {
             state: sum(t.numel() * t.element_size() for t in getattr(self, state).values())
-            for state in self.STATES
+            for state in (*self.STATES, "weight_copies")
         }
 
 

@@ -33,7 +33,8 @@ from modelling.gpt import PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
-STATE_KEYS = ("weights", "grads", "optimizer", "activations", "working_set", "total")
+STATE_KEYS = ("weights", "grads", "optimizer", "weight_copies", "activations", "working_set",
+              "total")  # fmt: skip
 # Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
 RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n}  # fmt: skip

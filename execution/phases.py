@@ -136,7 +136,7 @@ class PhasedEngine:
         """As :meth:`write_part_state`, from this rank's tensor-parallel shards (padded)."""
         for kind, spec in self.specs[part].items():
             flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
-            getattr(self.state.parts[part], state)[kind][row].copy_(flat)
+            self.state.write_row(part, state, kind, row, flat)  # refreshes weight copies too
 
     def read_part_state(self, part: str, row: int, state: str = "weights"):
         """Unsharded, unpadded float32 tensors of one part, named within the part.
@@ -337,10 +337,10 @@ class PhasedEngine:
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
         batch = _Batch.of(tokens.to(self.device, non_blocking=True), step)
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        for phase in schedule.training_phases(
+        phases = schedule.training_phases(
             self.shapes.layers, self.gradient_accumulation, self.plan.passes
-        ):
-            self._bodies[phase.kind](phase, batch)
+        )
+        self._run_phases(list(phases), batch)
 
         world = self.layout.world
         scale = self.config.training.loss_scaling
@@ -370,14 +370,29 @@ class PhasedEngine:
             tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
             batch = _Batch.of(tokens, step=None)
             group = range(len(tokens))
-            for phase in [*schedule.forward_phases(self.shapes.layers, group),
-                          Phase(schedule.HEAD, 0, group)]:  # fmt: skip
-                self._bodies[phase.kind](phase, batch)
+            phases = [*schedule.forward_phases(self.shapes.layers, group),
+                      Phase(schedule.HEAD, 0, group)]  # fmt: skip
+            self._run_phases(phases, batch)
             losses.extend(batch.losses)
         total = (
             torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)
         )
         return self._mean_over_replicas(total, len(losses))
+
+    def _run_phases(self, phases: list[Phase], batch: _Batch) -> None:
+        """Runs each phase's body; with ``--prefetch``, first starts loading the next phase's
+        weights, so their copy overlaps this phase's compute (a side stream on CUDA)."""
+        prefetch = self.config.execution.prefetch
+        self.state.drop_prefetched()  # none left by a step that raised half-way
+        for phase, following in zip(phases, [*phases[1:], None], strict=True):
+            if prefetch and following is not None:
+                for part, row in schedule.weights_loaded(following):
+                    self.state.prefetch_weights(part, row, self.dtype)
+            self._bodies[phase.kind](phase, batch)
+        # Every prefetch is used by the phase it was issued for; none may outlive the schedule
+        # (the optimizer is about to change the weights it copied).
+        unused = self.state.drop_prefetched()
+        assert unused == 0, f"{unused} prefetched part(s) never loaded"
 
     def _mean_over_replicas(self, total: torch.Tensor, count: int) -> float:
         both = torch.stack(

@@ -5,6 +5,9 @@ Three states are placed, each on the compute device or in host memory:
 - ``weights``: float32 master weights with their two AdamW moments (16 bytes per parameter of
   this rank's RTS shard, reported as 4 of weights and 8 of optimizer state);
 - ``grads``: float32 gradient accumulators (4 bytes per parameter of the shard);
+- with weights on the host and a 16-bit compute dtype, ``weight_copies`` of the weights in that
+  dtype beside the masters (2 bytes per parameter, placed with the weights), which the phases
+  load instead of the masters;
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
   micro-batches of one pass, in the compute dtype.
 
@@ -36,6 +39,7 @@ from execution.buffers import (
     flat_specs,
     part_rows,
     rts_sizes,
+    weight_copy_dtype,
 )
 from modelling.gpt import PARTS, GPTShapes
 
@@ -43,6 +47,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 STATES = ("weights", "grads", "activations")
 PLACES = ("device", "host")
 GiB = 2**30
+# Keys of state_bytes that live where the weights do.
+WEIGHT_STATE_KEYS = ("optimizer", "weight_copies")
 # Host memory the planner leaves to the interpreter, torch and the data loader.
 HOST_HEADROOM = 0.10
 # Free device memory it leaves to the CUDA context and the caching allocator's fragmentation.
@@ -70,7 +76,8 @@ class MemoryPlan:
             one (at most ``micro_batches_per_pass``).
         micro_batches_per_pass: Activation entries held at once.
         placement: Where each state lives.
-        state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``, ``activations``.
+        state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``,
+            ``weight_copies``, ``activations``.
         working_set: Transient device bytes of the largest phase.
         traffic: Estimated bytes moved between host and device per step.
         shared_memory: The compute device is the CPU, so device and host are one pool.
@@ -85,7 +92,7 @@ class MemoryPlan:
     shared_memory: bool
 
     def _place_of(self, key: str) -> str:
-        return getattr(self.placement, "weights" if key == "optimizer" else key)
+        return getattr(self.placement, "weights" if key in WEIGHT_STATE_KEYS else key)
 
     def bytes_on(self, where: str) -> dict[str, int]:
         """Bytes per state held on ``device`` or ``host`` (with ``working_set`` and ``total``)."""
@@ -101,7 +108,10 @@ class MemoryPlan:
             f"plan: {self.passes} pass(es) of {self.micro_batches_per_pass} micro-batch(es); "
             f"{self.placement.describe()}"
         ]
-        for key in ("weights", "optimizer", "grads", "activations", "working_set"):
+        keys = ["weights", "optimizer", "grads", "activations", "working_set"]
+        if self.state_bytes["weight_copies"]:  # only shown where kept
+            keys.insert(3, "weight_copies")
+        for key in keys:
             rows.append(
                 f"  {key:<12} device {device[key] / GiB:9.2f} GiB   host {host[key] / GiB:9.2f} GiB"
             )
@@ -198,9 +208,11 @@ def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
     return math.ceil(gradient_accumulation / passes)
 
 
-def state_bytes(rank: RankShape, entries: int) -> dict[str, int]:
-    """Bytes of each state's buffers on one rank, from the allocating classes' own formulas."""
+def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str, int]:
+    """Bytes of each state's buffers on one rank, from the allocating classes' own formulas
+    (``placement`` decides whether compute-dtype weight copies are kept)."""
     specs, layers = rank.specs, rank.shapes.layers
+    copy_dtype = weight_copy_dtype(placement.weights == "host", rank.dtype)
 
     def part_bytes(states) -> int:
         return sum(
@@ -212,15 +224,22 @@ def state_bytes(rank: RankShape, entries: int) -> dict[str, int]:
         "weights": weights,
         "optimizer": part_bytes(WEIGHT_STATES) - weights,
         "grads": part_bytes(GRAD_STATES),
+        "weight_copies": sum(
+            PartBuffers.planned_copy_nbytes(specs[p], part_rows(p, layers), copy_dtype)
+            for p in PARTS
+        ),
         "activations": rank.activation_layout(entries).planned_nbytes(),
     }
 
 
-def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bool) -> int:
+def working_set_bytes(
+    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool
+) -> int:
     """A quick estimate of the transient device bytes of the largest phase.
 
     Used only to advise which flags would make a misfit fit (a measurement per candidate
-    layout would take minutes); plans are chosen with :func:`measured_working_set`.
+    layout would take minutes); plans are chosen with :func:`measured_working_set`. With
+    ``prefetch`` and host weights, a phase also holds the next phase's weight shards.
     """
     s, b = rank.shapes, rank.dtype.itemsize
     specs = rank.specs
@@ -229,6 +248,9 @@ def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bo
 
     def local(part: str) -> int:  # one row's tensor-parallel shard, in elements
         return sum(spec.padded for spec in specs[part].values())
+
+    def shard(part: str) -> int:  # one row's RTS shard of it, in elements
+        return sum(spec.shard for spec in specs[part].values())
 
     layer = local("layers") * (2 * b + 8)
     layer += tokens * (8 * h2 + 13 * h1) * b + tokens * h2 * 8  # saved tensors, fp32 LN stats
@@ -239,7 +261,10 @@ def working_set_bytes(rank: RankShape, placement: Placement, flash_attention: bo
     head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
     largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
     optimizer = (28 if placement.weights == "host" else 12) * largest_row
-    return max(layer, head, optimizer)
+    ahead = 0
+    if prefetch and placement.weights == "host":
+        ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
+    return max(layer + ahead, head + ahead, optimizer)
 
 
 _MEASURED: dict[tuple, int] = {}
@@ -260,7 +285,7 @@ def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
 
     ex = config.execution
     flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-    key = (RankShape.from_config(config), flash, config.model.dropout_prob)
+    key = (RankShape.from_config(config), flash, config.model.dropout_prob, ex.prefetch)
     if key in _MEASURED:
         return _MEASURED[key]
     small = copy.deepcopy(config)
@@ -287,7 +312,8 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
     together): per pass each part's weights are loaded for forward and backward (the word
     embedding a third time, tied in the head), gradients are stored and, after the first pass,
     read back to accumulate (the embedding's twice: the head's tied part and its own); the
-    optimizer reads gradients, weights and moments once and writes weights and moments back;
+    optimizer reads gradients, weights and moments once and writes weights and moments back
+    (and the compute-dtype copies of host weights, which the loads then read instead);
     each micro-batch stores x at L + 1 boundaries and reads it 2L + 1 times, and stores and
     reads dx at L + 1.
     """
@@ -298,9 +324,13 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
 
     total = sum(fp32(part) for part in PARTS)
     emb, lay, head = fp32("embedding"), fp32("layers"), fp32("head")
+    copies = state_bytes(rank, entries, placement)["weight_copies"]
     traffic = 0
     if placement.weights == "host":
-        traffic += passes * (2 * lay + 3 * emb + head) + 6 * total
+        loads = passes * (2 * lay + 3 * emb + head)
+        if copies:  # loads read the compute-dtype copies; the optimizer refreshes them
+            loads = loads * rank.dtype.itemsize // 4 + copies
+        traffic += loads + 6 * total
     if placement.grads == "host":
         traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb + total
     if placement.activations == "host":
@@ -347,14 +377,17 @@ def candidate_plans(config: PretrainingConfig, device_type: str, most_passes_onl
         placement = Placement(*where)
         if estimate_working_set:
             flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-            working = working_set_bytes(rank, placement, flash_attention=flash)
+            working = working_set_bytes(
+                rank, placement, flash_attention=flash, prefetch=config.execution.prefetch
+            )
         else:
             working = measured_working_set(config, device_type)
         for passes in pass_options:
             entries = micro_batches_per_pass(ga, passes)
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries)
-            plans.append(MemoryPlan(passes, entries, placement, state_bytes(rank, entries),
-                                    working, traffic, shared))  # fmt: skip
+            plans.append(MemoryPlan(passes, entries, placement,
+                                    state_bytes(rank, entries, placement), working, traffic,
+                                    shared))  # fmt: skip
 
     # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
     def hosted(plan: MemoryPlan) -> int:

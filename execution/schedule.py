@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from modelling import gpt
+
 EMBEDDING_FORWARD = "embedding_forward"
 LAYER_FORWARD = "layer_forward"
 HEAD = "head"  # forward, plus backward when training
@@ -40,6 +42,18 @@ class Phase:
     micro_batches: range
     first_pass: bool = True
     last_pass: bool = True
+
+
+def weights_loaded(phase: Phase) -> list[tuple[str, int]]:
+    """The (part, row) whose weights a phase loads, so they can be fetched a phase ahead.
+
+    The head also loads the word embedding, tied to its output projection.
+    """
+    if phase.kind in (LAYER_FORWARD, LAYER_BACKWARD):
+        return [(gpt.LAYERS, phase.layer)]
+    if phase.kind == HEAD:
+        return [(gpt.HEAD, 0), (gpt.EMBEDDING, 0)]
+    return [(gpt.EMBEDDING, 0)]
 
 
 def pass_groups(micro_batches: int, passes: int) -> list[range]:

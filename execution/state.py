@@ -5,6 +5,28 @@ where each state lives (:class:`~execution.buffers.Place`) and what a load costs
 from host memory is a real copy; state held on the device is used in place. The RTS all-gather
 of weights and the tp1 all-gather of the (tp1-sharded) activations x also happen here, so a
 phase receives whole tensor-parallel shards.
+
+Weights placed on the host are loaded from compute-dtype copies kept beside the float32 masters
+(:func:`~execution.buffers.weight_copy_dtype`): half the bytes over the link, the same values,
+since the cast is the same round-to-nearest whether done at the load or once after the update.
+
+Prefetch: :meth:`StateStore.prefetch_weights` issues a part's load one phase early and keeps
+it for the next :meth:`~StateStore.load_weights` of that part. On CUDA the copies run on a side
+stream, which first waits for everything queued so far on the compute stream (the optimizer's
+stores to the same host buffers), and records an event; ``load_weights`` makes the compute
+stream wait for that event, marks the shards as used there (``record_stream``, so the caching
+allocator does not hand their memory to the side stream while the phase still reads them), and
+only then all-gathers them over RTS. The all-gather stays on the compute stream at the point of
+``load_weights``: every rank issues its collectives in the same order as without prefetch, on
+the stream the other collectives use. The engine prefetches the next phase's parts just before
+running the current phase, so at most two phases' weights (two layers) are on the device: the
+running phase's and the next one's.
+
+Activation stores to host memory run on a second side stream on CUDA, so the copy of one
+micro-batch's output overlaps the next one's compute; each buffer entry's event orders its next
+load after its store (:meth:`StateStore._store_activation`). Gradient and optimizer stores stay
+on the compute stream, which reads them back in stream order. On a CPU or meta device there are
+no streams: prefetch is the same copy, one phase early, and stores happen in program order.
 """
 
 from __future__ import annotations
@@ -20,6 +42,7 @@ from execution.buffers import (
     PartBuffers,
     Place,
     part_rows,
+    weight_copy_dtype,
 )
 from execution.layout import ParallelLayout
 from modelling.gpt import PARTS
@@ -35,7 +58,7 @@ class StateStore:
         rts: RTS group of each kind.
         layout: This rank's parallel geometry.
         places: Place of ``weights`` (with the AdamW moments), ``grads`` and ``activations``.
-        activations: Sizes of the activation buffers.
+        activations: Sizes of the activation buffers (their dtype is the compute dtype).
     """
 
     def __init__(self, specs: dict[str, dict[str, FlatSpec]], layers: int, rts: dict[str, Axis],
@@ -48,13 +71,25 @@ class StateStore:
         self.places = places
         by_state = {s: places["weights"] for s in WEIGHT_STATES}
         by_state.update({s: places["grads"] for s in GRAD_STATES})
+        self.copy_dtype = weight_copy_dtype(places["weights"].remote, activations.dtype)
         self.parts = {
-            part: PartBuffers(specs[part], part_rows(part, layers), by_state) for part in PARTS
+            part: PartBuffers(specs[part], part_rows(part, layers), by_state, self.copy_dtype)
+            for part in PARTS
         }
         self.activations = ActivationBuffers(activations, places["activations"])
         # Bytes copied over the host link, by direction (the dry run reports them).
         self.host_to_device = 0
         self.device_to_host = 0
+        # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None).
+        self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object]] = {}
+        self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
+        # CUDA only: a stream for loads issued ahead and one for activation stores to host.
+        self._copy_stream = self._store_stream = None
+        if self.device.type == "cuda":
+            self._copy_stream = torch.cuda.Stream(device=self.device)
+            self._store_stream = torch.cuda.Stream(device=self.device)
+        # Activation stores in flight on the store stream: buffer entry -> event of its copy.
+        self._stores: dict[tuple, object] = {}
 
     # ------------------------------------------------------------------ generic moves
 
@@ -72,13 +107,66 @@ class StateStore:
 
     # ------------------------------------------------------------------ weights
 
+    def _weight_shards(self, part: str, row: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """This rank's RTS shard of each kind on the device in ``dtype``, not yet gathered:
+        from the compute-dtype copies where kept, else cast from the float32 masters."""
+        buffers, place = self.parts[part], self.places["weights"]
+        if dtype == self.copy_dtype:
+            return {kind: self._load(t[row], place) for kind, t in buffers.weight_copies.items()}
+        return {kind: self._load(t[row], place, dtype) for kind, t in buffers.weights.items()}
+
+    def prefetch_weights(self, part: str, row: int, dtype: torch.dtype) -> None:
+        """Starts loading a part's weights for the next :meth:`load_weights` of it.
+
+        Only host-placed weights are prefetched (device weights are used in place). A part
+        already waiting to be loaded is not loaded twice.
+        """
+        key = (part, row, dtype)
+        if not self.places["weights"].remote or key in self._prefetched:
+            return
+        if self._copy_stream is None:
+            self._prefetched[key] = (self._weight_shards(part, row, dtype), None)
+            return
+        # After the compute stream's work so far: the optimizer's stores to these host buffers.
+        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._copy_stream):
+            shards = self._weight_shards(part, row, dtype)
+            ready = torch.cuda.Event()
+            ready.record(self._copy_stream)
+        self._prefetched[key] = (shards, ready)
+
+    def drop_prefetched(self) -> int:
+        """Forgets loads issued ahead and never used (0 after a whole schedule); returns how many."""
+        dropped = len(self._prefetched)
+        self._prefetched.clear()
+        return dropped
+
     def load_weights(self, part: str, row: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A part's weights on the device in ``dtype``, RTS shards gathered, named views."""
+        prefetched = self._prefetched.pop((part, row, dtype), None)
+        if prefetched is None:
+            shards = self._weight_shards(part, row, dtype)
+        else:
+            self.prefetch_hits += 1
+            shards, ready = prefetched
+            if ready is not None:
+                compute = torch.cuda.current_stream(self.device)
+                compute.wait_event(ready)
+                for shard in shards.values():
+                    shard.record_stream(compute)
         weights = {}
         for kind, spec in self.specs[part].items():
-            shard = self._load(self.parts[part].weights[kind][row], self.places["weights"], dtype)
-            weights.update(spec.views(self.rts[kind].all_gather(shard)))
+            weights.update(spec.views(self.rts[kind].all_gather(shards[kind])))
         return weights
+
+    def write_row(self, part: str, state: str, kind: str, row: int, flat: torch.Tensor) -> None:
+        """Writes one row of a state from outside a step (initialisation, checkpoints); weights
+        refresh their compute-dtype copy, and loads issued ahead are forgotten."""
+        buffers = self.parts[part]
+        getattr(buffers, state)[kind][row].copy_(flat)
+        if state == "weights" and buffers.weight_copies:
+            buffers.weight_copies[kind][row].copy_(flat)
+        self.drop_prefetched()
 
     # ------------------------------------------------------------------ gradients
 
@@ -110,13 +198,18 @@ class StateStore:
 
     def store_optimizer_row(self, part: str, kind: str, row: int,
                             updated: list[torch.Tensor]) -> None:  # fmt: skip
-        """Writes back updated weights and moments (gradients are read-only in the update)."""
+        """Writes back updated weights and moments (gradients are read-only in the update),
+        and the weights cast to the compute dtype where copies are kept (once per step)."""
         if not self.places["weights"].remote:
             return  # updated in place
-        buffers = self.parts[part]
+        buffers, place = self.parts[part], self.places["weights"]
         for state, value in zip(PartBuffers.STATES, updated, strict=True):
             if state not in GRAD_STATES:
-                self._store(getattr(buffers, state)[kind][row], value, self.places["weights"])
+                self._store(getattr(buffers, state)[kind][row], value, place)
+        if buffers.weight_copies:
+            # Cast on the device: the link carries 2 bytes, and the host spends no time on it.
+            weights = updated[PartBuffers.STATES.index("weights")]
+            self._store(buffers.weight_copies[kind][row], weights.to(self.copy_dtype), place)
 
     # ------------------------------------------------------------------ activations
 
@@ -129,30 +222,60 @@ class StateStore:
                 flat, (0, layout.x_shard * self.tp1.size - flat.numel())
             )
             flat = padded.view(self.tp1.size, -1)[self.tp1.rank]
-        self._store(self.activations.x[boundary, entry], flat, self.places["activations"])
+        self._store_activation(("x", boundary, entry), self.activations.x[boundary, entry], flat)
 
     def fetch_x(self, boundary: int, entry: int) -> torch.Tensor:
         """The whole local residual stream ``[micro_batch, seq, h/tp2]`` at a layer boundary."""
         layout = self.activations.layout
-        shard = self._load(self.activations.x[boundary, entry], self.places["activations"])
+        shard = self._load_activation(("x", boundary, entry), self.activations.x[boundary, entry])
         full = self.tp1.all_gather(shard)[: layout.entry_numel]
         return full.view(*layout.tokens, layout.hidden).detach()
 
     def store_dx(self, boundary: int, entry: int, dx: torch.Tensor) -> None:
         """Stores the gradient at a layer boundary (rows alternate: only two are ever live)."""
-        self._store(self.activations.dx[boundary % 2, entry], dx, self.places["activations"])
+        row = boundary % 2
+        self._store_activation(("dx", row, entry), self.activations.dx[row, entry], dx)
 
     def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
-        return self._load(self.activations.dx[boundary % 2, entry], self.places["activations"])
+        row = boundary % 2
+        return self._load_activation(("dx", row, entry), self.activations.dx[row, entry])
+
+    def _store_activation(self, key: tuple, target: torch.Tensor, value: torch.Tensor) -> None:
+        """Stores an activation entry; to host memory on CUDA, on the store stream.
+
+        The store stream first waits for the compute stream (the kernels that made ``value``,
+        and earlier reads of this entry, which x and the two dx rows reuse), records an event
+        that the entry's next load waits for, and keeps ``value``'s memory from being reused
+        until the copy is done (``record_stream``).
+        """
+        place = self.places["activations"]
+        if self._store_stream is None or not place.remote:
+            self._store(target, value, place)  # in stream order, nothing to wait for
+            return
+        self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._store_stream):
+            self._store(target, value, place)
+            stored = torch.cuda.Event()
+            stored.record(self._store_stream)
+        value.record_stream(self._store_stream)
+        self._stores[key] = stored
+
+    def _load_activation(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
+        """Loads an activation entry once its store (if still in flight) has completed."""
+        stored = self._stores.pop(key, None)
+        if stored is not None:  # later loads of the entry follow this wait in stream order
+            torch.cuda.current_stream(self.device).wait_event(stored)
+        return self._load(source, self.places["activations"])
 
     # ------------------------------------------------------------------ accounting
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of buffers held, by state: weights, optimizer, grads, activations."""
-        out = {"weights": 0, "optimizer": 0, "grads": 0}
+        """Bytes of buffers held, by state: weights, optimizer, grads, weight_copies,
+        activations."""
+        out = {"weights": 0, "optimizer": 0, "grads": 0, "weight_copies": 0}
         for buffers in self.parts.values():
             for state, n in buffers.nbytes().items():
-                key = state if state in ("weights", "grads") else "optimizer"
+                key = state if state in ("weights", "grads", "weight_copies") else "optimizer"
                 out[key] += n
         out["activations"] = self.activations.nbytes()
         return out

@@ -105,6 +105,85 @@ def test_every_placement_equals_all_remote():
                 assert torch.equal(run[state][name], t), (combo, state, name)
 
 
+def test_bfloat16_weight_copies_equal_casting_the_masters():
+    """bfloat16 with weights on the host (loaded from bfloat16 copies, refreshed after each
+    update) is bitwise equal to weights on the device (cast from the float32 masters at each
+    load) over 3 steps: losses, gradients, weights and moments; and the copies hold exactly
+    the masters cast. Loads from host carry half the float32 bytes."""
+    flags = ["--precision", "bfloat16", "--dropout_prob", "0.1", "--passes", "2"]
+    runs, engines = {}, {}
+    for weights in ("device", "host"):
+        config = small_config(*flags, *placement_flags(weights, "host", "host"))
+        engines[weights] = engine = PhasedEngine(config, ParallelLayout.single(CPU))
+        batches = global_batches(config, STEPS)
+        results = [
+            engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3 * (s + 1))
+            for s in range(STEPS)
+        ]
+        runs[weights] = {"losses": [r.loss for r in results],
+                         **{s: engine.full_state(s) for s in ("grads", "weights", "exp_avg_sq")}}  # fmt: skip
+    assert runs["host"]["losses"] == runs["device"]["losses"]
+    for state in ("grads", "weights", "exp_avg_sq"):
+        for name, t in runs["device"][state].items():
+            assert torch.equal(runs["host"][state][name], t), (state, name)
+    host = engines["host"].state
+    assert host.copy_dtype == torch.bfloat16 and engines["device"].state.copy_dtype is None
+    for buffers in host.parts.values():
+        for kind, master in buffers.weights.items():
+            assert torch.equal(buffers.weight_copies[kind], master.to(torch.bfloat16)), kind
+    masters = sum(b.weights[k].numel() * 4 for b in host.parts.values() for k in b.weights)
+    host.host_to_device = 0
+    host.load_weights("layers", 0, torch.bfloat16)
+    assert host.host_to_device * 2 * host.parts["layers"].rows < masters
+
+
+def test_weight_copies_follow_written_weights():
+    """Initial weights and write_part_state (checkpoint loading) refresh the copies."""
+    config = small_config("--precision", "bfloat16", "--weights_placement", "host")
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    buffers = engine.state.parts["head"]
+    assert torch.equal(
+        buffers.weight_copies["tp2_vector"], buffers.weights["tp2_vector"].bfloat16()
+    )
+    full = {k: v + 0.5 for k, v in engine.read_part_state("head", 0).items()}
+    engine.write_part_state("head", 0, "weights", full)
+    assert torch.equal(
+        buffers.weight_copies["tp2_vector"], buffers.weights["tp2_vector"].bfloat16()
+    )
+    loaded = engine.state.load_weights("head", 0, torch.bfloat16)["ln_f.weight"]
+    assert torch.equal(loaded, full["ln_f.weight"].bfloat16())
+
+
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_prefetch_changes_no_number_and_no_load(precision):
+    """--prefetch true and false, all remote with 2 passes and dropout: bitwise equal steps,
+    the same bytes over the host link (each prefetch replaces a load, none is wasted), and
+    prefetch serves the loads after the first phase."""
+    flags = ["--precision", precision, "--dropout_prob", "0.1", "--passes", "2",
+             "--placement", "remote"]  # fmt: skip
+    runs = {}
+    for prefetch in ("true", "false"):
+        config = small_config(*flags, "--prefetch", prefetch)
+        engine = PhasedEngine(config, ParallelLayout.single(CPU))
+        batches = global_batches(config, STEPS)
+        losses = [
+            engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3).loss
+            for s in range(STEPS)
+        ]
+        runs[prefetch] = (losses, engine.full_state(), engine.full_state("exp_avg_sq"),
+                          engine.state.host_to_device, engine.state.prefetch_hits)  # fmt: skip
+    on, off = runs["true"], runs["false"]
+    assert on[0] == off[0] and on[3] == off[3]
+    for name, t in off[1].items():
+        assert torch.equal(on[1][name], t) and torch.equal(on[2][name], off[2][name]), name
+    assert off[4] == 0
+    # Per pass 2L + 4 loads (the head's phase loads the tied embedding too), all prefetched
+    # but the step's first phase's and the second pass's embedding forward, which follows the
+    # first pass's embedding backward (the same part, not loaded twice).
+    layers = config.model.layers
+    assert on[4] == STEPS * (2 * (2 * layers + 4) - 2)
+
+
 # ----------------------------------------------------------------- the same at (2, 2, 2)
 
 
@@ -151,17 +230,22 @@ def hand_activation_bytes(layers, entries, micro_batch, sequence, hidden, tp1, t
 
 @pytest.mark.parametrize("dp,tp1,tp2", [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 3, 1), (1, 2, 2)])
 @pytest.mark.parametrize("passes", [1, 2, 4])
-def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes):
+@pytest.mark.parametrize("weights", ["device", "host"])
+def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
     """Every state's allocated bytes equal the planner's prediction exactly, and activation
-    bytes shrink with tp1 and with the passes as the hand formula says."""
+    bytes shrink with tp1 and with the passes as the hand formula says. Host weights keep
+    bfloat16 copies: half the bytes of the float32 masters."""
     flags = ["--global_batch_size", str(8 * dp), "--micro_batch_size", "2", "--heads", "6",
              "--hidden_size", "36", "--precision", "bfloat16", "--passes", str(passes),
-             *layout_flags(dp, tp1, tp2)]  # fmt: skip
+             "--weights_placement", weights, *layout_flags(dp, tp1, tp2)]  # fmt: skip
     config = small_config(*flags)
     engine = PhasedEngine(config, local_layout(dp, tp1, tp2))
     allocated = engine.buffer_bytes()
-    predicted = state_bytes(RankShape.from_config(config), engine.plan.micro_batches_per_pass)
+    rank = RankShape.from_config(config)
+    predicted = state_bytes(rank, engine.plan.micro_batches_per_pass, engine.plan.placement)
     assert allocated == predicted == engine.plan.state_bytes
+    want_copies = allocated["weights"] // 2 if weights == "host" else 0
+    assert allocated["weight_copies"] == want_copies
     entries = 4 // passes  # 4 micro-batches per replica
     seq = config.model.sequence_length
     assert allocated["activations"] == hand_activation_bytes(2, entries, 2, seq, 36, tp1, tp2, 2)
@@ -181,3 +265,88 @@ def test_engine_allocates_where_the_plan_says(monkeypatch):
     loaded = resident.state.load_weights("head", 0, torch.float32)["ln_f.weight"]
     stored = resident.state.parts["head"].weights["tp2_vector"][0]
     assert loaded.data_ptr() == stored.data_ptr()  # used in place
+
+
+# ----------------------------------------------------------------- stream protocol, on a CPU
+
+
+class _Stream:
+    def __init__(self, name: str, log: list):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.append((self.name, "wait_stream", other.name))
+
+    def wait_event(self, event: _Event) -> None:
+        assert event.stream is not None, "waited for an event never recorded"
+        self.log.append((self.name, "wait_event", event.stream))
+
+
+class _Event:
+    def __init__(self):
+        self.stream = None
+
+    def record(self, stream: _Stream) -> None:
+        self.stream = stream.name
+
+
+def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
+    """The CUDA bookkeeping of prefetch and activation stores, run on a CPU with stand-in
+    streams and events (copies then happen at once, so the numbers must not change): weight
+    loads issued ahead run on the copy stream after it waited for the compute stream, the
+    compute stream waits for their event before using them, activation stores run on the
+    store stream, and every entry is read back only after waiting for its store."""
+    flags = ["--precision", "bfloat16", "--passes", "2", "--placement", "remote"]
+    config = small_config(*flags)
+    batch = replica_batch(config, global_batches(config, 1)[0], 0)
+    plain = PhasedEngine(config, ParallelLayout.single(CPU))
+    plain_loss = plain.train_step(batch, 0, 2e-3).loss
+
+    log: list = []
+    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    state = engine.state
+    compute = _Stream("compute", log)
+    state._copy_stream, state._store_stream = _Stream("copy", log), _Stream("store", log)
+    current = [compute]
+
+    class _Use:  # torch.cuda.stream(s): makes s current inside the block
+        def __init__(self, stream):
+            self.stream = stream
+
+        def __enter__(self):
+            current.append(self.stream)
+
+        def __exit__(self, *exc):
+            current.pop()
+
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
+    monkeypatch.setattr(torch.cuda, "stream", _Use)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda t, s: log.append((s.name, "record_stream")))  # fmt: skip
+    load, store = state._load, state._store
+    monkeypatch.setattr(
+        state, "_load", lambda *a: log.append((current[-1].name, "load")) or load(*a)
+    )
+    monkeypatch.setattr(
+        state, "_store", lambda *a: log.append((current[-1].name, "store")) or store(*a)
+    )
+    assert engine.train_step(batch, 0, 2e-3).loss == plain_loss
+    for name, t in plain.full_state().items():
+        assert torch.equal(engine.full_state()[name], t), name
+
+    # Each prefetch: the copy stream waits for the compute stream, then copies its part.
+    prefetches = [i for i, e in enumerate(log) if e == ("copy", "wait_stream", "compute")]
+    assert len(prefetches) == state.prefetch_hits > 0
+    assert all(log[i + 1] == ("copy", "load") for i in prefetches)
+    # Every shard copied ahead is marked as used on the compute stream.
+    assert log.count(("compute", "record_stream")) == log.count(("copy", "load"))
+    waits = [e for e in log if e[1] == "wait_event"]
+    assert all(e[0] == "compute" for e in waits)
+    assert sum(e[2] == "copy" for e in waits) == state.prefetch_hits
+    # x: L + 1 boundaries per pass, dx: L + 1 stored per pass; all read back after a wait
+    layers, entries = config.model.layers, engine.plan.micro_batches_per_pass
+    stores = 2 * 2 * (layers + 1) * entries
+    assert log.count(("store", "store")) == stores
+    assert sum(e[2] == "store" for e in waits) == stores
+    assert log.count(("store", "record_stream")) == stores

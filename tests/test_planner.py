@@ -17,6 +17,7 @@ from execution.planner import (
 from tests.reference import small_config
 
 UNLIMITED = MemoryBudget(device=None, host=1 << 50)
+ALL_DEVICE = Placement("device", "device", "device")
 
 
 def preset(name: str, *flags: str):
@@ -36,7 +37,7 @@ def test_gpu_plans_stream_weights_before_activations():
     (by host traffic) off the device or adds passes; every plan chosen fits its budget."""
     config = preset("gpt3_1.3B")
     rank = RankShape.from_config(config)
-    one_pass = state_bytes(rank, rank.gradient_accumulation)
+    one_pass = state_bytes(rank, rank.gradient_accumulation, ALL_DEVICE)
     everything = sum(one_pass.values())
     roomy = choose_plan(config, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
     assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
@@ -57,7 +58,7 @@ def test_passes_shrink_activations_to_fit_a_cpu():
     assert plan.passes > 1
     assert plan.placement == Placement("device", "device", "device")
     rank = RankShape.from_config(config)
-    per_entry = state_bytes(rank, 1)["activations"]
+    per_entry = state_bytes(rank, 1, ALL_DEVICE)["activations"]
     assert plan.state_bytes["activations"] == per_entry * plan.micro_batches_per_pass
 
 
