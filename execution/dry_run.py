@@ -249,10 +249,10 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
         lines.append(f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
                      f"{plan['micro_batches_per_pass']} micro-batch(es), "
                      + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items()))  # fmt: skip
-        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>13}" for k in STATE_KEYS))
+        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
         for where in ("device", "host"):
             values = entry[f"{where}_bytes"]
-            lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:13.2f}" for k in STATE_KEYS))
+            lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:14.2f}" for k in STATE_KEYS))
         comm = entry["comm_bytes"]
         lines.append("  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}"
                                                         for k, v in comm.items() if v))  # fmt: skip
