@@ -32,23 +32,30 @@ def test_everything_on_the_device_in_one_pass_when_it_fits():
     assert plan.traffic == 0
 
 
-def test_gpu_plans_stream_weights_before_activations():
-    """gpt3_1.3B on a GPU: each step of tighter device memory moves the next cheapest state
-    (by host traffic) off the device or adds passes; every plan chosen fits its budget."""
+def test_tighter_device_memory_moves_state_off_the_device():
+    """gpt3_1.3B on a GPU: with room, everything stays on the device in one pass; as device
+    memory shrinks, each chosen plan fits, holds less on the device, moves more bytes over
+    the host link, and no plan that moves fewer bytes would have fit."""
     config = preset("gpt3_1.3B")
     rank = RankShape.from_config(config)
-    one_pass = state_bytes(rank, rank.gradient_accumulation, ALL_DEVICE)
+    one_pass = state_bytes(
+        rank, rank.gradient_accumulation, Placement("device", "device", "device")
+    )
     everything = sum(one_pass.values())
     roomy = choose_plan(config, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
     assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
-    for device_gib in (80, 40, 20):
+    chosen = []
+    for device_gib in (80, 40, 20, 12):
         budget = MemoryBudget(device_gib * GiB, 512 * GiB)
         plan = choose_plan(config, "cuda", budget)
-        assert budget.fits(plan)
-        assert plan.bytes_on("device")["total"] <= device_gib * GiB
-        # Nothing cheaper (less traffic) fits: the choice is the fastest that does.
+        assert budget.fits(plan) and plan.bytes_on("device")["total"] <= device_gib * GiB
         cheaper = [p for p in candidate_plans(config, "cuda") if p.traffic < plan.traffic]
         assert not any(budget.fits(p) for p in cheaper)
+        chosen.append(plan)
+    device = [p.bytes_on("device")["total"] for p in chosen]
+    traffic = [p.traffic for p in chosen]
+    assert device == sorted(device, reverse=True) and traffic == sorted(traffic)
+    assert chosen[-1].placement.weights == "host"  # 12 GiB cannot hold 1.3B with AdamW state
 
 
 def test_passes_shrink_activations_to_fit_a_cpu():
