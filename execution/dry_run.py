@@ -13,6 +13,7 @@ run the same ops and send the same bytes, so one rank of each kind is measured.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,7 +27,7 @@ from config.schema import PretrainingConfig
 from execution.device_specs import DeviceSpec, resolve_spec
 from execution.layout import GroupAxis, ParallelLayout
 from execution.phases import PhasedEngine
-from execution.planner import GiB, MemoryBudget, MemoryPlan, candidate_plans
+from execution.planner import GiB, MemoryBudget, MemoryPlan, candidate_plans, fastest_fitting
 from execution.sharding import shard_index
 from execution.step_meter import FlashAttentionOnMeta, StepMeter
 from modelling.gpt import PARTS, GPTShapes
@@ -112,9 +113,9 @@ def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[Me
     """The planner's choice for a GPU of ``budget``, or, when nothing fits, the plan that
     needs the least device memory (so the dry run can still show what it would take)."""
     plans = candidate_plans(config, "cuda")
-    for plan in plans:
-        if budget.fits(plan):
-            return plan, True
+    plan = fastest_fitting(plans, budget)
+    if plan is not None:
+        return plan, True
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
 
 
@@ -144,9 +145,9 @@ def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> Rank
     plan, planned_fit = choose_or_least(config, budget)
     with fake_job(rank, config.world_size):
         m = meta_step(config, plan, spec)
-    device_total = plan.bytes_on("device")["total"] - plan.working_set + m.working_set
-    m.fits = planned_fit and device_total <= budget.device
-    m.why = _why(plan, budget, device_total, planned_fit)
+    m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
+    m.fits = planned_fit and budget.fits(m.plan)
+    m.why = _why(m.plan, budget, planned_fit)
     return m
 
 
@@ -165,9 +166,9 @@ def _op_family(op: str) -> str:
     return "all_reduce" if op.startswith("all_reduce") else op
 
 
-def _why(plan: MemoryPlan, budget: MemoryBudget, device_total: int, planned_fit: bool) -> str:
-    host = plan.bytes_on("host")["total"]
-    if planned_fit and device_total <= budget.device:
+def _why(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
+    device_total, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
+    if planned_fit and budget.fits(plan):
         return (f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
                 f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host")  # fmt: skip
     needs = (f"does not fit: needs {device_total / GiB:,.2f} GiB device (of "
@@ -200,8 +201,6 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     for ranks in rank_kinds(config, spec.devices_per_node):
         m = measure_rank(config, ranks[0], spec)
         device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
-        device["working_set"] = m.working_set
-        device["total"] = sum(v for k, v in device.items() if k != "total")
         entries.append({
             "ranks": ranks,
             "host_bytes": {k: host[k] for k in STATE_KEYS},

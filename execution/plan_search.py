@@ -12,6 +12,7 @@ A test checks the extrapolation against a full dry-run step.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 
@@ -19,7 +20,7 @@ from config.loading import validate
 from config.schema import PretrainingConfig
 from execution.device_specs import DeviceSpec, resolve_spec
 from execution.dry_run import RankMeasurement, estimate, fake_job, meta_step, spec_budget
-from execution.planner import GiB, MemoryPlan, candidate_plans
+from execution.planner import GiB, MemoryPlan, candidate_plans, fastest_fitting, shrunk_config
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -28,16 +29,6 @@ PROBES = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2))
 
 def _basis(layers: int, micro_batches: int, passes: int) -> list[int]:
     return [1, layers, passes, passes * layers, micro_batches, micro_batches * layers]
-
-
-def shrunk(config: PretrainingConfig, layers: int, micro_batches: int, passes: int):
-    """``config`` with fewer layers and micro-batches per replica, and fixed passes."""
-    out = copy.deepcopy(config)
-    out.model.layers = layers
-    ex = out.execution
-    out.training.global_batch_size = micro_batches * ex.micro_batch_size * ex.data_parallel
-    ex.passes = passes
-    return out
 
 
 def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
@@ -50,7 +41,7 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
     samples, working_set = [], 0
     with fake_job(0, config.world_size):
         for layers, micro, passes in PROBES:
-            small = shrunk(config, layers, micro, passes)
+            small = shrunk_config(config, layers, micro, passes)
             for state, where in placement.items():
                 setattr(small.execution, f"{state}_placement", where)
             small_plan = next(iter(candidate_plans(small, "cuda")))
@@ -100,17 +91,18 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
     budget = spec_budget(spec)
     rows, misfits = [], 0
     for candidate in layouts(config, devices):
-        plan = next((p for p in candidate_plans(candidate, "cuda") if budget.fits(p)), None)
+        plan = fastest_fitting(candidate_plans(candidate, "cuda"), budget)
         if plan is None:
             misfits += 1
             continue
         flops, comm, seconds, working_set = extrapolated_step(candidate, plan, spec)
-        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops)
-        device_total = plan.bytes_on("device")["total"] - plan.working_set + working_set
-        if device_total > budget.device:
+        plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
+        if not budget.fits(plan):
             misfits += 1
             continue
-        rows.append({"config": candidate, "plan": plan, "device_bytes": device_total,
+        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops)
+        rows.append({"config": candidate, "plan": plan,
+                     "device_bytes": plan.bytes_on("device")["total"],
                      "host_bytes": plan.bytes_on("host")["total"],
                      **estimate(candidate, measured, spec)})  # fmt: skip
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))

@@ -267,6 +267,18 @@ def working_set_bytes(
     return max(layer + ahead, head + ahead, optimizer)
 
 
+def shrunk_config(config: PretrainingConfig, layers: int, micro_batches: int,
+                  passes: int) -> PretrainingConfig:  # fmt: skip
+    """``config`` with fewer layers and micro-batches per replica, and fixed passes: the same
+    shards and phases, for measuring a step quickly."""
+    out = copy.deepcopy(config)
+    out.model.layers = layers
+    ex = out.execution
+    out.training.global_batch_size = micro_batches * ex.micro_batch_size * ex.data_parallel
+    ex.passes = passes
+    return out
+
+
 _MEASURED: dict[tuple, int] = {}
 
 
@@ -285,13 +297,11 @@ def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
 
     ex = config.execution
     flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-    key = (RankShape.from_config(config), flash, config.model.dropout_prob, ex.prefetch)
+    small = shrunk_config(config, layers=1, micro_batches=1, passes=1)
+    # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
+    key = (RankShape.from_config(small), flash, config.model.dropout_prob, ex.prefetch)
     if key in _MEASURED:
         return _MEASURED[key]
-    small = copy.deepcopy(config)
-    small.model.layers = 1
-    small.training.global_batch_size = ex.micro_batch_size * ex.data_parallel
-    small.execution.passes = 1
     host = Placement("host", "host", "host")
     plan = MemoryPlan(1, 1, host, {}, 0, 0, shared_memory=False)
     layout = ParallelLayout.shapes_only(ex.data_parallel, ex.tensor_parallel_1,
@@ -396,12 +406,17 @@ def candidate_plans(config: PretrainingConfig, device_type: str, most_passes_onl
     return sorted(plans, key=lambda p: (p.traffic, hosted(p), p.passes))
 
 
+def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan | None:
+    """The first plan of ``plans`` (ranked fastest first) that fits ``budget``."""
+    return next((plan for plan in plans if budget.fits(plan)), None)
+
+
 def choose_plan(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> MemoryPlan:
     """The fastest plan that fits ``budget``; a one-line ConfigError when none does."""
     plans = candidate_plans(config, device_type)
-    for plan in plans:
-        if budget.fits(plan):
-            return plan
+    plan = fastest_fitting(plans, budget)
+    if plan is not None:
+        return plan
     least = min(plans, key=lambda p: _shortfall(p, budget))
     need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
     if budget.device is None:
