@@ -15,6 +15,7 @@ never know they are phased (one template block is bound to each layer's weights 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -77,8 +78,8 @@ class PhasedEngine:
             budget = measure_budget(config, self.device, layout.local_world_size)
             plan = choose_plan(config, self.device.type, budget)
         self.plan = plan
-        with torch.device("meta"):
-            template = GPT(self.shapes, layout.tp1, layout.tp2)
+        with torch.device("meta"):  # one block serves every layer
+            template = GPT(dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2)
         # Stateless templates: weights are bound per call with functional_call.
         self.templates = {EMBEDDING: template.embedding, LAYERS: template.layers[0],
                           HEAD: template.head}  # fmt: skip
