@@ -41,7 +41,7 @@ def load_presets(path: str | Path = PRESETS_FILE) -> dict[str, dict[str, Any]]:
     except OSError as err:
         raise ConfigError(f"cannot read preset file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"preset file {path} is not valid YAML: {_one_line(err)}") from None
+        raise ConfigError(f"preset file {path} is not valid YAML: {one_line(err)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"preset file {path} must map preset names to settings")
 
@@ -382,5 +382,6 @@ def config_to_dict(config: PretrainingConfig) -> dict[str, Any]:
     return out
 
 
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split())
+def one_line(err: Exception, limit: int | None = None) -> str:
+    """An exception's message on one line (whitespace collapsed), cut at ``limit`` chars."""
+    return " ".join(str(err).split())[:limit]

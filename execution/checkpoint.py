@@ -42,7 +42,7 @@ import crc32c
 import torch
 import torch.distributed as dist
 
-from config.loading import ConfigError, config_to_dict
+from config.loading import ConfigError, config_to_dict, one_line
 from execution.phases import PhasedEngine
 from modelling.gpt import GPT, LAYERS, GPTShapes
 from modelling.hf_interchange import HFWeights, hf_name
@@ -375,11 +375,9 @@ def _dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
         with _single_process_quiet():
             dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
     except Exception as err:  # a file that passed its CRC but still fails to read
-        raise CheckpointError(f"cannot read checkpoint {path}: {_one_line(err)}") from None
-
-
-def _one_line(err: Exception) -> str:
-    return " ".join(str(err).split())[:300]
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {one_line(err, limit=300)}"
+        ) from None
 
 
 def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:

@@ -123,13 +123,14 @@ class ParallelLayout:
         return cls(**axes, device=device)
 
     @classmethod
-    def shapes_only(cls, dp: int, tp1: int, tp2: int) -> ParallelLayout:
-        """Rank 0 of a (dp, tp1, tp2) layout on the meta device, with no process groups:
-        collectives only shape their outputs. Lets a process measure a step of any layout."""
+    def shapes_only(cls, dp: int, tp1: int, tp2: int, device: str | torch.device = "meta"):
+        """Rank 0 of a (dp, tp1, tp2) layout with no process groups: collectives only shape
+        their outputs (meta tensors). Lets a process measure a step of any layout, or build a
+        rank's buffers on ``device`` (construction communicates nothing)."""
         sizes = {"dp": dp, "tp1": tp1, "tp2": tp2, "dp_tp1": dp * tp1, "dp_tp2": dp * tp2,
                  "world": dp * tp1 * tp2}  # fmt: skip
         axes = {n: GroupAxis(n, size, 0, shapes_only=True) for n, size in sizes.items()}
-        return cls(**axes, device=torch.device("meta"))
+        return cls(**axes, device=torch.device(device))
 
     @classmethod
     def build(cls, dp: int, tp1: int, tp2: int, device: torch.device) -> ParallelLayout:

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from execution.layout import GroupAxis, ParallelLayout
+from execution.layout import ParallelLayout
 from execution.phases import PhasedEngine
 from execution.planner import RankShape, state_bytes
 from execution.schedule import pass_groups
@@ -214,14 +214,6 @@ def test_passes_and_placements_at_2x2x2(tmp_path):
 # ----------------------------------------------------------------- bytes
 
 
-def local_layout(dp: int, tp1: int, tp2: int) -> ParallelLayout:
-    """Rank 0's view of a (dp, tp1, tp2) layout without process groups: enough to build an
-    engine's buffers (construction communicates nothing)."""
-    axes = {"dp": dp, "tp1": tp1, "tp2": tp2, "dp_tp1": dp * tp1, "dp_tp2": dp * tp2,
-            "world": dp * tp1 * tp2}  # fmt: skip
-    return ParallelLayout(**{n: GroupAxis(n, size, 0) for n, size in axes.items()}, device=CPU)
-
-
 def hand_activation_bytes(layers, entries, micro_batch, sequence, hidden, tp1, tp2, itemsize):
     """x: layers + 1 boundaries, each entry's tp1 slice (padded up); dx: two boundaries."""
     entry = micro_batch * sequence * hidden // tp2
@@ -239,7 +231,7 @@ def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
              "--hidden_size", "36", "--precision", "bfloat16", "--passes", str(passes),
              "--weights_placement", weights, *layout_flags(dp, tp1, tp2)]  # fmt: skip
     config = small_config(*flags)
-    engine = PhasedEngine(config, local_layout(dp, tp1, tp2))
+    engine = PhasedEngine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
     allocated = engine.buffer_bytes()
     rank = RankShape.from_config(config)
     predicted = state_bytes(rank, engine.plan.micro_batches_per_pass, engine.plan.placement)
