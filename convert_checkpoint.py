@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from config.loading import ConfigError
-from execution.checkpoint import read_weights
+from execution.checkpoint.load import read_weights
 from modelling.hf_interchange import export_hf
 
 

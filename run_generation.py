@@ -17,7 +17,7 @@ import torch
 
 from config.loading import ConfigError
 from data.tokenizer import GPT2_EOT_ID, TokenizerSpec, load_tokenizer
-from execution.checkpoint import read_weights
+from execution.checkpoint.load import read_weights
 from modelling.generation import build_model, generate
 
 

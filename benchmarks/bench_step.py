@@ -51,10 +51,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
-from execution.layout import ParallelLayout, select_device
-from execution.optimizer import adamw_, adamw_threaded_, learning_rate
-from execution.phases import DTYPES, PhasedEngine, mix_seed
-from execution.sharding import shard_part
+from execution.engine.buffers import DTYPES
+from execution.engine.optimizer import adamw_, adamw_threaded_, learning_rate
+from execution.engine.phases import mix_seed
+from execution.parallel.launch import select_device
+from execution.parallel.mesh import ParallelLayout
+from execution.parallel.sharding import shard_part
+from execution.planning.planner import planned_engine
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
 from modelling.layers import BlockSeeds
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
@@ -195,7 +198,7 @@ def profile_step(step_fn: StepFn, step: int, device: torch.device) -> dict[str, 
 
 
 def our_engine(config: PretrainingConfig, device: torch.device, batches) -> StepFn:
-    engine = PhasedEngine(config, ParallelLayout.single(device))
+    engine = planned_engine(config, ParallelLayout.single(device))
     t = config.training
 
     def step(i: int) -> float:

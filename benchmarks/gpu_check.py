@@ -37,9 +37,9 @@ from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
 from data.prefetch import PrefetchingLoader
-from execution.layout import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
-from execution.optimizer import learning_rate
-from execution.phases import PhasedEngine
+from execution.engine.optimizer import learning_rate
+from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
+from execution.planning.planner import planned_engine
 
 NO_GPU_EXIT = 0  # "nothing to check" is not a failure
 BF16_LOSS_TOLERANCE = 2e-2  # absolute, on losses near ln(50257) = 10.8 (bf16 has 8 bits)
@@ -64,7 +64,7 @@ def batches_for(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
 
 
 def losses(config: PretrainingConfig, layout: ParallelLayout, batches) -> list[float]:
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     t = config.training
     out = []
     for step, batch in enumerate(batches):

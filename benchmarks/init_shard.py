@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from execution.sharding import init_part_shard, shard_index
+from execution.parallel.sharding import init_part_shard, shard_index
 from modelling.gpt import INIT_TILE, LAYERS, GPTShapes, init_full_part, part_inits, tile_groups
 
 SEED, INIT_STD = 1234, 0.006

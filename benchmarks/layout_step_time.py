@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
-from execution.layout import ParallelLayout
-from execution.optimizer import learning_rate
-from execution.phases import PhasedEngine
+from execution.engine.optimizer import learning_rate
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 
 
 def _rank(rank: int, world_size: int, flags: list[str], steps: int, folder: str) -> None:
@@ -43,7 +43,7 @@ def _rank(rank: int, world_size: int, flags: list[str], steps: int, folder: str)
     ex, m, t = config.execution, config.model, config.training
     layout = ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2,
                                   torch.device("cpu"))  # fmt: skip
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     loader = PretrainingDataLoader(config.data.input_files or [SAMPLE_DATA_GLOB],
                                    m.sequence_length, t.global_batch_size, ex.micro_batch_size,
                                    layout.dp.rank, layout.dp.size, t.seed, m.vocab_size)  # fmt: skip

@@ -20,14 +20,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
-from execution.layout import ParallelLayout, select_device
-from execution.phases import PhasedEngine
+from execution.parallel.launch import select_device
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 
 
 def measure(flags: list[str], placement: str, steps: int) -> dict:
     config, _ = parse_config([*flags, "--placement", placement])
     device = select_device(config.execution.device, 0, 1)
-    engine = PhasedEngine(config, ParallelLayout.single(device))
+    engine = planned_engine(config, ParallelLayout.single(device))
     m, ex = config.model, config.execution
     loader = PretrainingDataLoader(config.data.input_files or [SAMPLE_DATA_GLOB],
                                    m.sequence_length, config.training.global_batch_size,

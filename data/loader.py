@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from config.loading import ConfigError
+from config.schema import PretrainingConfig
 from data.dataset import WindowSet, WindowTable, split_records
 from data.errors import DataError
 
@@ -29,7 +31,9 @@ __all__ = [
     "SAMPLE_VALIDATION_GLOB",
     "DataError",
     "PretrainingDataLoader",
+    "training_loader",
     "validation_batches",
+    "validation_source",
 ]
 
 _SAMPLE_DIR = Path(__file__).resolve().parent / "sample"
@@ -293,3 +297,72 @@ def validation_batches(
             yield torch.from_numpy(_read_rows(table, positions, lambda p: p))
 
     return batches()
+
+
+def training_loader(config: PretrainingConfig, dp_rank: int, dp_size: int) -> PretrainingDataLoader:
+    """The training loader of data-parallel rank ``dp_rank`` of ``dp_size``, as the run's
+    config describes it (the shipped sample when no ``--input_files`` are given)."""
+    d, ex = config.data, config.execution
+    return PretrainingDataLoader(
+        d.input_files or [SAMPLE_DATA_GLOB],
+        config.model.sequence_length,
+        config.training.global_batch_size,
+        ex.micro_batch_size,
+        dp_rank,
+        dp_size,
+        config.training.seed,
+        config.model.vocab_size,
+        skip_corrupt_records=d.skip_corrupt_records,
+        validation_fraction=d.validation_fraction,
+    )
+
+
+def validation_source(
+    config: PretrainingConfig, dp_rank: int, dp_size: int
+) -> Callable[[], Iterator[torch.Tensor]] | None:
+    """A function that returns a fresh pass over this rank's validation batches, or None when
+    the run evaluates nothing. The data is opened once here, so a bad file or too little data
+    is reported at start-up rather than hours into training.
+
+    Held-out records of the training files (``--validation_fraction``), else
+    ``--validation_files``, else the shipped sample's validation shard when training on it.
+
+    Raises:
+        ConfigError: evaluation is asked for but no held-out data is named.
+        DataError: the validation data holds fewer sequences than one batch of every replica.
+    """
+    d, c = config.data, config.checkpoint
+    if not (d.eval_every or c.eval_only):
+        return None
+    if d.validation_fraction:
+        files, fraction = d.input_files or [SAMPLE_DATA_GLOB], d.validation_fraction
+    elif d.validation_files or not d.input_files:
+        files, fraction = d.validation_files or [SAMPLE_VALIDATION_GLOB], 0.0
+    else:
+        flag = "--eval_only" if c.eval_only else "--eval_every"
+        raise ConfigError(
+            f"{flag} needs held-out data: give --validation_files or "
+            "--validation_fraction (or --eval_every 0 to train without evaluation)"
+        )
+    micro_batch = config.execution.micro_batch_size
+
+    def validation() -> Iterator[torch.Tensor]:
+        return validation_batches(
+            files,
+            config.model.sequence_length,
+            micro_batch,
+            dp_rank,
+            dp_size,
+            config.model.vocab_size,
+            d.eval_batches or None,
+            validation_fraction=fraction,
+            skip_corrupt_records=d.skip_corrupt_records,
+        )
+
+    if next(iter(validation()), None) is None:
+        raise ConfigError(
+            f"the validation data {', '.join(files)} holds fewer than --micro_batch_size "
+            f"{micro_batch} x --data_parallel {dp_size} sequences of "
+            f"{config.model.sequence_length + 1} tokens; give more validation data"
+        )
+    return validation

@@ -177,6 +177,22 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
     }
 
 
+def qualified_name(part: str, row: int, name: str) -> str:
+    """A parameter's name in the whole :class:`GPT` (``layers.3.attn.qkv.weight``) from its
+    part, row (the layer, for ``layers``) and name within the part."""
+    return f"{part}.{row}.{name}" if part == LAYERS else f"{part}.{name}"
+
+
+def logical_shapes(shapes: GPTShapes) -> dict[str, tuple[int, ...]]:
+    """Unsharded, unpadded shape of every parameter of the model, named as in :class:`GPT`."""
+    return {
+        qualified_name(part, row, name): init.shape
+        for part in PARTS
+        for row in range(shapes.layers if part == LAYERS else 1)
+        for name, init in part_inits(shapes, part).items()
+    }
+
+
 def init_full_part(
     shapes: GPTShapes, part: str, layer: int, seed: int, init_std: float
 ) -> dict[str, torch.Tensor]:

@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 
 from config.schema import PretrainingConfig
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
+from execution.checkpoint.logical import full_state
+from execution.engine.phases import PhasedEngine
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 from tests.reference import small_config as reference_small_config
 
 CPU = torch.device("cpu")
@@ -194,11 +196,11 @@ def single_process_run(config: PretrainingConfig, batches: torch.Tensor) -> dict
         step's ``grads`` and the ``engine`` itself.
     """
     single = with_execution(config, data_parallel=1, tensor_parallel_1=1, tensor_parallel_2=1)
-    engine = PhasedEngine(single, ParallelLayout.single(CPU))
+    engine = planned_engine(single, ParallelLayout.single(CPU))
     return {
         "steps": train_steps(engine, batches, dp_rank=0),
-        "weights": engine.full_state("weights"),
-        "grads": engine.full_state("grads"),
+        "weights": full_state(engine, "weights"),
+        "grads": full_state(engine, "grads"),
         "engine": engine,
     }
 

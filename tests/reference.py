@@ -10,7 +10,7 @@ import torch
 
 from config.loading import parse_config
 from config.schema import PretrainingConfig
-from execution.sharding import shard_part
+from execution.parallel.sharding import shard_part
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
 
 

@@ -18,15 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from execution.checkpoint import (
-    Checkpointer,
-    CheckpointError,
-    load_checkpoint,
-    read_weights,
-    resolve,
-)
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
+from execution.checkpoint.files import CheckpointError, resolve
+from execution.checkpoint.load import load_checkpoint, read_weights
+from execution.checkpoint.logical import full_state
+from execution.checkpoint.save import Checkpointer
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 from tests.distributed import (
     CPU,
     global_batches,
@@ -106,7 +103,7 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
 
 
 def _engine(config):
-    return PhasedEngine(config, ParallelLayout.single(CPU))
+    return planned_engine(config, ParallelLayout.single(CPU))
 
 
 def _train(engine, batches, steps):
@@ -140,12 +137,12 @@ def test_resume_in_process_matches_and_restores_state(saved):
     assert trainer["step"] == 2 and trainer["loader"] == {"step": 2}
     assert resumed.optimizer_steps == engine.optimizer_steps == 2
     for state in ("weights", "exp_avg", "exp_avg_sq"):
-        ours, theirs = resumed.full_state(state), engine.full_state(state)
+        ours, theirs = full_state(resumed, state), full_state(engine, state)
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs), state
     # weights as read for generation and export are the same tensors
     model, weights = read_weights(folder / "step_2")
     assert model["hidden_size"] == 32 and torch.equal(
-        weights["layers.1.mlp.fc.weight"], engine.full_state()["layers.1.mlp.fc.weight"]
+        weights["layers.1.mlp.fc.weight"], full_state(engine)["layers.1.mlp.fc.weight"]
     )
 
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from execution.checkpoint import Checkpointer, load_checkpoint
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
+from execution.checkpoint.load import load_checkpoint
+from execution.checkpoint.logical import full_state
+from execution.checkpoint.save import Checkpointer
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 from tests.distributed import (
     CPU,
     FLOAT32_TOLERANCE,
@@ -32,7 +34,7 @@ STEPS = 3
 
 
 def _save(config, batches, folder):
-    engine = PhasedEngine(config, world_layout(config))
+    engine = planned_engine(config, world_layout(config))
     steps = train_steps(engine, batches[: STEPS - 1], engine.layout.dp.rank)
     checkpointer = Checkpointer(folder, engine, log=lambda _: None)
     checkpointer.save(STEPS - 1, None)
@@ -41,12 +43,12 @@ def _save(config, batches, folder):
 
 
 def _resume(config, batches, folder, layout=None):
-    engine = PhasedEngine(config, layout or world_layout(config))
+    engine = planned_engine(config, layout or world_layout(config))
     trainer = load_checkpoint(folder, engine)
     step = trainer["step"]
     batch = replica_batch(config, batches[step], engine.layout.dp.rank)
     result = engine.train_step(batch, step, learning_rates(STEPS)[step])
-    return {"step": step, "loss": result.loss, "weights": engine.full_state("weights")}
+    return {"step": step, "loss": result.loss, "weights": full_state(engine, "weights")}
 
 
 def test_save_on_one_layout_resume_on_others(tmp_path):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from config.loading import ConfigError, config_to_dict, load_presets, parse_config
-from execution.layout import check_world_size, read_launch_environment, select_device
+from execution.parallel.launch import check_world_size, read_launch_environment, select_device
 
 PRESETS = sorted(load_presets())
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
-from execution.sharding import KINDS, MATRIX, TP1_VECTOR, TP2_VECTOR, shard_part
+from execution.parallel.mesh import ParallelLayout
+from execution.parallel.sharding import KINDS, MATRIX, TP1_VECTOR, TP2_VECTOR, shard_part
+from execution.planning.planner import planned_engine
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes, init_full_part
 from modelling.layers import Embedding, LayerNorm, vocab_parallel_cross_entropy
 from modelling.parallel import all_reduce_sum, copy_to, reduce_from
@@ -245,7 +245,7 @@ def _rts_rank() -> dict:
     config = small_config("--data_parallel", "2", "--tensor_parallel_1", "2",
                           "--tensor_parallel_2", "2")  # fmt: skip
     layout = world_layout(config)
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     loaded = {part: engine.state.load_weights(part, 0, engine.dtype) for part in PARTS}
     reduced = {}
     for part in PARTS:

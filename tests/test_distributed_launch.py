@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError, parse_config
-from execution.layout import setup_layout, teardown
+from execution.parallel.launch import setup_layout, teardown
 from tests.distributed import run_ranks
 
 pytestmark = pytest.mark.distributed

@@ -17,7 +17,9 @@ import functools
 import pytest
 import torch
 
-from execution.phases import PhasedEngine
+from execution.checkpoint.logical import full_state
+from execution.engine.phases import PhasedEngine
+from execution.planning.planner import planned_engine
 from tests.distributed import (
     FLOAT32_TOLERANCE,
     assert_states_close,
@@ -66,9 +68,9 @@ def _evaluate(engine: PhasedEngine, config, dp_rank: int, dp_size: int) -> float
 def _train_rank(config, batches: torch.Tensor) -> dict:
     """One rank: train, then gather the full state (collective) and evaluate."""
     layout = world_layout(config)
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     steps = train_steps(engine, batches, layout.dp.rank)
-    grads, weights = engine.full_state("grads"), engine.full_state("weights")
+    grads, weights = full_state(engine, "grads"), full_state(engine, "weights")
     eval_loss = _evaluate(engine, config, layout.dp.rank, layout.dp.size)
     out = {"steps": steps, "eval_loss": eval_loss}
     if layout.is_main:  # every rank gathered the same tensors; one copy is enough
@@ -136,10 +138,10 @@ def _placements_rank(configs: dict, batches: torch.Tensor) -> dict:
     layout = world_layout(next(iter(configs.values())))
     out = {}
     for placement, config in configs.items():
-        engine = PhasedEngine(config, layout)
+        engine = planned_engine(config, layout)
         steps = train_steps(engine, batches, layout.dp.rank)
-        out[placement] = {"steps": steps, "weights": engine.full_state("weights"),
-                          "grads": engine.full_state("grads")}  # fmt: skip
+        out[placement] = {"steps": steps, "weights": full_state(engine, "weights"),
+                          "grads": full_state(engine, "grads")}  # fmt: skip
     return out
 
 

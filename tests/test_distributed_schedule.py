@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from execution.layout import GroupAxis, ParallelLayout
-from execution.phases import PhasedEngine
-from execution.sharding import shard_part
+from execution.parallel.mesh import GroupAxis, ParallelLayout
+from execution.parallel.sharding import shard_part
+from execution.planning.planner import planned_engine
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
 from tests.distributed import (
     CPU,
@@ -129,7 +129,7 @@ def _phase_counts_rank(configs: list) -> list[dict[str, dict[str, int]]]:
     layout = world_layout(configs[0])
     out = []
     for config in configs:
-        engine = PhasedEngine(config, layout)
+        engine = planned_engine(config, layout)
         batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
         for axis in layout.axes():
             axis.calls.clear()
@@ -187,7 +187,7 @@ def test_each_phase_loads_its_weights_once_whatever_the_accumulation(tmp_path):
 
 def _dropout_rank(config) -> dict:
     layout = world_layout(config)
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     attention_outputs = []
     # The attention output before its projection is replicated over tp2 (whole heads).
     engine.templates[LAYERS].attn.out.register_forward_pre_hook(
@@ -235,7 +235,7 @@ def test_dropout_masks_agree_where_tensors_are_replicated(tmp_path):
 
 
 def _buffer_bytes_rank(config) -> dict[str, int]:
-    return PhasedEngine(config, world_layout(config)).buffer_bytes()
+    return planned_engine(config, world_layout(config)).buffer_bytes()
 
 
 def memory_config(*flags: str):
@@ -250,7 +250,7 @@ def test_rts_divides_host_buffers_by_data_parallel(tmp_path, tp):
     """Per rank, weights, gradients, both AdamW moments and activations shrink by dp (within
     1%), and summed over all ranks the optimizer state is the single-process amount: no two
     replicas keep the same element."""
-    single = PhasedEngine(memory_config(), ParallelLayout.single(CPU)).buffer_bytes()
+    single = planned_engine(memory_config(), ParallelLayout.single(CPU)).buffer_bytes()
     per_dp = {}
     for dp in (1, 2, 4) if tp == (1, 1) else (1, 2):
         config = memory_config(*layout_flags(dp, *tp))

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from execution.device_specs import resolve_spec
-from execution.dry_run import fake_job, measure_rank, meta_step, rank_kinds
-from execution.phases import PhasedEngine
-from execution.plan_search import extrapolated_step, search
-from execution.planner import candidate_plans, measured_working_set
-from execution.step_meter import StepMeter
+from execution.planning.device_specs import resolve_spec
+from execution.planning.dry_run import fake_job, measure_planned_step, measure_rank, rank_kinds
+from execution.planning.measure import measured_working_set
+from execution.planning.plan_search import extrapolated_step, search
+from execution.planning.planner import candidate_plans, planned_engine
+from execution.planning.step_meter import StepMeter
 from tests.distributed import global_batches, layout_flags, replica_batch, run_ranks, world_layout
 from tests.distributed import small_config as distributed_config
 from tests.reference import small_config
@@ -65,7 +65,7 @@ def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
 def _real_rank(config) -> dict:
     """One real CPU step of this rank: its buffers and the peak of what the step allocated."""
     layout = world_layout(config)
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
     with StepMeter() as meter:
         engine.train_step(batch, 0, 1e-3)
@@ -107,7 +107,7 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
     plan = candidate_plans(config, "cuda")[0]
     flops, comm, _, _ = extrapolated_step(config, plan, spec)
     with fake_job(0, config.world_size):
-        full = meta_step(config, plan, spec)
+        full = measure_planned_step(config, plan, spec)
     assert flops == full.flops
     assert comm == full.comm_bytes
     assert comm["host_link"] > 0 and comm["dp"] > 0

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import run_generation
-from execution.checkpoint import Checkpointer
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
+from execution.checkpoint.save import Checkpointer
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 from modelling.generation import KVCache, forward_logits, generate, sample_next
 from tests.distributed import CPU
 from tests.reference import reference_model, relative_error, small_config
@@ -67,7 +67,7 @@ def test_sampling_filters():
 
 def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     config = small_config("--vocab_size", "50257", "--layers", "1")
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     checkpointer = Checkpointer(tmp_path, engine, log=lambda _: None)
     checkpointer.save(0, None)
     checkpointer.close()
@@ -76,7 +76,7 @@ def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     out = capsys.readouterr().out
     # The reference: the same model's greedy ids (without the cache), decoded at once.
     from data.tokenizer import TokenizerSpec, load_tokenizer
-    from execution.checkpoint import read_weights
+    from execution.checkpoint.load import read_weights
     from modelling.generation import build_model
 
     tokenizer = load_tokenizer(TokenizerSpec())[0]

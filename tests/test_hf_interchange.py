@@ -14,9 +14,11 @@ import torch
 
 import convert_checkpoint
 from config.loading import ConfigError, config_to_dict
-from execution.checkpoint import Checkpointer, load_hf_weights, read_weights
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
+from execution.checkpoint.load import load_hf_weights, read_weights
+from execution.checkpoint.logical import full_state
+from execution.checkpoint.save import Checkpointer
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 from modelling.generation import build_model, forward_logits
 from tests.distributed import CPU, global_batches, replica_batch, small_config
 from tests.reference import relative_error
@@ -32,7 +34,7 @@ def _tokens(vocab: int) -> torch.Tensor:
 
 def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
     config = small_config()
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     batches = global_batches(config, 2)
     for step in range(2):  # trained: biases and norms are no longer 0 and 1
         engine.train_step(replica_batch(config, batches[step], 0), step, 1e-2)
@@ -76,9 +78,9 @@ def test_import_a_folder_transformers_saved_gives_its_logits(tmp_path, file):
         (tmp_path / "hf" / "model.safetensors").unlink()
         torch.save(hf.state_dict(), tmp_path / "hf" / file)
     config = small_config()  # 2 layers, hidden 32, 4 heads, vocab 1000, 10 positions
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     load_hf_weights(tmp_path / "hf", engine)
-    ours_model = build_model(config_to_dict(config)["model"], engine.full_state())
+    ours_model = build_model(config_to_dict(config)["model"], full_state(engine))
     tokens = _tokens(1000)
     with torch.no_grad():
         theirs = hf(input_ids=tokens).logits
@@ -94,7 +96,7 @@ def test_import_a_folder_transformers_saved_gives_its_logits(tmp_path, file):
 
 def test_import_checks_the_shape(tmp_path):
     _hf_model(vocab=1000, positions=10, hidden=64).save_pretrained(tmp_path / "hf")
-    engine = PhasedEngine(small_config(), ParallelLayout.single(CPU))
+    engine = planned_engine(small_config(), ParallelLayout.single(CPU))
     with pytest.raises(ConfigError, match="has n_embd 64 but this run has --hidden_size 32"):
         load_hf_weights(tmp_path / "hf", engine)
     with pytest.raises(ConfigError, match=r"nothing/config\.json"):

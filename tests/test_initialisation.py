@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 
-from execution.sharding import init_part_shard, shard_part, unshard_part
+from execution.parallel.sharding import init_part_shard, shard_part, unshard_part
 from modelling.gpt import (
     EMBEDDING,
     HEAD,

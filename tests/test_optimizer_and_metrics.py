@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from config.schema import OptimizerConfig
-from execution.optimizer import adamw_, clip_coefficient, learning_rate
+from execution.engine.optimizer import adamw_, clip_coefficient, learning_rate
 from modelling.gpt import GPTShapes
 from utils.metrics import flops_per_token, throughput
 

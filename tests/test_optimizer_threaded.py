@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from config.schema import OptimizerConfig
-from execution.optimizer import adamw_, adamw_threaded_
+from execution.engine.optimizer import adamw_, adamw_threaded_
 
 
 @pytest.mark.parametrize(("n", "chunk"), [(1, 8), (1000, 64), (100_003, 4096), (70_000, 1 << 16)])

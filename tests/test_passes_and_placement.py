@@ -9,10 +9,11 @@ import math
 import pytest
 import torch
 
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
-from execution.planner import RankShape, state_bytes
-from execution.schedule import pass_groups
+from execution.checkpoint.logical import full_state, read_part_state, write_part_state
+from execution.engine.schedule import pass_groups
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.memory import RankShape, state_bytes
+from execution.planning.planner import planned_engine
 from tests.distributed import (
     assert_states_close,
     global_batches,
@@ -34,7 +35,7 @@ STEPS = 3
 def train(config, layout: ParallelLayout | None = None, steps: int = STEPS) -> dict:
     """``steps`` steps on the same global batches; losses, norms, final weights and moments."""
     layout = layout or ParallelLayout.single(CPU)
-    engine = PhasedEngine(config, layout)
+    engine = planned_engine(config, layout)
     batches = global_batches(config, steps)
     results = [
         engine.train_step(replica_batch(config, batches[s], layout.dp.rank), s, 2e-3 * (s + 1))
@@ -43,9 +44,9 @@ def train(config, layout: ParallelLayout | None = None, steps: int = STEPS) -> d
     return {
         "losses": [r.loss for r in results],
         "norms": [r.grad_norm for r in results],
-        "grads": engine.full_state("grads"),
-        "weights": engine.full_state("weights"),
-        "exp_avg_sq": engine.full_state("exp_avg_sq"),
+        "grads": full_state(engine, "grads"),
+        "weights": full_state(engine, "weights"),
+        "exp_avg_sq": full_state(engine, "exp_avg_sq"),
         "plan": (engine.plan.passes, engine.plan.placement),
     }
 
@@ -114,14 +115,14 @@ def test_bfloat16_weight_copies_equal_casting_the_masters():
     runs, engines = {}, {}
     for weights in ("device", "host"):
         config = small_config(*flags, *placement_flags(weights, "host", "host"))
-        engines[weights] = engine = PhasedEngine(config, ParallelLayout.single(CPU))
+        engines[weights] = engine = planned_engine(config, ParallelLayout.single(CPU))
         batches = global_batches(config, STEPS)
         results = [
             engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3 * (s + 1))
             for s in range(STEPS)
         ]
         runs[weights] = {"losses": [r.loss for r in results],
-                         **{s: engine.full_state(s) for s in ("grads", "weights", "exp_avg_sq")}}  # fmt: skip
+                         **{s: full_state(engine, s) for s in ("grads", "weights", "exp_avg_sq")}}  # fmt: skip
     assert runs["host"]["losses"] == runs["device"]["losses"]
     for state in ("grads", "weights", "exp_avg_sq"):
         for name, t in runs["device"][state].items():
@@ -140,13 +141,13 @@ def test_bfloat16_weight_copies_equal_casting_the_masters():
 def test_weight_copies_follow_written_weights():
     """Initial weights and write_part_state (checkpoint loading) refresh the copies."""
     config = small_config("--precision", "bfloat16", "--weights_placement", "host")
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     buffers = engine.state.parts["head"]
     assert torch.equal(
         buffers.weight_copies["tp2_vector"], buffers.weights["tp2_vector"].bfloat16()
     )
-    full = {k: v + 0.5 for k, v in engine.read_part_state("head", 0).items()}
-    engine.write_part_state("head", 0, "weights", full)
+    full = {k: v + 0.5 for k, v in read_part_state(engine, "head", 0).items()}
+    write_part_state(engine, "head", 0, "weights", full)
     assert torch.equal(
         buffers.weight_copies["tp2_vector"], buffers.weights["tp2_vector"].bfloat16()
     )
@@ -164,13 +165,13 @@ def test_prefetch_changes_no_number_and_no_load(precision):
     runs = {}
     for prefetch in ("true", "false"):
         config = small_config(*flags, "--prefetch", prefetch)
-        engine = PhasedEngine(config, ParallelLayout.single(CPU))
+        engine = planned_engine(config, ParallelLayout.single(CPU))
         batches = global_batches(config, STEPS)
         losses = [
             engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3).loss
             for s in range(STEPS)
         ]
-        runs[prefetch] = (losses, engine.full_state(), engine.full_state("exp_avg_sq"),
+        runs[prefetch] = (losses, full_state(engine), full_state(engine, "exp_avg_sq"),
                           engine.state.host_to_device, engine.state.prefetch_hits)  # fmt: skip
     on, off = runs["true"], runs["false"]
     assert on[0] == off[0] and on[3] == off[3]
@@ -231,7 +232,7 @@ def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
              "--hidden_size", "36", "--precision", "bfloat16", "--passes", str(passes),
              "--weights_placement", weights, *layout_flags(dp, tp1, tp2)]  # fmt: skip
     config = small_config(*flags)
-    engine = PhasedEngine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
+    engine = planned_engine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
     allocated = engine.buffer_bytes()
     rank = RankShape.from_config(config)
     predicted = state_bytes(rank, engine.plan.micro_batches_per_pass, engine.plan.placement)
@@ -246,14 +247,14 @@ def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
 def test_engine_allocates_where_the_plan_says(monkeypatch):
     """Host-placed states are 'remote' (copied per phase); device-placed ones are used in place."""
     config = small_config(*placement_flags("host", "device", "host"))
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     places = engine.state.places
     assert places["weights"].remote and places["activations"].remote
     assert not places["grads"].remote
     loaded = engine.state.load_weights("head", 0, torch.float32)["ln_f.weight"]
     stored = engine.state.parts["head"].weights["tp2_vector"][0]
     assert loaded.data_ptr() != stored.data_ptr()  # a real copy from the host
-    resident = PhasedEngine(small_config("--placement", "resident"), ParallelLayout.single(CPU))
+    resident = planned_engine(small_config("--placement", "resident"), ParallelLayout.single(CPU))
     loaded = resident.state.load_weights("head", 0, torch.float32)["ln_f.weight"]
     stored = resident.state.parts["head"].weights["tp2_vector"][0]
     assert loaded.data_ptr() == stored.data_ptr()  # used in place
@@ -291,11 +292,11 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
     flags = ["--precision", "bfloat16", "--passes", "2", "--placement", "remote"]
     config = small_config(*flags)
     batch = replica_batch(config, global_batches(config, 1)[0], 0)
-    plain = PhasedEngine(config, ParallelLayout.single(CPU))
+    plain = planned_engine(config, ParallelLayout.single(CPU))
     plain_loss = plain.train_step(batch, 0, 2e-3).loss
 
     log: list = []
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     state = engine.state
     compute = _Stream("compute", log)
     state._copy_stream, state._store_stream = _Stream("copy", log), _Stream("store", log)
@@ -324,8 +325,8 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
         state, "_store", lambda *a: log.append((current[-1].name, "store")) or store(*a)
     )
     assert engine.train_step(batch, 0, 2e-3).loss == plain_loss
-    for name, t in plain.full_state().items():
-        assert torch.equal(engine.full_state()[name], t), name
+    for name, t in full_state(plain).items():
+        assert torch.equal(full_state(engine)[name], t), name
 
     # Each prefetch: the copy stream waits for the compute stream, then copies its part.
     prefetches = [i for i, e in enumerate(log) if e == ("copy", "wait_stream", "compute")]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from execution.layout import ParallelLayout
-from execution.phases import PhasedEngine
+from execution.checkpoint.logical import full_state
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
 from tests.reference import (
     reference_model,
     reference_optimizer,
@@ -31,7 +32,7 @@ def random_tokens(config, steps: int, seed: int = 0) -> torch.Tensor:
 
 
 def assert_matches_reference(config, steps: int = 2, seeds: bool = False) -> None:
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     model = reference_model(config)
     optimizer = reference_optimizer(model, config)
     tokens = random_tokens(config, steps)
@@ -51,8 +52,8 @@ def assert_matches_reference(config, steps: int = 2, seeds: bool = False) -> Non
         assert not result.skipped
         assert abs(result.loss - loss) <= TOLERANCE * abs(loss), (step, result.loss, loss)
         assert abs(result.grad_norm - norm) <= TOLERANCE * norm, (step, result.grad_norm, norm)
-        phased_grads = engine.full_state("grads")
-        phased_weights = engine.full_state("weights")
+        phased_grads = full_state(engine, "grads")
+        phased_weights = full_state(engine, "weights")
         params = dict(model.named_parameters())
         assert phased_grads.keys() == params.keys()
         for name, param in params.items():
@@ -86,10 +87,10 @@ def test_resident_placement_is_bitwise_equal_to_remote():
     runs = {}
     for placement in ("remote", "resident"):
         config = small_config("--placement", placement, "--dropout_prob", "0.1")
-        engine = PhasedEngine(config, ParallelLayout.single(CPU))
+        engine = planned_engine(config, ParallelLayout.single(CPU))
         tokens = random_tokens(config, 2)
         losses = [engine.train_step(tokens[s], s, 1e-3).loss for s in range(2)]
-        runs[placement] = (losses, engine.full_state(), engine.full_state("exp_avg_sq"))
+        runs[placement] = (losses, full_state(engine), full_state(engine, "exp_avg_sq"))
     (remote_losses, remote_w, remote_v), (res_losses, res_w, res_v) = runs.values()
     assert remote_losses == res_losses
     for name in remote_w:
@@ -103,7 +104,7 @@ def test_each_layer_is_loaded_once_per_phase(monkeypatch, passes):
     pass walks the model once more."""
     config = small_config("--layers", "3", "--global_batch_size", "8", "--micro_batch_size", "1",
                           "--passes", str(passes), "--placement", "remote")  # fmt: skip
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     loads = []
     original = engine.state.load_weights
     monkeypatch.setattr(engine.state, "load_weights", lambda part, row, dtype:
@@ -120,56 +121,56 @@ def test_bfloat16_step_tracks_float32():
     config32 = small_config()
     config16 = small_config("--precision", "bfloat16")
     tokens = random_tokens(config32, 1)[0]
-    r32 = PhasedEngine(config32, ParallelLayout.single(CPU)).train_step(tokens, 0, 1e-3)
-    r16 = PhasedEngine(config16, ParallelLayout.single(CPU)).train_step(tokens, 0, 1e-3)
+    r32 = planned_engine(config32, ParallelLayout.single(CPU)).train_step(tokens, 0, 1e-3)
+    r16 = planned_engine(config16, ParallelLayout.single(CPU)).train_step(tokens, 0, 1e-3)
     assert abs(r16.loss - r32.loss) <= 2e-2 * r32.loss
     assert abs(r16.grad_norm - r32.grad_norm) <= 5e-2 * r32.grad_norm
 
 
 def test_float16_loss_scaling_unscales_gradients_and_skips_overflow():
     tokens = random_tokens(small_config(), 1)[0]
-    ref = PhasedEngine(small_config(), ParallelLayout.single(CPU))
+    ref = planned_engine(small_config(), ParallelLayout.single(CPU))
     ref_result = ref.train_step(tokens, 0, 1e-3)
-    scaled = PhasedEngine(small_config("--precision", "float16", "--loss_scaling", "1024"),
+    scaled = planned_engine(small_config("--precision", "float16", "--loss_scaling", "1024"),
                           ParallelLayout.single(CPU))  # fmt: skip
     result = scaled.train_step(tokens, 0, 1e-3)
     assert not result.skipped
     assert abs(result.grad_norm - ref_result.grad_norm) <= 2e-2 * ref_result.grad_norm
-    grads, ref_grads = scaled.full_state("grads"), ref.full_state("grads")
+    grads, ref_grads = full_state(scaled, "grads"), full_state(ref, "grads")
     assert (
         relative_error(grads["layers.0.mlp.fc.weight"], ref_grads["layers.0.mlp.fc.weight"]) < 2e-2
     )
 
-    overflow = PhasedEngine(small_config("--precision", "float16", "--loss_scaling", "1e30"),
+    overflow = planned_engine(small_config("--precision", "float16", "--loss_scaling", "1e30"),
                             ParallelLayout.single(CPU))  # fmt: skip
-    before = overflow.full_state()
+    before = full_state(overflow)
     result = overflow.train_step(tokens, 0, 1e-3)
     assert result.skipped and overflow.optimizer_steps == 0
-    after = overflow.full_state()
+    after = full_state(overflow)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_evaluate_equals_reference_loss_without_changing_weights():
     config = small_config("--dropout_prob", "0.3")
-    engine = PhasedEngine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
     model = reference_model(config).eval()
     batches = [*random_tokens(config, 1)[0], random_tokens(config, 1, seed=1)[0, 0]]
-    before = engine.full_state()
+    before = full_state(engine)
     loss = engine.evaluate(batches)
     with torch.no_grad():
         expected = sum(model(b[:, :-1], b[:, 1:]).item() for b in batches) / len(batches)
     assert abs(loss - expected) <= TOLERANCE * expected
-    assert all(torch.equal(before[k], v) for k, v in engine.full_state().items())
+    assert all(torch.equal(before[k], v) for k, v in full_state(engine).items())
 
 
 def test_dropout_seeds_differ_across_steps_layers_and_micro_batches():
     """Masks must never repeat: a seed that ignored step, layer or micro-batch would pass the
     recomputation test above but train with correlated dropout."""
-    engine = PhasedEngine(small_config("--dropout_prob", "0.1"), ParallelLayout.single(CPU))
+    engine = planned_engine(small_config("--dropout_prob", "0.1"), ParallelLayout.single(CPU))
     seeds = [engine._seeds(step, layer, micro) for step in range(3) for layer in range(-1, 2)
              for micro in range(4)]  # fmt: skip
     flat = [s for block in seeds for s in block]
     assert len(set(flat)) == len(flat)
     assert engine._seeds(None, 0, 0) is None  # evaluation: no dropout
-    dropout_free = PhasedEngine(small_config(), ParallelLayout.single(CPU))
+    dropout_free = planned_engine(small_config(), ParallelLayout.single(CPU))
     assert dropout_free._seeds(0, 0, 0) is None

@@ -5,15 +5,9 @@ from __future__ import annotations
 import pytest
 
 from config.loading import ConfigError, parse_config
-from execution.planner import (
-    GiB,
-    MemoryBudget,
-    Placement,
-    RankShape,
-    candidate_plans,
-    choose_plan,
-    state_bytes,
-)
+from execution.engine.plan import GiB, Placement
+from execution.planning.memory import MemoryBudget, RankShape, state_bytes
+from execution.planning.planner import candidate_plans, choose_plan
 from tests.reference import small_config
 
 UNLIMITED = MemoryBudget(device=None, host=1 << 50)
@@ -134,8 +128,8 @@ def test_host_traffic_is_what_the_engine_copies(passes):
 
     import torch
 
-    from execution.layout import ParallelLayout
-    from execution.phases import PhasedEngine
+    from execution.engine.phases import PhasedEngine
+    from execution.parallel.mesh import ParallelLayout
 
     for where in itertools.product(("device", "host"), repeat=3):
         flags = dict(zip(("weights", "grads", "activations"), where, strict=True))

@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any, Protocol, TextIO
 
+from config.schema import LoggingConfig
+
 
 class Tracker(Protocol):
     def log(self, metrics: dict[str, Any]) -> None: ...
@@ -101,3 +103,19 @@ class MultiTracker:
     def close(self) -> None:
         for t in self.trackers:
             t.close()
+
+
+def run_trackers(logging: LoggingConfig, output_dir: Path, total_steps: int,
+                 run_config: dict[str, Any]) -> Tracker:
+    """The main rank's trackers for a run's ``logging`` section: ``metrics.jsonl`` in
+    ``output_dir``, the console and, with ``--wandb``, Weights & Biases (given the whole run's
+    config as a dict to record)."""
+    trackers: list[Tracker] = [
+        JsonlTracker(output_dir / "metrics.jsonl"),
+        ConsoleTracker(total_steps, logging.log_every),
+    ]
+    if logging.wandb:
+        trackers.append(
+            WandbTracker(logging.wandb_project, logging.wandb_mode, run_config, output_dir)
+        )
+    return MultiTracker(trackers)

@@ -103,8 +103,9 @@ def adamw_threaded_(
         **hyper: ``step``, ``lr``, ``optim``, ``weight_decay``, ``grad_scale`` of :func:`adamw_`.
     """
     tensors = (weight, grad, exp_avg, exp_avg_sq)
-    assert all(t.dim() == 1 and t.is_contiguous() and t.numel() == weight.numel()
-               for t in tensors), "flat shards of equal length"  # fmt: skip
+    assert all(
+        t.dim() == 1 and t.is_contiguous() and t.numel() == weight.numel() for t in tensors
+    ), "flat shards of equal length"
 
     def run(start: int) -> None:
         adamw_(*(t[start : start + chunk_elements] for t in tensors), **hyper)

@@ -14,6 +14,7 @@ run the same ops and send the same bytes, so one rank of each kind is measured.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,21 +25,34 @@ import torch
 import torch.distributed as dist
 
 from config.schema import PretrainingConfig
-from execution.device_specs import DeviceSpec, resolve_spec
-from execution.layout import GroupAxis, ParallelLayout
-from execution.phases import PhasedEngine
-from execution.planner import GiB, MemoryBudget, MemoryPlan, candidate_plans, fastest_fitting
-from execution.sharding import shard_index
-from execution.step_meter import FlashAttentionOnMeta, StepMeter
+from execution.engine.plan import GiB, MemoryPlan
+from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
+from execution.parallel.sharding import shard_index
+from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.measure import meta_step
+from execution.planning.memory import MemoryBudget
+from execution.planning.planner import choose_or_least
 from modelling.gpt import PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
-STATE_KEYS = ("weights", "grads", "optimizer", "weight_copies", "activations", "working_set",
-              "total")  # fmt: skip
+# The groups a step communicates over (the world only sums the norm and the loss).
+COMMUNICATING_AXES = ("dp", "tp1", "tp2", "dp_tp1", "dp_tp2")
+STATE_KEYS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "weight_copies",
+    "activations",
+    "working_set",
+    "total",
+)
 # Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
-RING_FACTOR = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-               "reduce_scatter": lambda n: (n - 1) / n}  # fmt: skip
+RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+}
 
 
 def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[int]]:
@@ -48,8 +62,9 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     groups align with nodes have one kind; ranks of a kind differ only in values."""
     ex = config.execution
     shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    dp, tp1, tp2 = ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2
+    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
 
+    @functools.cache
     def shard_signature(i: int, j: int) -> tuple:
         return tuple(
             (part, name, tuple(len(dim) for dim in index))
@@ -57,26 +72,15 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
             for name, index in shard_index(part, shapes, i, j).items()
         )
 
-    def rank(d: int, i: int, j: int) -> int:
-        return d * tp1 * tp2 + i * tp2 + j
-
-    def nodes(members) -> int:
+    def nodes(members: tuple[int, ...]) -> int:
         return len({r // devices_per_node for r in members})
 
-    shards = {(i, j): shard_signature(i, j) for i in range(tp1) for j in range(tp2)}
     kinds: dict[tuple, list[int]] = {}
-    for d in range(dp):
-        for i in range(tp1):
-            for j in range(tp2):
-                spans = (
-                    nodes(rank(d, i, b) for b in range(tp2)),
-                    nodes(rank(d, a, j) for a in range(tp1)),
-                    nodes(rank(c, i, j) for c in range(dp)),
-                    nodes(rank(c, a, j) for c in range(dp) for a in range(tp1)),
-                    nodes(rank(c, i, b) for c in range(dp) for b in range(tp2)),
-                )
-                kinds.setdefault((shards[i, j], spans), []).append(rank(d, i, j))
-    return [sorted(ranks) for ranks in kinds.values()]
+    for rank in range(mesh.world_size):
+        coords = mesh.coords(rank)
+        spans = tuple(nodes(mesh.members(axis, rank)) for axis in COMMUNICATING_AXES)
+        kinds.setdefault((shard_signature(coords["i"], coords["j"]), spans), []).append(rank)
+    return list(kinds.values())
 
 
 @contextmanager
@@ -109,34 +113,22 @@ def spec_budget(spec: DeviceSpec) -> MemoryBudget:
     return MemoryBudget(int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB))
 
 
-def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[MemoryPlan, bool]:
-    """The planner's choice for a GPU of ``budget``, or, when nothing fits, the plan that
-    needs the least device memory (so the dry run can still show what it would take)."""
-    plans = candidate_plans(config, "cuda")
-    plan = fastest_fitting(plans, budget)
-    if plan is not None:
-        return plan, True
-    return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
-
-
-def meta_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> RankMeasurement:
+def measure_planned_step(
+    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec
+) -> RankMeasurement:
     """Set-up and one training step of this fake job's rank, on meta tensors, measured."""
     ex = config.execution
-    layout = ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2,
-                                  META)  # fmt: skip
-    engine = PhasedEngine(config, layout, plan)
-    tokens = torch.zeros((config.gradient_accumulation, ex.micro_batch_size,
-                          config.model.sequence_length + 1), dtype=torch.long, device=META)  # fmt: skip
-    with FlashAttentionOnMeta(), StepMeter() as meter:
-        engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
+    mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    layout = ParallelLayout.build(*mesh, META)
+    step = meta_step(config, plan, layout)
     comm, seconds = {}, {}
     for axis in layout.axes():
         comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)
-    host = engine.state.host_to_device + engine.state.device_to_host
-    comm["host_link"] = host
-    seconds["host_link"] = host / (spec.host_link_gb_per_s * 1e9)
-    return RankMeasurement(plan, True, "", engine.buffer_bytes(), meter.peak, comm, seconds,
-                           meter.flops)  # fmt: skip
+    store = step.engine.state
+    comm["host_link"] = store.host_to_device + store.device_to_host
+    seconds["host_link"] = comm["host_link"] / (spec.host_link_gb_per_s * 1e9)
+    buffers = step.engine.buffer_bytes()
+    return RankMeasurement(plan, True, "", buffers, step.working_set, comm, seconds, step.flops)
 
 
 def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
@@ -144,7 +136,7 @@ def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> Rank
     budget = spec_budget(spec)
     plan, planned_fit = choose_or_least(config, budget)
     with fake_job(rank, config.world_size):
-        m = meta_step(config, plan, spec)
+        m = measure_planned_step(config, plan, spec)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
     m.fits = planned_fit and budget.fits(m.plan)
     m.why = _why(m.plan, budget, planned_fit)
@@ -155,8 +147,9 @@ def _axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:
     """Bytes this rank sends over a group in the step, and the seconds that takes."""
     if axis.size == 1:
         return 0, 0.0
-    sent = sum(RING_FACTOR[_op_family(op)](axis.size) * nbytes
-               for op, nbytes in axis.payload_bytes.items())  # fmt: skip
+    sent = sum(
+        RING_FACTOR[_op_family(op)](axis.size) * nbytes for op, nbytes in axis.payload_bytes.items()
+    )
     nodes = {member // spec.devices_per_node for member in axis.members}
     bandwidth = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
     return int(sent), sent / (bandwidth * 1e9)
@@ -169,17 +162,23 @@ def _op_family(op: str) -> str:
 def _why(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
     device_total, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
     if planned_fit and budget.fits(plan):
-        return (f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
-                f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host")  # fmt: skip
-    needs = (f"does not fit: needs {device_total / GiB:,.2f} GiB device (of "
-             f"{budget.device / GiB:,.2f}) and {host / GiB:,.2f} GiB host (of "
-             f"{budget.host / GiB:,.2f})")  # fmt: skip
+        return (
+            f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
+            f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host"
+        )
+    needs = (
+        f"does not fit: needs {device_total / GiB:,.2f} GiB device (of "
+        f"{budget.device / GiB:,.2f}) and {host / GiB:,.2f} GiB host (of "
+        f"{budget.host / GiB:,.2f})"
+    )
     if planned_fit:  # the full step allocated more than the planner's one-layer measurement
         return (
             f"{needs}: the full step's working set exceeds the plan's; try --passes or more memory"
         )
-    return (f"{needs} even with its least-memory plan; add data or tensor parallelism (see "
-            "--plan_for) or use a larger device")  # fmt: skip
+    return (
+        f"{needs} even with its least-memory plan; add data or tensor parallelism (see "
+        "--plan_for) or use a larger device"
+    )
 
 
 def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:
@@ -190,8 +189,12 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
     step = max(compute, m.comm_seconds["host_link"]) + collectives
     model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
-    return {"step_time_s": step, "mfu": per_rank / (step * spec.peak_tflops * 1e12),
-            "compute_s": compute, "collectives_s": collectives}  # fmt: skip
+    return {
+        "step_time_s": step,
+        "mfu": per_rank / (step * spec.peak_tflops * 1e12),
+        "compute_s": compute,
+        "collectives_s": collectives,
+    }
 
 
 def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
@@ -201,17 +204,19 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     for ranks in rank_kinds(config, spec.devices_per_node):
         m = measure_rank(config, ranks[0], spec)
         device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
-        entries.append({
-            "ranks": ranks,
-            "host_bytes": {k: host[k] for k in STATE_KEYS},
-            "device_bytes": {k: device[k] for k in STATE_KEYS},
-            "comm_bytes": m.comm_bytes,
-            "flops_per_step": m.flops,
-            **estimate(config, m, spec),
-            "fits": m.fits,
-            "why": m.why,
-            "plan": _plan_dict(m.plan),
-        })  # fmt: skip
+        entries.append(
+            {
+                "ranks": ranks,
+                "host_bytes": {k: host[k] for k in STATE_KEYS},
+                "device_bytes": {k: device[k] for k in STATE_KEYS},
+                "comm_bytes": m.comm_bytes,
+                "flops_per_step": m.flops,
+                **estimate(config, m, spec),
+                "fits": m.fits,
+                "why": m.why,
+                "plan": _plan_dict(m.plan),
+            }
+        )
     report = {
         "world_size": config.world_size,
         "device_spec": vars(spec),
@@ -227,8 +232,11 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
 
 
 def _plan_dict(plan: MemoryPlan) -> dict:
-    return {"passes": plan.passes, "micro_batches_per_pass": plan.micro_batches_per_pass,
-            "placement": vars(plan.placement)}  # fmt: skip
+    return {
+        "passes": plan.passes,
+        "micro_batches_per_pass": plan.micro_batches_per_pass,
+        "placement": vars(plan.placement),
+    }
 
 
 def format_report(config: PretrainingConfig, report: dict) -> str:
@@ -245,16 +253,19 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
         plan = entry["plan"]
         ranks = entry["ranks"]
         shown = ", ".join(map(str, ranks[:6])) + (", ..." if len(ranks) > 6 else "")
-        lines.append(f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
-                     f"{plan['micro_batches_per_pass']} micro-batch(es), "
-                     + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items()))  # fmt: skip
+        lines.append(
+            f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
+            f"{plan['micro_batches_per_pass']} micro-batch(es), "
+            + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items())
+        )
         lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
         for where in ("device", "host"):
             values = entry[f"{where}_bytes"]
             lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:14.2f}" for k in STATE_KEYS))
         comm = entry["comm_bytes"]
-        lines.append("  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}"
-                                                        for k, v in comm.items() if v))  # fmt: skip
+        lines.append(
+            "  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in comm.items() if v)
+        )
         lines.append(
             f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
             f"estimated step {entry['step_time_s']:,.2f} s (compute {entry['compute_s']:,.2f} s, "
@@ -267,7 +278,9 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
 
 
 def check_input_files(patterns: list[str]) -> None:
-    """The dry run reads no data, but the files it would train on must exist."""
+    """The dry run reads no data, but the files it would train on must exist (the shipped
+    sample when no ``--input_files`` are given)."""
     from data.dataset import expand_files
+    from data.loader import SAMPLE_DATA_GLOB
 
-    expand_files(patterns)
+    expand_files(patterns or [SAMPLE_DATA_GLOB])

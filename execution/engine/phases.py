@@ -2,10 +2,10 @@
 
 Three concerns, three places:
 
-- *which* phases run, in which order, over which micro-batches: :mod:`execution.schedule`
+- *which* phases run, in which order, over which micro-batches: :mod:`execution.engine.schedule`
   (one or more passes over the step's micro-batches);
-- *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.state`, placed
-  by the plan of :mod:`execution.planner`;
+- *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.engine.state`,
+  placed by the plan the engine is given (:class:`~execution.engine.plan.MemoryPlan`);
 - *what* each phase computes: the ``_phase_*`` methods below, which only call the model's
   stateless part templates on device tensors.
 
@@ -23,15 +23,15 @@ import torch
 from torch.func import functional_call
 
 from config.schema import PretrainingConfig
-from execution import schedule
-from execution.buffers import Place, flat_specs, rts_axes
-from execution.layout import ParallelLayout
-from execution.optimizer import adamw_, clip_coefficient
-from execution.planner import DTYPES, MemoryPlan, RankShape, choose_plan, measure_budget
-from execution.schedule import Phase
-from execution.sharding import DECAYED_KINDS, init_part_shard, shard_part, unshard_part
-from execution.state import StateStore
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
+from execution.engine import schedule
+from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
+from execution.engine.optimizer import adamw_, clip_coefficient
+from execution.engine.plan import PLACED_STATES, MemoryPlan
+from execution.engine.schedule import Phase
+from execution.engine.state import StateStore
+from execution.parallel.mesh import ParallelLayout
+from execution.parallel.sharding import DECAYED_KINDS, init_part_shard, rts_axes
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes
 from modelling.layers import BlockSeeds
 
 _MASK64 = (1 << 64) - 1
@@ -62,36 +62,39 @@ class PhasedEngine:
     Args:
         config: Validated run configuration.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
-        plan: Passes and placements; by default the planner chooses from the flags and the
-            memory this process may use.
+        plan: Passes and placements (:mod:`execution.planning` chooses them).
     """
 
-    def __init__(self, config: PretrainingConfig, layout: ParallelLayout,
-                 plan: MemoryPlan | None = None):  # fmt: skip
+    def __init__(self, config: PretrainingConfig, layout: ParallelLayout, plan: MemoryPlan):
         self.config = config
         self.layout = layout
         self.device = layout.device
         self.shapes = GPTShapes.from_config(config.model, layout.tp1.size, layout.tp2.size)
         self.dtype = DTYPES[config.training.precision]
         self.gradient_accumulation = config.gradient_accumulation
-        if plan is None:
-            budget = measure_budget(config, self.device, layout.local_world_size)
-            plan = choose_plan(config, self.device.type, budget)
         self.plan = plan
         with torch.device("meta"):  # one block serves every layer
             template = GPT(dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2)
         # Stateless templates: weights are bound per call with functional_call.
-        self.templates = {EMBEDDING: template.embedding, LAYERS: template.layers[0],
-                          HEAD: template.head}  # fmt: skip
+        self.templates = {
+            EMBEDDING: template.embedding,
+            LAYERS: template.layers[0],
+            HEAD: template.head,
+        }
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
-        places = {s: Place.of(getattr(plan.placement, s), self.device)
-                  for s in ("weights", "grads", "activations")}  # fmt: skip
-        rank_activations = RankShape.from_config(config).activation_layout(
-            plan.micro_batches_per_pass
+        places = {s: Place.of(getattr(plan.placement, s), self.device) for s in PLACED_STATES}
+        ex = config.execution
+        activations = ActivationLayout.of(
+            self.shapes,
+            plan.micro_batches_per_pass,
+            ex.micro_batch_size,
+            config.model.sequence_length,
+            self.dtype,
         )
-        self.state = StateStore(self.specs, self.shapes.layers, self.rts, layout, places,
-                                rank_activations)  # fmt: skip
+        self.state = StateStore(
+            self.specs, self.shapes.layers, self.rts, layout, places, activations
+        )
         self.optimizer_steps = 0
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(config.training.seed, config.model.init_std)
@@ -112,62 +115,9 @@ class PhasedEngine:
         layout starts identically while no rank draws or holds a whole part.
         """
         i, j = self.layout.tp1.rank, self.layout.tp2.rank
-        for part, row in self.part_rows():
+        for part, row in self.state.part_rows():
             local = init_part_shard(self.shapes, part, row, seed, init_std, i, j)
-            self._write_local_part_state(part, row, "weights", local)
-
-    def part_rows(self) -> list[tuple[str, int]]:
-        """Every (part, row) of the model in order: the embedding, each decoder layer, the head."""
-        return [(part, row) for part in PARTS for row in range(self.state.parts[part].rows)]
-
-    def write_part_state(self, part: str, row: int, state: str,
-                         full: dict[str, torch.Tensor]) -> None:  # fmt: skip
-        """Stores this rank's share (TP shard, then RTS slice) of a part's logical tensors.
-
-        Args:
-            part, row: Which part (``row`` is the layer for ``layers``, else 0).
-            state: ``weights``, ``exp_avg`` or ``exp_avg_sq``.
-            full: Unsharded, unpadded float32 tensors named within the part (as in :class:`GPT`).
-        """
-        local = shard_part(part, full, self.shapes, self.layout.tp1.rank, self.layout.tp2.rank)
-        self._write_local_part_state(part, row, state, local)
-
-    def _write_local_part_state(self, part: str, row: int, state: str,
-                                local: dict[str, torch.Tensor]) -> None:  # fmt: skip
-        """As :meth:`write_part_state`, from this rank's tensor-parallel shards (padded)."""
-        for kind, spec in self.specs[part].items():
-            flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
-            self.state.write_row(part, state, kind, row, flat)  # refreshes weight copies too
-
-    def read_part_state(self, part: str, row: int, state: str = "weights"):
-        """Unsharded, unpadded float32 tensors of one part, named within the part.
-
-        Collective over all ranks. ``state`` is ``weights``, ``grads`` (the last step's mean
-        gradients, loss scale included), ``exp_avg`` or ``exp_avg_sq``.
-        """
-        tp1, tp2 = self.layout.tp1, self.layout.tp2
-        shards: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        for kind, spec in self.specs[part].items():
-            stored = getattr(self.state.parts[part], state)[kind][row].to(self.device)
-            packed = tp1.all_gather(tp2.all_gather(self.rts[kind].all_gather(stored)))
-            for index, flat in enumerate(packed.view(-1, spec.padded).cpu()):
-                shards.setdefault(divmod(index, tp2.size), {}).update(spec.views(flat))
-        return {name: t.clone() for name, t in unshard_part(part, shards, self.shapes).items()}
-
-    def full_state(self, state: str = "weights") -> dict[str, torch.Tensor]:
-        """Unsharded, unpadded float32 tensors of every parameter, named as in :class:`GPT`.
-
-        Collective over all ranks. ``state`` is ``weights``, ``grads`` (the last step's mean
-        gradients, loss scale removed), ``exp_avg`` or ``exp_avg_sq``.
-        """
-        out = {}
-        for part, row in self.part_rows():
-            prefix = f"{part}.{row}." if part == LAYERS else f"{part}."
-            for name, t in self.read_part_state(part, row, state).items():
-                out[prefix + name] = t
-        if state == "grads":
-            out = {k: v / self.config.training.loss_scaling for k, v in out.items()}
-        return out
+            self.state.write_shard(part, row, "weights", local)
 
     # ----------------------------------------------------------------- gradients
 
@@ -212,8 +162,12 @@ class PhasedEngine:
         """
         if step is None or self.config.model.dropout_prob == 0.0:
             return None
-        base = (self.config.training.seed, step, layer,
-                self.layout.dp.rank * self.gradient_accumulation + micro)  # fmt: skip
+        base = (
+            self.config.training.seed,
+            step,
+            layer,
+            self.layout.dp.rank * self.gradient_accumulation + micro,
+        )
         i, j = self.layout.tp1.rank, self.layout.tp2.rank
         return BlockSeeds(mix_seed(*base, 0, i), mix_seed(*base, 1, j), mix_seed(*base, 2, j))
 
@@ -229,8 +183,11 @@ class PhasedEngine:
     def _phase_embedding_forward(self, phase: Phase, batch: _Batch) -> None:
         weights = self.state.load_weights(EMBEDDING, 0, self.dtype)
         for m, e in self._entries(phase):
-            y = functional_call(self.templates[EMBEDDING], weights,
-                                (batch.ids[m], self._embedding_seed(batch.step, m)))  # fmt: skip
+            y = functional_call(
+                self.templates[EMBEDDING],
+                weights,
+                (batch.ids[m], self._embedding_seed(batch.step, m)),
+            )
             self.state.store_x(0, e, y)
 
     @torch.no_grad()
@@ -257,8 +214,9 @@ class PhasedEngine:
             head_acc, head_views = self._accumulators(HEAD)
             tied_acc, tied_views = self._accumulators(EMBEDDING)
             # Every micro-batch's loss is 1/GA of the step's (whatever the passes).
-            scale = torch.tensor(self.config.training.loss_scaling / batch.micro_batches,
-                                 device=self.device)  # fmt: skip
+            scale = torch.tensor(
+                self.config.training.loss_scaling / batch.micro_batches, device=self.device
+            )
         for m, e in self._entries(phase):
             x = self.state.fetch_x(L, e)
             with torch.set_grad_enabled(backward):
@@ -289,8 +247,9 @@ class PhasedEngine:
         for m, e in self._entries(phase):
             x = self.state.fetch_x(n, e).requires_grad_()
             with torch.enable_grad():
-                y = functional_call(self.templates[LAYERS], weights,
-                                    (x, self._seeds(batch.step, n, m)))  # fmt: skip
+                y = functional_call(
+                    self.templates[LAYERS], weights, (x, self._seeds(batch.step, n, m))
+                )
             dx, *grads = torch.autograd.grad(
                 y, [x, *weights.values()], self.state.fetch_dx(n + 1, e)
             )
@@ -306,8 +265,11 @@ class PhasedEngine:
         acc, views = self._accumulators(EMBEDDING)
         for m, e in self._entries(phase):
             with torch.enable_grad():
-                y = functional_call(self.templates[EMBEDDING], weights,
-                                    (batch.ids[m], self._embedding_seed(batch.step, m)))  # fmt: skip
+                y = functional_call(
+                    self.templates[EMBEDDING],
+                    weights,
+                    (batch.ids[m], self._embedding_seed(batch.step, m)),
+                )
             grads = torch.autograd.grad(y, list(weights.values()), self.state.fetch_dx(0, e))
             for name, g in zip(weights, grads, strict=True):
                 views[name].add_(g)
@@ -316,11 +278,20 @@ class PhasedEngine:
     def _optimizer_phases(self, lr: float, grad_scale: float) -> None:
         """AdamW on every part's shards, one row of one kind at a time."""
         optim = self.config.training.optimizer
-        for part, row in self.part_rows():
+        for part, row in self.state.part_rows():
             for kind in self.specs[part]:
                 w, g, m, v = self.state.load_optimizer_row(part, kind, row)
-                adamw_(w, g, m, v, step=self.optimizer_steps, lr=lr, optim=optim,
-                       weight_decay=kind in DECAYED_KINDS, grad_scale=grad_scale)  # fmt: skip
+                adamw_(
+                    w,
+                    g,
+                    m,
+                    v,
+                    step=self.optimizer_steps,
+                    lr=lr,
+                    optim=optim,
+                    weight_decay=kind in DECAYED_KINDS,
+                    grad_scale=grad_scale,
+                )
                 self.state.store_optimizer_row(part, kind, row, [w, g, m, v])
 
     # ----------------------------------------------------------------- steps
@@ -333,8 +304,11 @@ class PhasedEngine:
             step: 0-based step index (seeds dropout).
             lr: Learning rate for this step.
         """
-        expected = (self.gradient_accumulation, self.config.execution.micro_batch_size,
-                    self.config.model.sequence_length + 1)  # fmt: skip
+        expected = (
+            self.gradient_accumulation,
+            self.config.execution.micro_batch_size,
+            self.config.model.sequence_length + 1,
+        )
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
         batch = _Batch.of(tokens.to(self.device, non_blocking=True), step)
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -371,8 +345,10 @@ class PhasedEngine:
             tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
             batch = _Batch.of(tokens, step=None)
             group = range(len(tokens))
-            phases = [*schedule.forward_phases(self.shapes.layers, group),
-                      Phase(schedule.HEAD, 0, group)]  # fmt: skip
+            phases = [
+                *schedule.forward_phases(self.shapes.layers, group),
+                Phase(schedule.HEAD, 0, group),
+            ]
             self._run_phases(phases, batch)
             losses.extend(batch.losses)
         total = (

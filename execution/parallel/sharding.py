@@ -11,19 +11,14 @@ decides which replicas hold identical copies and therefore the replicated-tensor
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from modelling.gpt import (
-    EMBEDDING,
-    HEAD,
-    LAYERS,
-    GPTShapes,
-    init_part_region,
-    part_inits,
-)
+from modelling.gpt import EMBEDDING, HEAD, LAYERS, PARTS, GPTShapes, init_part_region, part_inits
+from modelling.parallel import Axis
 
 MATRIX, TP2_VECTOR, TP1_VECTOR = "matrix", "tp2_vector", "tp1_vector"
 KINDS = (MATRIX, TP2_VECTOR, TP1_VECTOR)
@@ -127,6 +122,31 @@ def shard_index(
         name: PLAN[part][name].index(init.shape, shapes, tp1_rank, tp2_rank)
         for name, init in part_inits(shapes, part).items()
     }
+
+
+@functools.cache
+def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
+    """Per part, the shapes of one (tp1, tp2) shard's parameters (padding included).
+
+    Every shard of a layout has the same shapes (padding keeps them equal), so shard (0, 0)
+    stands for all of them."""
+    return {
+        part: {
+            name: torch.Size(len(p) for p in index)
+            for name, index in shard_index(part, shapes, 0, 0).items()
+        }
+        for part in PARTS
+    }
+
+
+def rts_axes(layout) -> dict[str, Axis]:
+    """The RTS group of each kind: the replicas that hold identical copies of it (section 5)."""
+    return {MATRIX: layout.dp, TP2_VECTOR: layout.dp_tp1, TP1_VECTOR: layout.dp_tp2}
+
+
+def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:
+    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, tp1, tp2) layout."""
+    return {MATRIX: dp, TP2_VECTOR: dp * tp1, TP1_VECTOR: dp * tp2}
 
 
 def shard_part(

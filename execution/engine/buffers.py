@@ -1,7 +1,7 @@
 """Buffers: where weights, gradients, AdamW state and activations live between phases.
 
 Each part (embedding, the stack of decoder layers, head) stores, per parameter *kind* (see
-:mod:`execution.sharding`), one flat float32 tensor with a row per layer: its tensor-parallel
+:mod:`execution.parallel.sharding`), one flat float32 tensor with a row per layer: its tensor-parallel
 shard packed and padded to a multiple of the kind's RTS group, of which this rank keeps its
 1/group slice. Flat rows make a phase's load one copy and one all-gather, its gradient reduction
 one reduce-scatter, and the optimizer update a handful of vectorised ops.
@@ -14,16 +14,22 @@ plan can never disagree with what is allocated.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
 import torch
 
-from execution.sharding import KINDS, MATRIX, PLAN, TP1_VECTOR, TP2_VECTOR
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
-from modelling.parallel import Axis
+from execution.parallel.sharding import KINDS, PLAN, shard_shapes
+from modelling.gpt import LAYERS, PARTS, GPTShapes
+
+# The compute dtype of each --precision.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The states of a part's parameters, each a [rows, shard] float32 tensor per kind. The weights
+# travel with their AdamW moments (placed together; what a checkpoint saves), the gradient
+# accumulators are placed on their own.
+PART_STATES = ("weights", "grads", "exp_avg", "exp_avg_sq")
+WEIGHT_STATES = ("weights", "exp_avg", "exp_avg_sq")
+GRAD_STATES = ("grads",)
 
 
 @dataclass(frozen=True)
@@ -65,47 +71,14 @@ class FlatSpec:
         return flat
 
 
-def rts_axes(layout) -> dict[str, Axis]:
-    """The RTS group of each kind: the replicas that hold identical copies of it."""
-    return {MATRIX: layout.dp, TP2_VECTOR: layout.dp_tp1, TP1_VECTOR: layout.dp_tp2}
-
-
-def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:
-    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, tp1, tp2) layout."""
-    return {MATRIX: dp, TP2_VECTOR: dp * tp1, TP1_VECTOR: dp * tp2}
-
-
-@functools.cache
-def local_parameter_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
-    """Per part, the shapes of one (tp1, tp2) shard's parameters (read off a meta model)."""
-    with torch.device("meta"):
-        template = GPT(
-            dataclasses.replace(shapes, layers=1), _SizedAxis(shapes.tp1), _SizedAxis(shapes.tp2)
-        )
-    modules = {EMBEDDING: template.embedding, LAYERS: template.layers[0], HEAD: template.head}
-    return {
-        part: {name: p.shape for name, p in module.named_parameters()}
-        for part, module in modules.items()
-    }
-
-
-class _SizedAxis:
-    """An axis that only knows its size: enough to build a shard's modules on the meta device."""
-
-    rank = 0
-
-    def __init__(self, size: int):
-        self.size = size
-
-
 def flat_specs(shapes: GPTShapes, rts: dict[str, int]) -> dict[str, dict[str, FlatSpec]]:
     """Per part, per kind present, the :class:`FlatSpec` of one rank's tensor-parallel shards.
 
     Args:
         shapes: Model sizes with the layout's tp1 and tp2.
-        rts: RTS group size per kind (:func:`rts_sizes`).
+        rts: RTS group size per kind (:func:`execution.parallel.sharding.rts_sizes`).
     """
-    local_shapes = local_parameter_shapes(shapes)
+    local_shapes = shard_shapes(shapes)
     specs: dict[str, dict[str, FlatSpec]] = {}
     for part in PARTS:
         specs[part] = {}
@@ -145,13 +118,9 @@ class Place:
         return cls(torch.device("cpu"), pin=compute.type == "cuda", remote=True)
 
 
-def part_rows(part: str, layers: int) -> int:
+def rows_of(part: str, layers: int) -> int:
+    """Rows a part's buffers hold: one per decoder layer for the stack, else one."""
     return layers if part == LAYERS else 1
-
-
-# Model states as the planner places them: the weights travel with their AdamW moments.
-WEIGHT_STATES = ("weights", "exp_avg", "exp_avg_sq")
-GRAD_STATES = ("grads",)
 
 
 def weight_copy_dtype(weights_on_host: bool, dtype: torch.dtype) -> torch.dtype | None:
@@ -171,10 +140,8 @@ class PartBuffers:
     cast to it, beside the masters and in the same place, for loads to copy instead.
     """
 
-    STATES = ("weights", "grads", "exp_avg", "exp_avg_sq")
-
     @classmethod
-    def planned_nbytes(cls, specs: dict[str, FlatSpec], rows: int, states=STATES) -> int:
+    def planned_nbytes(cls, specs: dict[str, FlatSpec], rows: int, states=PART_STATES) -> int:
         """Bytes the given states of a part will take, known before allocating them."""
         return len(states) * rows * sum(spec.shard for spec in specs.values()) * 4
 
@@ -198,14 +165,23 @@ class PartBuffers:
         self.rows = rows
         self.places = places
         self.copy_dtype = copy_dtype
-        for state in self.STATES:
+        for state in PART_STATES:
             place = places[state]
             # Allocated pinned, not pinned afterwards: .pin_memory() would copy, doubling the peak.
-            setattr(self, state, {
-                kind: torch.zeros(rows, spec.shard, dtype=torch.float32, device=place.device,
-                                  pin_memory=place.pin)
-                for kind, spec in specs.items()
-            })  # fmt: skip
+            setattr(
+                self,
+                state,
+                {
+                    kind: torch.zeros(
+                        rows,
+                        spec.shard,
+                        dtype=torch.float32,
+                        device=place.device,
+                        pin_memory=place.pin,
+                    )
+                    for kind, spec in specs.items()
+                },
+            )
         self.weight_copies: dict[str, torch.Tensor] = {}
         if copy_dtype is not None:
             place = places["weights"]
@@ -218,7 +194,7 @@ class PartBuffers:
         """Bytes held, per kind of state (for memory accounting), ``weight_copies`` included."""
         return {
             state: sum(t.numel() * t.element_size() for t in getattr(self, state).values())
-            for state in (*self.STATES, "weight_copies")
+            for state in (*PART_STATES, "weight_copies")
         }
 
 
@@ -242,6 +218,14 @@ class ActivationLayout:
     hidden: int
     tp1: int
     dtype: torch.dtype
+
+    @classmethod
+    def of(
+        cls, shapes: GPTShapes, entries: int, micro_batch: int, sequence: int, dtype: torch.dtype
+    ) -> ActivationLayout:
+        """The buffers of ``entries`` micro-batches of ``[micro_batch, sequence]`` tokens."""
+        hidden = shapes.hidden // shapes.tp2
+        return cls(shapes.layers, entries, (micro_batch, sequence), hidden, shapes.tp1, dtype)
 
     @property
     def entry_numel(self) -> int:
@@ -270,10 +254,18 @@ class ActivationBuffers:
     def __init__(self, layout: ActivationLayout, place: Place):
         self.layout = layout
         a = layout
-        self.x = torch.empty((a.layers + 1, a.entries, a.x_shard), dtype=a.dtype,
-                             device=place.device, pin_memory=place.pin)  # fmt: skip
-        self.dx = torch.empty((2, a.entries, *a.tokens, a.hidden), dtype=a.dtype,
-                              device=place.device, pin_memory=place.pin)  # fmt: skip
+        self.x = torch.empty(
+            (a.layers + 1, a.entries, a.x_shard),
+            dtype=a.dtype,
+            device=place.device,
+            pin_memory=place.pin,
+        )
+        self.dx = torch.empty(
+            (2, a.entries, *a.tokens, a.hidden),
+            dtype=a.dtype,
+            device=place.device,
+            pin_memory=place.pin,
+        )
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.x, self.dx))

@@ -1,13 +1,13 @@
 """Movement of state: every load to the compute device and every store back to a buffer.
 
-The phase bodies (:mod:`execution.phases`) only ever see device tensors; this module knows
-where each state lives (:class:`~execution.buffers.Place`) and what a load costs there. A load
+The phase bodies (:mod:`execution.engine.phases`) only ever see device tensors; this module knows
+where each state lives (:class:`~execution.engine.buffers.Place`) and what a load costs there. A load
 from host memory is a real copy; state held on the device is used in place. The RTS all-gather
 of weights and the tp1 all-gather of the (tp1-sharded) activations x also happen here, so a
 phase receives whole tensor-parallel shards.
 
 Weights placed on the host are loaded from compute-dtype copies kept beside the float32 masters
-(:func:`~execution.buffers.weight_copy_dtype`): half the bytes over the link, the same values,
+(:func:`~execution.engine.buffers.weight_copy_dtype`): half the bytes over the link, the same values,
 since the cast is the same round-to-nearest whether done at the load or once after the update.
 
 Prefetch: :meth:`StateStore.prefetch_weights` issues a part's load one phase early and keeps
@@ -33,18 +33,19 @@ from __future__ import annotations
 
 import torch
 
-from execution.buffers import (
+from execution.engine.buffers import (
     GRAD_STATES,
+    PART_STATES,
     WEIGHT_STATES,
     ActivationBuffers,
     ActivationLayout,
     FlatSpec,
     PartBuffers,
     Place,
-    part_rows,
+    rows_of,
     weight_copy_dtype,
 )
-from execution.layout import ParallelLayout
+from execution.parallel.mesh import ParallelLayout
 from modelling.gpt import PARTS
 from modelling.parallel import Axis
 
@@ -61,9 +62,15 @@ class StateStore:
         activations: Sizes of the activation buffers (their dtype is the compute dtype).
     """
 
-    def __init__(self, specs: dict[str, dict[str, FlatSpec]], layers: int, rts: dict[str, Axis],
-                 layout: ParallelLayout, places: dict[str, Place],
-                 activations: ActivationLayout):  # fmt: skip
+    def __init__(
+        self,
+        specs: dict[str, dict[str, FlatSpec]],
+        layers: int,
+        rts: dict[str, Axis],
+        layout: ParallelLayout,
+        places: dict[str, Place],
+        activations: ActivationLayout,
+    ):
         self.specs = specs
         self.rts = rts
         self.device = layout.device
@@ -73,7 +80,7 @@ class StateStore:
         by_state.update({s: places["grads"] for s in GRAD_STATES})
         self.copy_dtype = weight_copy_dtype(places["weights"].remote, activations.dtype)
         self.parts = {
-            part: PartBuffers(specs[part], part_rows(part, layers), by_state, self.copy_dtype)
+            part: PartBuffers(specs[part], rows_of(part, layers), by_state, self.copy_dtype)
             for part in PARTS
         }
         self.activations = ActivationBuffers(activations, places["activations"])
@@ -159,6 +166,17 @@ class StateStore:
             weights.update(spec.views(self.rts[kind].all_gather(shards[kind])))
         return weights
 
+    def part_rows(self) -> list[tuple[str, int]]:
+        """Every (part, row) in order: the embedding, each decoder layer, the head."""
+        return [(part, row) for part in PARTS for row in range(self.parts[part].rows)]
+
+    def write_shard(self, part: str, row: int, state: str, local: dict[str, torch.Tensor]) -> None:
+        """Stores this rank's RTS slice of a part's tensor-parallel shards (padded, named as in
+        :class:`modelling.gpt.GPT`) into one row of ``state``."""
+        for kind, spec in self.specs[part].items():
+            flat = spec.pack(local).view(spec.rts_size, spec.shard)[self.rts[kind].rank]
+            self.write_row(part, state, kind, row, flat)
+
     def write_row(self, part: str, state: str, kind: str, row: int, flat: torch.Tensor) -> None:
         """Writes one row of a state from outside a step (initialisation, checkpoints); weights
         refresh their compute-dtype copy, and loads issued ahead are forgotten."""
@@ -170,8 +188,9 @@ class StateStore:
 
     # ------------------------------------------------------------------ gradients
 
-    def accumulate_grads(self, part: str, row: int, shards: dict[str, torch.Tensor],
-                         first: bool) -> dict[str, torch.Tensor]:  # fmt: skip
+    def accumulate_grads(
+        self, part: str, row: int, shards: dict[str, torch.Tensor], first: bool
+    ) -> dict[str, torch.Tensor]:
         """Adds reduced gradient shards to the part's accumulators (``first``: replaces them).
 
         Returns the accumulated shards on the device (for the global norm).
@@ -192,23 +211,23 @@ class StateStore:
         """Weights, gradient and both moments of one row of one kind, on the device."""
         buffers = self.parts[part]
         return [
-            self._load(getattr(buffers, s)[kind][row], self.places[_group(s)])
-            for s in PartBuffers.STATES
+            self._load(getattr(buffers, s)[kind][row], self.places[_group(s)]) for s in PART_STATES
         ]
 
-    def store_optimizer_row(self, part: str, kind: str, row: int,
-                            updated: list[torch.Tensor]) -> None:  # fmt: skip
+    def store_optimizer_row(
+        self, part: str, kind: str, row: int, updated: list[torch.Tensor]
+    ) -> None:
         """Writes back updated weights and moments (gradients are read-only in the update),
         and the weights cast to the compute dtype where copies are kept (once per step)."""
         if not self.places["weights"].remote:
             return  # updated in place
         buffers, place = self.parts[part], self.places["weights"]
-        for state, value in zip(PartBuffers.STATES, updated, strict=True):
+        for state, value in zip(PART_STATES, updated, strict=True):
             if state not in GRAD_STATES:
                 self._store(getattr(buffers, state)[kind][row], value, place)
         if buffers.weight_copies:
             # Cast on the device: the link carries 2 bytes, and the host spends no time on it.
-            weights = updated[PartBuffers.STATES.index("weights")]
+            weights = updated[PART_STATES.index("weights")]
             self._store(buffers.weight_copies[kind][row], weights.to(self.copy_dtype), place)
 
     # ------------------------------------------------------------------ activations

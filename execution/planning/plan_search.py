@@ -18,9 +18,17 @@ import numpy as np
 
 from config.loading import validate
 from config.schema import PretrainingConfig
-from execution.device_specs import DeviceSpec, resolve_spec
-from execution.dry_run import RankMeasurement, estimate, fake_job, meta_step, spec_budget
-from execution.planner import GiB, MemoryPlan, candidate_plans, fastest_fitting, shrunk_config
+from execution.engine.plan import GiB, MemoryPlan
+from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.dry_run import (
+    RankMeasurement,
+    estimate,
+    fake_job,
+    measure_planned_step,
+    spec_budget,
+)
+from execution.planning.measure import shrunk_config
+from execution.planning.planner import candidate_plans, fastest_fitting
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -45,7 +53,7 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
             for state, where in placement.items():
                 setattr(small.execution, f"{state}_placement", where)
             small_plan = next(iter(candidate_plans(small, "cuda")))
-            step = meta_step(small, small_plan, spec)
+            step = measure_planned_step(small, small_plan, spec)
             samples.append(step)
             working_set = max(working_set, step.working_set)
     keys = ["flops", *samples[0].comm_bytes]
@@ -101,10 +109,15 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
             misfits += 1
             continue
         measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops)
-        rows.append({"config": candidate, "plan": plan,
-                     "device_bytes": plan.bytes_on("device")["total"],
-                     "host_bytes": plan.bytes_on("host")["total"],
-                     **estimate(candidate, measured, spec)})  # fmt: skip
+        rows.append(
+            {
+                "config": candidate,
+                "plan": plan,
+                "device_bytes": plan.bytes_on("device")["total"],
+                "host_bytes": plan.bytes_on("host")["total"],
+                **estimate(candidate, measured, spec),
+            }
+        )
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, misfits
 
@@ -114,28 +127,38 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     spec = resolve_spec(config)
     rows, misfits = search(config, devices)
     tokens = config.tokens_per_step
-    print(f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
-          f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
-          f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not")  # fmt: skip
-    header = (f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<21}"
-              f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}")  # fmt: skip
+    print(
+        f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
+        f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
+        f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not"
+    )
+    header = (
+        f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<21}"
+        f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
+    )
     print(header)
     for row in rows:
         ex, plan = row["config"].execution, row["plan"]
         where = "/".join(vars(plan.placement).values())
-        print(f"{ex.data_parallel:>3} {ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
-              f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
-              f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
-              f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
-              f"{row['mfu']:>6.1%}")  # fmt: skip
+        print(
+            f"{ex.data_parallel:>3} {ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
+            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
+            f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
+            f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
+            f"{row['mfu']:>6.1%}"
+        )
     if not rows and not misfits:
         m = config.model
-        print(f"no layout of {devices} devices suits this model: tensor_parallel_1 must divide "
-              f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, and "
-              f"micro-batch x data_parallel --global_batch_size "
-              f"{config.training.global_batch_size}")  # fmt: skip
+        print(
+            f"no layout of {devices} devices suits this model: tensor_parallel_1 must divide "
+            f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, and "
+            f"micro-batch x data_parallel --global_batch_size "
+            f"{config.training.global_batch_size}"
+        )
     if rows:
         ex = rows[0]["config"].execution
-        print(f"fastest: --data_parallel {ex.data_parallel} --tensor_parallel_1 "
-              f"{ex.tensor_parallel_1} --tensor_parallel_2 {ex.tensor_parallel_2} "
-              f"--micro_batch_size {ex.micro_batch_size}")  # fmt: skip
+        print(
+            f"fastest: --data_parallel {ex.data_parallel} --tensor_parallel_1 "
+            f"{ex.tensor_parallel_1} --tensor_parallel_2 {ex.tensor_parallel_2} "
+            f"--micro_batch_size {ex.micro_batch_size}"
+        )

@@ -1,0 +1,184 @@
+"""The files of a checkpoint folder: finding, verifying, committing and reading their metadata.
+
+Layout of a ``--save`` folder::
+
+    step_6/                 one complete checkpoint
+        __0_0.distcp ...    DCP data files, one per rank (each rank writes its own in parallel)
+        .metadata           DCP's index of the tensors
+        trainer.json        step, optimizer steps, loader position, loss scale, model config
+        manifest.json       size and CRC-32C of every file above; written last
+    step_9.tmp/             a checkpoint being written (never loaded)
+    latest                  "step_6": the newest complete checkpoint
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import torch
+
+from config.loading import ConfigError, one_line
+from execution.engine.buffers import WEIGHT_STATES
+from modelling.gpt import GPTShapes, logical_shapes
+
+FORMAT = 1
+# What a checkpoint holds of each parameter: the weights and both AdamW moments.
+SAVED_STATES = WEIGHT_STATES
+TRAINER_FILE, MANIFEST_FILE, LATEST_FILE = "trainer.json", "manifest.json", "latest"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that is missing, incomplete, damaged or of another model (one line)."""
+
+
+@contextlib.contextmanager
+def single_process_quiet() -> Iterator[None]:
+    """DCP warns on every single-process save and load that it is not distributed; we know."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        yield
+
+
+def fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_crc(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = crc32c.crc32c(chunk, crc)
+    return crc
+
+
+def step_folders(directory: Path) -> list[tuple[int, Path]]:
+    """Complete-looking ``step_N`` folders of a save folder, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return sorted(found)
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint folder that ``--load path`` means: ``path`` itself or its ``latest``."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if (path / LATEST_FILE).is_file():
+        name = (path / LATEST_FILE).read_text().strip()
+        path = path / name
+        if not path.is_dir():
+            raise CheckpointError(f"{path.parent / LATEST_FILE} names {name}, which is missing")
+    if not (path / MANIFEST_FILE).is_file():
+        if path.name.endswith(".tmp"):
+            raise CheckpointError(f"{path} is a checkpoint that was never completed")
+        raise CheckpointError(
+            f"{path} holds no checkpoint (no {MANIFEST_FILE}, and no {LATEST_FILE} file naming one)"
+        )
+    return path
+
+
+def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
+    """Checks every file of the manifest (sizes all, CRCs of this rank's share); None if good."""
+    try:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as err:
+        return f"checkpoint file {path / MANIFEST_FILE} is damaged: {err}"
+    for index, (name, (size, crc)) in enumerate(sorted(manifest.items())):
+        file = path / name
+        if not file.is_file():
+            return f"checkpoint file {file} is missing"
+        if file.stat().st_size != size:
+            return (
+                f"checkpoint file {file} is damaged: {file.stat().st_size} bytes, "
+                f"{size} were written"
+            )
+        if index % world_size == rank and file_crc(file) != crc:
+            return f"checkpoint file {file} is damaged: its CRC-32C does not match"
+    return None
+
+
+def read_trainer_state(path: Path) -> dict[str, Any]:
+    try:
+        trainer = json.loads((path / TRAINER_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {path / TRAINER_FILE} is damaged: {err}") from None
+    if trainer.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path / TRAINER_FILE} has format {trainer.get('format')}, this program reads {FORMAT}"
+        )
+    return trainer
+
+
+def stored_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Key -> shape of every tensor in a checkpoint (from DCP's index, no data read)."""
+    import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception as err:  # DCP raises whatever unpickling raised
+        raise CheckpointError(
+            f"checkpoint file {path / '.metadata'} is damaged: {type(err).__name__}"
+        ) from None
+    return {
+        key: tuple(m.size) for key, m in metadata.state_dict_metadata.items() if hasattr(m, "size")
+    }
+
+
+def check_shapes(path: Path, shapes: GPTShapes, states: tuple[str, ...] = SAVED_STATES) -> None:
+    """Raises a one-line CheckpointError naming the first tensor whose shape differs."""
+    stored = stored_shapes(path)
+    expected = {
+        f"{s}/{name}": shape for s in states for name, shape in logical_shapes(shapes).items()
+    }
+    for key, shape in expected.items():
+        if key not in stored:
+            raise CheckpointError(
+                f"checkpoint {path} has no tensor {key} of shape {list(shape)}: it holds another "
+                f"model (this run has --layers {shapes.layers})"
+            )
+        if stored[key] != shape:
+            raise CheckpointError(
+                f"checkpoint {path}: tensor {key} has shape {list(stored[key])} in the checkpoint "
+                f"but {list(shape)} in this model; use the model flags of the saved run"
+            )
+    extra = sorted(k for k in stored if k.split("/")[0] in states and k not in expected)
+    if extra:
+        raise CheckpointError(
+            f"checkpoint {path} holds tensor {extra[0]} of shape {list(stored[extra[0]])}, which "
+            f"this model (--layers {shapes.layers}) does not have"
+        )
+
+
+def dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
+    import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
+    try:
+        with single_process_quiet():
+            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+    except Exception as err:  # a file that passed its CRC but still fails to read
+        raise CheckpointError(
+            f"cannot read checkpoint {path}: {one_line(err, limit=300)}"
+        ) from None

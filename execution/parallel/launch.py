@@ -1,0 +1,134 @@
+"""Joining a job: the launcher's variables, the world-size check, the device and the groups.
+
+torchrun, mpiexec (Open MPI, MPICH) and SLURM each say where a process belongs through
+environment variables; :func:`setup_layout` reads them (here and nowhere deeper), checks them
+against the preset's layout, joins the job and builds its :class:`ParallelLayout`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from config.loading import ConfigError
+from config.schema import PretrainingConfig
+from execution.parallel.mesh import ParallelLayout
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """Where this process sits in the job, as told by its launcher."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int  # processes on this node
+    launcher: str
+
+
+def read_launch_environment(env: Mapping[str, str]) -> LaunchInfo:
+    """Rank and world size from torchrun, mpiexec (Open MPI, MPICH/PMI) or SLURM variables.
+
+    torchrun's variables win, then MPI's, then SLURM's; none at all means a single process.
+    For MPI and SLURM launches ``MASTER_ADDR`` and ``MASTER_PORT`` must be set by the user
+    (the README shows how).
+    """
+    schemes = (
+        ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+        (
+            "mpiexec",
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
+        ("mpiexec", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    )
+    for launcher, rank_key, size_key, local_key, local_size_key in schemes:
+        if rank_key in env and size_key in env:
+            try:
+                rank, size = int(env[rank_key]), int(env[size_key])
+                local = int(env.get(local_key, rank))
+                # Unknown node size: assume all processes share one node (the cautious answer
+                # for memory and GPU checks, and the same on every rank).
+                local_size = int(env.get(local_size_key, size))
+            except ValueError:
+                raise ConfigError(
+                    f"{launcher} variables {rank_key}={env[rank_key]!r} "
+                    f"{size_key}={env[size_key]!r} are not integers"
+                ) from None
+            return LaunchInfo(rank, size, local, local_size, launcher)
+    return LaunchInfo(0, 1, 0, 1, "single process")
+
+
+def check_world_size(config: PretrainingConfig, world_size: int) -> None:
+    """Raises a one-line ConfigError when the launch does not fit the preset's layout."""
+    ex = config.execution
+    if world_size != config.world_size:
+        raise ConfigError(
+            f"--data_parallel {ex.data_parallel} x --tensor_parallel_1 {ex.tensor_parallel_1} x "
+            f"--tensor_parallel_2 {ex.tensor_parallel_2} = {config.world_size} processes, but "
+            f"the job has {world_size}; launch {config.world_size} processes (e.g. torchrun "
+            f"--nproc_per_node {config.world_size}) or change the layout flags (--dry_run checks "
+            f"this layout in one process; --plan_for {world_size} lists layouts of {world_size})"
+        )
+
+
+def select_device(requested: str, local_rank: int, local_world_size: int = 1) -> torch.device:
+    """The compute device for ``--device``: one GPU per process, or the CPU.
+
+    ``auto`` takes this rank's GPU only when the node has a GPU for each of its processes, so
+    every rank of a node makes the same choice (NCCL cannot share one GPU between ranks).
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if requested == "cuda" and gpus < local_world_size:
+        raise ConfigError(
+            f"--device cuda needs a GPU for each of the {local_world_size} process(es) on this "
+            f"node, but {gpus} are available; launch fewer processes per node or use --device cpu"
+        )
+    if requested == "cpu" or (requested == "auto" and gpus < local_world_size):
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None):
+    """Joins the job described by the launcher's environment and builds its layout.
+
+    Args:
+        config: Validated config (its layout flags must match the job's world size).
+        env: Launcher variables; ``os.environ`` when None. Read here and nowhere deeper.
+
+    Returns:
+        (layout, launch info). Call :func:`teardown` at the end.
+    """
+    info = read_launch_environment(os.environ if env is None else env)
+    check_world_size(config, info.world_size)
+    device = select_device(config.execution.device, info.local_rank, info.local_world_size)
+    ex = config.execution
+    if info.world_size == 1:
+        return ParallelLayout.single(device), info
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend,
+        rank=info.rank,
+        world_size=info.world_size,
+        timeout=datetime.timedelta(minutes=30),
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    layout = ParallelLayout.build(
+        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, device
+    )
+    return layout, info
+
+
+def teardown() -> None:
+    """Leaves the job's process group (if one was joined)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,195 @@
+"""The parallel geometry of a run: ranks, mesh axes and their process groups (DESIGN.md section 3).
+
+Rank ``r = d * (tp1 * tp2) + i * tp2 + j`` where ``j`` indexes tensor_parallel_2 (innermost), ``i``
+tensor_parallel_1 and ``d`` data_parallel. :class:`MeshShape` is the one place that formula and
+the membership of every group live; a new parallel axis joins there. One :class:`ParallelLayout`
+is built at start-up and passed to everything that communicates; there is no module-level
+process-group state.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+_REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# torch 2.13 renamed the flat-tensor collectives and deprecated the old names (a FutureWarning
+# per call); older versions only have the old ones.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# Each group of the mesh, by the coordinates (d, i, j) that vary within it: a rank's group along
+# an axis is every rank that shares its other coordinates.
+AXES: dict[str, tuple[str, ...]] = {
+    "dp": ("d",),
+    "tp1": ("i",),
+    "tp2": ("j",),
+    "dp_tp1": ("d", "i"),  # replicas of tp2-sharded vectors: their RTS group
+    "dp_tp2": ("d", "j"),  # replicas of tp1-sharded vectors: their RTS group
+    "world": ("d", "i", "j"),
+}
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """Sizes of the (dp, tp1, tp2) mesh: the rank formula and every group's members."""
+
+    dp: int
+    tp1: int
+    tp2: int
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp1 * self.tp2
+
+    def rank(self, d: int, i: int, j: int) -> int:
+        return (d * self.tp1 + i) * self.tp2 + j
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"d": ..., "i": ..., "j": ...}`` of a global rank."""
+        d, rest = divmod(rank, self.tp1 * self.tp2)
+        i, j = divmod(rest, self.tp2)
+        return {"d": d, "i": i, "j": j}
+
+    def size(self, axis: str) -> int:
+        sizes = {"d": self.dp, "i": self.tp1, "j": self.tp2}
+        return math.prod(sizes[c] for c in AXES[axis])
+
+    def members(self, axis: str, rank: int) -> tuple[int, ...]:
+        """Global ranks of ``rank``'s group along ``axis``, in group-rank order (ascending)."""
+        fixed = {c: v for c, v in self.coords(rank).items() if c not in AXES[axis]}
+        ranks = range(self.world_size)
+        return tuple(r for r in ranks if fixed.items() <= self.coords(r).items())
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group along ``axis``, each once, in the same order on every rank."""
+        return sorted({self.members(axis, r) for r in range(self.world_size)})
+
+
+@dataclass(eq=False)
+class GroupAxis:
+    """One communication group as seen by this rank; size 1 makes every collective a no-op.
+
+    ``calls`` counts the collectives issued (by op name) so tests can check the schedule, and
+    ``payload_bytes`` adds up their full-size tensors (the all-reduced tensor, the gathered
+    output, the reduce-scattered input) for the dry run's traffic figures.
+    """
+
+    name: str
+    size: int
+    rank: int
+    group: dist.ProcessGroup | None = None
+    members: tuple[int, ...] = ()  # global ranks of the group, in group-rank order
+    # No process group at all: collectives only produce outputs of the right shape (meta
+    # tensors), for measuring one rank's step inside a running job.
+    shapes_only: bool = False
+    calls: collections.Counter = field(default_factory=collections.Counter)
+    payload_bytes: collections.Counter = field(default_factory=collections.Counter)
+
+    def _count(self, op: str, full: torch.Tensor) -> None:
+        self.calls[op] += 1
+        self.payload_bytes[op] += full.numel() * full.element_size()
+
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of ``tensor`` over the group (``sum``, ``max`` or ``min``)."""
+        if self.size > 1:
+            self._count(f"all_reduce_{op}", tensor)
+            if not self._shapes_only(tensor):
+                dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group)
+        return tensor
+
+    def _shapes_only(self, tensor: torch.Tensor) -> bool:
+        assert not self.shapes_only or tensor.is_meta, "a shapes-only axis takes meta tensors"
+        return self.shapes_only
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        """Concatenation of every member's equally sized 1-D shard, in group-rank order."""
+        if self.size == 1:
+            return shard
+        out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
+        self._count("all_gather", out)
+        if not self._shapes_only(out):
+            _all_gather_flat(out, shard.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
+        if self.size == 1:
+            return full
+        self._count("reduce_scatter", full)
+        out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
+        if not self._shapes_only(out):
+            _reduce_scatter_flat(out, full.contiguous(), group=self.group)
+        return out
+
+
+@dataclass(eq=False)
+class ParallelLayout:
+    """Sizes, this rank's coordinates and the groups of every axis of the (dp, tp1, tp2) mesh.
+
+    Attributes:
+        dp, tp1, tp2: The data-parallel and the two tensor-parallel axes.
+        dp_tp1: Replicas holding identical copies of tp2-sharded vectors (their RTS group).
+        dp_tp2: Replicas holding identical copies of tp1-sharded vectors (their RTS group).
+        world: Every rank (global gradient norm, loss reporting).
+        device: This rank's compute device.
+    """
+
+    dp: GroupAxis
+    tp1: GroupAxis
+    tp2: GroupAxis
+    dp_tp1: GroupAxis
+    dp_tp2: GroupAxis
+    world: GroupAxis
+    device: torch.device
+    local_world_size: int = 1  # processes on this machine, sharing its host memory
+
+    @property
+    def rank(self) -> int:
+        return self.world.rank
+
+    @property
+    def is_main(self) -> bool:
+        """The rank that writes logs, metrics and checkpoints."""
+        return self.world.rank == 0
+
+    def axes(self) -> list[GroupAxis]:
+        return [self.dp, self.tp1, self.tp2, self.dp_tp1, self.dp_tp2, self.world]
+
+    @classmethod
+    def single(cls, device: torch.device) -> ParallelLayout:
+        """The layout of one process: every axis has size 1."""
+        axes = {name: GroupAxis(name, 1, 0, members=(0,)) for name in AXES}
+        return cls(**axes, device=device)
+
+    @classmethod
+    def shapes_only(cls, dp: int, tp1: int, tp2: int, device: str | torch.device = "meta"):
+        """Rank 0 of a (dp, tp1, tp2) layout with no process groups: collectives only shape
+        their outputs (meta tensors). Lets a process measure a step of any layout, or build a
+        rank's buffers on ``device`` (construction communicates nothing)."""
+        mesh = MeshShape(dp, tp1, tp2)
+        axes = {
+            name: GroupAxis(
+                name, mesh.size(name), 0, members=mesh.members(name, 0), shapes_only=True
+            )
+            for name in AXES
+        }
+        return cls(**axes, device=torch.device(device))
+
+    @classmethod
+    def build(cls, dp: int, tp1: int, tp2: int, device: torch.device) -> ParallelLayout:
+        """Creates every group of the mesh; all ranks of an initialised job must call this."""
+        mesh, rank = MeshShape(dp, tp1, tp2), dist.get_rank()
+        assert dist.get_world_size() == mesh.world_size, "checked by check_world_size"
+        axes = {}
+        for name in AXES:
+            # new_group is collective: every rank creates every group, in the same order.
+            for ranks in mesh.groups(name):
+                group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                if rank in ranks:
+                    axes[name] = GroupAxis(name, len(ranks), ranks.index(rank), group, ranks)
+        return cls(**axes, device=device)

@@ -1,0 +1,222 @@
+"""The memory model: what one rank's buffers and transfers cost under a plan (DESIGN.md s. 9).
+
+Three states are placed, each on the compute device or in host memory:
+
+- ``weights``: float32 master weights with their two AdamW moments (16 bytes per parameter of
+  this rank's RTS shard, reported as 4 of weights and 8 of optimizer state);
+- ``grads``: float32 gradient accumulators (4 bytes per parameter of the shard);
+- with weights on the host and a 16-bit compute dtype, ``weight_copies`` of the weights in that
+  dtype beside the masters (2 bytes per parameter, placed with the weights), which the phases
+  load instead of the masters;
+- ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
+  micro-batches of one pass, in the compute dtype.
+
+Byte counts come from the same functions the buffers are allocated by
+(:mod:`execution.engine.buffers`), so a plan can never disagree with what is allocated. The
+transient working set is measured (:mod:`execution.planning.measure`); a quick formula of it
+serves only the advice given for a misfit.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from config.schema import PretrainingConfig
+from execution.engine.buffers import (
+    DTYPES,
+    GRAD_STATES,
+    WEIGHT_STATES,
+    ActivationLayout,
+    PartBuffers,
+    flat_specs,
+    rows_of,
+    weight_copy_dtype,
+)
+from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.parallel.sharding import rts_sizes
+from modelling.gpt import PARTS, GPTShapes
+
+# Host memory the planner leaves to the interpreter, torch and the data loader.
+HOST_HEADROOM = 0.10
+# Free device memory it leaves to the CUDA context and the caching allocator's fragmentation.
+DEVICE_HEADROOM = 0.10
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """Bytes this process may use. ``device`` is None when the device is the CPU (one pool)."""
+
+    device: int | None
+    host: int
+
+    def fits(self, plan: MemoryPlan) -> bool:
+        device, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
+        if self.device is None:
+            return device + host <= self.host
+        return device <= self.device and host <= self.host
+
+    def describe(self) -> str:
+        host = f"{self.host / GiB:,.1f} GiB of host memory"
+        if self.device is None:
+            return f"{host} (the CPU is the device)"
+        return f"{self.device / GiB:,.1f} GiB of device memory and {host}"
+
+
+def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
+    """The memory this process may plan with: flags first, else what the machine has free.
+
+    Host memory is shared by the node's processes, so each gets its share of what is available.
+    """
+    ex = config.execution
+    host = ex.host_memory_gb * GiB
+    if not host:
+        host = (_host_memory_available() or 0) * (1 - HOST_HEADROOM) / processes_per_node
+    gpu = None
+    if device.type != "cpu":
+        gpu = ex.device_memory_gb * GiB
+        gpu = gpu or torch.cuda.mem_get_info(device)[0] * (1 - DEVICE_HEADROOM)
+    return MemoryBudget(None if gpu is None else int(gpu), int(host))
+
+
+def _host_memory_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one rank's memory depends on: model shard sizes, batch and dtype."""
+
+    shapes: GPTShapes
+    dp: int
+    micro_batch: int
+    sequence: int
+    gradient_accumulation: int
+    dtype: torch.dtype
+
+    @classmethod
+    def from_config(cls, config: PretrainingConfig) -> RankShape:
+        ex = config.execution
+        return cls(
+            GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
+            ex.data_parallel,
+            ex.micro_batch_size,
+            config.model.sequence_length,
+            config.gradient_accumulation,
+            DTYPES[config.training.precision],
+        )
+
+    @functools.cached_property
+    def specs(self):
+        s = self.shapes
+        return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2))
+
+    def activation_layout(self, entries: int) -> ActivationLayout:
+        return ActivationLayout.of(
+            self.shapes, entries, self.micro_batch, self.sequence, self.dtype
+        )
+
+
+def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
+    return math.ceil(gradient_accumulation / passes)
+
+
+def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str, int]:
+    """Bytes of each state's buffers on one rank, from the allocating classes' own formulas
+    (``placement`` decides whether compute-dtype weight copies are kept)."""
+    specs, layers = rank.specs, rank.shapes.layers
+    copy_dtype = weight_copy_dtype(placement.weights == "host", rank.dtype)
+
+    def part_bytes(states) -> int:
+        return sum(PartBuffers.planned_nbytes(specs[p], rows_of(p, layers), states) for p in PARTS)
+
+    weights = part_bytes(WEIGHT_STATES[:1])
+    return {
+        "weights": weights,
+        "optimizer": part_bytes(WEIGHT_STATES) - weights,
+        "grads": part_bytes(GRAD_STATES),
+        "weight_copies": sum(
+            PartBuffers.planned_copy_nbytes(specs[p], rows_of(p, layers), copy_dtype) for p in PARTS
+        ),
+        "activations": rank.activation_layout(entries).planned_nbytes(),
+    }
+
+
+def working_set_bytes(
+    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool
+) -> int:
+    """A quick estimate of the transient device bytes of the largest phase.
+
+    Used only to advise which flags would make a misfit fit (a measurement per candidate
+    layout would take minutes); plans are chosen with :func:`measured_working_set`. With
+    ``prefetch`` and host weights, a phase also holds the next phase's weight shards.
+    """
+    s, b = rank.shapes, rank.dtype.itemsize
+    specs = rank.specs
+    tokens = rank.micro_batch * rank.sequence
+    h2, h1 = s.hidden // s.tp2, s.hidden // s.tp1
+
+    def local(part: str) -> int:  # one row's tensor-parallel shard, in elements
+        return sum(spec.padded for spec in specs[part].values())
+
+    def shard(part: str) -> int:  # one row's RTS shard of it, in elements
+        return sum(spec.shard for spec in specs[part].values())
+
+    layer = local("layers") * (2 * b + 8)
+    layer += tokens * (8 * h2 + 13 * h1) * b + tokens * h2 * 8  # saved tensors, fp32 LN stats
+    if not flash_attention:
+        layer += 16 * rank.micro_batch * (s.heads // s.tp1) * rank.sequence**2
+    layer += 3 * tokens * h2 * b
+    vocab = s.vocab_padded // s.tp1
+    head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
+    largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
+    optimizer = (28 if placement.weights == "host" else 12) * largest_row
+    ahead = 0
+    if prefetch and placement.weights == "host":
+        ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
+    return max(layer + ahead, head + ahead, optimizer)
+
+
+def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
+    """Bytes a step moves between host and device under a placement (0 for all-device).
+
+    Counts exactly what :class:`execution.engine.state.StateStore` copies (a test holds the two
+    together): per pass each part's weights are loaded for forward and backward (the word
+    embedding a third time, tied in the head), gradients are stored and, after the first pass,
+    read back to accumulate (the embedding's twice: the head's tied part and its own); the
+    optimizer reads gradients, weights and moments once and writes weights and moments back
+    (and the compute-dtype copies of host weights, which the loads then read instead);
+    each micro-batch stores x at L + 1 boundaries and reads it 2L + 1 times, and stores and
+    reads dx at L + 1.
+    """
+    specs, layers = rank.specs, rank.shapes.layers
+
+    def fp32(part: str) -> int:  # bytes of one state of a part (all its rows)
+        return PartBuffers.planned_nbytes(specs[part], rows_of(part, layers), ("weights",))
+
+    total = sum(fp32(part) for part in PARTS)
+    emb, lay, head = fp32("embedding"), fp32("layers"), fp32("head")
+    copies = state_bytes(rank, entries, placement)["weight_copies"]
+    traffic = 0
+    if placement.weights == "host":
+        loads = passes * (2 * lay + 3 * emb + head)
+        if copies:  # loads read the compute-dtype copies; the optimizer refreshes them
+            loads = loads * rank.dtype.itemsize // 4 + copies
+        traffic += loads + 6 * total
+    if placement.grads == "host":
+        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb + total
+    if placement.activations == "host":
+        layout = rank.activation_layout(entries)
+        per_micro = (3 * layers + 2) * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
+        traffic += per_micro * rank.gradient_accumulation * rank.dtype.itemsize
+    return traffic

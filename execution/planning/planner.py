@@ -1,0 +1,218 @@
+"""The memory planner: how many passes a step takes and where each state lives (DESIGN.md s. 9).
+
+Every plan the flags allow is costed by :mod:`execution.planning.memory` (buffers, host
+traffic) and :mod:`execution.planning.measure` (the working set, measured). Plans are ranked by
+the bytes they move between host and device per step, then by fewest passes; the first that
+fits this process's memory is taken. A run that fits under no plan gets one line naming the
+least memory it needs and the single flag changes that would make it fit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+from config.loading import ConfigError
+from config.schema import PretrainingConfig
+from execution.engine.phases import PhasedEngine
+from execution.engine.plan import PLACED_STATES, PLACES, GiB, MemoryPlan, Placement
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.measure import measured_working_set
+from execution.planning.memory import (
+    MemoryBudget,
+    RankShape,
+    host_traffic,
+    measure_budget,
+    micro_batches_per_pass,
+    state_bytes,
+    working_set_bytes,
+)
+
+
+def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
+    """Each state's place as the flags fix it (None: the planner chooses)."""
+    ex = config.execution
+    shorthand = {"remote": "host", "resident": "device", "auto": None}[ex.placement]
+    flags = {
+        "weights": ex.weights_placement,
+        "grads": ex.grads_placement,
+        "activations": ex.activations_placement,
+    }
+    return {s: (v if v != "auto" else shorthand) for s, v in flags.items()}
+
+
+def candidate_plans(
+    config: PretrainingConfig,
+    device_type: str,
+    most_passes_only: bool = False,
+    estimate_working_set: bool = False,
+) -> list[MemoryPlan]:
+    """Every plan the flags allow, fastest first (least host traffic, then fewest passes).
+
+    ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
+    ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
+    """
+    rank = RankShape.from_config(config)
+    fixed = requested_placement(config)
+    ga = rank.gradient_accumulation
+    if config.execution.passes:
+        pass_options = [config.execution.passes]
+    elif most_passes_only:
+        pass_options = [ga]
+    else:  # each distinct number of micro-batches per pass, once
+        pass_options = sorted(
+            {math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)}
+        )
+    places = [[fixed[s]] if fixed[s] else list(PLACES) for s in PLACED_STATES]
+    shared = device_type == "cpu"
+    plans = []
+    for where in itertools.product(*places):
+        placement = Placement(*where)
+        if estimate_working_set:
+            flash = device_type == "cuda" or config.model.dropout_prob == 0.0
+            working = working_set_bytes(
+                rank, placement, flash_attention=flash, prefetch=config.execution.prefetch
+            )
+        else:
+            working = measured_working_set(config, device_type)
+        for passes in pass_options:
+            entries = micro_batches_per_pass(ga, passes)
+            traffic = 0 if shared else host_traffic(rank, placement, passes, entries)
+            plans.append(
+                MemoryPlan(
+                    passes,
+                    entries,
+                    placement,
+                    state_bytes(rank, entries, placement),
+                    working,
+                    traffic,
+                    shared,
+                )
+            )
+
+    # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
+    def hosted(plan: MemoryPlan) -> int:
+        return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
+
+    return sorted(plans, key=lambda p: (p.traffic, hosted(p), p.passes))
+
+
+def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan | None:
+    """The first plan of ``plans`` (ranked fastest first) that fits ``budget``."""
+    return next((plan for plan in plans if budget.fits(plan)), None)
+
+
+def choose_plan(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> MemoryPlan:
+    """The fastest plan that fits ``budget``; a one-line ConfigError when none does."""
+    plans = candidate_plans(config, device_type)
+    plan = fastest_fitting(plans, budget)
+    if plan is not None:
+        return plan
+    least = min(plans, key=lambda p: _shortfall(p, budget))
+    need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
+    if budget.device is None:
+        needed = f"{sum(need) / GiB:,.1f} GiB"
+    else:
+        needed = f"{need[0] / GiB:,.1f} GiB of device and {need[1] / GiB:,.1f} GiB of host memory"
+    raise ConfigError(
+        f"this run needs at least {needed} per process (with {least.passes} pass(es), "
+        f"{least.placement.describe()}), but it may use {budget.describe()}; "
+        f"{_suggestions(config, device_type, budget)}"
+    )
+
+
+def plan_for_process(
+    config: PretrainingConfig, layout: ParallelLayout
+) -> tuple[MemoryPlan, MemoryBudget]:
+    """The fastest plan that fits the memory this process may use, and that budget.
+
+    Raises:
+        ConfigError: no plan fits (one line with the least memory needed and what would fit).
+    """
+    budget = measure_budget(config, layout.device, layout.local_world_size)
+    return choose_plan(config, layout.device.type, budget), budget
+
+
+def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
+    """This rank's engine under the plan :func:`plan_for_process` chooses."""
+    plan, _ = plan_for_process(config, layout)
+    return PhasedEngine(config, layout, plan)
+
+
+def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[MemoryPlan, bool]:
+    """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
+    that needs the least device memory and False (so a dry run can show what it would take)."""
+    plans = candidate_plans(config, "cuda")
+    plan = fastest_fitting(plans, budget)
+    if plan is not None:
+        return plan, True
+    return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
+
+
+def _shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
+    device, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
+    if budget.device is None:
+        return device + host - budget.host
+    return max(device - budget.device, 0) + max(host - budget.host, 0)
+
+
+def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> str:
+    """Flags that would make the run fit, tried one change at a time: first letting the planner
+    choose what the flags fixed, then smaller micro-batches, then more processes."""
+    ex = config.execution
+    changes: list[tuple[str, object, str]] = []
+    if ex.passes:
+        changes.append(("passes", 0, f"without --passes {ex.passes}"))
+    fixed = [
+        n
+        for n in ("placement", "weights_placement", "grads_placement", "activations_placement")
+        if getattr(ex, n) != "auto"
+    ]
+    if fixed:
+        flags = " ".join(f"--{n} {getattr(ex, n)}" for n in fixed)
+        changes.append(("placements", None, f"without {flags}"))
+    micro = ex.micro_batch_size // 2
+    while micro >= 1:
+        changes.append(("micro_batch_size", micro, f"--micro_batch_size {micro}"))
+        micro //= 2
+    for factor in (2, 4, 8, 16, 32, 64):
+        for name in ("data_parallel", "tensor_parallel_1", "tensor_parallel_2"):
+            changes.append((name, getattr(ex, name) * factor, ""))
+    found: dict[str, str] = {}
+    for name, value, text in changes:
+        if name in found:
+            continue
+        if name == "placements":
+            changed = _with_execution(config, **{n: "auto" for n in fixed})
+        elif not _valid_change(config, name, value):
+            continue
+        else:
+            changed = _with_execution(config, **{name: value})
+        plans = candidate_plans(
+            changed, device_type, most_passes_only=True, estimate_working_set=True
+        )
+        if any(budget.fits(p) for p in plans):
+            found[name] = text or f"--{name} {value} ({changed.world_size} processes)"
+    if not found:
+        return "no single change of passes, placement, micro-batch size or parallelism makes it fit"
+    return "it would fit " + " or ".join(
+        t if t.startswith("without") else f"with {t}" for t in found.values()
+    )
+
+
+def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:
+    m, ex = config.model, dataclasses.replace(config.execution, **{name: value})
+    per_step = ex.micro_batch_size * ex.data_parallel
+    return (
+        config.training.global_batch_size % per_step == 0
+        and m.heads % ex.tensor_parallel_1 == 0
+        and m.hidden_size % ex.tensor_parallel_2 == 0
+    )
+
+
+def _with_execution(config: PretrainingConfig, **changes) -> PretrainingConfig:
+    ex = dataclasses.replace(config.execution, **changes)
+    if ex.passes > (config.training.global_batch_size // (ex.micro_batch_size * ex.data_parallel)):
+        ex = dataclasses.replace(ex, passes=0)
+    return dataclasses.replace(config, execution=ex)

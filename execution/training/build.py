@@ -1,0 +1,169 @@
+"""Assembling a run from its config: data, plan, engine, restored state, checkpoints, trackers.
+
+Everything that can fail on the user's input fails here, before the first step and before any
+output exists: bad data or flags, a missing checkpoint, a run that fits under no plan, an
+unwritable folder. :func:`build` returns a :class:`Run`, which :func:`~execution.training.loop.train`
+steps through.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import yaml
+
+from config.loading import ConfigError, config_to_dict
+from config.schema import PretrainingConfig
+from data.loader import (
+    SAMPLE_DATA_GLOB,
+    PretrainingDataLoader,
+    training_loader,
+    validation_source,
+)
+from execution.checkpoint.files import resolve as resolve_checkpoint
+from execution.checkpoint.load import load_checkpoint, load_hf_weights
+from execution.checkpoint.save import Checkpointer
+from execution.engine.phases import PhasedEngine
+from execution.parallel.launch import LaunchInfo
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import plan_for_process
+from utils.tracking import NullTracker, Tracker, run_trackers
+
+
+@dataclass
+class Run:
+    """A run ready to train or evaluate: this rank's engine, data and outputs.
+
+    Attributes:
+        config: The run's configuration.
+        engine: This rank's model state, under the planner's plan.
+        loader: This rank's training batches (positioned after ``start_step`` steps).
+        validation: Returns a fresh pass over this rank's validation batches; None when the
+            run evaluates nothing.
+        tracker: Where metrics go (a no-op on every rank but the main one).
+        checkpointer: Saves with ``--save``; None otherwise.
+        start_step: Steps already done (by the checkpoint resumed from).
+    """
+
+    config: PretrainingConfig
+    engine: PhasedEngine
+    loader: PretrainingDataLoader
+    validation: Callable[[], Iterator[torch.Tensor]] | None
+    tracker: Tracker
+    checkpointer: Checkpointer | None
+    start_step: int
+
+    def close(self) -> None:
+        """Waits for the last checkpoint and closes the trackers."""
+        try:
+            self.tracker.close()
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+
+
+def build(
+    config: PretrainingConfig,
+    preset: str,
+    layout: ParallelLayout,
+    launch: LaunchInfo,
+    checkpoint_commit_delay: float = 0.0,
+) -> Run:
+    """Builds this rank's run; every rank of the job calls it.
+
+    Args:
+        config: Validated configuration.
+        preset: The preset's name (for the default output folder).
+        layout: This rank's parallel geometry.
+        launch: How the job was launched (reported at start-up).
+        checkpoint_commit_delay: Test hook: seconds each save waits before its commit.
+
+    Raises:
+        ConfigError, DataError: the user's input cannot run (one line each).
+    """
+    loader = training_loader(config, layout.dp.rank, layout.dp.size)
+    validation = validation_source(config, layout.dp.rank, layout.dp.size)
+    output_dir = Path(
+        config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
+    )
+    if layout.is_main and (output_dir / "metrics.jsonl").exists():
+        raise ConfigError(
+            f"{output_dir} already holds the metrics.jsonl of another run; "
+            "choose a new --output_dir (or leave it out for a fresh folder under runs/)"
+        )
+    c = config.checkpoint
+    if c.load:  # a missing checkpoint is reported before minutes of set-up, not after
+        resolve_checkpoint(c.load)
+    elif c.hf_model and not Path(c.hf_model).is_dir():
+        raise ConfigError(f"--hf_model {c.hf_model} is not a folder (a local HuggingFace GPT-2)")
+    # Planned before any output: a run that cannot fit says so and leaves nothing behind.
+    plan, budget = plan_for_process(config, layout)
+    if layout.is_main:
+        print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
+    engine = PhasedEngine(config, layout, plan)
+    start_step, restored = _restore(config, engine, loader)
+    checkpointer = None
+    if c.save and not c.eval_only:  # before any output: a bad --save must not leave a run behind
+        checkpointer = Checkpointer(
+            c.save, engine, c.keep_checkpoints, commit_delay=checkpoint_commit_delay
+        )
+    tracker: Tracker = NullTracker()
+    if layout.is_main:
+        tracker = _main_tracker(config, output_dir, max(config.training.steps, start_step))
+        files = config.data.input_files or [SAMPLE_DATA_GLOB]
+        data = ("" if config.data.input_files else "shipped sample ") + ", ".join(files)
+        buffers = sum(engine.buffer_bytes().values()) / 2**30
+        print(
+            f"preset {preset}: {config.model.layers} layers x {config.model.hidden_size} hidden, "
+            f"{config.world_size} process(es) ({launch.launcher}) on {layout.device}, "
+            f"{config.training.precision}, gradient accumulation {config.gradient_accumulation}, "
+            f"{buffers:.2f} GiB of buffers per process\n"
+            f"data: {data} ({loader.samples_per_epoch} sequences per epoch)\n"
+            f"{restored}output: {output_dir}/metrics.jsonl",
+            flush=True,
+        )
+    return Run(config, engine, loader, validation, tracker, checkpointer, start_step)
+
+
+def _restore(
+    config: PretrainingConfig, engine: PhasedEngine, loader: PretrainingDataLoader
+) -> tuple[int, str]:
+    """Loads ``--load`` (weights, optimizer, loader position) or ``--hf_model`` (weights).
+
+    Returns:
+        (steps already done, a start-up line saying what was loaded, or "").
+    """
+    c = config.checkpoint
+    if c.hf_model and not c.load:
+        load_hf_weights(c.hf_model, engine)
+        return 0, f"weights from the HuggingFace model {c.hf_model}\n"
+    if not c.load:
+        return 0, ""
+    trainer = load_checkpoint(c.load, engine)
+    start_step = trainer["step"]
+    if not c.eval_only:
+        loader.load_state_dict(trainer["loader"])
+        if start_step >= config.training.steps:
+            raise ConfigError(
+                f"the checkpoint {trainer['folder']} is at step {start_step} and --steps is "
+                f"{config.training.steps}: nothing to train; raise --steps"
+            )
+    dp, tp1, tp2 = trainer["saved_layout"]
+    verb = "loaded" if c.eval_only else "resumed from"
+    saved_by = f"saved by {dp} x {tp1} x {tp2} processes, {trainer['saved_placement']}"
+    return start_step, f"{verb} {trainer['folder']} at step {start_step} ({saved_by})\n"
+
+
+def _main_tracker(config: PretrainingConfig, output_dir: Path, total_steps: int) -> Tracker:
+    """The output folder with the run's ``config.yml``, and the trackers that write into it."""
+    run_config = config_to_dict(config)
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.yml").write_text(yaml.safe_dump(run_config))
+    except OSError as err:
+        raise ConfigError(f"cannot write to --output_dir {output_dir}: {err.strerror}") from None
+    return run_trackers(config.logging, output_dir, total_steps, run_config)

@@ -1,0 +1,99 @@
+"""The training loop: one :meth:`PhasedEngine.train_step` per step, plus the cadence around it
+(learning rate, logging, evaluation, checkpoints)."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from data.prefetch import PrefetchingLoader
+from execution.engine.optimizer import learning_rate
+from execution.training.build import Run
+from utils.metrics import device_peak_tflops, flops_per_token, throughput
+
+
+def train(run: Run) -> list[dict]:
+    """Runs steps ``run.start_step .. config.training.steps - 1`` and closes the run.
+
+    The next step's batch is read (and pinned for a GPU) in a background thread while the
+    current step runs (:class:`data.prefetch.PrefetchingLoader`). Evaluates every
+    ``--eval_every`` steps and at the end, and saves every ``--checkpoint_steps`` steps and at
+    the end; the last checkpoint is complete when this returns.
+
+    Returns:
+        The metrics logged for every training step.
+    """
+    config, engine, tracker = run.config, run.engine, run.tracker
+    t = config.training
+    layout = engine.layout
+    flops = flops_per_token(engine.shapes, config.model.sequence_length)
+    peak = device_peak_tflops(layout.device, config.execution.peak_tflops)
+    eval_every = config.data.eval_every if run.validation is not None else 0
+    every = config.checkpoint.checkpoint_steps
+    loader = PrefetchingLoader(run.loader, pin_memory=layout.device.type == "cuda")
+    history = []
+    try:
+        for step in range(run.start_step, t.steps):
+            lr = learning_rate(step, t.optimizer, config.tokens_per_step, t.steps)
+            waited = time.perf_counter()
+            batch = loader.next_batch()  # read while the last step ran
+            data_seconds = time.perf_counter() - waited
+            _synchronize(layout.device)
+            started = time.perf_counter()
+            result = engine.train_step(batch, step, lr)
+            _synchronize(layout.device)
+            seconds = time.perf_counter() - started
+            metrics = {
+                "step": step + 1,
+                "loss": result.loss,
+                "lr": lr,
+                "grad_norm": result.grad_norm,
+                "skipped": result.skipped,
+                "step_time": seconds,
+                "data_time": data_seconds,  # waiting for the batch, not part of step_time
+                **throughput(
+                    seconds,
+                    t.global_batch_size,
+                    config.model.sequence_length,
+                    flops,
+                    peak,
+                    config.world_size,
+                ),
+                "epoch": loader.epoch,
+            }
+            if config.data.skip_corrupt_records:  # same on every rank: the collective matches
+                count = torch.tensor(float(loader.skipped_records), device=layout.device)
+                metrics["skipped_records"] = int(layout.dp.all_reduce_(count).item())
+            tracker.log(metrics)
+            history.append(metrics)
+            last = step + 1 == t.steps
+            if eval_every and ((step + 1) % eval_every == 0 or last):
+                loss = engine.evaluate(run.validation())
+                tracker.log({"step": step + 1, "eval_loss": loss})
+            if run.checkpointer is not None and ((every and (step + 1) % every == 0) or last):
+                run.checkpointer.save(step + 1, loader.state_dict())
+    finally:
+        loader.close()
+        run.close()  # waits for the last checkpoint
+    return history
+
+
+def evaluate_only(run: Run) -> float:
+    """``--eval_only``: the validation loss of the loaded weights, reported and logged."""
+    try:
+        loss = run.engine.evaluate(run.validation())
+        perplexity = math.exp(loss) if loss < 700 else math.inf
+        metrics = {"step": run.start_step, "eval_loss": loss, "eval_perplexity": perplexity}
+        run.tracker.log(metrics)
+        if run.engine.layout.is_main:
+            print(f"validation loss {loss:.4f}, perplexity {perplexity:.2f}", flush=True)
+    finally:
+        run.close()
+    return loss
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
