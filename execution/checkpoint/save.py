@@ -5,19 +5,11 @@ parameter, named as in :class:`modelling.gpt.GPT` (``weights/layers.3.attn.qkv.w
 the trainer's position. So any (data_parallel, tensor_parallel_1, tensor_parallel_2), placement
 or precision can resume any checkpoint: loading slices the logical tensors for the new layout.
 
-Layout of a ``--save`` folder::
-
-    step_6/                 one complete checkpoint
-        __0_0.distcp ...    DCP data files, one per rank (each rank writes its own in parallel)
-        .metadata           DCP's index of the tensors
-        trainer.json        step, optimizer steps, loader position, loss scale, model config
-        manifest.json       size and CRC-32C of every file above; written last
-    step_9.tmp/             a checkpoint being written (never loaded)
-    latest                  "step_6": the newest complete checkpoint
+The folder's files are described in :mod:`execution.checkpoint.files`.
 
 Saving: the model's (part, row, state) items are dealt round-robin to ranks; every rank takes
-part in each collective :func:`~execution.checkpoint.logical.read_part_state` (the copy off the device, which is all
-that holds the training loop), keeps the items it owns and writes them with ``dcp.save`` in a
+part in each collective :func:`~execution.checkpoint.logical.read_part_state` (the copy off
+the device, which is all that holds the training loop), keeps the items it owns and writes them with ``dcp.save`` in a
 background thread, over a process group of its own. When every rank has written, rank 0
 writes ``trainer.json`` and ``manifest.json`` and renames ``step_N.tmp`` to ``step_N``, then
 updates ``latest`` with an atomic ``os.replace``: a process killed at any moment leaves the
