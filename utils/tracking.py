@@ -105,8 +105,9 @@ class MultiTracker:
             t.close()
 
 
-def run_trackers(logging: LoggingConfig, output_dir: Path, total_steps: int,
-                 run_config: dict[str, Any]) -> Tracker:
+def run_trackers(
+    logging: LoggingConfig, output_dir: Path, total_steps: int, run_config: dict[str, Any]
+) -> Tracker:
     """The main rank's trackers for a run's ``logging`` section: ``metrics.jsonl`` in
     ``output_dir``, the console and, with ``--wandb``, Weights & Biases (given the whole run's
     config as a dict to record)."""
