@@ -234,8 +234,12 @@ def initial_model(config: PretrainingConfig) -> GPT:
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """The project's grouping: decay matrices and embeddings (2-D), never biases or norms."""
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}]  # fmt: skip
+    matrices = [p for p in params if p.dim() == 2]
+    others = [p for p in params if p.dim() != 2]
+    return [
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": others, "weight_decay": 0.0},
+    ]
 
 
 def _dropout_seeds(config: PretrainingConfig, step: int, micro: int):
@@ -243,15 +247,20 @@ def _dropout_seeds(config: PretrainingConfig, step: int, micro: int):
     if config.model.dropout_prob == 0.0:
         return {}
     base = (config.training.seed, step, micro)
-    layers = [BlockSeeds(*(mix_seed(*base, n, k) for k in range(3)))
-              for n in range(config.model.layers)]  # fmt: skip
+    layers = [
+        BlockSeeds(*(mix_seed(*base, n, k) for k in range(3))) for n in range(config.model.layers)
+    ]
     return {"embedding_seed": mix_seed(*base, -1), "layer_seeds": layers}
 
 
 def pytorch_loop(
-    config: PretrainingConfig, device: torch.device, batches, model: nn.Module | None = None,
-    autocast: bool = True, fused: bool | None = None,
-) -> StepFn:  # fmt: skip
+    config: PretrainingConfig,
+    device: torch.device,
+    batches,
+    model: nn.Module | None = None,
+    autocast: bool = True,
+    fused: bool | None = None,
+) -> StepFn:
     """The textbook loop on ``model`` (default: :func:`initial_model` moved to ``device``).
 
     ``autocast`` runs the forward under ``torch.autocast`` in the run's 16-bit precision (off
@@ -263,10 +272,11 @@ def pytorch_loop(
     t, o = config.training, config.training.optimizer
     if fused is None:
         fused = device.type == "cuda"
+    groups = _param_groups(model, o.weight_decay)
+    fused_only = {"fused": True} if fused else {}  # leaves torch's own default otherwise
     optimizer = torch.optim.AdamW(
-        _param_groups(model, o.weight_decay), lr=o.learning_rate, betas=(o.beta1, o.beta2),
-        eps=o.eps, **({"fused": True} if fused else {}),
-    )  # fmt: skip
+        groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.eps, **fused_only
+    )
     dtype, scale = DTYPES[t.precision], t.loss_scaling
     autocast = autocast and dtype != torch.float32
     clip = o.gradient_clipping if o.gradient_clipping > 0 else math.inf
@@ -309,8 +319,9 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
 
     if not dist.is_initialized():
         store = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "store")  # a fresh file
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0,
-                                world_size=1, device_id=device)  # fmt: skip
+        dist.init_process_group(
+            "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=device
+        )
     dtype = DTYPES[config.training.precision]
     policy = {"offload_policy": CPUOffloadPolicy()}
     if dtype != torch.float32:
@@ -373,12 +384,18 @@ def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, 
 
 
 def read_batches(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
-    m, ex = config.model, config.execution
+    m, t = config.model, config.training
     loader = PretrainingDataLoader(
-        config.data.input_files or [SAMPLE_DATA_GLOB], m.sequence_length,
-        config.training.global_batch_size, ex.micro_batch_size, 0, 1, config.training.seed,
-        m.vocab_size, skip_corrupt_records=config.data.skip_corrupt_records,
-    )  # fmt: skip
+        config.data.input_files or [SAMPLE_DATA_GLOB],
+        m.sequence_length,
+        t.global_batch_size,
+        config.execution.micro_batch_size,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+        seed=t.seed,
+        vocab_size=m.vocab_size,
+        skip_corrupt_records=config.data.skip_corrupt_records,
+    )
     return [loader.next_batch() for _ in range(count)]
 
 
@@ -412,8 +429,9 @@ def format_table(rows: list[dict]) -> str:
         if len(c) == 2:  # a skipped row
             lines.append(f"{c[0]:<{widths[0]}}  {c[1]}")
             continue
-        lines.append("  ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}"
-                               for i, (v, w) in enumerate(zip(c, widths, strict=True))))  # fmt: skip
+        first = f"{c[0]:<{widths[0]}}"  # the variant, left-aligned; the figures right-aligned
+        figures = (f"{v:>{w}}" for v, w in zip(c[1:], widths[1:], strict=True))
+        lines.append("  ".join([first, *figures]))
     return "\n".join(lines)
 
 
@@ -470,13 +488,14 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
     g = torch.Generator().manual_seed(0)
     weight, grad = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
     exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
-    hyper = dict(step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True,
-                 grad_scale=0.5)  # fmt: skip
+    hyper = dict(
+        step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True, grad_scale=0.5
+    )
     threads = os.cpu_count() or 1
     with ThreadPoolExecutor(threads) as pool:
         timed = {}
-        for name, update in (("adamw_", adamw_),
-                             ("adamw_threaded_", partial(adamw_threaded_, pool=pool))):  # fmt: skip
+        updates = {"adamw_": adamw_, "adamw_threaded_": partial(adamw_threaded_, pool=pool)}
+        for name, update in updates.items():
             seconds = []
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -484,8 +503,10 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
                 seconds.append(time.perf_counter() - started)
             timed[name] = statistics.median(seconds)
     plain, threaded = timed["adamw_"], timed["adamw_threaded_"]
-    return (f"host AdamW on {elements:,} float32: adamw_ {plain * 1e3:.1f} ms, adamw_threaded_ "
-            f"({threads} threads) {threaded * 1e3:.1f} ms: {plain / threaded:.2f}x")  # fmt: skip
+    plain_part = f"adamw_ {plain * 1e3:.1f} ms"
+    threaded_part = f"adamw_threaded_ ({threads} threads) {threaded * 1e3:.1f} ms"
+    speedup = f"{plain / threaded:.2f}x"
+    return f"host AdamW on {elements:,} float32: {plain_part}, {threaded_part}: {speedup}"
 
 
 if __name__ == "__main__":
