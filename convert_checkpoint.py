@@ -25,8 +25,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = _Parser(prog="convert_checkpoint.py", description=__doc__.split("\n")[0],
-                     allow_abbrev=False)  # fmt: skip
+    summary = __doc__.split("\n")[0]
+    parser = _Parser(prog="convert_checkpoint.py", description=summary, allow_abbrev=False)
     parser.add_argument("--load", required=True, help="A --save folder or one step_N in it.")
     parser.add_argument("--hf_output", required=True, help="Folder to write the HF model into.")
     args = parser.parse_args(argv)

@@ -27,8 +27,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = _Parser(prog="run_generation.py", description=__doc__.split("\n")[0],
-                     allow_abbrev=False)  # fmt: skip
+    summary = __doc__.split("\n")[0]
+    parser = _Parser(prog="run_generation.py", description=summary, allow_abbrev=False)
     parser.add_argument("--load", required=True, help="A --save folder or one step_N in it.")
     parser.add_argument("--prompt", required=True, help="Text to continue.")
     parser.add_argument("--max_new_tokens", type=int, default=50, help="Tokens to generate.")
@@ -65,17 +65,24 @@ def main(argv: list[str] | None = None) -> None:
     if not prompt:
         raise ConfigError("--prompt is empty")
     if len(prompt) >= model.shapes.positions:
-        raise ConfigError(f"--prompt has {len(prompt)} tokens; the model sees at most "
-                          f"{model.shapes.positions} positions")  # fmt: skip
-    generator = torch.Generator(device).manual_seed(args.seed)
+        raise ConfigError(
+            f"--prompt has {len(prompt)} tokens; the model sees at most "
+            f"{model.shapes.positions} positions"
+        )
+    options = {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "generator": torch.Generator(device).manual_seed(args.seed),
+        "use_cache": not args.no_cache,
+        "stop_token": GPT2_EOT_ID,
+    }
     ids = torch.tensor([prompt], device=device)
     print(args.prompt, end="", flush=True)
     new: list[int] = []
     shown = ""
     started = time.perf_counter()
-    for token in generate(model, ids, args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, generator=generator,
-                          use_cache=not args.no_cache, stop_token=GPT2_EOT_ID):  # fmt: skip
+    for token in generate(model, ids, args.max_new_tokens, **options):
         new.append(int(token[0]))
         text = tokenizer.decode(new)
         if not text.endswith("\ufffd"):  # wait for the rest of a multi-byte character

@@ -48,6 +48,8 @@ from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
+
 from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
@@ -72,44 +74,6 @@ PLAIN_LOOP = "pytorch loop (ckpt, AdamW)"
 FSDP2_OFFLOAD = "pytorch FSDP2 + CPU offload"
 
 StepFn = Callable[[int], float]  # runs step i on batch i, returns its mean loss
-
-
-# ---------------------------------------------------------------------------- memory
-
-
-def _proc_status_bytes(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_memory(device: torch.device) -> None:
-    """Starts a new peak: CUDA's allocator counter, or the kernel's peak RSS (Linux >= 4.0)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")  # resets VmHWM to the current RSS
-    except OSError:
-        pass  # then the peak is the process's since it started
-
-
-def peak_memory(device: torch.device) -> int | None:
-    """Bytes: CUDA's peak allocation, else the process's peak RSS since the last reset."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    peak = _proc_status_bytes("VmHWM")
-    if peak is None:
-        import resource
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return peak
 
 
 # ---------------------------------------------------------------------------- profiler
@@ -237,8 +201,12 @@ def initial_model(config: PretrainingConfig) -> GPT:
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """The project's grouping: decay matrices and embeddings (2-D), never biases or norms."""
     params = list(model.parameters())
-    return [{"params": [p for p in params if p.dim() == 2], "weight_decay": weight_decay},
-            {"params": [p for p in params if p.dim() != 2], "weight_decay": 0.0}]  # fmt: skip
+    matrices = [p for p in params if p.dim() == 2]
+    others = [p for p in params if p.dim() != 2]
+    return [
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": others, "weight_decay": 0.0},
+    ]
 
 
 def _dropout_seeds(config: PretrainingConfig, step: int, micro: int):
@@ -246,15 +214,20 @@ def _dropout_seeds(config: PretrainingConfig, step: int, micro: int):
     if config.model.dropout_prob == 0.0:
         return {}
     base = (config.training.seed, step, micro)
-    layers = [BlockSeeds(*(mix_seed(*base, n, k) for k in range(3)))
-              for n in range(config.model.layers)]  # fmt: skip
+    layers = [
+        BlockSeeds(*(mix_seed(*base, n, k) for k in range(3))) for n in range(config.model.layers)
+    ]
     return {"embedding_seed": mix_seed(*base, -1), "layer_seeds": layers}
 
 
 def pytorch_loop(
-    config: PretrainingConfig, device: torch.device, batches, model: nn.Module | None = None,
-    autocast: bool = True, fused: bool | None = None,
-) -> StepFn:  # fmt: skip
+    config: PretrainingConfig,
+    device: torch.device,
+    batches,
+    model: nn.Module | None = None,
+    autocast: bool = True,
+    fused: bool | None = None,
+) -> StepFn:
     """The textbook loop on ``model`` (default: :func:`initial_model` moved to ``device``).
 
     ``autocast`` runs the forward under ``torch.autocast`` in the run's 16-bit precision (off
@@ -266,10 +239,11 @@ def pytorch_loop(
     t, o = config.training, config.training.optimizer
     if fused is None:
         fused = device.type == "cuda"
+    groups = _param_groups(model, o.weight_decay)
+    fused_only = {"fused": True} if fused else {}  # leaves torch's own default otherwise
     optimizer = torch.optim.AdamW(
-        _param_groups(model, o.weight_decay), lr=o.learning_rate, betas=(o.beta1, o.beta2),
-        eps=o.eps, **({"fused": True} if fused else {}),
-    )  # fmt: skip
+        groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.eps, **fused_only
+    )
     dtype, scale = DTYPES[t.precision], t.loss_scaling
     autocast = autocast and dtype != torch.float32
     clip = o.gradient_clipping if o.gradient_clipping > 0 else math.inf
@@ -312,8 +286,9 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
 
     if not dist.is_initialized():
         store = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "store")  # a fresh file
-        dist.init_process_group("nccl", init_method=f"file://{store}", rank=0,
-                                world_size=1, device_id=device)  # fmt: skip
+        dist.init_process_group(
+            "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=device
+        )
     dtype = DTYPES[config.training.precision]
     policy = {"offload_policy": CPUOffloadPolicy()}
     if dtype != torch.float32:
@@ -367,7 +342,7 @@ def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, 
     )
     row.update(tokens_per_s=rates["tokens_per_sec"], tflops=rates["tflops"], mfu=rates["mfu"])
     row["peak_mem_GiB"] = peak_memory(device) / 2**30
-    row["host_rss_GiB"] = (_proc_status_bytes("VmRSS") or 0) / 2**30 or None
+    row["host_rss_GiB"] = (proc_status_bytes("VmRSS") or 0) / 2**30 or None
     if device.type == "cuda":
         row.update(profile_step(step_fn, run.warmup + run.steps, device))
     else:  # no copies to time and no kernels to count
@@ -376,48 +351,19 @@ def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, 
 
 
 def read_batches(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
-    m, ex = config.model, config.execution
+    m, t = config.model, config.training
     loader = PretrainingDataLoader(
-        config.data.input_files or [SAMPLE_DATA_GLOB], m.sequence_length,
-        config.training.global_batch_size, ex.micro_batch_size, 0, 1, config.training.seed,
-        m.vocab_size, skip_corrupt_records=config.data.skip_corrupt_records,
-    )  # fmt: skip
+        config.data.input_files or [SAMPLE_DATA_GLOB],
+        m.sequence_length,
+        t.global_batch_size,
+        config.execution.micro_batch_size,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+        seed=t.seed,
+        vocab_size=m.vocab_size,
+        skip_corrupt_records=config.data.skip_corrupt_records,
+    )
     return [loader.next_batch() for _ in range(count)]
-
-
-COLUMNS = (  # key, header, format
-    ("variant", "variant", "{}"),
-    ("step_s", "step s", "{:.3f}"),
-    ("tokens_per_s", "tokens/s", "{:,.0f}"),
-    ("tflops", "TFLOPS", "{:.3f}"),
-    ("mfu", "MFU", "{:.1%}"),
-    ("peak_mem_GiB", "peak mem GiB", "{:.2f}"),
-    ("host_rss_GiB", "host RSS GiB", "{:.2f}"),
-    ("h2d_GBps", "H2D GB/s", "{:.1f}"),
-    ("d2h_GBps", "D2H GB/s", "{:.1f}"),
-    ("gpu_idle", "GPU idle", "{:.1%}"),
-    ("first_loss", "loss step 1", "{:.6f}"),
-    ("ratio", "vs ours", "{:.2f}x"),
-)
-
-
-def format_table(rows: list[dict]) -> str:
-    cells = [[h for _, h, _ in COLUMNS]]
-    for row in rows:
-        if "skipped" in row:
-            cells.append([row["variant"], f"skipped: {row['skipped']}"])
-            continue
-        cells.append(["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in COLUMNS])
-    full = [c for c in cells if len(c) == len(COLUMNS)]
-    widths = [max(len(c[i]) for c in full) for i in range(len(COLUMNS))]
-    lines = []
-    for c in cells:
-        if len(c) == 2:  # a skipped row
-            lines.append(f"{c[0]:<{widths[0]}}  {c[1]}")
-            continue
-        lines.append("  ".join(f"{v:<{w}}" if i == 0 else f"{v:>{w}}"
-                               for i, (v, w) in enumerate(zip(c, widths, strict=True))))  # fmt: skip
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -473,13 +419,14 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
     g = torch.Generator().manual_seed(0)
     weight, grad = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
     exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
-    hyper = dict(step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True,
-                 grad_scale=0.5)  # fmt: skip
+    hyper = dict(
+        step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True, grad_scale=0.5
+    )
     threads = os.cpu_count() or 1
     with ThreadPoolExecutor(threads) as pool:
         timed = {}
-        for name, update in (("adamw_", adamw_),
-                             ("adamw_threaded_", partial(adamw_threaded_, pool=pool))):  # fmt: skip
+        updates = {"adamw_": adamw_, "adamw_threaded_": partial(adamw_threaded_, pool=pool)}
+        for name, update in updates.items():
             seconds = []
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -487,8 +434,10 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
                 seconds.append(time.perf_counter() - started)
             timed[name] = statistics.median(seconds)
     plain, threaded = timed["adamw_"], timed["adamw_threaded_"]
-    return (f"host AdamW on {elements:,} float32: adamw_ {plain * 1e3:.1f} ms, adamw_threaded_ "
-            f"({threads} threads) {threaded * 1e3:.1f} ms: {plain / threaded:.2f}x")  # fmt: skip
+    plain_part = f"adamw_ {plain * 1e3:.1f} ms"
+    threaded_part = f"adamw_threaded_ ({threads} threads) {threaded * 1e3:.1f} ms"
+    speedup = f"{plain / threaded:.2f}x"
+    return f"host AdamW on {elements:,} float32: {plain_part}, {threaded_part}: {speedup}"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import sys
 import tempfile
 import traceback
@@ -45,9 +46,10 @@ NO_GPU_EXIT = 0  # "nothing to check" is not a failure
 BF16_LOSS_TOLERANCE = 2e-2  # absolute, on losses near ln(50257) = 10.8 (bf16 has 8 bits)
 FP32_LOSS_TOLERANCE = 1e-4
 
-SMALL = ["--config", "tiny", "--layers", "2", "--hidden_size", "64", "--heads", "4",
-         "--sequence_length", "64", "--max_positional_length", "64", "--global_batch_size", "8",
-         "--micro_batch_size", "2", "--dropout_prob", "0"]  # fmt: skip
+SMALL = shlex.split(
+    "--config tiny --layers 2 --hidden_size 64 --heads 4 --sequence_length 64 "
+    "--max_positional_length 64 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0"
+)
 
 
 def small_config(*flags: str) -> PretrainingConfig:
@@ -55,11 +57,23 @@ def small_config(*flags: str) -> PretrainingConfig:
     return config
 
 
+def sample_loader(config: PretrainingConfig) -> PretrainingDataLoader:
+    """The shipped sample data, read as the only data-parallel replica reads it."""
+    m, t = config.model, config.training
+    return PretrainingDataLoader(
+        [SAMPLE_DATA_GLOB],
+        m.sequence_length,
+        t.global_batch_size,
+        config.execution.micro_batch_size,
+        data_parallel_rank=0,
+        data_parallel_size=1,
+        seed=t.seed,
+        vocab_size=m.vocab_size,
+    )
+
+
 def batches_for(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
-    m, ex = config.model, config.execution
-    loader = PretrainingDataLoader([SAMPLE_DATA_GLOB], m.sequence_length,
-                                   config.training.global_batch_size, ex.micro_batch_size, 0, 1,
-                                   config.training.seed, m.vocab_size)  # fmt: skip
+    loader = sample_loader(config)
     return [loader.next_batch() for _ in range(count)]
 
 
@@ -105,8 +119,8 @@ def check_gpu_matches_cpu(device: torch.device, steps: int) -> tuple[bool, str]:
     gpu_config = small_config("--device", "cuda")
     batches = batches_for(gpu_config, steps)
     gpu = losses(gpu_config, ParallelLayout.single(device), batches)
-    cpu = losses(small_config("--device", "cpu"), ParallelLayout.single(torch.device("cpu")),
-                 batches)  # fmt: skip
+    cpu_config = small_config("--device", "cpu")
+    cpu = losses(cpu_config, ParallelLayout.single(torch.device("cpu")), batches)
     return compare(gpu, cpu, FP32_LOSS_TOLERANCE)
 
 
@@ -117,8 +131,9 @@ def check_nccl_world_of_one(device: torch.device, steps: int) -> tuple[bool, str
     engine uses (the same torch functions as execution/layout.py) are also called on the world.
     """
     store = os.path.join(tempfile.mkdtemp(prefix="gpu_check_"), "store")
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=0, world_size=1,
-                            device_id=device)  # fmt: skip
+    dist.init_process_group(
+        "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=device
+    )
     try:
         layout = ParallelLayout.build(1, 1, 1, device)
         config = small_config("--precision", "bfloat16", "--device", "cuda")
@@ -147,15 +162,8 @@ def check_nccl_world_of_one(device: torch.device, steps: int) -> tuple[bool, str
 
 def check_pinned_prefetch(device: torch.device, steps: int) -> tuple[bool, str]:
     config = small_config("--device", "cuda")
-    m, ex = config.model, config.execution
-
-    def loader():
-        return PretrainingDataLoader([SAMPLE_DATA_GLOB], m.sequence_length,
-                                     config.training.global_batch_size, ex.micro_batch_size, 0, 1,
-                                     config.training.seed, m.vocab_size)  # fmt: skip
-
-    plain = loader()
-    with PrefetchingLoader(loader(), pin_memory=True) as prefetched:
+    plain = sample_loader(config)
+    with PrefetchingLoader(sample_loader(config), pin_memory=True) as prefetched:
         got = [prefetched.next_batch() for _ in range(steps)]
     same = all(torch.equal(b, plain.next_batch()) for b in got)
     pinned = all(b.is_pinned() for b in got)
@@ -195,8 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         return NO_GPU_EXIT
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
-    print(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}, NCCL {torch.cuda.nccl.version()}")  # fmt: skip
+    name = torch.cuda.get_device_name(device)
+    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+    print(f"gpu_check on {name}, {versions}, NCCL {torch.cuda.nccl.version()}")
     results = []
     for name, check in CHECKS.items():
         try:
@@ -207,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(ok)
         print(f"{'PASS' if ok else 'FAIL'}  {name:<32} {detail}", flush=True)
     failed = results.count(False)
-    print(
-        f"verdict: {'all ' + str(len(results)) + ' checks passed' if not failed else f'{failed} of {len(results)} checks FAILED'}"
-    )
+    total = len(results)
+    verdict = f"{failed} of {total} checks FAILED" if failed else f"all {total} checks passed"
+    print(f"verdict: {verdict}")
     return 1 if failed else 0
 
 

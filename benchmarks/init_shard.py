@@ -29,11 +29,12 @@ from execution.parallel.sharding import init_part_shard, shard_index
 from modelling.gpt import INIT_TILE, LAYERS, GPTShapes, init_full_part, part_inits, tile_groups
 
 SEED, INIT_STD = 1234, 0.006
+# gpt3_175B's depth, vocabulary and context; the width, heads and tensor layout are flags.
+FIXED_SHAPE = dict(layers=96, vocab=50257, positions=2048, dropout_prob=0.0, layer_norm_eps=1e-5)
 
 
 def _shapes(args: argparse.Namespace, hidden: int) -> GPTShapes:
-    return GPTShapes(layers=96, hidden=hidden, heads=args.heads, vocab=50257, positions=2048,
-                     dropout_prob=0.0, layer_norm_eps=1e-5, tp1=args.tp1, tp2=args.tp2)  # fmt: skip
+    return GPTShapes(**FIXED_SHAPE, hidden=hidden, heads=args.heads, tp1=args.tp1, tp2=args.tp2)
 
 
 def _status_kib(field: str) -> int:
@@ -90,9 +91,17 @@ def _available_bytes() -> int:
 
 
 def _run(args: argparse.Namespace, which: str, hidden: int) -> dict:
-    command = [sys.executable, __file__, "--measure", which, "--hidden", str(hidden),
-               "--heads", str(args.heads), "--tp1", str(args.tp1), "--tp2", str(args.tp2),
-               "--threads", str(args.threads)]  # fmt: skip
+    flags = {
+        "--measure": which,
+        "--hidden": hidden,
+        "--heads": args.heads,
+        "--tp1": args.tp1,
+        "--tp2": args.tp2,
+        "--threads": args.threads,
+    }
+    command = [sys.executable, __file__]
+    for flag, value in flags.items():
+        command += [flag, str(value)]
     done = subprocess.run(command, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -115,9 +124,10 @@ def main() -> None:
     while 4 * 12 * full_hidden**2 * 1.5 > _available_bytes() and full_hidden > args.heads:
         full_hidden //= 2
     rows = [("shard", args.hidden), ("full", full_hidden)]
-    print(f"decoder layer init, tp1={args.tp1} tp2={args.tp2}, rank ({args.tp1 - 1}, "
-          f"{args.tp2 - 1}), tile {INIT_TILE}x{INIT_TILE}, {args.threads} torch thread(s), "
-          f"{os.cpu_count()} core(s) visible")  # fmt: skip
+    rank = f"rank ({args.tp1 - 1}, {args.tp2 - 1})"
+    tile = f"tile {INIT_TILE}x{INIT_TILE}"
+    threads = f"{args.threads} torch thread(s), {os.cpu_count()} core(s) visible"
+    print(f"decoder layer init, tp1={args.tp1} tp2={args.tp2}, {rank}, {tile}, {threads}")
     header = f"{'what':<38} {'hidden':>6} {'seconds':>8} {'peak extra MiB':>14} "
     print(header + f"{'drawn':>14} {'held':>14} {'drawn/held':>10}")
     for which, hidden in rows:
@@ -130,9 +140,9 @@ def main() -> None:
             else "whole layer (init_full_part)"
             + ("" if hidden == args.hidden else " [reduced: memory]")
         )
-        print(f"{label:<38} {hidden:>6} {result['seconds']:>8.2f} "
-              f"{result['peak_extra_kib'] / 1024:>14,.0f} {drawn:>14,} {result['held']:>14,} "
-              f"{drawn / result['held']:>10.3f}")  # fmt: skip
+        held, peak_mib = result["held"], result["peak_extra_kib"] / 1024
+        cost = f"{label:<38} {hidden:>6} {result['seconds']:>8.2f} {peak_mib:>14,.0f} "
+        print(cost + f"{drawn:>14,} {held:>14,} {drawn / held:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import multiprocessing
 import statistics
 import sys
@@ -33,20 +34,31 @@ from execution.engine.optimizer import learning_rate
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 
+DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x2"]  # dp x tp1 x tp2
+
 
 def _rank(rank: int, world_size: int, flags: list[str], steps: int, folder: str) -> None:
     """One process: join the job, train ``steps + 1`` steps, rank 0 writes the timings."""
     torch.set_num_threads(1)  # one core's worth per process; the machine is shared
-    dist.init_process_group("gloo", init_method=f"file://{folder}/store", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(minutes=10))  # fmt: skip
+    store, timeout = f"file://{folder}/store", datetime.timedelta(minutes=10)
+    dist.init_process_group(
+        "gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout
+    )
     config, _ = parse_config(flags)
     ex, m, t = config.execution, config.model, config.training
-    layout = ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2,
-                                  torch.device("cpu"))  # fmt: skip
+    sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    layout = ParallelLayout.build(*sizes, torch.device("cpu"))
     engine = planned_engine(config, layout)
-    loader = PretrainingDataLoader(config.data.input_files or [SAMPLE_DATA_GLOB],
-                                   m.sequence_length, t.global_batch_size, ex.micro_batch_size,
-                                   layout.dp.rank, layout.dp.size, t.seed, m.vocab_size)  # fmt: skip
+    loader = PretrainingDataLoader(
+        config.data.input_files or [SAMPLE_DATA_GLOB],
+        m.sequence_length,
+        t.global_batch_size,
+        ex.micro_batch_size,
+        data_parallel_rank=layout.dp.rank,
+        data_parallel_size=layout.dp.size,
+        seed=t.seed,
+        vocab_size=m.vocab_size,
+    )
     times, losses = [], []
     for step in range(steps + 1):
         batch = loader.next_batch()
@@ -57,22 +69,27 @@ def _rank(rank: int, world_size: int, flags: list[str], steps: int, folder: str)
         if step:
             times.append(time.perf_counter() - start)
     if layout.is_main:
-        result = {"step_s": statistics.median(times), "losses": losses,
-                  "buffers_MiB": sum(engine.buffer_bytes().values()) / 2**20}  # fmt: skip
+        result = {
+            "step_s": statistics.median(times),
+            "losses": losses,
+            "buffers_MiB": sum(engine.buffer_bytes().values()) / 2**20,
+        }
         Path(folder, "result.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 def measure(flags: list[str], layout: tuple[int, int, int], steps: int) -> dict:
-    dp, tp1, tp2 = layout
-    flags = [*flags, "--data_parallel", str(dp), "--tensor_parallel_1", str(tp1),
-             "--tensor_parallel_2", str(tp2), "--device", "cpu"]  # fmt: skip
+    dp, tp1, tp2 = (str(n) for n in layout)
+    sizes = ["--data_parallel", dp, "--tensor_parallel_1", tp1, "--tensor_parallel_2", tp2]
+    flags = [*flags, *sizes, "--device", "cpu"]
     parse_config(flags)  # a bad layout fails here, with its one-line message
-    world = dp * tp1 * tp2
+    world = math.prod(layout)
     with tempfile.TemporaryDirectory() as folder:
         context = multiprocessing.get_context("fork")
-        procs = [context.Process(target=_rank, args=(r, world, flags, steps, folder))
-                 for r in range(world)]  # fmt: skip
+        procs = [
+            context.Process(target=_rank, args=(r, world, flags, steps, folder))
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -86,21 +103,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--layouts", nargs="+", default=["1x1x1", "2x1x1", "1x2x1", "1x1x2",
-                                                         "2x2x2"])  # fmt: skip
+    parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS)
     args, extra = parser.parse_known_args()
     flags = ["--config", args.config, *extra]
     config, _ = parse_config(flags)
     print(f"preset {args.config} {' '.join(extra)}; median of {args.steps} steps after warm-up")
-    print(f"{'dp x tp1 x tp2':<15} {'step (s)':>9} {'tokens/s':>10} {'buffers MiB/rank':>17}  "
-          "losses")  # fmt: skip
+    header = f"{'dp x tp1 x tp2':<15} {'step (s)':>9} {'tokens/s':>10}"
+    print(f"{header} {'buffers MiB/rank':>17}  losses")
     for text in args.layouts:
         layout = tuple(int(v) for v in text.split("x"))
         assert len(layout) == 3, f"layout {text!r} is not DPxTP1xTP2"
         r = measure(flags, layout, args.steps)
         losses = " ".join(f"{loss:.6f}" for loss in r["losses"])
-        print(f"{text:<15} {r['step_s']:>9.3f} {config.tokens_per_step / r['step_s']:>10,.0f} "
-              f"{r['buffers_MiB']:>17.2f}  {losses}", flush=True)  # fmt: skip
+        tokens_per_s = config.tokens_per_step / r["step_s"]
+        speed = f"{text:<15} {r['step_s']:>9.3f} {tokens_per_s:>10,.0f}"
+        print(f"{speed} {r['buffers_MiB']:>17.2f}  {losses}", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,11 +29,13 @@ def measure(flags: list[str], placement: str, steps: int) -> dict:
     config, _ = parse_config([*flags, "--placement", placement])
     device = select_device(config.execution.device, 0, 1)
     engine = planned_engine(config, ParallelLayout.single(device))
-    m, ex = config.model, config.execution
-    loader = PretrainingDataLoader(config.data.input_files or [SAMPLE_DATA_GLOB],
-                                   m.sequence_length, config.training.global_batch_size,
-                                   ex.micro_batch_size, 0, 1, config.training.seed,
-                                   m.vocab_size)  # fmt: skip
+    m, t = config.model, config.training
+    files = config.data.input_files or [SAMPLE_DATA_GLOB]
+    micro = config.execution.micro_batch_size
+    rank, replicas = 0, 1  # one data-parallel replica
+    loader = PretrainingDataLoader(
+        files, m.sequence_length, t.global_batch_size, micro, rank, replicas, t.seed, m.vocab_size
+    )
     times, losses = [], []
     for step in range(steps + 1):
         batch = loader.next_batch()
@@ -64,11 +66,12 @@ def main() -> None:
     flags = ["--config", args.config, *extra]
     rows = [measure(flags, p, args.steps) for p in ("remote", "resident")]
     print(f"preset {args.config} {' '.join(extra)}; median of {args.steps} steps after warm-up")
-    print(f"{'placement':<10} {'device':<8} {'step (s)':>9} {'tokens/s':>10} {'buffers MiB':>12} "
-          f"{'last loss':>10}")  # fmt: skip
+    header = f"{'placement':<10} {'device':<8} {'step (s)':>9} {'tokens/s':>10}"
+    print(f"{header} {'buffers MiB':>12} {'last loss':>10}")
     for r in rows:
-        print(f"{r['placement']:<10} {r['device']:<8} {r['step_s']:>9.3f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['buffers_MiB']:>12.1f} {r['last_loss']:>10.4f}")  # fmt: skip
+        where = f"{r['placement']:<10} {r['device']:<8}"
+        speed = f"{r['step_s']:>9.3f} {r['tokens_per_s']:>10,.0f}"
+        print(f"{where} {speed} {r['buffers_MiB']:>12.1f} {r['last_loss']:>10.4f}")
     print(f"remote / resident step time: {rows[0]['step_s'] / rows[1]['step_s']:.2f}x")
 
 

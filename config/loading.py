@@ -298,9 +298,13 @@ def validate(config: PretrainingConfig) -> None:
             raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
     if not 0 <= t.seed < 2**32:
         raise ConfigError(f"--seed must be in [0, 2^32), got {t.seed}")
-    for name, value in {"vocab_size": m.vocab_size, "hidden_size": m.hidden_size,
-                        "max_positional_length": m.max_positional_length,
-                        "sequence_length": m.sequence_length}.items():  # fmt: skip
+    int32_sizes = {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "max_positional_length": m.max_positional_length,
+        "sequence_length": m.sequence_length,
+    }
+    for name, value in int32_sizes.items():
         if value >= 2**31:
             raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
 
@@ -316,8 +320,8 @@ def validate(config: PretrainingConfig) -> None:
         used = [f"--{n}" for n in ("load", "save", "hf_model", "eval_only") if getattr(ck, n)]
         if used:
             mode = "--dry_run" if config.planning.dry_run else "--plan_for"
-            raise ConfigError(f"{mode} plans without training, so {' and '.join(used)} would "
-                              "do nothing; leave them out")  # fmt: skip
+            reason = f"{mode} plans without training"
+            raise ConfigError(f"{reason}, so {' and '.join(used)} would do nothing; leave them out")
     if d.validation_files and d.validation_fraction:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
     if d.validation_files and not d.eval_every:

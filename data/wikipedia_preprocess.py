@@ -157,12 +157,21 @@ def preprocess(inputs: list[str], output: Path, min_words: int, workers: int) ->
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input-file-path", nargs="+", required=True,
-                        help="wikiextractor output directory or files")  # fmt: skip
-    parser.add_argument("--output-file-path", required=True, type=Path,
-                        help=f"output directory (writes {OUTPUT_NAME}) or a .txt file")  # fmt: skip
-    parser.add_argument("--min-length", type=int, default=10,
-                        help="drop articles with fewer words (default 10)")  # fmt: skip
+    parser.add_argument(
+        "--input-file-path",
+        nargs="+",
+        required=True,
+        help="wikiextractor output directory or files",
+    )
+    parser.add_argument(
+        "--output-file-path",
+        required=True,
+        type=Path,
+        help=f"output directory (writes {OUTPUT_NAME}) or a .txt file",
+    )
+    parser.add_argument(
+        "--min-length", type=int, default=10, help="drop articles with fewer words (default 10)"
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
     output = args.output_file_path

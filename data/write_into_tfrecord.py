@@ -284,26 +284,45 @@ def write_tfrecords(
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input-file-path", nargs="+", required=True,
-                        help="text files, directories or glob patterns")  # fmt: skip
-    parser.add_argument("--input-format", choices=("lines", "files"), default="lines",
-                        help="one document per line (default) or one document per file")  # fmt: skip
-    parser.add_argument("--output-file-path", required=True, type=Path,
-                        help="output directory for the shards")  # fmt: skip
-    parser.add_argument("--seq-length", type=int, default=2048,
-                        help="model sequence length; records hold seq-length + 1 ids")  # fmt: skip
-    parser.add_argument("--stride", type=int, default=None,
-                        help="tokens between window starts (default: --seq-length)")  # fmt: skip
+    parser.add_argument(
+        "--input-file-path",
+        nargs="+",
+        required=True,
+        help="text files, directories or glob patterns",
+    )
+    parser.add_argument(
+        "--input-format",
+        choices=("lines", "files"),
+        default="lines",
+        help="one document per line (default) or one document per file",
+    )
+    parser.add_argument(
+        "--output-file-path", required=True, type=Path, help="output directory for the shards"
+    )
+    parser.add_argument(
+        "--seq-length",
+        type=int,
+        default=2048,
+        help="model sequence length; records hold seq-length + 1 ids",
+    )
+    parser.add_argument(
+        "--stride", type=int, help="tokens between window starts (default: --seq-length)"
+    )
     parser.add_argument("--num-shards", "--num-output", type=int, default=4)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokeniser processes (default: all cores)")  # fmt: skip
-    parser.add_argument("--tokenizer", default=None,
-                        help="a HuggingFace tokenizer.json (default: GPT-2 BPE)")  # fmt: skip
-    parser.add_argument("--eot-token", default=GPT2_EOT_TOKEN,
-                        help="end-of-text token placed after every document")  # fmt: skip
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokeniser processes (default: all cores)",
+    )
+    parser.add_argument("--tokenizer", help="a HuggingFace tokenizer.json (default: GPT-2 BPE)")
+    parser.add_argument(
+        "--eot-token", default=GPT2_EOT_TOKEN, help="end-of-text token placed after every document"
+    )
     parser.add_argument("--prefix", default="data", help="shard file name prefix")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace existing shards with the same prefix")  # fmt: skip
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace existing shards with the same prefix"
+    )
     return parser.parse_args(argv)
 
 

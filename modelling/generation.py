@@ -18,8 +18,12 @@ from modelling.gpt import GPT, GPTShapes
 from modelling.layers import DecoderBlock
 
 
-def build_model(model: dict, weights: dict[str, torch.Tensor], device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32) -> GPT:  # fmt: skip
+def build_model(
+    model: dict,
+    weights: dict[str, torch.Tensor],
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> GPT:
     """A single-device GPT in eval mode holding logical (unpadded) ``weights``.
 
     Args:
@@ -94,8 +98,13 @@ def forward_logits(model: GPT, ids: torch.Tensor, cache: KVCache | None = None) 
     return logits[..., : model.shapes.vocab]  # padded rows are not tokens
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                top_p: float = 1.0, generator: torch.Generator | None = None) -> torch.Tensor:  # fmt: skip
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """One token per row of ``logits`` (B, vocab); temperature 0 is greedy (argmax)."""
     if temperature == 0:
         return logits.argmax(-1)
@@ -114,9 +123,18 @@ def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
 
 
 @torch.no_grad()
-def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, *, temperature: float = 0.0,
-             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             use_cache: bool = True, stop_token: int | None = None) -> Iterator[torch.Tensor]:  # fmt: skip
+def generate(
+    model: GPT,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+    stop_token: int | None = None,
+) -> Iterator[torch.Tensor]:
     """Yields ``(B,)`` new token ids one at a time after ``prompt`` (B, S).
 
     Stops after ``max_new_tokens``, at the end of the position table, or when every row has

@@ -108,8 +108,15 @@ class ParallelLinear(nn.Module):
 class Attention(nn.Module):
     """Causal self-attention for the heads of this tp1 shard, replicated over tp2."""
 
-    def __init__(self, local_hidden: int, local_heads: int, head_dim: int, dropout_prob: float,
-                 tp1: Axis, tp2: Axis):  # fmt: skip
+    def __init__(
+        self,
+        local_hidden: int,
+        local_heads: int,
+        head_dim: int,
+        dropout_prob: float,
+        tp1: Axis,
+        tp2: Axis,
+    ):
         super().__init__()
         width = local_heads * head_dim
         # Columns hold [q | k | v] of the same local heads so a shard never splits a head.
@@ -148,8 +155,17 @@ class FeedForward(nn.Module):
 class DecoderBlock(nn.Module):
     """Pre-layer-norm GPT block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
 
-    def __init__(self, local_hidden: int, local_heads: int, head_dim: int, local_ffn: int,
-                 dropout_prob: float, eps: float, tp1: Axis, tp2: Axis):  # fmt: skip
+    def __init__(
+        self,
+        local_hidden: int,
+        local_heads: int,
+        head_dim: int,
+        local_ffn: int,
+        dropout_prob: float,
+        eps: float,
+        tp1: Axis,
+        tp2: Axis,
+    ):
         super().__init__()
         self.ln_1 = LayerNorm(local_hidden, tp2, eps)
         self.attn = Attention(local_hidden, local_heads, head_dim, dropout_prob, tp1, tp2)
@@ -170,8 +186,14 @@ class Embedding(nn.Module):
     embeddings are summed over tp1.
     """
 
-    def __init__(self, local_vocab: int, local_positions: int, local_hidden: int,
-                 dropout_prob: float, tp1: Axis):  # fmt: skip
+    def __init__(
+        self,
+        local_vocab: int,
+        local_positions: int,
+        local_hidden: int,
+        dropout_prob: float,
+        tp1: Axis,
+    ):
         super().__init__()
         self.word = nn.Embedding(local_vocab, local_hidden)
         self.position = nn.Embedding(local_positions, local_hidden)

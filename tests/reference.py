@@ -6,6 +6,8 @@ its step is the textbook loop (forward/backward per micro-batch, clip_grad_norm_
 
 from __future__ import annotations
 
+import shlex
+
 import torch
 
 from config.loading import parse_config
@@ -22,10 +24,11 @@ def small_config(*flags: str) -> PretrainingConfig:
     query), so its computed value is rounding noise, and with eps 1e-8 Adam turns that noise
     into updates that differ between any two correct implementations.
     """
-    base = ["--config", "tiny", "--vocab_size", "307", "--layers", "2", "--hidden_size", "32",
-            "--heads", "4", "--sequence_length", "16", "--max_positional_length", "20",
-            "--global_batch_size", "8", "--micro_batch_size", "2", "--dropout_prob", "0",
-            "--weight_decay", "0.1", "--eps", "1e-6", "--device", "cpu"]  # fmt: skip
+    base = shlex.split(
+        "--config tiny --vocab_size 307 --layers 2 --hidden_size 32 --heads 4 --sequence_length 16 "
+        "--max_positional_length 20 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0 "
+        "--weight_decay 0.1 --eps 1e-6 --device cpu"
+    )
     config, _ = parse_config([*base, *flags])
     return config
 
@@ -36,12 +39,11 @@ def reference_model(config: PretrainingConfig) -> GPT:
     model = GPT(shapes)
     seed, std = config.training.seed, config.model.init_std
     for part, module in ((EMBEDDING, model.embedding), (HEAD, model.head)):
-        module.load_state_dict(shard_part(part, init_full_part(shapes, part, 0, seed, std),
-                                          shapes, 0, 0))  # fmt: skip
+        full = init_full_part(shapes, part, 0, seed, std)
+        module.load_state_dict(shard_part(part, full, shapes, 0, 0))
     for n, layer in enumerate(model.layers):
-        layer.load_state_dict(
-            shard_part(LAYERS, init_full_part(shapes, LAYERS, n, seed, std), shapes, 0, 0)
-        )
+        full = init_full_part(shapes, LAYERS, n, seed, std)
+        layer.load_state_dict(shard_part(LAYERS, full, shapes, 0, 0))
     return model
 
 
@@ -50,17 +52,23 @@ def reference_optimizer(model: GPT, config: PretrainingConfig) -> torch.optim.Ad
     decayed = [p for p in model.parameters() if p.dim() == 2]
     other = [p for p in model.parameters() if p.dim() != 2]
     o = config.training.optimizer
+    groups = [
+        {"params": decayed, "weight_decay": o.weight_decay},
+        {"params": other, "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW(
-        [{"params": decayed, "weight_decay": o.weight_decay},
-         {"params": other, "weight_decay": 0.0}],
-        lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False,
-    )  # fmt: skip
+        groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.eps, foreach=False
+    )
 
 
 def reference_step(
-    model: GPT, optimizer: torch.optim.AdamW, tokens: torch.Tensor, lr: float, clip: float,
+    model: GPT,
+    optimizer: torch.optim.AdamW,
+    tokens: torch.Tensor,
+    lr: float,
+    clip: float,
     seeds=None,
-) -> tuple[float, dict[str, torch.Tensor], float]:  # fmt: skip
+) -> tuple[float, dict[str, torch.Tensor], float]:
     """One step with gradient accumulation over ``tokens[m]`` micro-batches.
 
     Args:

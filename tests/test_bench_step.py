@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -14,17 +15,26 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_step  # noqa: E402
 
-SMALL = ["--hidden_size", "32", "--sequence_length", "32", "--max_positional_length", "32",
-         "--global_batch_size", "4", "--micro_batch_size", "2", "--device", "cpu"]  # fmt: skip
+SMALL = shlex.split(
+    "--hidden_size 32 --sequence_length 32 --max_positional_length 32 "
+    "--global_batch_size 4 --micro_batch_size 2 --device cpu"
+)
+
+# What gpu_activity makes of a trace with no kernels and no copies: idle all along, no rates.
+NOTHING_RECORDED = {
+    "h2d_GBps": None,
+    "h2d_GB": 0.0,
+    "d2h_GBps": None,
+    "d2h_GB": 0.0,
+    "gpu_idle": 1.0,
+}
 
 
 def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     out = tmp_path / "rows.json"
-    result = subprocess.run(
-        [sys.executable, "benchmarks/bench_step.py", "--config", "tiny", "--warmup", "1", "--steps", "1",
-         "--compare", "--json", str(out), "--adamw_elements", "300000", *SMALL],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    run = shlex.split("--config tiny --warmup 1 --steps 1 --compare --adamw_elements 300000")
+    command = [sys.executable, "benchmarks/bench_step.py", *run, "--json", str(out), *SMALL]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     rows = {row["variant"]: row for row in json.loads(out.read_text())}
     expected = [*bench_step.OUR_VARIANTS, bench_step.PLAIN_LOOP, bench_step.FSDP2_OFFLOAD]
@@ -53,30 +63,31 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
         assert row["last_loss"] < row["first_loss"]
 
 
+def _copy(name: str, ts: float, dur: float, nbytes: int) -> dict:
+    """A completed ("X") memcpy event of a Kineto trace."""
+    return dict(ph="X", cat="gpu_memcpy", name=name, ts=ts, dur=dur, args={"bytes": nbytes})
+
+
 def test_gpu_activity_from_a_hand_made_trace():
+    h2d, d2h = "Memcpy HtoD (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)"
     events = [
         # two overlapping kernels (0-30 and 20-50 us) and one apart (80-90): 60 us busy
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1000.0, "dur": 30.0},
         {"ph": "X", "cat": "kernel", "name": "gelu", "ts": 1020.0, "dur": 30.0},
         {"ph": "X", "cat": "kernel", "name": "add", "ts": 1080.0, "dur": 10.0},
         # 4 MB host-to-device in 100 us + 2 MB in 100 us: 30 GB/s; 1 MB back in 50 us: 20 GB/s
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
-         "ts": 900.0, "dur": 100.0, "args": {"bytes": 4_000_000}},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)",
-         "ts": 1000.0, "dur": 100.0, "args": {"bytes": 2_000_000}},
-        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)",
-         "ts": 1100.0, "dur": 50.0, "args": {"bytes": 1_000_000}},
+        _copy(h2d, ts=900.0, dur=100.0, nbytes=4_000_000),
+        _copy(h2d, ts=1000.0, dur=100.0, nbytes=2_000_000),
+        _copy(d2h, ts=1100.0, dur=50.0, nbytes=1_000_000),
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 990.0, "dur": 500.0},
         {"ph": "i", "cat": "kernel", "name": "marker", "ts": 1000.0},
-    ]  # fmt: skip
+    ]
     activity = bench_step.gpu_activity(events, wall_seconds=200e-6)
     assert activity["h2d_GBps"] == pytest.approx(30.0)
     assert activity["d2h_GBps"] == pytest.approx(20.0)
     assert activity["h2d_GB"] == pytest.approx(0.006) and activity["d2h_GB"] == pytest.approx(0.001)
     assert activity["gpu_idle"] == pytest.approx(1 - 60 / 200)
-    assert bench_step.gpu_activity([], 1.0) == {
-        "h2d_GBps": None, "h2d_GB": 0.0, "d2h_GBps": None, "d2h_GB": 0.0, "gpu_idle": 1.0
-    }  # fmt: skip
+    assert bench_step.gpu_activity([], 1.0) == NOTHING_RECORDED
 
 
 def test_gpu_check_says_it_needs_a_gpu_and_does_not_fail_without_one():
@@ -84,10 +95,8 @@ def test_gpu_check_says_it_needs_a_gpu_and_does_not_fail_without_one():
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
-    result = subprocess.run(
-        [sys.executable, "benchmarks/gpu_check.py"], cwd=ROOT, capture_output=True, text=True,
-        timeout=120,
-    )  # fmt: skip
+    command = [sys.executable, "benchmarks/gpu_check.py"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "needs a CUDA GPU" in result.stdout and "nothing was checked" in result.stdout
 
@@ -104,5 +113,4 @@ def test_profile_step_records_only_the_step_after_the_profiler_warm_up():
     activity = bench_step.profile_step(step, 7, torch.device("cpu"))
     assert calls == [7, 8]
     # A CPU records no kernels and no copies: idle all along, no rates.
-    assert activity == {"h2d_GBps": None, "h2d_GB": 0.0, "d2h_GBps": None, "d2h_GB": 0.0,
-                        "gpu_idle": 1.0}  # fmt: skip
+    assert activity == NOTHING_RECORDED

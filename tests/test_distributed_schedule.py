@@ -4,6 +4,8 @@ host buffers by the data-parallel degree (section 5)."""
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -106,17 +108,16 @@ def test_collectives_per_part_match_the_design(tmp_path):
     }
     shapes = GPTShapes.from_config(small_config().model, 2, 2)
     tokens = 2 * 8
+    tensor_axes = ("tp1", "tp2")
+    layer_phases = ("layer forward", "layer backward")
+    head_phases = ("head forward", "head backward")
     for counts in run_ranks(_model_counts_rank, 4, tmp_path):
         for phase, want in expected.items():
             got = {axis: counts[phase][axis] for axis in want}
             assert got == want, phase
-        per_layer = sum(
-            counts[p][a].get(sum_, 0) for p in ("layer forward", "layer backward")
-            for a in ("tp1", "tp2")
-        )  # fmt: skip
+        per_layer = sum(counts[p][a].get(sum_, 0) for p in layer_phases for a in tensor_axes)
         assert per_layer == 8
-        head = sum(sum(counts[p][a].values()) for p in ("head forward", "head backward")
-                   for a in ("tp1", "tp2"))  # fmt: skip
+        head = sum(sum(counts[p][a].values()) for p in head_phases for a in tensor_axes)
         assert head == 5
         # The largest head collective is the tp2 sum of the local logits, never full logits.
         assert counts["head forward"]["max_payload"] == tokens * shapes.vocab_padded // 2
@@ -146,9 +147,10 @@ def test_each_phase_loads_its_weights_once_whatever_the_accumulation(tmp_path):
     matrices over dp, tp2 vectors over dp x tp1, tp1 vectors over dp x tp2."""
     L = 2
     runs = [(1, 1), (2, 1), (2, 2)]  # (micro-batches per replica, passes)
-    configs = [small_config(*layout_flags(2, 2, 2), "--global_batch_size", str(2 * ga),
-                            "--micro_batch_size", "1", "--passes", str(passes))
-               for ga, passes in runs]  # fmt: skip
+    configs = []
+    for ga, passes in runs:
+        sizes = f"--global_batch_size {2 * ga} --micro_batch_size 1 --passes {passes}"
+        configs.append(small_config(*layout_flags(2, 2, 2), *shlex.split(sizes)))
 
     def rts(passes: int) -> dict:
         # embedding fwd, L layers fwd, tied word embedding in the head, L layers bwd, embedding
@@ -169,8 +171,11 @@ def test_each_phase_loads_its_weights_once_whatever_the_accumulation(tmp_path):
     # forward, 2 g recompute, 2 f backward; head max, target and sum-exp forward, 1 f backward.
     # x is stored sharded over tp1: each of the 2L + 1 fetches (L layers forward, the head,
     # L recomputes) gathers it.
-    tp1_per_micro = {"all_reduce_sum": 2 + 6 * L + 2 + 1, "all_reduce_max": 1,
-                     "all_gather": 2 * L + 1}  # fmt: skip
+    tp1_per_micro = {
+        "all_reduce_sum": 2 + 6 * L + 2 + 1,
+        "all_reduce_max": 1,
+        "all_gather": 2 * L + 1,
+    }
     # tp2: per layer (2 g + 4 norm statistics) forward, the same recomputed, (2 f + 4 norm
     # statistics) backward; head: ln_f 2 forward + 2 backward and the logits' g.
     tp2_per_micro = {"all_reduce_sum": 18 * L + 5}
@@ -224,9 +229,8 @@ def test_dropout_masks_agree_where_tensors_are_replicated(tmp_path):
         dropped = result["x"][0] == 0
         assert 0.05 < dropped.float().mean() < 0.15
         assert not torch.equal(dropped, by_coords[d, i, 1 - j]["x"][0] == 0)
-    dropout_free = single_process_run(
-        small_config(), global_batches(config, 1)
-    )["steps"][0]["loss"]  # fmt: skip
+    without_dropout = single_process_run(small_config(), global_batches(config, 1))
+    dropout_free = without_dropout["steps"][0]["loss"]
     assert all(r["loss"] == results[0]["loss"] for r in results)
     assert results[0]["loss"] != pytest.approx(dropout_free, rel=1e-4), "dropout had no effect"
 
@@ -241,8 +245,8 @@ def _buffer_bytes_rank(config) -> dict[str, int]:
 def memory_config(*flags: str):
     """Vocabulary 1024 needs no padding for tp1 1 or 2, and the flat buffers are large
     enough that padding them to a multiple of the RTS group is far below 1%."""
-    return small_config("--hidden_size", "64", "--vocab_size", "1024", "--global_batch_size", "8",
-                        "--micro_batch_size", "1", *flags)  # fmt: skip
+    base = "--hidden_size 64 --vocab_size 1024 --global_batch_size 8 --micro_batch_size 1"
+    return small_config(*shlex.split(base), *flags)
 
 
 @pytest.mark.parametrize("tp", [(1, 1), (2, 2)], ids=["no-tp", "tp2x2"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -22,15 +23,18 @@ from tests.reference import small_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def entry_point(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """run_pretraining.py as a user runs it."""
+    command = [sys.executable, "run_pretraining.py", *flags]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.slow
 def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
     """gpt3_175B_pod256 (dp 4 x tp1 8 x tp2 8, float16) through the entry point, in one CPU
     process: every rank's weights, gradients, optimizer state and activations, by hand."""
-    result = subprocess.run(
-        [sys.executable, "run_pretraining.py", "--config", "gpt3_175B_pod256", "--dry_run",
-         "--output_dir", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+    flags = ["--config", "gpt3_175B_pod256", "--dry_run", "--output_dir", str(tmp_path)]
+    result = entry_point(*flags, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "verdict: FITS on 256 x h100_sxm" in result.stdout
     report = json.loads((tmp_path / "plan.json").read_text())
@@ -72,19 +76,20 @@ def _real_rank(config) -> dict:
     return {"buffers": engine.buffer_bytes(), "working_set": meter.peak}
 
 
+# Weights and activations in host memory, gradients on the device.
+STREAMED = "--weights_placement host --activations_placement host --grads_placement device"
 CASES = [
-    ((1, 1, 1), ["--placement", "resident", "--passes", "1"]),
-    ((2, 2, 1), ["--placement", "remote", "--passes", "2"]),
-    ((1, 2, 2), ["--weights_placement", "host", "--grads_placement", "device",
-                 "--activations_placement", "host", "--passes", "4"]),
-]  # fmt: skip
+    ((1, 1, 1), "--placement resident --passes 1"),
+    ((2, 2, 1), "--placement remote --passes 2"),
+    ((1, 2, 2), f"{STREAMED} --passes 4"),
+]
 
 
 @pytest.mark.parametrize(("layout", "flags"), CASES, ids=["1x1x1", "2x2x1", "1x2x2"])
 def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     """Buffers exactly, and the working set within 10%, of a real CPU step of the same plan."""
-    config = distributed_config(*layout_flags(*layout), "--global_batch_size", "8",
-                                "--micro_batch_size", "1", "--hidden_size", "64", *flags)  # fmt: skip
+    sizes = shlex.split("--global_batch_size 8 --micro_batch_size 1 --hidden_size 64")
+    config = distributed_config(*layout_flags(*layout), *sizes, *shlex.split(flags))
     real = run_ranks(_real_rank, config.world_size, tmp_path, config)[0]
     dry = measure_rank(config, 0, resolve_spec(config))
     assert dry.buffer_bytes == real["buffers"]
@@ -100,9 +105,11 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
 
 def test_extrapolated_step_equals_a_full_dry_run_step():
     """--plan_for's six shrunk steps give exactly the FLOPs and bytes of the full step."""
-    config = distributed_config(*layout_flags(2, 2, 1), "--layers", "5", "--global_batch_size",
-                                "12", "--micro_batch_size", "1", "--passes", "3",
-                                "--placement", "remote", "--grads_placement", "device")  # fmt: skip
+    run = shlex.split(
+        "--layers 5 --global_batch_size 12 --micro_batch_size 1 --passes 3 --placement remote "
+        "--grads_placement device"
+    )
+    config = distributed_config(*layout_flags(2, 2, 1), *run)
     spec = resolve_spec(config)
     plan = candidate_plans(config, "cuda")[0]
     flops, comm, _, _ = extrapolated_step(config, plan, spec)
@@ -119,18 +126,14 @@ def test_plan_for_ranks_layouts_that_fit_by_step_time():
     assert rows and misfits == 0
     times = [r["step_time_s"] for r in rows]
     assert times == sorted(times)
-    layouts = {(r["config"].execution.data_parallel, r["config"].execution.tensor_parallel_1,
-                r["config"].execution.tensor_parallel_2) for r in rows}  # fmt: skip
+    executions = [r["config"].execution for r in rows]
+    layouts = {(e.data_parallel, e.tensor_parallel_1, e.tensor_parallel_2) for e in executions}
     assert {(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)} <= layouts
     assert all(r["config"].world_size == 4 for r in rows)
 
 
 def test_plan_for_through_the_entry_point():
-    result = subprocess.run(
-        [sys.executable, "run_pretraining.py", "--config", "tiny", "--plan_for", "2",
-         "--device_spec", "a100_80gb"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = entry_point(*shlex.split("--config tiny --plan_for 2 --device_spec a100_80gb"))
     assert result.returncode == 0, result.stderr
     assert "tiny on 2 x a100_80gb" in result.stdout
     assert "fastest: --data_parallel" in result.stdout
@@ -143,8 +146,8 @@ def test_kinds_of_rank_group_equal_shards_and_node_spans():
     assert len(kinds) == 1  # padding keeps every shard the same shape; one node holds all
     # tp1 2 x tp2 3 over nodes of 8: rank 0's tp1 group {0, 3} is one node, rank 6's {6, 9}
     # spans two, so they are measured apart.
-    config = distributed_config(*layout_flags(4, 2, 3), "--global_batch_size", "8",
-                                "--micro_batch_size", "1", "--heads", "6", "--hidden_size", "36")  # fmt: skip
+    shape = shlex.split("--global_batch_size 8 --micro_batch_size 1 --heads 6 --hidden_size 36")
+    config = distributed_config(*layout_flags(4, 2, 3), *shape)
     kinds = rank_kinds(config, devices_per_node=8)
     kind_of = {r: k for k, ranks in enumerate(kinds) for r in ranks}
     assert kind_of[0] != kind_of[6]

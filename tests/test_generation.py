@@ -6,6 +6,8 @@ prefix recomputed for every token), and the tokenizer's decoding of the generate
 
 from __future__ import annotations
 
+import shlex
+
 import torch
 import torch.nn.functional as F
 
@@ -71,8 +73,8 @@ def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     checkpointer = Checkpointer(tmp_path, engine, log=lambda _: None)
     checkpointer.save(0, None)
     checkpointer.close()
-    run_generation.main(["--load", str(tmp_path), "--prompt", "Hello world", "--temperature", "0",
-                         "--max_new_tokens", "6", "--device", "cpu"])  # fmt: skip
+    flags = shlex.split('--prompt "Hello world" --temperature 0 --max_new_tokens 6 --device cpu')
+    run_generation.main(["--load", str(tmp_path), *flags])
     out = capsys.readouterr().out
     # The reference: the same model's greedy ids (without the cache), decoded at once.
     from data.tokenizer import TokenizerSpec, load_tokenizer

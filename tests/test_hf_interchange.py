@@ -5,6 +5,7 @@ downloaded: HF models are built from a ``GPT2Config`` with random weights."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -59,9 +60,16 @@ def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
 def _hf_model(vocab: int, positions: int, layers: int = 2, hidden: int = 32, heads: int = 4):
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(
-        vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     with torch.no_grad():  # non-trivial biases and norms, so a mis-mapped one cannot hide
         for name, p in hf.named_parameters():
@@ -110,13 +118,13 @@ def test_hf_model_flag_evaluates_the_hf_weights_like_transformers(tmp_path):
 
     hf = _hf_model(vocab=50257, positions=128, layers=1)
     hf.save_pretrained(tmp_path / "hf")
-    result = subprocess.run(
-        [sys.executable, "run_pretraining.py", "--config", "tiny", "--layers", "1",
-         "--hidden_size", "32", "--heads", "4", "--sequence_length", "16", "--device", "cpu",
-         "--hf_model", str(tmp_path / "hf"), "--eval_only", "--eval_batches", "1",
-         "--output_dir", str(tmp_path / "out")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    flags = shlex.split(
+        "--config tiny --layers 1 --hidden_size 32 --heads 4 --sequence_length 16 --device cpu "
+        "--eval_only --eval_batches 1"
+    )
+    paths = ["--hf_model", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "out")]
+    command = [sys.executable, "run_pretraining.py", *flags, *paths]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert f"weights from the HuggingFace model {tmp_path / 'hf'}" in result.stdout
     (row,) = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]

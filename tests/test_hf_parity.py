@@ -49,10 +49,18 @@ def test_loss_and_gradients_equal_huggingface_gpt2(vocab):
     torch.manual_seed(0)
     layers, hidden, heads, seq, positions = 2, 64, 4, 24, 32
     hf_config = transformers.GPT2Config(
-        vocab_size=vocab, n_positions=positions, n_embd=hidden, n_layer=layers, n_head=heads,
-        activation_function="gelu_new", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        layer_norm_epsilon=1e-5, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=vocab,
+        n_positions=positions,
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        activation_function="gelu_new",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        layer_norm_epsilon=1e-5,
+        tie_word_embeddings=True,
+    )
     hf = transformers.GPT2LMHeadModel(hf_config).float()
     hf.config._attn_implementation = "eager"
     with torch.no_grad():  # non-trivial biases and norms, so a mis-mapped one cannot hide

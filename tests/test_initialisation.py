@@ -45,8 +45,8 @@ def one_thread():
 def shapes_for(tp1: int, tp2: int, vocab: int, hidden: int = 320, layers: int = 2) -> GPTShapes:
     """Tensors wider than one tile and not a multiple of it, so shards cut through tiles;
     301 positions and vocab 211 or 50257 need padding rows at every tp1 > 1."""
-    return GPTShapes(layers=layers, hidden=hidden, heads=20, vocab=vocab, positions=301,
-                     dropout_prob=0.0, layer_norm_eps=1e-5, tp1=tp1, tp2=tp2)  # fmt: skip
+    sizes = dict(layers=layers, hidden=hidden, heads=20, vocab=vocab, positions=301)
+    return GPTShapes(**sizes, dropout_prob=0.0, layer_norm_eps=1e-5, tp1=tp1, tp2=tp2)
 
 
 # The decoder layer and head do not depend on the vocabulary, so the large vocabulary (padded to

@@ -19,13 +19,15 @@ def test_threaded_adamw_is_bitwise_the_plain_one(n, chunk, decay):
     plain = [torch.randn(n, generator=g), None, torch.zeros(n), torch.zeros(n)]
     threaded = [t.clone() if t is not None else None for t in plain]
     with ThreadPoolExecutor(3) as pool:
+        threading = dict(pool=pool, chunk_elements=chunk)
         for step in range(1, 4):
             grad = torch.randn(n, generator=g) * 8
-            hyper = dict(step=step, lr=1e-3 * step, optim=optim, weight_decay=decay,
-                         grad_scale=0.125 if step != 2 else 1.0)  # fmt: skip
+            scale = 0.125 if step != 2 else 1.0
+            hyper = dict(
+                step=step, lr=1e-3 * step, optim=optim, weight_decay=decay, grad_scale=scale
+            )
             adamw_(plain[0], grad, plain[2], plain[3], **hyper)
-            adamw_threaded_(threaded[0], grad, threaded[2], threaded[3], pool=pool,
-                            chunk_elements=chunk, **hyper)  # fmt: skip
+            adamw_threaded_(threaded[0], grad, threaded[2], threaded[3], **threading, **hyper)
             for a, b in zip(plain, threaded, strict=True):
                 if a is not None:
                     assert torch.equal(a, b)

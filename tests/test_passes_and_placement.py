@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import shlex
 
 import pytest
 import torch
@@ -87,8 +88,10 @@ PLACEMENTS = list(itertools.product(("device", "host"), repeat=3))
 
 
 def placement_flags(weights: str, grads: str, activations: str) -> list[str]:
-    return ["--weights_placement", weights, "--grads_placement", grads,
-            "--activations_placement", activations]  # fmt: skip
+    flags = []
+    for state, where in (("weights", weights), ("grads", grads), ("activations", activations)):
+        flags += [f"--{state}_placement", where]
+    return flags
 
 
 def test_every_placement_equals_all_remote():
@@ -121,8 +124,8 @@ def test_bfloat16_weight_copies_equal_casting_the_masters():
             engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3 * (s + 1))
             for s in range(STEPS)
         ]
-        runs[weights] = {"losses": [r.loss for r in results],
-                         **{s: full_state(engine, s) for s in ("grads", "weights", "exp_avg_sq")}}  # fmt: skip
+        states = {s: full_state(engine, s) for s in ("grads", "weights", "exp_avg_sq")}
+        runs[weights] = {"losses": [r.loss for r in results], **states}
     assert runs["host"]["losses"] == runs["device"]["losses"]
     for state in ("grads", "weights", "exp_avg_sq"):
         for name, t in runs["device"][state].items():
@@ -160,8 +163,7 @@ def test_prefetch_changes_no_number_and_no_load(precision):
     """--prefetch true and false, all remote with 2 passes and dropout: bitwise equal steps,
     the same bytes over the host link (each prefetch replaces a load, none is wasted), and
     prefetch serves the loads after the first phase."""
-    flags = ["--precision", precision, "--dropout_prob", "0.1", "--passes", "2",
-             "--placement", "remote"]  # fmt: skip
+    flags = shlex.split(f"--precision {precision} --dropout_prob 0.1 --passes 2 --placement remote")
     runs = {}
     for prefetch in ("true", "false"):
         config = small_config(*flags, "--prefetch", prefetch)
@@ -171,18 +173,24 @@ def test_prefetch_changes_no_number_and_no_load(precision):
             engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3).loss
             for s in range(STEPS)
         ]
-        runs[prefetch] = (losses, full_state(engine), full_state(engine, "exp_avg_sq"),
-                          engine.state.host_to_device, engine.state.prefetch_hits)  # fmt: skip
+        runs[prefetch] = {
+            "losses": losses,
+            "weights": full_state(engine),
+            "exp_avg_sq": full_state(engine, "exp_avg_sq"),
+            "loaded": engine.state.host_to_device,
+            "prefetched": engine.state.prefetch_hits,
+        }
     on, off = runs["true"], runs["false"]
-    assert on[0] == off[0] and on[3] == off[3]
-    for name, t in off[1].items():
-        assert torch.equal(on[1][name], t) and torch.equal(on[2][name], off[2][name]), name
-    assert off[4] == 0
+    assert on["losses"] == off["losses"] and on["loaded"] == off["loaded"]
+    for name, t in off["weights"].items():
+        assert torch.equal(on["weights"][name], t), name
+        assert torch.equal(on["exp_avg_sq"][name], off["exp_avg_sq"][name]), name
+    assert off["prefetched"] == 0
     # Per pass 2L + 4 loads (the head's phase loads the tied embedding too), all prefetched
     # but the step's first phase's and the second pass's embedding forward, which follows the
     # first pass's embedding backward (the same part, not loaded twice).
     layers = config.model.layers
-    assert on[4] == STEPS * (2 * (2 * layers + 4) - 2)
+    assert on["prefetched"] == STEPS * (2 * (2 * layers + 4) - 2)
 
 
 # ----------------------------------------------------------------- the same at (2, 2, 2)
@@ -195,8 +203,8 @@ def _passes_rank(configs: dict) -> dict:
 def test_passes_and_placements_at_2x2x2(tmp_path):
     """On (dp, tp1, tp2) = (2, 2, 2) with 4 micro-batches per replica and dropout: 1 pass all
     remote, 2 passes with mixed placements and 4 passes resident agree to 1e-6."""
-    flags = [*layout_flags(2, 2, 2), "--global_batch_size", "8", "--micro_batch_size", "1",
-             "--dropout_prob", "0.1"]  # fmt: skip
+    batch = shlex.split("--global_batch_size 8 --micro_batch_size 1 --dropout_prob 0.1")
+    flags = [*layout_flags(2, 2, 2), *batch]
     configs = {
         "1 pass, remote": small_config(*flags, "--passes", "1", "--placement", "remote"),
         "2 passes, mixed": small_config(
@@ -228,10 +236,11 @@ def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
     """Every state's allocated bytes equal the planner's prediction exactly, and activation
     bytes shrink with tp1 and with the passes as the hand formula says. Host weights keep
     bfloat16 copies: half the bytes of the float32 masters."""
-    flags = ["--global_batch_size", str(8 * dp), "--micro_batch_size", "2", "--heads", "6",
-             "--hidden_size", "36", "--precision", "bfloat16", "--passes", str(passes),
-             "--weights_placement", weights, *layout_flags(dp, tp1, tp2)]  # fmt: skip
-    config = small_config(*flags)
+    run = shlex.split(
+        f"--global_batch_size {8 * dp} --micro_batch_size 2 --heads 6 --hidden_size 36 "
+        f"--precision bfloat16 --passes {passes} --weights_placement {weights}"
+    )
+    config = small_config(*run, *layout_flags(dp, tp1, tp2))
     engine = planned_engine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
     allocated = engine.buffer_bytes()
     rank = RankShape.from_config(config)
@@ -315,8 +324,11 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[-1])
     monkeypatch.setattr(torch.cuda, "stream", _Use)
     monkeypatch.setattr(torch.cuda, "Event", _Event)
-    monkeypatch.setattr(torch.Tensor, "record_stream",
-                        lambda t, s: log.append((s.name, "record_stream")))  # fmt: skip
+
+    def record_stream(tensor, stream):
+        log.append((stream.name, "record_stream"))
+
+    monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
     load, store = state._load, state._store
     monkeypatch.setattr(
         state, "_load", lambda *a: log.append((current[-1].name, "load")) or load(*a)

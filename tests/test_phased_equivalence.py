@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
+import shlex
+
 import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
+from execution.engine.phases import PhasedEngine
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from tests.reference import (
@@ -23,9 +27,8 @@ CPU = torch.device("cpu")
 
 def random_tokens(config, steps: int, seed: int = 0) -> torch.Tensor:
     """[steps, accumulation, micro_batch, seq + 1] token ids of the whole (dp = 1) batch."""
-    ex = config.execution
-    shape = (steps, config.gradient_accumulation, ex.micro_batch_size,
-             config.model.sequence_length + 1)  # fmt: skip
+    ex, seq = config.execution, config.model.sequence_length
+    shape = (steps, config.gradient_accumulation, ex.micro_batch_size, seq + 1)
     return torch.randint(
         0, config.model.vocab_size, shape, generator=torch.Generator().manual_seed(seed)
     )
@@ -43,8 +46,8 @@ def assert_matches_reference(config, steps: int = 2, seeds: bool = False) -> Non
         if seeds:
 
             def seed_fn(m, step=step):
-                return (engine._embedding_seed(step, m),
-                        [engine._seeds(step, n, m) for n in range(config.model.layers)])  # fmt: skip
+                layer_seeds = [engine._seeds(step, n, m) for n in range(config.model.layers)]
+                return (engine._embedding_seed(step, m), layer_seeds)
 
         result = engine.train_step(tokens[step], step, lr)
         loss, grads, norm = reference_step(model, optimizer, tokens[step], lr, clip, seed_fn)
@@ -102,13 +105,20 @@ def test_resident_placement_is_bitwise_equal_to_remote():
 def test_each_layer_is_loaded_once_per_phase(monkeypatch, passes):
     """Weights of a part are loaded once per phase whatever the gradient accumulation; each
     pass walks the model once more."""
-    config = small_config("--layers", "3", "--global_batch_size", "8", "--micro_batch_size", "1",
-                          "--passes", str(passes), "--placement", "remote")  # fmt: skip
+    run = shlex.split(
+        f"--layers 3 --global_batch_size 8 --micro_batch_size 1 --passes {passes} "
+        "--placement remote"
+    )
+    config = small_config(*run)
     engine = planned_engine(config, ParallelLayout.single(CPU))
     loads = []
     original = engine.state.load_weights
-    monkeypatch.setattr(engine.state, "load_weights", lambda part, row, dtype:
-                        loads.append((part, row)) or original(part, row, dtype))  # fmt: skip
+
+    def load_weights(part, row, dtype):
+        loads.append((part, row))
+        return original(part, row, dtype)
+
+    monkeypatch.setattr(engine.state, "load_weights", load_weights)
     engine.train_step(random_tokens(config, 1)[0], 0, 1e-3)
     layer_loads = [row for part, row in loads if part == "layers"]
     # forward 0..2 then backward 2..0, each exactly once per pass, despite 8 micro-batches
@@ -128,11 +138,13 @@ def test_bfloat16_step_tracks_float32():
 
 
 def test_float16_loss_scaling_unscales_gradients_and_skips_overflow():
+    def engine(*flags: str) -> PhasedEngine:
+        return planned_engine(small_config(*flags), ParallelLayout.single(CPU))
+
     tokens = random_tokens(small_config(), 1)[0]
-    ref = planned_engine(small_config(), ParallelLayout.single(CPU))
+    ref = engine()
     ref_result = ref.train_step(tokens, 0, 1e-3)
-    scaled = planned_engine(small_config("--precision", "float16", "--loss_scaling", "1024"),
-                          ParallelLayout.single(CPU))  # fmt: skip
+    scaled = engine("--precision", "float16", "--loss_scaling", "1024")
     result = scaled.train_step(tokens, 0, 1e-3)
     assert not result.skipped
     assert abs(result.grad_norm - ref_result.grad_norm) <= 2e-2 * ref_result.grad_norm
@@ -141,8 +153,7 @@ def test_float16_loss_scaling_unscales_gradients_and_skips_overflow():
         relative_error(grads["layers.0.mlp.fc.weight"], ref_grads["layers.0.mlp.fc.weight"]) < 2e-2
     )
 
-    overflow = planned_engine(small_config("--precision", "float16", "--loss_scaling", "1e30"),
-                            ParallelLayout.single(CPU))  # fmt: skip
+    overflow = engine("--precision", "float16", "--loss_scaling", "1e30")
     before = full_state(overflow)
     result = overflow.train_step(tokens, 0, 1e-3)
     assert result.skipped and overflow.optimizer_steps == 0
@@ -167,8 +178,8 @@ def test_dropout_seeds_differ_across_steps_layers_and_micro_batches():
     """Masks must never repeat: a seed that ignored step, layer or micro-batch would pass the
     recomputation test above but train with correlated dropout."""
     engine = planned_engine(small_config("--dropout_prob", "0.1"), ParallelLayout.single(CPU))
-    seeds = [engine._seeds(step, layer, micro) for step in range(3) for layer in range(-1, 2)
-             for micro in range(4)]  # fmt: skip
+    keys = itertools.product(range(3), range(-1, 2), range(4))  # (step, layer, micro-batch)
+    seeds = [engine._seeds(step, layer, micro) for step, layer, micro in keys]
     flat = [s for block in seeds for s in block]
     assert len(set(flat)) == len(flat)
     assert engine._seeds(None, 0, 0) is None  # evaluation: no dropout

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from config.loading import ConfigError, parse_config
@@ -80,8 +82,10 @@ def test_flags_fix_what_the_planner_may_choose():
 def test_host_traffic_grows_with_passes_only_when_weights_stream():
     config = small_config("--global_batch_size", "16", "--micro_batch_size", "1")
     plans = candidate_plans(config, "cuda")
-    by = {(p.placement.weights, p.placement.grads, p.placement.activations, p.passes): p.traffic
-          for p in plans}  # fmt: skip
+    by = {
+        (p.placement.weights, p.placement.grads, p.placement.activations, p.passes): p.traffic
+        for p in plans
+    }
     assert by["device", "device", "device", 1] == by["device", "device", "device", 16] == 0
     assert by["host", "device", "device", 16] > by["host", "device", "device", 1] > 0
 
@@ -131,16 +135,19 @@ def test_host_traffic_is_what_the_engine_copies(passes):
     from execution.engine.phases import PhasedEngine
     from execution.parallel.mesh import ParallelLayout
 
+    run = shlex.split(
+        "--global_batch_size 12 --micro_batch_size 2 --layers 3 --precision bfloat16 "
+        f"--passes {passes} --tensor_parallel_1 2"
+    )
     for where in itertools.product(("device", "host"), repeat=3):
-        flags = dict(zip(("weights", "grads", "activations"), where, strict=True))
-        config = small_config("--global_batch_size", "12", "--micro_batch_size", "2",
-                              "--layers", "3", "--precision", "bfloat16", "--passes", str(passes),
-                              "--tensor_parallel_1", "2",
-                              *[a for s, w in flags.items() for a in (f"--{s}_placement", w)])  # fmt: skip
+        placement = []
+        for state, place in zip(("weights", "grads", "activations"), where, strict=True):
+            placement += [f"--{state}_placement", place]
+        config = small_config(*run, *placement)
         plan = candidate_plans(config, "cuda")[0]
         engine = PhasedEngine(config, ParallelLayout.shapes_only(1, 2, 1), plan)
-        tokens = torch.zeros((6, 2, config.model.sequence_length + 1), dtype=torch.long,
-                             device="meta")  # fmt: skip
+        shape = (6, 2, config.model.sequence_length + 1)
+        tokens = torch.zeros(shape, dtype=torch.long, device="meta")
         engine.train_step(tokens, 0, 1e-3)
         moved = engine.state.host_to_device + engine.state.device_to_host
         assert plan.traffic == moved, (where, plan.traffic, moved)

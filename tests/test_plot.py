@@ -13,8 +13,10 @@ from utils.plot import main, plot_run, series
 def _write_metrics(folder, steps=20):
     rows = []
     for step in range(1, steps + 1):
-        rows.append({"step": step, "loss": 10.0 / step, "lr": 1e-3 * step, "grad_norm": 1.0,
-                     "tokens_per_sec": 1000.0 + step})  # fmt: skip
+        loss, lr, speed = 10.0 / step, 1e-3 * step, 1000.0 + step
+        rows.append(
+            {"step": step, "loss": loss, "lr": lr, "grad_norm": 1.0, "tokens_per_sec": speed}
+        )
         if step % 5 == 0:
             rows.append({"step": step, "eval_loss": 11.0 / step})
     text = "\n".join(json.dumps(r) for r in rows) + '\n{"step": 21, "lo'  # a torn last line

@@ -47,9 +47,13 @@ def device_peak_tflops(device: torch.device, configured: float) -> float | None:
 
 
 def throughput(
-    step_seconds: float, sequences: int, sequence_length: int, flops_token: int,
-    peak_tflops: float | None, devices: int,
-) -> dict[str, float | None]:  # fmt: skip
+    step_seconds: float,
+    sequences: int,
+    sequence_length: int,
+    flops_token: int,
+    peak_tflops: float | None,
+    devices: int,
+) -> dict[str, float | None]:
     """samples/s, tokens/s, achieved TFLOPS (whole job) and MFU of one step."""
     tokens_per_sec = sequences * sequence_length / step_seconds
     tflops = tokens_per_sec * flops_token / 1e12

@@ -69,8 +69,11 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
         ax.plot(eval_steps, eval_loss, "o-", label="eval loss", ms=3)
     ax.set_ylabel("loss")
     ax.legend()
-    panels = [(axes[0][1], "lr", "learning rate"), (axes[1][0], "tokens_per_sec", "tokens/s"),
-              (axes[1][1], "grad_norm", "gradient norm")]  # fmt: skip
+    panels = [
+        (axes[0][1], "lr", "learning rate"),
+        (axes[1][0], "tokens_per_sec", "tokens/s"),
+        (axes[1][1], "grad_norm", "gradient norm"),
+    ]
     for ax, key, label in panels:
         x, y = series(rows, key)
         ax.plot(x, y, lw=1)

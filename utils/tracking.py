@@ -29,6 +29,11 @@ class NullTracker:
         pass
 
 
+def _finite_or_none(value: Any) -> Any:
+    """NaN and inf floats become None (JSON has no spelling for them); anything else is kept."""
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
 class JsonlTracker:
     """Appends one JSON object per call to ``path`` (flushed, so a crash loses nothing)."""
 
@@ -37,8 +42,7 @@ class JsonlTracker:
         self._file = path.open("a")
 
     def log(self, metrics: dict[str, Any]) -> None:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in metrics.items()}  # fmt: skip
+        clean = {key: _finite_or_none(value) for key, value in metrics.items()}
         self._file.write(json.dumps(clean) + "\n")
         self._file.flush()
 
@@ -59,19 +63,28 @@ class ConsoleTracker:
         elif step % self.every and step != self.total_steps and step != 1:
             return
         else:
-            mfu = metrics.get("mfu")
-            line = (
-                f"step {step:>6}/{self.total_steps} | loss {metrics['loss']:.4f} | "
-                f"lr {metrics['lr']:.3e} | grad_norm {metrics['grad_norm']:.3f} | "
-                f"{metrics['tokens_per_sec']:,.0f} tok/s | {metrics['tflops']:.3f} TFLOPS | "
-                f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'} | "
-                f"{metrics['step_time']:.2f} s"
-                + (f" | data {t:.3f} s" if (t := metrics.get("data_time")) is not None else "")
-                + (" | SKIPPED (non-finite grads)" if metrics.get("skipped") else "")
-                + (f" | {n} corrupt records skipped" if (n := metrics.get("skipped_records"))
-                   else "")
-            )  # fmt: skip
+            line = self._step_line(metrics)
         print(line, file=self.stream, flush=True)
+
+    def _step_line(self, metrics: dict[str, Any]) -> str:
+        mfu = metrics.get("mfu")
+        parts = [
+            f"step {metrics['step']:>6}/{self.total_steps}",
+            f"loss {metrics['loss']:.4f}",
+            f"lr {metrics['lr']:.3e}",
+            f"grad_norm {metrics['grad_norm']:.3f}",
+            f"{metrics['tokens_per_sec']:,.0f} tok/s",
+            f"{metrics['tflops']:.3f} TFLOPS",
+            f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}",
+            f"{metrics['step_time']:.2f} s",
+        ]
+        if (data_time := metrics.get("data_time")) is not None:
+            parts.append(f"data {data_time:.3f} s")
+        if metrics.get("skipped"):
+            parts.append("SKIPPED (non-finite grads)")
+        if skipped_records := metrics.get("skipped_records"):
+            parts.append(f"{skipped_records} corrupt records skipped")
+        return " | ".join(parts)
 
     def close(self) -> None:
         pass
