@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ from tests.distributed import run_ranks
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"  # where the ranks' rendezvous store listens
 LAYOUT = ["--data_parallel", "2", "--tensor_parallel_1", "1", "--tensor_parallel_2", "2"]
 
 # The (rank, world size, local rank) variables each launcher sets (DESIGN.md section 1).
@@ -37,12 +39,35 @@ def launcher_env(launcher: str, rank: int, world_size: int) -> dict[str, str]:
     return {rank_key: str(rank), size_key: str(world_size), local_key: str(rank)}
 
 
-def _join_rank(rank: int, launcher: str, port: int) -> dict:
+def _host_store(folder: Path) -> dist.TCPStore:
+    """Rank 0's stand-in for torchrun's agent: a rendezvous store on a free port, published in
+    ``folder`` (written whole, then renamed, so no rank reads half a port)."""
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    partial = folder / "master_port.partial"
+    partial.write_text(str(store.port))
+    partial.replace(folder / "master_port")
+    return store
+
+
+def _published_port(folder: Path) -> str:
+    """The port rank 0 publishes. No deadline of its own: if rank 0 fails or hangs, run_ranks
+    stops every rank."""
+    path = folder / "master_port"
+    while not path.exists():
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def _join_rank(rank: int, launcher: str, folder: Path) -> dict:
     """A rank as a launcher starts it: only environment variables say where it belongs."""
-    # The parent hosts the rendezvous store (as torchrun's agent does), so no port is fixed
-    # and none is raced for: every rank connects to it as a client.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
+    # Rank 0 hosts the store that torchrun's agent would, so no port is fixed and none is raced
+    # for; every rank, rank 0 included, joins it as a client. The pytest process must not host
+    # it: the store's server thread formats each client's address with getnameinfo, under
+    # glibc's resolver lock, and a rank forked while that lock was held inherited it locked
+    # with no thread left to release it, hanging in its own getnameinfo when it connected.
+    store = _host_store(folder) if rank == 0 else None
+    port = _published_port(folder)
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
     config, _ = parse_config(["--config", "tiny", "--device", "cpu", *LAYOUT])
     layout, info = setup_layout(config, launcher_env(launcher, rank, 4))
     try:
@@ -52,13 +77,15 @@ def _join_rank(rank: int, launcher: str, port: int) -> dict:
                 "global_rank": dist.get_rank(), "groups": groups}  # fmt: skip
     finally:
         teardown()
+        # Every rank is done with the store once rank 0 is here: a rank uses it only to join
+        # and build its groups, before the "world" all_gather that rank 0 has just completed.
+        del store
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_launcher_variables_build_the_layout(tmp_path, launcher):
     """setup_layout joins the job and builds the (dp 2, tp1 1, tp2 2) groups of section 3."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = run_ranks(_join_rank, 4, tmp_path, launcher, store.port, init=False)
+    results = run_ranks(_join_rank, 4, tmp_path, launcher, tmp_path, init=False)
     expected_groups = {
         "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],
         "tp1": [[0], [1], [2], [3]],
