@@ -12,8 +12,6 @@ from execution.optimizer import adamw_, clip_coefficient, learning_rate
 from modelling.gpt import GPTShapes
 from utils.metrics import flops_per_token, throughput
 
-transformers = pytest.importorskip("transformers")
-
 
 def test_adamw_matches_torch_over_several_steps():
     optim = OptimizerConfig(beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
@@ -73,6 +71,7 @@ def test_learning_rate_schedule_by_hand():
 
 
 def test_parameter_count_matches_huggingface_gpt2():
+    transformers = pytest.importorskip("transformers")
     hf = transformers.GPT2Config(vocab_size=50257, n_positions=2048, n_embd=768, n_layer=12,
                                  n_head=12)  # fmt: skip
     with torch.device("meta"):
