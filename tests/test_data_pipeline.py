@@ -177,8 +177,6 @@ def test_extract_script_arguments(tmp_path):
 @pytest.mark.slow
 def test_trainer_runs_on_a_plain_text_corpus_written_as_the_readme_says(tmp_path):
     entry = REPO_ROOT / "run_pretraining.py"
-    if not entry.exists():
-        pytest.skip("run_pretraining.py is not there yet")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(12):  # one document per file, about 3,600 tokens in all
