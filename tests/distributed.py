@@ -5,10 +5,22 @@ every rank for ~20 s on two cores). They rendezvous through a ``file://`` store 
 temporary folder, so no port is ever fixed, and each rank runs one intra-op thread so that eight
 ranks share two cores without oversubscription. A rank that raises or hangs fails the test with
 its traceback; the others are killed.
+
+A fork copies only the forking thread, and every lock as it is at that moment. When the ranks are
+forked, the pytest process also runs libgomp's intra-op worker (left by any parallel torch op,
+``_warm_up`` included), OpenBLAS's server thread (numpy's; OpenBLAS stops its threads around a
+fork itself) and, after some tests, idle helpers such as kineto's config thread. libgomp is not
+fork-safe: a rank's libgomp still counts the parent's worker, so a parallel region of two or more
+threads would wait for it forever; hence ``torch.set_num_threads(1)`` before anything else in a
+rank. The process must not run torch.distributed's service threads (a TCPStore server, a gloo or
+NCCL loop): a TCPStore server resolves each client's address under glibc's resolver lock, so a
+rank forked meanwhile can inherit that lock held and hang when it connects. ``run_ranks``
+refuses to fork while one runs: host stores inside the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -38,6 +50,8 @@ def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, folder: Path,
                timeout: float, init: bool, args: tuple) -> None:  # fmt: skip
     """Body of one forked rank: join the job, run ``fn``, save its result or its traceback."""
     try:
+        # First, before any torch op: a parallel region of two or more threads would wait
+        # forever for the parent's libgomp worker, which was not forked (module docstring).
         torch.set_num_threads(1)
         if init:
             dist.init_process_group(
@@ -68,6 +82,17 @@ def _warm_up() -> None:
     single_process_run(config, global_batches(config, 1))
 
 
+def _distributed_service_threads() -> list[str]:
+    """Names of this process's threads that torch.distributed started: a TCPStore server
+    (``pt_tcpstore_uv``), a gloo loop (``gloo_tcp_loop``), NCCL watchdogs (``pt_nccl_...``)."""
+    tasks = Path("/proc/self/task")  # Linux; elsewhere there is nothing to check
+    names = []
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        with contextlib.suppress(FileNotFoundError):  # the thread ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return sorted(name for name in names if name.startswith(("pt_tcpstore", "gloo", "pt_nccl")))
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
               timeout: float = 120.0, init: bool = True) -> list[Any]:  # fmt: skip
     """Runs ``fn(*args)`` on ``world_size`` forked gloo ranks and returns each rank's result.
@@ -86,6 +111,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
         AssertionError: A rank raised (its traceback is in the message), died or timed out.
     """
     _warm_up()
+    service = _distributed_service_threads()
+    assert not service, (
+        f"run_ranks would fork while this process runs {service}; a rank forked while one of "
+        "them holds a lock inherits it held and can hang (module docstring): host stores and "
+        "process groups inside the ranks"
+    )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     assert not any(folder.glob("store*")), "a job needs a fresh folder for its store"
