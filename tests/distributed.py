@@ -46,8 +46,15 @@ CPU = torch.device("cpu")
 FLOAT32_TOLERANCE = 1e-5
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, folder: Path,
-               timeout: float, init: bool, args: tuple) -> None:  # fmt: skip
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    folder: Path,
+    timeout: float,
+    init: bool,
+    args: tuple,
+) -> None:
     """Body of one forked rank: join the job, run ``fn``, save its result or its traceback."""
     try:
         # First, before any torch op: a parallel region of two or more threads would wait
@@ -93,8 +100,14 @@ def _distributed_service_threads() -> list[str]:
     return sorted(name for name in names if name.startswith(("pt_tcpstore", "gloo", "pt_nccl")))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
-              timeout: float = 120.0, init: bool = True) -> list[Any]:  # fmt: skip
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    folder: Path,
+    *args: Any,
+    timeout: float = 120.0,
+    init: bool = True,
+) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` forked gloo ranks and returns each rank's result.
 
     Args:
@@ -142,8 +155,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
             if p.is_alive():
                 p.kill()
             p.join()
-    errors = [f"rank {r}:\n{(folder / f'error_{r}.txt').read_text()}"
-              for r in range(world_size) if (folder / f"error_{r}.txt").exists()]  # fmt: skip
+    error_files = {r: folder / f"error_{r}.txt" for r in range(world_size)}
+    errors = [f"rank {r}:\n{f.read_text()}" for r, f in error_files.items() if f.exists()]
     if errors:
         raise AssertionError("\n".join(errors))
     codes = [p.exitcode for p in procs]
@@ -169,10 +182,8 @@ def small_config(*flags: str) -> PretrainingConfig:
     bug (a wrong slice, a missing or doubled reduction, a misplaced micro-batch or dropout
     mask) shows up orders of magnitude above the tolerance.
     """
-    return reference_small_config(
-        "--vocab_size", "1000", "--sequence_length", "8", "--max_positional_length", "10",
-        "--eps", "1e-3", *flags,
-    )  # fmt: skip
+    sizes = ["--vocab_size", "1000", "--sequence_length", "8", "--max_positional_length", "10"]
+    return reference_small_config(*sizes, "--eps", "1e-3", *flags)
 
 
 def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
@@ -181,8 +192,8 @@ def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
 
 
 def layout_flags(dp: int, tp1: int, tp2: int) -> list[str]:
-    return ["--data_parallel", str(dp), "--tensor_parallel_1", str(tp1),
-            "--tensor_parallel_2", str(tp2)]  # fmt: skip
+    sizes = {"--data_parallel": dp, "--tensor_parallel_1": tp1, "--tensor_parallel_2": tp2}
+    return [text for flag, size in sizes.items() for text in (flag, str(size))]
 
 
 def global_batches(config: PretrainingConfig, steps: int, seed: int = 0) -> torch.Tensor:
@@ -249,8 +260,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                        tolerance: float, what: str) -> None:  # fmt: skip
+def assert_states_close(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float, what: str
+) -> None:
     """Every tensor of ``expected`` is in ``actual`` with the same shape, within ``tolerance``."""
     assert actual.keys() == expected.keys(), f"{what}: names differ"
     for name, t in expected.items():
