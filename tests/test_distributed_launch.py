@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from config.loading import ConfigError, parse_config
 from execution.layout import setup_layout, teardown
-from tests.distributed import run_ranks
+from tests.distributed import layout_flags, run_ranks
 
 pytestmark = pytest.mark.distributed
 
@@ -73,8 +73,13 @@ def _join_rank(rank: int, launcher: str, folder: Path) -> dict:
     try:
         me = torch.tensor([float(layout.rank)])
         groups = {a.name: [int(v) for v in a.all_gather(me)] for a in layout.axes()}
-        return {"rank": info.rank, "world": info.world_size, "launcher": info.launcher,
-                "global_rank": dist.get_rank(), "groups": groups}  # fmt: skip
+        return {
+            "rank": info.rank,
+            "world": info.world_size,
+            "launcher": info.launcher,
+            "global_rank": dist.get_rank(),
+            "groups": groups,
+        }
     finally:
         teardown()
         # Every rank is done with the store once rank 0 is here: a rank uses it only to join
@@ -117,10 +122,10 @@ def test_world_size_mismatch_is_one_line_before_joining(launcher):
 def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
     """What a user sees from each rank of ``torchrun --nproc_per_node 2 ... --data_parallel 4``."""
     env = {**os.environ, **launcher_env("torchrun", 0, 2)}
-    args = ["--config", "tiny", "--data_parallel", "4", "--micro_batch_size", "2",
-            "--global_batch_size", "8", "--output_dir", str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.run([sys.executable, "run_pretraining.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    batch = ["--micro_batch_size", "2", "--global_batch_size", "8"]
+    flags = ["--config", "tiny", "--data_parallel", "4", *batch]
+    command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(tmp_path / "run")]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "run_pretraining.py: error: --data_parallel 4 x --tensor_parallel_1 1 x "
@@ -134,12 +139,16 @@ def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--heads", "4", "--tensor_parallel_1", "3"],
-         "--heads 4 is not divisible by --tensor_parallel_1 3"),
-        (["--hidden_size", "128", "--tensor_parallel_2", "3"],
-         "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+        (
+            ["--heads", "4", "--tensor_parallel_1", "3"],
+            "--heads 4 is not divisible by --tensor_parallel_1 3",
+        ),
+        (
+            ["--hidden_size", "128", "--tensor_parallel_2", "3"],
+            "--hidden_size 128 is not divisible by --tensor_parallel_2 3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_impossible_split_is_one_line(flags, message):
     with pytest.raises(ConfigError) as err:
         parse_config(["--config", "tiny", *flags])
@@ -156,20 +165,19 @@ def _metrics(path: Path) -> list[dict]:
 def test_torchrun_trains_the_tiny_preset_like_one_process(tmp_path):
     """torchrun with 8 ranks (dp 2 x tp1 2 x tp2 2) on the shipped data gives the loss curve
     of one process: the real loader, launcher and entry point, dropout 0, float32."""
-    flags = ["--config", "tiny", "--steps", "2", "--dropout_prob", "0", "--precision", "float32",
-             "--device", "cpu"]  # fmt: skip
+    deterministic = ["--dropout_prob", "0", "--precision", "float32"]
+    flags = ["--config", "tiny", "--steps", "2", *deterministic, "--device", "cpu"]
     single = tmp_path / "single"
-    subprocess.run([sys.executable, "run_pretraining.py", *flags, "--output_dir", str(single)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(single)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300)
     eight = tmp_path / "eight"
     # --standalone rendezvous binds a free port (localhost:0): nothing is fixed.
-    command = ["torchrun", "--standalone", "--nproc_per_node", "8", "run_pretraining.py",
-               *flags, "--data_parallel", "2", "--tensor_parallel_1", "2",
-               "--tensor_parallel_2", "2", "--output_dir", str(eight)]  # fmt: skip
+    launch = ["torchrun", "--standalone", "--nproc_per_node", "8", "run_pretraining.py"]
+    command = [*launch, *flags, *layout_flags(2, 2, 2), "--output_dir", str(eight)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for got, want in zip(_metrics(eight / "metrics.jsonl"), _metrics(single / "metrics.jsonl"),
-                         strict=True):  # fmt: skip
+    curves = _metrics(eight / "metrics.jsonl"), _metrics(single / "metrics.jsonl")
+    for got, want in zip(*curves, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 
