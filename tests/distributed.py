@@ -5,10 +5,22 @@ every rank for ~20 s on two cores). They rendezvous through a ``file://`` store 
 temporary folder, so no port is ever fixed, and each rank runs one intra-op thread so that eight
 ranks share two cores without oversubscription. A rank that raises or hangs fails the test with
 its traceback; the others are killed.
+
+A fork copies only the forking thread, and every lock as it is at that moment. When the ranks are
+forked, the pytest process also runs libgomp's intra-op worker (left by any parallel torch op,
+``_warm_up`` included), OpenBLAS's server thread (numpy's; OpenBLAS stops its threads around a
+fork itself) and, after some tests, idle helpers such as kineto's config thread. libgomp is not
+fork-safe: a rank's libgomp still counts the parent's worker, so a parallel region of two or more
+threads would wait for it forever; hence ``torch.set_num_threads(1)`` before anything else in a
+rank. The process must not run torch.distributed's service threads (a TCPStore server, a gloo or
+NCCL loop): a TCPStore server resolves each client's address under glibc's resolver lock, so a
+rank forked meanwhile can inherit that lock held and hang when it connects. ``run_ranks``
+refuses to fork while one runs: host stores inside the ranks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -36,10 +48,19 @@ CPU = torch.device("cpu")
 FLOAT32_TOLERANCE = 1e-5
 
 
-def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, folder: Path,
-               timeout: float, init: bool, args: tuple) -> None:  # fmt: skip
+def _rank_main(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    folder: Path,
+    timeout: float,
+    init: bool,
+    args: tuple,
+) -> None:
     """Body of one forked rank: join the job, run ``fn``, save its result or its traceback."""
     try:
+        # First, before any torch op: a parallel region of two or more threads would wait
+        # forever for the parent's libgomp worker, which was not forked (module docstring).
         torch.set_num_threads(1)
         if init:
             dist.init_process_group(
@@ -70,8 +91,25 @@ def _warm_up() -> None:
     single_process_run(config, global_batches(config, 1))
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
-              timeout: float = 120.0, init: bool = True) -> list[Any]:  # fmt: skip
+def _distributed_service_threads() -> list[str]:
+    """Names of this process's threads that torch.distributed started: a TCPStore server
+    (``pt_tcpstore_uv``), a gloo loop (``gloo_tcp_loop``), NCCL watchdogs (``pt_nccl_...``)."""
+    tasks = Path("/proc/self/task")  # Linux; elsewhere there is nothing to check
+    names = []
+    for task in tasks.iterdir() if tasks.is_dir() else ():
+        with contextlib.suppress(FileNotFoundError):  # the thread ended meanwhile
+            names.append((task / "comm").read_text().strip())
+    return sorted(name for name in names if name.startswith(("pt_tcpstore", "gloo", "pt_nccl")))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    folder: Path,
+    *args: Any,
+    timeout: float = 120.0,
+    init: bool = True,
+) -> list[Any]:
     """Runs ``fn(*args)`` on ``world_size`` forked gloo ranks and returns each rank's result.
 
     Args:
@@ -88,6 +126,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
         AssertionError: A rank raised (its traceback is in the message), died or timed out.
     """
     _warm_up()
+    service = _distributed_service_threads()
+    assert not service, (
+        f"run_ranks would fork while this process runs {service}; a rank forked while one of "
+        "them holds a lock inherits it held and can hang (module docstring): host stores and "
+        "process groups inside the ranks"
+    )
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     assert not any(folder.glob("store*")), "a job needs a fresh folder for its store"
@@ -113,8 +157,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, folder: Path, *args: Any,
             if p.is_alive():
                 p.kill()
             p.join()
-    errors = [f"rank {r}:\n{(folder / f'error_{r}.txt').read_text()}"
-              for r in range(world_size) if (folder / f"error_{r}.txt").exists()]  # fmt: skip
+    error_files = {r: folder / f"error_{r}.txt" for r in range(world_size)}
+    errors = [f"rank {r}:\n{f.read_text()}" for r, f in error_files.items() if f.exists()]
     if errors:
         raise AssertionError("\n".join(errors))
     codes = [p.exitcode for p in procs]
@@ -140,10 +184,8 @@ def small_config(*flags: str) -> PretrainingConfig:
     bug (a wrong slice, a missing or doubled reduction, a misplaced micro-batch or dropout
     mask) shows up orders of magnitude above the tolerance.
     """
-    return reference_small_config(
-        "--vocab_size", "1000", "--sequence_length", "8", "--max_positional_length", "10",
-        "--eps", "1e-3", *flags,
-    )  # fmt: skip
+    sizes = ["--vocab_size", "1000", "--sequence_length", "8", "--max_positional_length", "10"]
+    return reference_small_config(*sizes, "--eps", "1e-3", *flags)
 
 
 def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
@@ -152,8 +194,8 @@ def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
 
 
 def layout_flags(dp: int, tp1: int, tp2: int) -> list[str]:
-    return ["--data_parallel", str(dp), "--tensor_parallel_1", str(tp1),
-            "--tensor_parallel_2", str(tp2)]  # fmt: skip
+    sizes = {"--data_parallel": dp, "--tensor_parallel_1": tp1, "--tensor_parallel_2": tp2}
+    return [text for flag, size in sizes.items() for text in (flag, str(size))]
 
 
 def global_batches(config: PretrainingConfig, steps: int, seed: int = 0) -> torch.Tensor:
@@ -220,8 +262,9 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-def assert_states_close(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
-                        tolerance: float, what: str) -> None:  # fmt: skip
+def assert_states_close(
+    actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float, what: str
+) -> None:
     """Every tensor of ``expected`` is in ``actual`` with the same shape, within ``tolerance``."""
     assert actual.keys() == expected.keys(), f"{what}: names differ"
     for name, t in expected.items():

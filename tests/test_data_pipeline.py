@@ -102,16 +102,17 @@ def test_wikipedia_dump_to_training_batches(tmp_path, extractor):
         wikiextractor_output(extracted)
 
     corpus = tmp_path / "corpus"
-    result = ok(run_data_script("wikipedia_preprocess.py", "--input-file-path", extracted,
-                           "--output-file-path", corpus, "--workers", 2))  # fmt: skip
+    paths = ["--input-file-path", extracted, "--output-file-path", corpus]
+    result = ok(run_data_script("wikipedia_preprocess.py", *paths, "--workers", 2))
     assert "MB/s" in result.stderr
     articles = [clean for _, _, clean in ARTICLES if clean is not None]
     text_file = corpus / "wikicorpus_en_one_article_per_line.txt"
     assert text_file.read_text().splitlines() == articles
 
     shards = tmp_path / "shards"
-    ok(run_data_script("write_into_tfrecord.py", "--input-file-path", text_file, "--output-file-path",
-                  shards, "--seq-length", SEQ, "--stride", SEQ, "--num-shards", 3, "--workers", 2))  # fmt: skip
+    paths = ["--input-file-path", text_file, "--output-file-path", shards]
+    windows = ["--seq-length", SEQ, "--stride", SEQ, "--num-shards", 3, "--workers", 2]
+    ok(run_data_script("write_into_tfrecord.py", *paths, *windows))
     files = sorted(shards.glob("*.tfrecord"))
     written = [index_path_for(f).read_text() for f in files]
     for f in files:
@@ -176,9 +177,6 @@ def test_extract_script_arguments(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_runs_on_a_plain_text_corpus_written_as_the_readme_says(tmp_path):
-    entry = REPO_ROOT / "run_pretraining.py"
-    if not entry.exists():
-        pytest.skip("run_pretraining.py is not there yet")
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     for i in range(12):  # one document per file, about 3,600 tokens in all
@@ -186,12 +184,12 @@ def test_trainer_runs_on_a_plain_text_corpus_written_as_the_readme_says(tmp_path
             f"Paragraph {j} of document {i} says that {i * j} is {i} times {j}." for j in range(25)
         ]
         (corpus / f"doc{i:02d}.txt").write_text(" ".join(sentences) + "\n")
-    ok(run_data_script("write_into_tfrecord.py", "--input-file-path", corpus, "--input-format", "files",
-                       "--output-file-path", tmp_path / "data", "--seq-length", 128, "--num-shards", 2))  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, str(entry), "--config", "tiny", "--input_files", f"{tmp_path}/data/*.tfrecord",
-         "--steps", "2", "--output_dir", str(tmp_path / "run")],
-        capture_output=True, text=True, cwd=REPO_ROOT, timeout=600,
-    )  # fmt: skip
+    data = tmp_path / "data"
+    paths = ["--input-file-path", corpus, "--input-format", "files", "--output-file-path", data]
+    ok(run_data_script("write_into_tfrecord.py", *paths, "--seq-length", 128, "--num-shards", 2))
+    pattern = f"{data}/*.tfrecord"
+    flags = ["--config", "tiny", "--input_files", pattern, "--steps", "2"]
+    command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(tmp_path / "run")]
+    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"{tmp_path}/data/*.tfrecord" in result.stdout + result.stderr
+    assert pattern in result.stdout + result.stderr

@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,11 +16,12 @@ import torch.distributed as dist
 
 from config.loading import ConfigError, parse_config
 from execution.parallel.launch import setup_layout, teardown
-from tests.distributed import run_ranks
+from tests.distributed import layout_flags, run_ranks
 
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"  # where the ranks' rendezvous store listens
 LAYOUT = ["--data_parallel", "2", "--tensor_parallel_1", "1", "--tensor_parallel_2", "2"]
 
 # The (rank, world size, local rank) variables each launcher sets (DESIGN.md section 1).
@@ -37,28 +39,58 @@ def launcher_env(launcher: str, rank: int, world_size: int) -> dict[str, str]:
     return {rank_key: str(rank), size_key: str(world_size), local_key: str(rank)}
 
 
-def _join_rank(rank: int, launcher: str, port: int) -> dict:
+def _host_store(folder: Path) -> dist.TCPStore:
+    """Rank 0's stand-in for torchrun's agent: a rendezvous store on a free port, published in
+    ``folder`` (written whole, then renamed, so no rank reads half a port)."""
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    partial = folder / "master_port.partial"
+    partial.write_text(str(store.port))
+    partial.replace(folder / "master_port")
+    return store
+
+
+def _published_port(folder: Path) -> str:
+    """The port rank 0 publishes. No deadline of its own: if rank 0 fails or hangs, run_ranks
+    stops every rank."""
+    path = folder / "master_port"
+    while not path.exists():
+        time.sleep(0.01)
+    return path.read_text()
+
+
+def _join_rank(rank: int, launcher: str, folder: Path) -> dict:
     """A rank as a launcher starts it: only environment variables say where it belongs."""
-    # The parent hosts the rendezvous store (as torchrun's agent does), so no port is fixed
-    # and none is raced for: every rank connects to it as a client.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHELASTIC_USE_AGENT_STORE="True")  # fmt: skip
+    # Rank 0 hosts the store that torchrun's agent would, so no port is fixed and none is raced
+    # for; every rank, rank 0 included, joins it as a client. The pytest process must not host
+    # it: the store's server thread formats each client's address with getnameinfo, under
+    # glibc's resolver lock, and a rank forked while that lock was held inherited it locked
+    # with no thread left to release it, hanging in its own getnameinfo when it connected.
+    store = _host_store(folder) if rank == 0 else None
+    port = _published_port(folder)
+    os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
     config, _ = parse_config(["--config", "tiny", "--device", "cpu", *LAYOUT])
     layout, info = setup_layout(config, launcher_env(launcher, rank, 4))
     try:
         me = torch.tensor([float(layout.rank)])
         groups = {a.name: [int(v) for v in a.all_gather(me)] for a in layout.axes()}
-        return {"rank": info.rank, "world": info.world_size, "launcher": info.launcher,
-                "global_rank": dist.get_rank(), "groups": groups}  # fmt: skip
+        return {
+            "rank": info.rank,
+            "world": info.world_size,
+            "launcher": info.launcher,
+            "global_rank": dist.get_rank(),
+            "groups": groups,
+        }
     finally:
         teardown()
+        # Every rank is done with the store once rank 0 is here: a rank uses it only to join
+        # and build its groups, before the "world" all_gather that rank 0 has just completed.
+        del store
 
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_launcher_variables_build_the_layout(tmp_path, launcher):
     """setup_layout joins the job and builds the (dp 2, tp1 1, tp2 2) groups of section 3."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    results = run_ranks(_join_rank, 4, tmp_path, launcher, store.port, init=False)
+    results = run_ranks(_join_rank, 4, tmp_path, launcher, tmp_path, init=False)
     expected_groups = {
         "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],
         "tp1": [[0], [1], [2], [3]],
@@ -90,10 +122,10 @@ def test_world_size_mismatch_is_one_line_before_joining(launcher):
 def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
     """What a user sees from each rank of ``torchrun --nproc_per_node 2 ... --data_parallel 4``."""
     env = {**os.environ, **launcher_env("torchrun", 0, 2)}
-    args = ["--config", "tiny", "--data_parallel", "4", "--micro_batch_size", "2",
-            "--global_batch_size", "8", "--output_dir", str(tmp_path / "run")]  # fmt: skip
-    proc = subprocess.run([sys.executable, "run_pretraining.py", *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    batch = ["--micro_batch_size", "2", "--global_batch_size", "8"]
+    flags = ["--config", "tiny", "--data_parallel", "4", *batch]
+    command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(tmp_path / "run")]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "run_pretraining.py: error: --data_parallel 4 x --tensor_parallel_1 1 x "
@@ -107,12 +139,16 @@ def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--heads", "4", "--tensor_parallel_1", "3"],
-         "--heads 4 is not divisible by --tensor_parallel_1 3"),
-        (["--hidden_size", "128", "--tensor_parallel_2", "3"],
-         "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+        (
+            ["--heads", "4", "--tensor_parallel_1", "3"],
+            "--heads 4 is not divisible by --tensor_parallel_1 3",
+        ),
+        (
+            ["--hidden_size", "128", "--tensor_parallel_2", "3"],
+            "--hidden_size 128 is not divisible by --tensor_parallel_2 3",
+        ),
     ],
-)  # fmt: skip
+)
 def test_impossible_split_is_one_line(flags, message):
     with pytest.raises(ConfigError) as err:
         parse_config(["--config", "tiny", *flags])
@@ -129,20 +165,19 @@ def _metrics(path: Path) -> list[dict]:
 def test_torchrun_trains_the_tiny_preset_like_one_process(tmp_path):
     """torchrun with 8 ranks (dp 2 x tp1 2 x tp2 2) on the shipped data gives the loss curve
     of one process: the real loader, launcher and entry point, dropout 0, float32."""
-    flags = ["--config", "tiny", "--steps", "2", "--dropout_prob", "0", "--precision", "float32",
-             "--device", "cpu"]  # fmt: skip
+    deterministic = ["--dropout_prob", "0", "--precision", "float32"]
+    flags = ["--config", "tiny", "--steps", "2", *deterministic, "--device", "cpu"]
     single = tmp_path / "single"
-    subprocess.run([sys.executable, "run_pretraining.py", *flags, "--output_dir", str(single)],
-                   cwd=ROOT, check=True, capture_output=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(single)]
+    subprocess.run(command, cwd=ROOT, check=True, capture_output=True, timeout=300)
     eight = tmp_path / "eight"
     # --standalone rendezvous binds a free port (localhost:0): nothing is fixed.
-    command = ["torchrun", "--standalone", "--nproc_per_node", "8", "run_pretraining.py",
-               *flags, "--data_parallel", "2", "--tensor_parallel_1", "2",
-               "--tensor_parallel_2", "2", "--output_dir", str(eight)]  # fmt: skip
+    launch = ["torchrun", "--standalone", "--nproc_per_node", "8", "run_pretraining.py"]
+    command = [*launch, *flags, *layout_flags(2, 2, 2), "--output_dir", str(eight)]
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for got, want in zip(_metrics(eight / "metrics.jsonl"), _metrics(single / "metrics.jsonl"),
-                         strict=True):  # fmt: skip
+    curves = _metrics(eight / "metrics.jsonl"), _metrics(single / "metrics.jsonl")
+    for got, want in zip(*curves, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
 

@@ -12,32 +12,31 @@ from execution.engine.optimizer import adamw_, clip_coefficient, learning_rate
 from modelling.gpt import GPTShapes
 from utils.metrics import flops_per_token, throughput
 
-transformers = pytest.importorskip("transformers")
-
 
 def test_adamw_matches_torch_over_several_steps():
     optim = OptimizerConfig(beta1=0.8, beta2=0.9, eps=1e-6, weight_decay=0.1)
     g = torch.Generator().manual_seed(0)
     weight = torch.randn(1000, generator=g)
     reference = torch.nn.Parameter(weight.clone())
-    torch_adamw = torch.optim.AdamW([reference], lr=0.01, betas=(0.8, 0.9), eps=1e-6,
-                                    weight_decay=0.1, foreach=False)  # fmt: skip
+    torch_adamw = torch.optim.AdamW(
+        [reference], lr=0.01, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1, foreach=False
+    )
     m, v = torch.zeros(1000), torch.zeros(1000)
     for step in range(1, 4):
         grad = torch.randn(1000, generator=g)
         reference.grad = grad.clone()
         torch_adamw.step()
         # grad_scale folds in a loss scale of 4 that the stored gradient still carries
-        adamw_(weight, grad * 4, m, v, step=step, lr=0.01, optim=optim, weight_decay=True,
-               grad_scale=0.25)  # fmt: skip
+        hyper = dict(step=step, lr=0.01, optim=optim, weight_decay=True, grad_scale=0.25)
+        adamw_(weight, grad * 4, m, v, **hyper)
         torch.testing.assert_close(weight, reference.detach(), rtol=1e-6, atol=1e-7)
 
 
 def test_no_weight_decay_leaves_zero_gradient_weights_alone():
     optim = OptimizerConfig(weight_decay=0.5)
-    weight = torch.ones(4)
-    adamw_(weight, torch.zeros(4), torch.zeros(4), torch.zeros(4), step=1, lr=0.1, optim=optim,
-           weight_decay=False, grad_scale=1.0)  # fmt: skip
+    weight, zero_grad, m, v = torch.ones(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
+    hyper = dict(step=1, lr=0.1, optim=optim, weight_decay=False, grad_scale=1.0)
+    adamw_(weight, zero_grad, m, v, **hyper)
     assert torch.equal(weight, torch.ones(4))
 
 
@@ -52,8 +51,13 @@ def test_clip_coefficient_equals_clip_grad_norm():
 
 
 def test_learning_rate_schedule_by_hand():
-    optim = OptimizerConfig(learning_rate=1.0, min_learning_rate_ratio=0.1, warmup_tokens=400,
-                            decay_tokens=1400, lr_schedule="cosine")  # fmt: skip
+    optim = OptimizerConfig(
+        learning_rate=1.0,
+        min_learning_rate_ratio=0.1,
+        warmup_tokens=400,
+        decay_tokens=1400,
+        lr_schedule="cosine",
+    )
     tokens_per_step = 100
 
     def lr(step):
@@ -73,8 +77,10 @@ def test_learning_rate_schedule_by_hand():
 
 
 def test_parameter_count_matches_huggingface_gpt2():
-    hf = transformers.GPT2Config(vocab_size=50257, n_positions=2048, n_embd=768, n_layer=12,
-                                 n_head=12)  # fmt: skip
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2Config(
+        vocab_size=50257, n_positions=2048, n_embd=768, n_layer=12, n_head=12
+    )
     with torch.device("meta"):
         expected = transformers.GPT2LMHeadModel(hf).num_parameters()  # tied embedding once
     shapes = GPTShapes(12, 768, 12, 50257, 2048, 0.0, 1e-5)
@@ -85,8 +91,9 @@ def test_flops_per_token_and_mfu_by_hand():
     shapes = GPTShapes(2, 64, 4, 100, 16, 0.0, 1e-5)
     n = (100 + 16) * 64 + 2 * (12 * 64 * 64 + 13 * 64) + 2 * 64
     assert flops_per_token(shapes, 16) == 6 * n + 12 * 2 * 64 * 16
-    rates = throughput(2.0, sequences=8, sequence_length=16, flops_token=1000,
-                       peak_tflops=1e-9, devices=2)  # fmt: skip
+    rates = throughput(
+        2.0, sequences=8, sequence_length=16, flops_token=1000, peak_tflops=1e-9, devices=2
+    )
     assert rates["samples_per_sec"] == 4.0 and rates["tokens_per_sec"] == 64.0
     assert rates["tflops"] == pytest.approx(64e3 / 1e12)
     assert rates["mfu"] == pytest.approx(64e3 / 1e12 / 2e-9)
