@@ -10,6 +10,7 @@ process-group state.
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -55,19 +56,28 @@ class MeshShape:
         i, j = divmod(rest, self.tp2)
         return {"d": d, "i": i, "j": j}
 
+    def _extent(self) -> dict[str, int]:
+        return {"d": self.dp, "i": self.tp1, "j": self.tp2}
+
     def size(self, axis: str) -> int:
-        sizes = {"d": self.dp, "i": self.tp1, "j": self.tp2}
-        return math.prod(sizes[c] for c in AXES[axis])
+        return math.prod(self._extent()[c] for c in AXES[axis])
+
+    def _ranks(self, fixed: dict[str, int], varying: tuple[str, ...]) -> tuple[int, ...]:
+        """Ranks whose ``fixed`` coordinates are as given, over every value of ``varying``
+        (ascending: the rank formula grows with d, then i, then j)."""
+        extent = self._extent()
+        ranges = [range(extent[c]) if c in varying else [fixed[c]] for c in "dij"]
+        return tuple(self.rank(*coords) for coords in itertools.product(*ranges))
 
     def members(self, axis: str, rank: int) -> tuple[int, ...]:
         """Global ranks of ``rank``'s group along ``axis``, in group-rank order (ascending)."""
-        fixed = {c: v for c, v in self.coords(rank).items() if c not in AXES[axis]}
-        ranks = range(self.world_size)
-        return tuple(r for r in ranks if fixed.items() <= self.coords(r).items())
+        return self._ranks(self.coords(rank), AXES[axis])
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along ``axis``, each once, in the same order on every rank."""
-        return sorted({self.members(axis, r) for r in range(self.world_size)})
+        fixed = tuple(c for c in "dij" if c not in AXES[axis])
+        firsts = self._ranks(dict.fromkeys("dij", 0), fixed)  # one rank of each group
+        return sorted(self.members(axis, r) for r in firsts)
 
 
 @dataclass(eq=False)
