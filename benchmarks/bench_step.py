@@ -52,7 +52,7 @@ from bench_report import format_table, peak_memory, proc_status_bytes, reset_pea
 
 from config.loading import parse_config
 from config.schema import PretrainingConfig
-from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
+from data.loader import training_loader
 from execution.engine.buffers import DTYPES
 from execution.engine.optimizer import adamw_, adamw_threaded_, learning_rate
 from execution.engine.phases import mix_seed
@@ -351,18 +351,7 @@ def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, 
 
 
 def read_batches(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
-    m, t = config.model, config.training
-    loader = PretrainingDataLoader(
-        config.data.input_files or [SAMPLE_DATA_GLOB],
-        m.sequence_length,
-        t.global_batch_size,
-        config.execution.micro_batch_size,
-        data_parallel_rank=0,
-        data_parallel_size=1,
-        seed=t.seed,
-        vocab_size=m.vocab_size,
-        skip_corrupt_records=config.data.skip_corrupt_records,
-    )
+    loader = training_loader(config, dp_rank=0, dp_size=1)
     return [loader.next_batch() for _ in range(count)]
 
 

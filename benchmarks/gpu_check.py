@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from config.loading import parse_config
 from config.schema import PretrainingConfig
-from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
+from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.optimizer import learning_rate
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
@@ -58,18 +58,9 @@ def small_config(*flags: str) -> PretrainingConfig:
 
 
 def sample_loader(config: PretrainingConfig) -> PretrainingDataLoader:
-    """The shipped sample data, read as the only data-parallel replica reads it."""
-    m, t = config.model, config.training
-    return PretrainingDataLoader(
-        [SAMPLE_DATA_GLOB],
-        m.sequence_length,
-        t.global_batch_size,
-        config.execution.micro_batch_size,
-        data_parallel_rank=0,
-        data_parallel_size=1,
-        seed=t.seed,
-        vocab_size=m.vocab_size,
-    )
+    """The checks' data (their configs name no files, so the shipped sample), read as the only
+    data-parallel replica reads it."""
+    return training_loader(config, dp_rank=0, dp_size=1)
 
 
 def batches_for(config: PretrainingConfig, count: int) -> list[torch.Tensor]:

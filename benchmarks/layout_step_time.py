@@ -29,7 +29,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
-from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
+from data.loader import training_loader
 from execution.engine.optimizer import learning_rate
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
@@ -45,20 +45,11 @@ def _rank(rank: int, world_size: int, flags: list[str], steps: int, folder: str)
         "gloo", init_method=store, rank=rank, world_size=world_size, timeout=timeout
     )
     config, _ = parse_config(flags)
-    ex, m, t = config.execution, config.model, config.training
+    ex, t = config.execution, config.training
     sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
     layout = ParallelLayout.build(*sizes, torch.device("cpu"))
     engine = planned_engine(config, layout)
-    loader = PretrainingDataLoader(
-        config.data.input_files or [SAMPLE_DATA_GLOB],
-        m.sequence_length,
-        t.global_batch_size,
-        ex.micro_batch_size,
-        data_parallel_rank=layout.dp.rank,
-        data_parallel_size=layout.dp.size,
-        seed=t.seed,
-        vocab_size=m.vocab_size,
-    )
+    loader = training_loader(config, layout.dp.rank, layout.dp.size)
     times, losses = [], []
     for step in range(steps + 1):
         batch = loader.next_batch()

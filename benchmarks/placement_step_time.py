@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
-from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
+from data.loader import training_loader
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
@@ -29,13 +29,7 @@ def measure(flags: list[str], placement: str, steps: int) -> dict:
     config, _ = parse_config([*flags, "--placement", placement])
     device = select_device(config.execution.device, 0, 1)
     engine = planned_engine(config, ParallelLayout.single(device))
-    m, t = config.model, config.training
-    files = config.data.input_files or [SAMPLE_DATA_GLOB]
-    micro = config.execution.micro_batch_size
-    rank, replicas = 0, 1  # one data-parallel replica
-    loader = PretrainingDataLoader(
-        files, m.sequence_length, t.global_batch_size, micro, rank, replicas, t.seed, m.vocab_size
-    )
+    loader = training_loader(config, dp_rank=0, dp_size=1)  # one data-parallel replica
     times, losses = [], []
     for step in range(steps + 1):
         batch = loader.next_batch()
