@@ -172,12 +172,14 @@ def check_shapes(path: Path, shapes: GPTShapes, states: tuple[str, ...] = SAVED_
         )
 
 
-def dcp_load(state: dict[str, torch.Tensor], path: Path) -> None:
+def dcp_load(state: dict[str, torch.Tensor], path: Path, reader=None) -> None:
+    """Fills ``state`` (whole logical tensors, or DCP's own sharded types) from ``path``."""
     import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
 
     try:
         with single_process_quiet():
-            dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            reader = reader or dcp.FileSystemReader(path)
+            dcp.load(state, storage_reader=reader, no_dist=True)
     except Exception as err:  # a file that passed its CRC but still fails to read
         raise CheckpointError(
             f"cannot read checkpoint {path}: {one_line(err, limit=300)}"

@@ -1,30 +1,34 @@
 """Loading checkpoints into an engine of any layout, and reading their weights in one process.
 
-A checkpoint holds logical tensors, so each rank reads one part row at a time and keeps its own
-shard of it (:func:`~execution.checkpoint.logical.write_part_state`): no rank holds the whole
-model. HuggingFace GPT-2 folders load the same way (weights only).
+A checkpoint holds chunks of logical tensors (DCP's index says which), so a rank of any layout
+reads only the saved chunks that overlap its own (:mod:`execution.checkpoint.dcp_plans`), and a
+single process reads one logical tensor at a time (:class:`SavedWeights`). Checkpoints written
+before chunked saves (one chunk per tensor) load the same way. HuggingFace GPT-2 folders load
+one part row at a time (weights only).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from config.loading import ConfigError
+from config.loading import ConfigError, one_line
 from execution.checkpoint.files import (
-    SAVED_STATES,
     CheckpointError,
     check_shapes,
     dcp_load,
     read_trainer_state,
     resolve,
+    single_process_quiet,
     stored_shapes,
     verify,
 )
-from execution.checkpoint.logical import tensor_key, write_part_state
+from execution.checkpoint.logical import write_part_state
 from execution.engine.phases import PhasedEngine
 from modelling.gpt import part_inits, qualified_name
 from modelling.hf_interchange import HFWeights, hf_name
@@ -33,8 +37,8 @@ from modelling.hf_interchange import HFWeights, hf_name
 def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
     """Loads weights, AdamW moments, optimizer step and RNG into ``engine`` (any layout).
 
-    Collective (checks are agreed between ranks). Each rank reads one part row at a time and
-    keeps its own shard, so no rank holds the whole model.
+    Collective (checks are agreed between ranks). Each rank reads only the saved chunks that
+    overlap what it holds, straight into its buffers: no rank assembles a logical tensor.
 
     Returns:
         The checkpoint's trainer state (``step``, ``loader``, ...).
@@ -58,14 +62,7 @@ def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
     assert folder is not None
     trainer = read_trainer_state(folder)
     check_shapes(folder, engine.shapes)
-    for part, row in engine.state.part_rows():  # one part row in memory at a time
-        inits = part_inits(engine.shapes, part)
-        keys = {(s, n): tensor_key(s, part, row, n) for s in SAVED_STATES for n in inits}
-        state = {key: torch.empty(inits[n].shape) for (_, n), key in keys.items()}
-        dcp_load(state, folder)
-        for s in SAVED_STATES:
-            full = {n: state[keys[s, n]] for n in inits}
-            write_part_state(engine, part, row, s, full)
+    _read_held_chunks(engine, folder)
     engine.optimizer_steps = int(trainer["optimizer_steps"])
     rng = _rng_state(folder)
     if "rng/cpu" in rng:
@@ -74,6 +71,32 @@ def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
         torch.cuda.set_rng_state(rng["rng/cuda"], layout.device)
     trainer["folder"] = str(folder)
     return trainer
+
+
+def _read_held_chunks(engine: PhasedEngine, folder: Path) -> None:
+    """Reads the saved chunks that overlap this rank's own into its buffers, in place.
+
+    Not collective: each rank plans its reads from DCP's index alone. The extra memory is
+    one saved chunk at a time (as read from the file, and as a tensor), whatever the layout
+    that wrote it.
+    """
+    import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
+    from execution.checkpoint.dcp_plans import ChunkLoadPlanner, held_items
+
+    buffers = engine.state.parts
+    planner = ChunkLoadPlanner(
+        held_items(engine),
+        lambda item: getattr(buffers[item.part], item.state)[item.chunk.kind][item.row],
+    )
+    reader = dcp.FileSystemReader(folder)
+    try:
+        with single_process_quiet():
+            dcp.load({}, storage_reader=reader, planner=planner, no_dist=True)
+    except Exception as err:  # a file that passed its CRC but still fails to read
+        message = one_line(err, limit=300)
+        raise CheckpointError(f"cannot read checkpoint {folder}: {message}") from None
+    engine.state.weights_written()
 
 
 def _rng_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -88,21 +111,60 @@ def _rng_state(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def read_weights(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """The saved run's config and every logical weight, in one process (generation, export).
+class SavedWeights(Mapping[str, torch.Tensor]):
+    """The logical weights of a checkpoint, named as in :class:`GPT`, each read when asked for.
+
+    Reading one tensor reads only the saved chunks of it, so a consumer that takes one tensor
+    at a time (building a model, exporting) needs memory for about one tensor beside its own.
+
+    Attributes:
+        shapes: Logical shape of every weight, from DCP's index (no data read).
+    """
+
+    def __init__(self, folder: Path):
+        import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
+        class _IndexedOnce(dcp.FileSystemReader):
+            """DCP reads the index at every load; it is the same for every tensor."""
+
+            @functools.cache  # noqa: B019 - one reader per SavedWeights, kept with it
+            def read_metadata(self, *args, **kwargs):
+                return super().read_metadata(*args, **kwargs)
+
+        self.folder = folder
+        self.shapes = {
+            k.removeprefix("weights/"): shape
+            for k, shape in stored_shapes(folder).items()
+            if k.startswith("weights/")
+        }
+        self._reader = _IndexedOnce(folder)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        state = {f"weights/{name}": torch.empty(self.shapes[name])}
+        dcp_load(state, self.folder, self._reader)
+        return state[f"weights/{name}"]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+
+def read_weights(path: str | Path) -> tuple[dict[str, Any], SavedWeights]:
+    """The saved run's config and its logical weights, read one at a time (generation, export).
 
     Returns:
-        (the saved run's ``model`` config section as a dict, weights named as in :class:`GPT`).
+        (the saved run's ``model`` config section as a dict, the weights by name).
     """
     folder = resolve(path)
     problem = verify(folder)
     if problem:
         raise CheckpointError(problem)
     trainer = read_trainer_state(folder)
-    stored = stored_shapes(folder)
-    state = {k: torch.empty(shape) for k, shape in stored.items() if k.startswith("weights/")}
-    dcp_load(state, folder)
-    return trainer["config"]["model"], {k.removeprefix("weights/"): t for k, t in state.items()}
+    return trainer["config"]["model"], SavedWeights(folder)
 
 
 def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:

@@ -7,13 +7,18 @@ or precision can resume any checkpoint: loading slices the logical tensors for t
 
 The folder's files are described in :mod:`execution.checkpoint.files`.
 
-Saving: the model's (part, row, state) items are dealt round-robin to ranks; every rank takes
-part in each collective :func:`~execution.checkpoint.logical.read_part_state` (the copy off
-the device, which is all that holds the training loop), keeps the items it owns and writes them with ``dcp.save`` in a
-background thread, over a process group of its own. When every rank has written, rank 0
-writes ``trainer.json`` and ``manifest.json`` and renames ``step_N.tmp`` to ``step_N``, then
-updates ``latest`` with an atomic ``os.replace``: a process killed at any moment leaves the
-previous checkpoint loadable.
+Saving (no tensor data crosses ranks): every rank writes exactly the chunks of logical tensors
+its own buffers hold (:mod:`execution.checkpoint.chunks`), each byte of the model once, through
+``dcp.save`` with the planner of :mod:`execution.checkpoint.dcp_plans`; only DCP's plans and
+metadata travel between ranks, over a gloo group of the checkpointer's own. State held on the
+compute device is copied off first (in bounded pinned pieces on a GPU): that copy is all the
+training loop waits for at the save. State held in host memory is written from the buffers
+themselves, in a background thread, one chunk (at most ``MAX_CHUNK_BYTES``) copied at a time;
+the next step runs meanwhile and waits, before its optimizer update changes those buffers,
+only until the last chunk has been copied out. When every rank has written, rank 0 writes
+``trainer.json`` and ``manifest.json`` and renames ``step_N.tmp`` to ``step_N``, then updates
+``latest`` with an atomic ``os.replace``: a process killed at any moment leaves the previous
+checkpoint loadable.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError, config_to_dict
+from execution.checkpoint.chunks import MAX_CHUNK_BYTES
 from execution.checkpoint.files import (
     FORMAT,
     LATEST_FILE,
@@ -43,7 +50,6 @@ from execution.checkpoint.files import (
     step_folders,
     write_atomic,
 )
-from execution.checkpoint.logical import read_part_state, tensor_key
 from execution.engine.phases import PhasedEngine
 
 
@@ -56,6 +62,11 @@ class Checkpointer:
         keep: Keep only the newest ``keep`` checkpoints (0 keeps all).
         log: Where rank 0's messages go.
         commit_delay: Test hook: seconds to wait after writing, before the commit.
+        max_chunk_bytes: Chunks are written (and later read) at most this many bytes at a time.
+
+    Attributes:
+        held_seconds: How long the last save held the training loop (the copy off the device).
+        fence_seconds: How long optimizer updates have waited for host chunks to be copied out.
     """
 
     def __init__(
@@ -65,6 +76,7 @@ class Checkpointer:
         keep: int = 0,
         log: Callable[[str], None] = print,
         commit_delay: float = 0.0,
+        max_chunk_bytes: int = MAX_CHUNK_BYTES,
     ):
         self.directory = Path(directory)
         self.engine = engine
@@ -72,6 +84,14 @@ class Checkpointer:
         self.keep = keep
         self.log = log if self.layout.is_main else (lambda _: None)
         self.commit_delay = commit_delay
+        self.max_chunk_bytes = max_chunk_bytes
+        self.held_seconds = self.fence_seconds = 0.0
+        self._items = None  # this rank's chunks: the same at every save
+        self._host_read: threading.Event | None = None  # set once host chunks are copied out
+        self._bounce: list[torch.Tensor] | None = None  # pinned, for copies off a GPU
+        self._copy_stream = None
+        # Optimizer updates change the host buffers a save in flight is reading.
+        engine.before_update.append(self._wait_for_host_reads)
         # The background writes talk over their own gloo group, never the training's groups.
         distributed = dist.is_available() and dist.is_initialized()
         self.group = dist.new_group(backend="gloo") if distributed else None
@@ -86,7 +106,7 @@ class Checkpointer:
                 ) from None
 
     def save(self, step: int, loader_state: dict | None) -> None:
-        """Starts saving the state after ``step`` steps; returns once it is off the device.
+        """Starts saving the state after ``step`` steps; returns once device state is copied off.
 
         Collective: every rank calls it. Waits for the previous save first.
 
@@ -94,6 +114,8 @@ class Checkpointer:
             step: Steps completed (the resumed run starts at this step index).
             loader_state: The data loader's ``state_dict()`` (None in tests without a loader).
         """
+        from execution.checkpoint.dcp_plans import held_items  # imports DCP: only when used
+
         self.wait()
         started = time.perf_counter()
         final = self.directory / f"step_{step}"
@@ -102,31 +124,79 @@ class Checkpointer:
         if self.layout.is_main:
             for stale in self.directory.glob("step_*.tmp"):  # left by a killed run
                 shutil.rmtree(stale, ignore_errors=True)
-        state = self._stage()
-        held = time.perf_counter() - started
+        if self._items is None:
+            self._items = held_items(self.engine, self.max_chunk_bytes)
+        rows = self._stage()
+        self.held_seconds = time.perf_counter() - started
+        self._host_read = host_read = threading.Event()
+        if not self.engine.state.places["weights"].remote:
+            host_read.set()  # written from copies: the buffers may change at once
         trainer = self._trainer_state(step, loader_state)
         self._pending = self._executor.submit(
-            self._write, state, tmp, final, trainer, started, held
+            self._write, rows, self._extra_state(), host_read, tmp, final, trainer, started
         )
 
-    def _stage(self) -> dict[str, torch.Tensor]:
-        """This rank's items as CPU float32 tensors (collective: every rank reads every part).
+    def _stage(self) -> dict[tuple[str, str, str], torch.Tensor]:
+        """The ``[rows, shard]`` tensor each saved (state, part, kind) is written from.
 
-        An item is one state of one part row, so the three states of the large embedding are
-        written by three ranks.
+        Host-placed buffers are written from as they are (the optimizer waits for the write,
+        see :meth:`_wait_for_host_reads`); buffers on the compute device are copied off now,
+        since the training loop updates them in place and a GPU's memory is not the writer's.
         """
-        world = self.layout.world
-        items = [(p, row, s) for p, row in self.engine.state.part_rows() for s in SAVED_STATES]
-        state = {}
-        for index, (part, row, s) in enumerate(items):
-            tensors = read_part_state(self.engine, part, row, s)
-            if index % world.size == world.rank:
-                for name, t in tensors.items():
-                    state[tensor_key(s, part, row, name)] = t
-        if self.layout.is_main:
-            state["rng/cpu"] = torch.get_rng_state()
-            if torch.cuda.is_available() and self.layout.device.type == "cuda":
-                state["rng/cuda"] = torch.cuda.get_rng_state(self.layout.device)
+        place = self.engine.state.places["weights"]
+        rows = {}
+        for part, buffers in self.engine.state.parts.items():
+            for state in SAVED_STATES:
+                for kind, t in getattr(buffers, state).items():
+                    rows[state, part, kind] = t if place.remote else self._copy_off(t)
+        return rows
+
+    def _copy_off(self, t: torch.Tensor) -> torch.Tensor:
+        """A host copy of a device buffer, through two pinned bounce buffers on a GPU."""
+        out = torch.empty(t.shape, dtype=t.dtype)
+        if t.device.type != "cuda":
+            return out.copy_(t)
+        if self._bounce is None:
+            n = max(1, min(self.max_chunk_bytes, 64 << 20) // 4)
+            self._bounce = [torch.empty(n, pin_memory=True) for _ in range(2)]
+            self._copy_stream = torch.cuda.Stream(device=t.device)
+        self._copy_stream.wait_stream(torch.cuda.current_stream(t.device))
+        source, target, n = t.view(-1), out.view(-1), self._bounce[0].numel()
+        in_flight: list[tuple | None] = [None, None]  # per bounce buffer: (event, start, end)
+
+        def drain(slot: int) -> None:
+            if in_flight[slot] is not None:
+                event, a, b = in_flight[slot]
+                event.synchronize()
+                target[a:b].copy_(self._bounce[slot][: b - a])
+
+        for k, a in enumerate(range(0, source.numel(), n)):
+            slot, b = k % 2, min(a + n, source.numel())
+            drain(slot)
+            with torch.cuda.stream(self._copy_stream):
+                self._bounce[slot][: b - a].copy_(source[a:b], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self._copy_stream)
+            in_flight[slot] = (event, a, b)
+        for slot in (len(in_flight) - 1, 0):
+            drain(slot)
+        return out
+
+    def _wait_for_host_reads(self) -> None:
+        """Before an optimizer update: the save in flight has copied out every host chunk."""
+        if self._host_read is not None:
+            waited = time.perf_counter()
+            self._host_read.wait()
+            self.fence_seconds += time.perf_counter() - waited
+            self._host_read = None
+
+    def _extra_state(self) -> dict[str, torch.Tensor]:
+        """What is saved beside the chunks: rank 0's random number generator states."""
+        if not self.layout.is_main:
+            return {}
+        state = {"rng/cpu": torch.get_rng_state()}
+        if torch.cuda.is_available() and self.layout.device.type == "cuda":
+            state["rng/cuda"] = torch.cuda.get_rng_state(self.layout.device)
         return state
 
     def _trainer_state(self, step: int, loader_state: dict | None) -> dict[str, Any]:
@@ -145,18 +215,40 @@ class Checkpointer:
         }
 
     def _write(
-        self, state, tmp: Path, final: Path, trainer: dict, started: float, held: float
+        self,
+        rows: dict[tuple[str, str, str], torch.Tensor],
+        extra: dict[str, torch.Tensor],
+        host_read: threading.Event,
+        tmp: Path,
+        final: Path,
+        trainer: dict,
+        started: float,
     ) -> None:
-        """Background thread: every rank writes its items, then rank 0 commits."""
+        """Background thread: every rank writes its chunks, then rank 0 commits.
+
+        ``host_read`` is set once every chunk has been copied out of ``rows``."""
         import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+
+        from execution.checkpoint.dcp_plans import ChunkSavePlanner, logical_sizes
 
         write_started = time.perf_counter()
         rank = self.layout.world.rank
-        if self.group is None:
-            with single_process_quiet():
-                dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), no_dist=True)
-        else:
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=self.group)
+        planner = ChunkSavePlanner(
+            self._items,
+            logical_sizes(self.engine),
+            lambda item: rows[item.state, item.part, item.chunk.kind][item.row],
+            host_read.set,
+        )
+        writer = dcp.FileSystemWriter(tmp)
+        try:
+            if self.group is None:
+                with single_process_quiet():
+                    dcp.save(extra, storage_writer=writer, planner=planner, no_dist=True)
+            else:
+                group = self.group
+                dcp.save(extra, storage_writer=writer, planner=planner, process_group=group)
+        finally:
+            host_read.set()  # a failed write must not hold the training loop forever
         mine = {p.name: [p.stat().st_size, file_crc(p)] for p in tmp.glob(f"__{rank}_*.distcp")}
         files = [mine]
         if self.group is not None:
@@ -188,7 +280,7 @@ class Checkpointer:
         self.log(
             f"checkpoint: saved step {trainer['step']} ({gb:.3f} GB in {seconds:.2f} s: "
             f"written at {gb / writing:.3f} GB/s in the background, training held "
-            f"{held:.2f} s for the copy off the device)"
+            f"{self.held_seconds:.2f} s for the copy off the device)"
         )
 
     def _prune(self, newest: Path) -> None:

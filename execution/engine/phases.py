@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -96,6 +97,9 @@ class PhasedEngine:
             self.specs, self.shapes.layers, self.rts, layout, places, activations
         )
         self.optimizer_steps = 0
+        # Called before an optimizer update changes the buffers (a checkpoint writing from
+        # host buffers waits there until it has read them).
+        self.before_update: list[Callable[[], None]] = []
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(config.training.seed, config.model.init_std)
         self._bodies = {
@@ -325,6 +329,8 @@ class PhasedEngine:
             return StepResult(loss, grad_norm, skipped=True)
         self.optimizer_steps += 1
         clip = clip_coefficient(grad_norm, self.config.training.optimizer.gradient_clipping)
+        for wait in self.before_update:
+            wait()
         self._optimizer_phases(lr, grad_scale=clip / scale)
         return StepResult(loss, grad_norm, skipped=False)
 

@@ -186,6 +186,14 @@ class StateStore:
             buffers.weight_copies[kind][row].copy_(flat)
         self.drop_prefetched()
 
+    def weights_written(self) -> None:
+        """After weights were written into the buffers in place (a checkpoint load): refresh
+        their compute-dtype copies, and forget loads issued ahead."""
+        for buffers in self.parts.values():
+            for kind, copy in buffers.weight_copies.items():
+                copy.copy_(buffers.weights[kind])
+        self.drop_prefetched()
+
     # ------------------------------------------------------------------ gradients
 
     def accumulate_grads(
