@@ -37,10 +37,9 @@ def main(argv: list[str] | None = None) -> None:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"--hf_output {out} is not empty; choose a new folder")
     try:
-        export_hf(model_config, weights, out)
+        params = export_hf(model_config, weights, out)
     except OSError as err:
         raise ConfigError(f"cannot write --hf_output {out}: {err.strerror}") from None
-    params = sum(t.numel() for t in weights.values())
     print(f"wrote {out}/config.json and {out}/model.safetensors ({params:,} parameters)")
 
 

@@ -6,13 +6,16 @@ transposed. Both keep q, k and v as consecutive thirds of the qkv projection (ro
 there). The LM head is tied to ``transformer.wte.weight``, as ours is to ``embedding.word``.
 
 Reading uses ``safetensors`` (or ``torch.load`` for ``pytorch_model.bin``) tensor by tensor;
-writing builds a ``transformers.GPT2LMHeadModel`` and calls ``save_pretrained``, so the folder
-is exactly what ``from_pretrained`` expects.
+writing streams the safetensors file tensor by tensor (the ``safetensors`` package writes only
+whole state dicts), and tests load it with ``from_pretrained``.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import struct
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -54,15 +57,6 @@ def hf_name(ours: str) -> tuple[str, bool]:
     return f"transformer.h.{n}.{name}", transpose
 
 
-def to_hf(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Our logical weights -> an HF GPT-2 state dict (``lm_head`` tied, so left out)."""
-    out = {}
-    for ours, t in weights.items():
-        name, transpose = hf_name(ours)
-        out[name] = t.t().contiguous() if transpose else t
-    return out
-
-
 def hf_config(model: dict[str, Any]):
     """A ``transformers.GPT2Config`` for our model section (``config.yml``'s ``model``)."""
     import transformers  # imported here: only export needs it
@@ -86,25 +80,45 @@ def hf_config(model: dict[str, Any]):
     )
 
 
-def export_hf(model: dict[str, Any], weights: dict[str, torch.Tensor], folder: str | Path) -> None:
+def export_hf(
+    model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: str | Path
+) -> int:
     """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``.
+
+    The safetensors file is written one tensor at a time (its header needs only the shapes),
+    so a lazily read ``weights`` (:class:`execution.checkpoint.load.SavedWeights`) is exported
+    with memory for about one tensor, not the model.
 
     Args:
         model: The ``model`` section of the run's config (as a dict).
-        weights: Our logical float32 weights, named as in :class:`modelling.gpt.GPT`.
+        weights: Our logical float32 weights, named as in :class:`modelling.gpt.GPT`; a
+            ``shapes`` attribute (name -> shape), where present, saves reading them for the header.
         folder: Output folder (created).
-    """
-    import transformers
 
-    hf = transformers.GPT2LMHeadModel(hf_config(model))
-    missing, unexpected = hf.load_state_dict(to_hf(weights), strict=False)
-    # Only the tied head and attention-mask buffers are absent from our weights.
-    assert not unexpected and all("lm_head" in k or k.endswith(".attn.bias") for k in missing), (
-        missing,
-        unexpected,
-    )
-    hf.tie_weights()
-    hf.save_pretrained(folder, safe_serialization=True)
+    Returns:
+        The number of parameters written.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    hf_config(model).to_json_file(folder / "config.json")
+    shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for ours, shape in shapes.items():
+        name, transpose = hf_name(ours)
+        shape = list(reversed(shape)) if transpose else list(shape)
+        size = math.prod(shape) * 4
+        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    with open(folder / "model.safetensors", "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for ours in shapes:
+            t = weights[ours].to(torch.float32)
+            t = t.t() if hf_name(ours)[1] else t
+            f.write(t.contiguous().numpy().tobytes())
+    return offset // 4
 
 
 class HFWeights:
