@@ -10,6 +10,7 @@ reference's state through the logical-tensor path (``write_part_state``) instead
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -258,3 +259,33 @@ def test_a_float32_checkpoint_resumes_in_bfloat16_on_another_layout(tmp_path):
     want = run_ranks(_started_from, 2, tmp_path / "ref", bf16, batches, state, STEPS - 1)[0]
     assert abs(got["loss"] - want["loss"]) <= FLOAT32_TOLERANCE * want["loss"]
     assert_states_close(got["weights"], want["weights"], FLOAT32_TOLERANCE, "bfloat16 resume")
+
+
+def _rss_kib(field: str) -> int:
+    status = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith(field)))
+
+
+def _load_memory(config, folder):
+    engine = planned_engine(config, world_layout(config))
+    share = item_bytes(held_items(engine))
+    Path("/proc/self/clear_refs").write_text("5")  # peak RSS := current RSS
+    before = _rss_kib("VmRSS")
+    load_checkpoint(folder, engine)
+    return {"extra": (_rss_kib("VmHWM") - before) * 1024, "share": share}
+
+
+def test_a_load_needs_little_more_memory_than_the_rank_s_share(tmp_path):
+    """Saved by one process (whole tensors in the files), loaded by 8 ranks at (2, 2, 2): each
+    reads only what overlaps its shards, so its peak extra memory (resident set, high-water
+    mark reset before the load) stays under 1.5x its share. Reading a decoder layer's three
+    states whole, as a load that assembles logical tensors does, would take 2x the share."""
+    flags = ["--layers", "4", "--hidden_size", "512", "--heads", "8"]
+    engine = planned_engine(small_config(*flags), ParallelLayout.single(CPU))
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, log=lambda _: None)
+    checkpointer.save(1, None)
+    checkpointer.close()
+    config = small_config(*flags, *layout_flags(2, 2, 2))
+    results = run_ranks(_load_memory, 8, tmp_path / "load", config, tmp_path / "ckpt")
+    for rank, got in enumerate(results):
+        assert got["extra"] < 1.5 * got["share"], (rank, got)
