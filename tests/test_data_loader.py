@@ -18,6 +18,7 @@ from data.loader import (
     PretrainingDataLoader,
     validation_batches,
 )
+from data.prefetch import PrefetchingLoader
 from data.testing import write_numbered_shards
 
 SEQ = 8
@@ -121,6 +122,39 @@ def test_resume_after_k_batches_equals_uninterrupted_run(numbered, resume_world_
     for step in range(k, total):
         rows = [window_id(r) for rank in resumed for r in rank.next_batch().reshape(-1, SEQ + 1)]
         assert rows == flat(uninterrupted[step])
+
+
+@pytest.mark.parametrize("resume_world_size", [2, 8])
+def test_a_position_saved_at_dp_4_resumes_at_dp_2_and_8_on_the_same_global_batches(
+    numbered, resume_world_size
+):
+    """Through the prefetching wrapper the training loop uses: the saved position is the
+    batches consumed, not those read ahead, and it is a global step, so any number of
+    replicas continues with the global batches an uninterrupted run reads."""
+    k, total, micro = 3, 7, 1
+
+    def replicas(size):
+        return [
+            PrefetchingLoader(PretrainingDataLoader(numbered, SEQ, GBS, micro, r, size, 5, VOCAB))
+            for r in range(size)
+        ]
+
+    def global_rows(ranks):
+        return [window_id(row) for rank in ranks for row in rank.next_batch().reshape(-1, SEQ + 1)]
+
+    single = replicas(1)
+    uninterrupted = [global_rows(single) for _ in range(total)]
+    saved = replicas(4)
+    for step in range(k):
+        assert global_rows(saved) == uninterrupted[step]
+    state = json.loads(json.dumps(saved[0].state_dict()))  # as a checkpoint stores it
+    resumed = replicas(resume_world_size)
+    for rank in resumed:
+        rank.load_state_dict(state)
+    for step in range(k, total):
+        assert global_rows(resumed) == uninterrupted[step], step
+    for rank in (*single, *saved, *resumed):
+        rank.close()
 
 
 def test_resume_refuses_other_data_seed_or_batch(numbered, tmp_path):
