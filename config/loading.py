@@ -262,6 +262,7 @@ def validate(config: PretrainingConfig) -> None:
         "host_link_gb_per_s": config.planning.host_link_gb_per_s,
         "intra_node_gb_per_s": config.planning.intra_node_gb_per_s,
         "inter_node_gb_per_s": config.planning.inter_node_gb_per_s,
+        "storage_gb_per_s": config.planning.storage_gb_per_s,
         "devices_per_node": config.planning.devices_per_node,
         "compute_efficiency": config.planning.compute_efficiency,
         "checkpoint_steps": config.checkpoint.checkpoint_steps,

@@ -254,6 +254,13 @@ class PlanningConfig:
         default=0.0,
         metadata=_doc("Collective bandwidth between nodes per device in GB/s; 0: the spec's."),
     )
+    storage_gb_per_s: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Checkpoint write bandwidth each rank gets from storage in GB/s, for the dry run's "
+            "save-time estimate; 0: the spec's."
+        ),
+    )
     devices_per_node: int = field(
         default=0, metadata=_doc("Devices per node (where groups leave the node); 0: the spec's.")
     )

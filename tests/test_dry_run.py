@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shlex
 import subprocess
 import sys
@@ -11,11 +12,18 @@ from pathlib import Path
 import pytest
 
 from execution.planning.device_specs import resolve_spec
-from execution.planning.dry_run import fake_job, measure_planned_step, measure_rank, rank_kinds
+from execution.planning.dry_run import (
+    checkpoint_figures,
+    fake_job,
+    measure_planned_step,
+    measure_rank,
+    rank_kinds,
+)
 from execution.planning.measure import measured_working_set
 from execution.planning.plan_search import extrapolated_step, search
 from execution.planning.planner import candidate_plans, planned_engine
 from execution.planning.step_meter import StepMeter
+from modelling.gpt import GPTShapes, logical_shapes
 from tests.distributed import global_batches, layout_flags, replica_batch, run_ranks, world_layout
 from tests.distributed import small_config as distributed_config
 from tests.reference import small_config
@@ -64,6 +72,26 @@ def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
     assert totals["activations"] == 2 * (x + dx)  # float16
     assert rank["fits"] and rank["flops_per_step"] > 0 and 0 < rank["mfu"] < 1
     assert set(rank["comm_bytes"]) >= {"dp", "tp1", "tp2", "host_link"}
+    # A checkpoint: each rank writes its weights and moments, less padding, and sends nothing.
+    checkpoint = rank["checkpoint"]
+    assert 0.999 * 12 * elements < checkpoint["bytes_written"] <= 12 * elements
+    assert checkpoint["tensor_bytes_sent"] == 0 and checkpoint["save_s"] > 0
+
+
+@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 4, 1), (4, 1, 2)])
+def test_checkpoint_bytes_of_every_rank_add_up_to_the_logical_state_once(layout):
+    """The dry run's per-rank checkpoint bytes, over every rank, are 12 bytes (float32 weights
+    and two moments) per logical parameter: no padding, nothing twice."""
+    config = distributed_config(*layout_flags(*layout))
+    spec = resolve_spec(config)
+    plan = next(iter(candidate_plans(config, "cuda")))
+    written = [
+        checkpoint_figures(config, plan, spec, rank)["bytes_written"]
+        for rank in range(config.world_size)
+    ]
+    shapes = GPTShapes.from_config(config.model)
+    params = sum(math.prod(shape) for shape in logical_shapes(shapes).values())
+    assert sum(written) == 12 * params
 
 
 def _real_rank(config) -> dict:

@@ -139,9 +139,13 @@ def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
     }
 
 
+# The mesh axis (execution.parallel.mesh.AXES) of each kind's RTS group.
+RTS_AXES = {MATRIX: "dp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2"}
+
+
 def rts_axes(layout) -> dict[str, Axis]:
     """The RTS group of each kind: the replicas that hold identical copies of it (section 5)."""
-    return {MATRIX: layout.dp, TP2_VECTOR: layout.dp_tp1, TP1_VECTOR: layout.dp_tp2}
+    return {kind: getattr(layout, axis) for kind, axis in RTS_AXES.items()}
 
 
 def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:

@@ -25,9 +25,11 @@ import torch
 import torch.distributed as dist
 
 from config.schema import PretrainingConfig
+from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
+from execution.engine.buffers import WEIGHT_STATES, flat_specs, rows_of
 from execution.engine.plan import GiB, MemoryPlan
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
-from execution.parallel.sharding import shard_index
+from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.measure import meta_step
 from execution.planning.memory import MemoryBudget
@@ -131,6 +133,41 @@ def measure_planned_step(
     return RankMeasurement(plan, True, "", buffers, step.working_set, comm, seconds, step.flops)
 
 
+def checkpoint_figures(
+    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, rank: int = 0
+) -> dict[str, float]:
+    """What saving a checkpoint costs ``rank`` (:mod:`execution.checkpoint.save`).
+
+    A rank writes exactly the chunks of logical tensors it holds (weights and both AdamW
+    moments, padding excluded) and sends no tensor data to other ranks. State on the device is
+    first copied to host memory (staged: the training loop waits for that copy); state on the
+    host is written from its buffers, one chunk copied at a time.
+    """
+    ex = config.execution
+    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    shapes = GPTShapes.from_config(config.model, mesh.tp1, mesh.tp2)
+    specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2))
+    coords = mesh.coords(rank)
+    rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
+    per_row = {
+        part: sum(
+            c.numel for c in held_chunks(part, specs[part], shapes, (coords["i"], coords["j"]), rts)
+        )
+        for part in PARTS
+    }
+    written = 4 * len(WEIGHT_STATES) * sum(per_row[p] * rows_of(p, shapes.layers) for p in PARTS)
+    on_device = plan.placement.weights == "device"
+    held = written / (spec.host_link_gb_per_s * 1e9) if on_device else 0.0
+    return {
+        "bytes_written": written,
+        "tensor_bytes_sent": 0,  # only DCP's plans and index travel (tests count it)
+        "staging_bytes": (written if on_device else 0) + MAX_CHUNK_BYTES,
+        "held_s": held,
+        "save_s": held + written / (spec.storage_gb_per_s * 1e9),
+        "storage_gb_per_s": spec.storage_gb_per_s,
+    }
+
+
 def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
     """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits."""
     budget = spec_budget(spec)
@@ -211,6 +248,7 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
                 "device_bytes": {k: device[k] for k in STATE_KEYS},
                 "comm_bytes": m.comm_bytes,
                 "flops_per_step": m.flops,
+                "checkpoint": checkpoint_figures(config, m.plan, spec, ranks[0]),
                 **estimate(config, m, spec),
                 "fits": m.fits,
                 "why": m.why,
@@ -270,6 +308,14 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
             f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
             f"estimated step {entry['step_time_s']:,.2f} s (compute {entry['compute_s']:,.2f} s, "
             f"collectives {entry['collectives_s']:,.2f} s), MFU {entry['mfu']:.1%}"
+        )
+        ckpt = entry["checkpoint"]
+        lines.append(
+            f"  checkpoint: {ckpt['bytes_written'] / 1e9:,.2f} GB written by this rank, "
+            f"{ckpt['tensor_bytes_sent']} B of tensor data sent to other ranks, "
+            f"{ckpt['staging_bytes'] / GiB:,.2f} GiB host staging; est. save "
+            f"{ckpt['save_s']:,.1f} s at {ckpt['storage_gb_per_s']:g} GB/s "
+            f"(training held {ckpt['held_s']:,.2f} s)"
         )
         lines.append(f"  {entry['why']}")
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"

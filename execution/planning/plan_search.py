@@ -22,6 +22,7 @@ from execution.engine.plan import GiB, MemoryPlan
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     RankMeasurement,
+    checkpoint_figures,
     estimate,
     fake_job,
     measure_planned_step,
@@ -115,6 +116,7 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
                 "plan": plan,
                 "device_bytes": plan.bytes_on("device")["total"],
                 "host_bytes": plan.bytes_on("host")["total"],
+                "checkpoint": checkpoint_figures(candidate, plan, spec),
                 **estimate(candidate, measured, spec),
             }
         )
@@ -130,11 +132,13 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     print(
         f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
         f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
-        f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not"
+        f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not; "
+        f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
     )
     header = (
         f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<21}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
+        f"{'ckpt GB':>9} {'save s':>7}"
     )
     print(header)
     for row in rows:
@@ -145,7 +149,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
-            f"{row['mfu']:>6.1%}"
+            f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
+            f"{row['checkpoint']['save_s']:>7.1f}"
         )
     if not rows and not misfits:
         m = config.model
