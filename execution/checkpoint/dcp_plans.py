@@ -99,8 +99,16 @@ class ChunkSavePlanner(DefaultSavePlanner):
         self._row_of = row_of
         self._on_all_read = on_all_read
         self._left = len(items)
+        self._staging: torch.Tensor | None = None
         if not items:
             on_all_read()
+
+    @staticmethod
+    def writer(folder):
+        """The storage writer these plans need: items resolved one at a time, in order."""
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemWriter(folder, thread_count=1, per_thread_copy_ahead=0)
 
     def create_local_plan(self):
         plan = super().create_local_plan()
@@ -126,8 +134,17 @@ class ChunkSavePlanner(DefaultSavePlanner):
         item = self._items.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
         if item is None:
             return super().resolve_data(write_item)
-        # A copy of at most MAX_CHUNK_BYTES: the row may change once every item is read.
-        data = item.chunk.view(self._row_of(item)).clone()
+        # Copied (the row may change once every item is read) into the one staging buffer:
+        # items are resolved one at a time, each after the previous one is written (see
+        # ``writer``). DCP's writer keeps a reference to every tensor it wrote until the file
+        # is done (for a safetensors path we do not use); fresh copies would all stay alive,
+        # views of the staging buffer cost nothing. The view owns exactly its bytes, so the
+        # writer does not copy it again.
+        n = item.chunk.numel
+        if self._staging is None or self._staging.numel() < n:
+            self._staging = torch.empty(max(i.chunk.numel for i in self._items.values()))
+        data = torch.frombuffer(self._staging.numpy(), dtype=torch.float32, count=n)
+        data = data.view(item.chunk.sizes).copy_(item.chunk.view(self._row_of(item)))
         self._left -= 1
         if self._left == 0:
             self._on_all_read()

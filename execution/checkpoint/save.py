@@ -239,7 +239,7 @@ class Checkpointer:
             lambda item: rows[item.state, item.part, item.chunk.kind][item.row],
             host_read.set,
         )
-        writer = dcp.FileSystemWriter(tmp)
+        writer = planner.writer(tmp)
         try:
             if self.group is None:
                 with single_process_quiet():
