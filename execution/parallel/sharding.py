@@ -7,6 +7,10 @@ decides which replicas hold identical copies and therefore the replicated-tensor
 - ``matrix``: split over tp1 and tp2, identical across dp -> RTS over dp; decayed.
 - ``tp2_vector``: split over tp2 only (layer norms, output biases) -> RTS over dp x tp1.
 - ``tp1_vector``: split over tp1 only (qkv and fc biases) -> RTS over dp x tp2.
+
+No weight is split over the context axis (cp): its ranks run the same weights on different
+pieces of the sequence, so every kind is also replicated, and RTS-sharded, over cp (dp x cp
+wherever dp is named above).
 """
 
 from __future__ import annotations
@@ -141,12 +145,13 @@ def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
 
 def rts_axes(layout) -> dict[str, Axis]:
     """The RTS group of each kind: the replicas that hold identical copies of it (section 5)."""
-    return {MATRIX: layout.dp, TP2_VECTOR: layout.dp_tp1, TP1_VECTOR: layout.dp_tp2}
+    return {MATRIX: layout.dp_cp, TP2_VECTOR: layout.dp_tp1, TP1_VECTOR: layout.dp_tp2}
 
 
-def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:
-    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, tp1, tp2) layout."""
-    return {MATRIX: dp, TP2_VECTOR: dp * tp1, TP1_VECTOR: dp * tp2}
+def rts_sizes(dp: int, tp1: int, tp2: int, cp: int = 1) -> dict[str, int]:
+    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, cp, tp1, tp2) layout."""
+    replicas = dp * cp
+    return {MATRIX: replicas, TP2_VECTOR: replicas * tp1, TP1_VECTOR: replicas * tp2}
 
 
 def shard_part(
