@@ -103,6 +103,12 @@ def test_flags_override_the_preset():
         ("--sequence_length 256", "exceeds --max_positional_length 128"),
         ("--tensor_parallel_1 3", "--heads 4 is not divisible by --tensor_parallel_1 3"),
         ("--tensor_parallel_2 3", "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+        ("--context_parallel 3", "--sequence_length 128 is not divisible by --context_parallel 3"),
+        ("--context_parallel 0", "--context_parallel must be at least 1, got 0"),
+        (
+            "--context_parallel 4 --tensor_parallel_1 2",
+            "2 heads per tensor_parallel_1 rank is not divisible by --context_parallel 4",
+        ),
         ("--precision fp8", "invalid choice: 'fp8'"),
         ("--dropout_prob 1.5", "--dropout_prob must be in [0, 1)"),
         ("--learning_rate 0", "--learning_rate must be a finite number > 0"),
@@ -164,6 +170,12 @@ def test_world_size_must_match_the_layout():
     check_world_size(config, 256)
     with pytest.raises(ConfigError, match=r"= 256 processes, but the job has 8"):
         check_world_size(config, 8)
+    config, _ = parse_config(["--config", "tiny", "--context_parallel", "2"])
+    check_world_size(config, 2)
+    with pytest.raises(
+        ConfigError, match=r"--context_parallel 2 x .* = 2 processes, but the job has 4"
+    ):
+        check_world_size(config, 4)
 
 
 @pytest.mark.parametrize(
