@@ -124,11 +124,18 @@ MODEL = shlex.split(
 )
 
 
+def _validation(config, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
+    """Replica ``dp_rank``'s share of 2 held-out sequences, as ``[1, seq + 1]`` micro-batches."""
+    ids = global_batches(config, 1, seed=7)[0, :2]
+    share = len(ids) // dp_size
+    return list(ids[dp_rank * share : (dp_rank + 1) * share].unsqueeze(1))
+
+
 @functools.cache
 def _single_process(*flags: str) -> dict:
     config = small_config(*MODEL, *flags)
     result = single_process_run(config, global_batches(config, STEPS))
-    result.pop("engine")
+    result["eval_loss"] = result.pop("engine").evaluate(_validation(config))
     return result
 
 
@@ -138,6 +145,8 @@ def _assert_matches(results: list[dict], expected: dict) -> None:
             for key in ("loss", "grad_norm"):
                 error = abs(got[key] - want[key]) / abs(want[key])
                 assert error <= TOLERANCE, f"rank {rank} step {step} {key}: {got} vs {want}"
+        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
+        assert error <= TOLERANCE, f"rank {rank} eval loss {result['eval_loss']}"
     grads, weights = results[0]["grads"], results[0]["weights"]
     assert_states_close(grads, expected["grads"], STATE_TOLERANCE, "last step's grads")
     assert_states_close(weights, expected["weights"], STATE_TOLERANCE, "weights")
@@ -149,7 +158,9 @@ def _train_rank(config, batches: torch.Tensor) -> dict:
     engine = planned_engine(config, layout)
     steps = train_steps(engine, batches, layout.dp.rank)
     grads, weights = full_state(engine, "grads"), full_state(engine, "weights")
-    return {"steps": steps, **({"grads": grads, "weights": weights} if layout.is_main else {})}
+    eval_loss = engine.evaluate(_validation(config, layout.dp.rank, layout.dp.size))
+    out = {"steps": steps, "eval_loss": eval_loss}
+    return {**out, **({"grads": grads, "weights": weights} if layout.is_main else {})}
 
 
 def _run_layout(tmp_path, dp: int, tp1: int, tp2: int, cp: int) -> list[dict]:
@@ -160,8 +171,8 @@ def _run_layout(tmp_path, dp: int, tp1: int, tp2: int, cp: int) -> list[dict]:
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_context_parallel_trains_like_one_process(tmp_path, cp):
-    """3 float32 steps with dropout 0.1: loss, gradient norm, the last gradients and the
-    updated weights of every rank equal the single process's."""
+    """3 float32 steps with dropout 0.1: loss, gradient norm, the last gradients, the updated
+    weights and a validation loss of every rank equal the single process's."""
     _assert_matches(_run_layout(tmp_path, 1, 1, 1, cp), _single_process())
 
 
