@@ -1,7 +1,8 @@
 """A checkpoint saved by one layout resumes on any other (forked gloo ranks on CPU).
 
 Saved at (dp, tp1, tp2) = (2, 2, 1), everything on the host, 1 pass, after two steps; resumed at
-(1, 1, 2) with 2 passes and at (1, 1, 1) resident with 4 passes, each runs the third step. The reference is an uninterrupted single-process
+(1, 1, 2) with 2 passes, at (1, 1, 1) resident with 4 passes and with the sequence over 2
+context-parallel ranks, each runs the third step. The reference is an uninterrupted single-process
 run of the same three steps: the third loss and every weight after it must agree within 1e-5.
 """
 
@@ -70,6 +71,9 @@ def test_save_on_one_layout_resume_on_others(tmp_path):
         "(1, 1, 1) resident, 4 passes": _resume(
             resident_111, batches, folder, ParallelLayout.single(CPU)
         ),
+        "sequence over 2 context ranks": run_ranks(
+            _resume, 2, tmp_path / "cp2", small_config(*layout_flags(1, 1, 1, 2)), batches, folder
+        )[0],
     }
     expected_loss = reference["steps"][STEPS - 1]["loss"]
     for name, got in resumes.items():
