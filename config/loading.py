@@ -242,6 +242,7 @@ def validate(config: PretrainingConfig) -> None:
         "data_parallel": ex.data_parallel,
         "tensor_parallel_1": ex.tensor_parallel_1,
         "tensor_parallel_2": ex.tensor_parallel_2,
+        "context_parallel": ex.context_parallel,
         "log_every": config.logging.log_every,
     }
     for name, value in positive.items():
@@ -372,6 +373,19 @@ def validate(config: PretrainingConfig) -> None:
         raise ConfigError(
             f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
             f"{ex.tensor_parallel_2}"
+        )
+    cp = ex.context_parallel
+    if m.sequence_length % cp:
+        raise ConfigError(
+            f"--sequence_length {m.sequence_length} is not divisible by --context_parallel "
+            f"{cp}; every rank of a sequence holds an equal piece of it"
+        )
+    if (m.heads // ex.tensor_parallel_1) % cp:
+        raise ConfigError(
+            f"--heads {m.heads} / --tensor_parallel_1 {ex.tensor_parallel_1} = "
+            f"{m.heads // ex.tensor_parallel_1} heads per tensor_parallel_1 rank is not "
+            f"divisible by --context_parallel {cp}; attention gives each context rank an equal "
+            "share of them"
         )
 
 

@@ -139,6 +139,15 @@ class ExecutionConfig:
     tensor_parallel_2: int = field(
         default=1, metadata=_doc("Tensor-parallel axis 2: the hidden dimension.")
     )
+    context_parallel: int = field(
+        default=1,
+        metadata=_doc(
+            "Context-parallel axis: each sequence is split into this many pieces, one per "
+            "rank, outside attention; attention swaps the split for a head split "
+            "(DeepSpeed-Ulysses all-to-all), so it must divide --sequence_length and the heads "
+            "of a tensor_parallel_1 rank."
+        ),
+    )
     placement: str = field(
         default="auto",
         metadata=_doc(
@@ -350,9 +359,10 @@ class PretrainingConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: data_parallel x tensor_parallel_1 x tensor_parallel_2."""
+        """Processes the layout needs: data_parallel x context_parallel x tensor_parallel_1 x
+        tensor_parallel_2."""
         ex = self.execution
-        return ex.data_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
+        return ex.data_parallel * ex.context_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
 
     @property
     def tokens_per_step(self) -> int:

@@ -207,7 +207,10 @@ class WindowSet:
             raise DataError(
                 f"{shard.where(record)} has {len(ids)} tokens, fewer than sequence_length + 1 = "
                 f"{self.sequence_length + 1}: re-run write_into_tfrecord.py with --seq-length >= "
-                f"{self.sequence_length} (the model's sequence_length)"
+                f"{self.sequence_length} (the model's sequence_length), or join these records "
+                f"into longer ones with data/lengthen_records.py --input "
+                f"{os.path.dirname(shard.path) or '.'} --output DIR --seq-length "
+                f"{self.sequence_length}"
             )
         shard.record_length = len(ids)
 

@@ -88,16 +88,25 @@ class GPTShapes:
 
 
 class GPT(nn.Module):
-    """GPT-3 language model for one (tp1, tp2) shard; ``LOCAL`` axes give the whole model."""
+    """GPT-3 language model for one (tp1, tp2) shard; ``LOCAL`` axes give the whole model.
 
-    def __init__(self, shapes: GPTShapes, tp1: Axis = LOCAL, tp2: Axis = LOCAL):
+    With a context axis ``cp`` it runs on piece ``cp.rank`` of each sequence (weights are the
+    same on every piece) and its loss is the mean over that piece's tokens.
+    """
+
+    def __init__(self, shapes: GPTShapes, tp1: Axis = LOCAL, tp2: Axis = LOCAL, cp: Axis = LOCAL):
         super().__init__()
         assert (tp1.size, tp2.size) == (shapes.tp1, shapes.tp2), "axes do not match the shapes"
         s = shapes
         local_hidden = s.hidden // s.tp2
         self.shapes = s
         self.embedding = Embedding(
-            s.vocab_padded // s.tp1, s.positions_padded // s.tp1, local_hidden, s.dropout_prob, tp1
+            s.vocab_padded // s.tp1,
+            s.positions_padded // s.tp1,
+            local_hidden,
+            s.dropout_prob,
+            tp1,
+            cp,
         )
         self.layers = nn.ModuleList(
             DecoderBlock(
@@ -109,6 +118,7 @@ class GPT(nn.Module):
                 s.layer_norm_eps,
                 tp1,
                 tp2,
+                cp,
             )
             for _ in range(s.layers)
         )

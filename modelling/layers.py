@@ -7,11 +7,17 @@ size-1 axes this is a plain GPT-2/GPT-3 block.
 
 Dropout draws from explicit seeds rather than the global generator: the phased engine recomputes
 each layer in backward and must reproduce the forward's masks exactly.
+
+Context parallelism (axis ``cp``): outside attention a rank holds piece ``cp.rank`` of
+``cp.size`` equal pieces of every sequence (dim 1). Attention swaps the sequence split for a
+head split with an all-to-all and back (DeepSpeed-Ulysses, :func:`sequence_to_heads`). Dropout
+masks are those of the whole sequence, so every layout draws the single process's masks.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -19,7 +25,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelling.parallel import Axis, all_reduce_sum, copy_to, reduce_from
+from modelling.parallel import (
+    LOCAL,
+    Axis,
+    all_reduce_sum,
+    copy_to,
+    heads_to_sequence,
+    reduce_from,
+    sequence_to_heads,
+)
 
 
 class BlockSeeds(NamedTuple):
@@ -53,12 +67,25 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def dropout(x: torch.Tensor, p: float, seed: int | None) -> torch.Tensor:
-    """Inverted dropout whose mask is a pure function of ``seed`` (no-op when seed is None)."""
+def dropout(x: torch.Tensor, p: float, seed: int | None, cp: Axis = LOCAL) -> torch.Tensor:
+    """Inverted dropout whose mask is a pure function of ``seed`` (no-op when seed is None).
+
+    ``x`` (B, s, ...) is piece ``cp.rank`` of the sequence (dim 1). The mask is the whole
+    sequence's, drawn as one process draws it, and this piece's slice of it is applied: the
+    generator's stream runs over the whole tensor, so a piece's mask cannot be drawn alone.
+    That costs the mask of the whole sequence for an instant (its elementwise work is small
+    beside the matmuls), and buys masks that do not depend on the layout.
+    """
     if seed is None or p == 0.0:
         return x
     with seeded(seed, x.device):
-        return F.dropout(x, p, training=True)
+        if cp.size == 1:
+            return F.dropout(x, p, training=True)
+        whole = (x.shape[0], x.shape[1] * cp.size, *x.shape[2:])
+        # F.dropout multiplies its input by this same scaled mask, so the piece is bitwise
+        # the piece of the single process's result.
+        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), p, training=True)
+    return x * mask.narrow(1, cp.rank * x.shape[1], x.shape[1])
 
 
 class LayerNorm(nn.Module):
@@ -106,7 +133,12 @@ class ParallelLinear(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention for the heads of this tp1 shard, replicated over tp2."""
+    """Causal self-attention for the heads of this tp1 shard, replicated over tp2.
+
+    With a context axis, q, k and v of this rank's sequence piece are exchanged for those of
+    the whole sequence and 1/cp of the heads (which the cp size must divide), attention runs
+    on them whole, and its output is exchanged back (:func:`sequence_to_heads`).
+    """
 
     def __init__(
         self,
@@ -116,6 +148,7 @@ class Attention(nn.Module):
         dropout_prob: float,
         tp1: Axis,
         tp2: Axis,
+        cp: Axis = LOCAL,
     ):
         super().__init__()
         width = local_heads * head_dim
@@ -124,17 +157,46 @@ class Attention(nn.Module):
         self.out = ParallelLinear(width, local_hidden, reduce_axis=tp1)
         self.head_dim = head_dim
         self.dropout_prob = dropout_prob
-        self.tp1, self.tp2 = tp1, tp2
+        self.tp1, self.tp2, self.cp = tp1, tp2, cp
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
         qkv = self.qkv(copy_to(x, self.tp1))  # (B, S, 3 * local_heads * head_dim)
-        q, k, v = qkv.view(B, S, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = qkv.view(B, S, 3, -1, self.head_dim)
+        qkv = sequence_to_heads(qkv, self.cp)  # (B, S * cp, 3, local_heads / cp, head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
         p = self.dropout_prob if seeds is not None else 0.0
-        with seeded(seeds.attention, x.device) if p else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, local_heads * head_dim)
+        if p and self.cp.size > 1:
+            y = _attention_of_head_group(q, k, v, p, seeds.attention, self.cp)
+        else:
+            with seeded(seeds.attention, x.device) if p else contextlib.nullcontext():
+                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = heads_to_sequence(y.transpose(1, 2), self.cp)  # (B, S, local_heads, head_dim)
+        y = y.reshape(B, S, -1)  # (B, S, local_heads * head_dim)
         return self.out(copy_to(y, self.tp2))
+
+
+def _attention_of_head_group(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: int, cp: Axis
+) -> torch.Tensor:
+    """Causal attention with dropout for head group ``cp.rank`` of ``cp.size``, with the
+    dropout mask one process draws for all the groups' heads.
+
+    ``scaled_dot_product_attention`` draws its mask inside, for the heads it is given, so a
+    group's mask would not be the single process's. This is its math path written out
+    (bitwise the same on a CPU): the mask of every local head is drawn and this group's heads
+    are kept. That mask is (B, heads, S, S): exact, but only affordable for short sequences;
+    long contexts train without dropout (the 32k presets) and take the flash kernel above.
+    """
+    B, h, S, d = q.shape
+    scale = math.sqrt(1.0 / math.sqrt(d))
+    scores = (q * scale) @ (k * scale).transpose(-2, -1)  # (B, h, S, S)
+    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    with seeded(seed, q.device):
+        ones = torch.ones(B, h * cp.size, S, S, dtype=probs.dtype, device=q.device)
+        mask = F.dropout(ones, p, training=True)
+    return (probs * mask.narrow(1, cp.rank * h, h)) @ v
 
 
 class FeedForward(nn.Module):
@@ -165,25 +227,28 @@ class DecoderBlock(nn.Module):
         eps: float,
         tp1: Axis,
         tp2: Axis,
+        cp: Axis = LOCAL,
     ):
         super().__init__()
         self.ln_1 = LayerNorm(local_hidden, tp2, eps)
-        self.attn = Attention(local_hidden, local_heads, head_dim, dropout_prob, tp1, tp2)
+        self.attn = Attention(local_hidden, local_heads, head_dim, dropout_prob, tp1, tp2, cp)
         self.ln_2 = LayerNorm(local_hidden, tp2, eps)
         self.mlp = FeedForward(local_hidden, local_ffn, tp1, tp2)
         self.dropout_prob = dropout_prob
+        self.cp = cp
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None = None) -> torch.Tensor:
-        p = self.dropout_prob
-        x = x + dropout(self.attn(self.ln_1(x), seeds), p, seeds and seeds.attention_residual)
-        return x + dropout(self.mlp(self.ln_2(x)), p, seeds and seeds.mlp_residual)
+        p, cp = self.dropout_prob, self.cp
+        x = x + dropout(self.attn(self.ln_1(x), seeds), p, seeds and seeds.attention_residual, cp)
+        return x + dropout(self.mlp(self.ln_2(x)), p, seeds and seeds.mlp_residual, cp)
 
 
 class Embedding(nn.Module):
     """Word + position embedding; rows (vocab, positions) over tp1, columns over tp2.
 
     Each rank looks up the ids that fall in its row range (others give zeros) and the partial
-    embeddings are summed over tp1.
+    embeddings are summed over tp1. ``ids`` is piece ``cp.rank`` of the sequence, so its
+    positions start at ``cp.rank`` times its length.
     """
 
     def __init__(
@@ -193,19 +258,21 @@ class Embedding(nn.Module):
         local_hidden: int,
         dropout_prob: float,
         tp1: Axis,
+        cp: Axis = LOCAL,
     ):
         super().__init__()
         self.word = nn.Embedding(local_vocab, local_hidden)
         self.position = nn.Embedding(local_positions, local_hidden)
         self.dropout_prob = dropout_prob
-        self.tp1 = tp1
+        self.tp1, self.cp = tp1, cp
 
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
-        positions = torch.arange(ids.shape[-1], device=ids.device).expand_as(ids)
+        start = self.cp.rank * ids.shape[-1]
+        positions = torch.arange(start, start + ids.shape[-1], device=ids.device).expand_as(ids)
         x = _lookup_rows(self.word.weight, ids, self.tp1) + _lookup_rows(
             self.position.weight, positions, self.tp1
         )
-        return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed)
+        return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp)
 
 
 def _lookup_rows(table: torch.Tensor, ids: torch.Tensor, tp1: Axis) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The tensor-parallel vocabulary of the model: mesh axes and Megatron's conjugate functions.
+"""The parallel vocabulary of the model: mesh axes, Megatron's conjugate functions and the
+all-to-alls of context parallelism (DeepSpeed-Ulysses).
 
 The model calls these functions at the points where a sharded computation needs a collective;
 it never sees a process group. An :class:`Axis` of size 1 (:data:`LOCAL`) turns every function
@@ -22,6 +23,10 @@ class Axis(Protocol):
         """In-place all-reduce (``sum`` or ``max``) over the axis, outside autograd."""
         ...
 
+    def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Chunk k of dim 0 to member k; chunk k of the result from member k."""
+        ...
+
 
 class LocalAxis:
     """An axis of one rank: the single-device case."""
@@ -31,6 +36,9 @@ class LocalAxis:
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
+
+    def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        return chunks
 
 
 LOCAL = LocalAxis()
@@ -81,6 +89,52 @@ class _AllReduceSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return ctx.axis.all_reduce_(_fresh(grad)), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Chunks of dim 0 exchanged over the axis (chunk k to member k). Its own conjugate: the
+    backward sends each gradient chunk back where its value came from, by the same exchange."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, axis: Axis) -> torch.Tensor:
+        ctx.axis = axis
+        return axis.all_to_all(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.axis.all_to_all(grad), None
+
+
+def sequence_to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """DeepSpeed-Ulysses' first all-to-all: a piece of the sequence with every local head in,
+    the whole sequence with 1/size of the heads out.
+
+    Args:
+        x: ``(B, s, ..., H, d)``: piece ``axis.rank`` of ``axis.size`` equal pieces of the
+            sequence, H heads of width d (any dims between, e.g. q/k/v).
+
+    Returns:
+        ``(B, s * size, ..., H / size, d)``: head group ``axis.rank`` over the whole sequence.
+    """
+    if axis.size == 1:
+        return x
+    n = axis.size
+    B, s, *between, H, d = x.shape
+    groups = x.reshape(B, s, *between, n, H // n, d).movedim(-3, 0)  # (n, B, s, ..., H/n, d)
+    pieces = _AllToAll.apply(groups, axis)  # chunk k: sequence piece k of my head group
+    return pieces.movedim(0, 1).reshape(B, n * s, *between, H // n, d)
+
+
+def heads_to_sequence(y: torch.Tensor, axis: Axis) -> torch.Tensor:
+    """Inverse of :func:`sequence_to_heads`: ``(B, S, H / size, d)`` of the whole sequence in,
+    ``(B, S / size, H, d)`` of this rank's piece out, heads in their original order."""
+    if axis.size == 1:
+        return y
+    n = axis.size
+    B, S, h, d = y.shape
+    pieces = y.reshape(B, n, S // n, h, d).movedim(1, 0)  # (n, B, s, h, d)
+    groups = _AllToAll.apply(pieces, axis)  # chunk k: head group k of my sequence piece
+    return groups.movedim(0, 2).reshape(B, S // n, n * h, d)
 
 
 def copy_to(x: torch.Tensor, axis: Axis) -> torch.Tensor:

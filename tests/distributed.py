@@ -193,8 +193,10 @@ def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
     return rank // (tp1 * tp2), (rank // tp2) % tp1, rank % tp2
 
 
-def layout_flags(dp: int, tp1: int, tp2: int) -> list[str]:
+def layout_flags(dp: int, tp1: int, tp2: int, cp: int = 1) -> list[str]:
     sizes = {"--data_parallel": dp, "--tensor_parallel_1": tp1, "--tensor_parallel_2": tp2}
+    if cp > 1:
+        sizes["--context_parallel"] = cp
     return [text for flag, size in sizes.items() for text in (flag, str(size))]
 
 
@@ -237,7 +239,9 @@ def single_process_run(config: PretrainingConfig, batches: torch.Tensor) -> dict
         ``steps`` (loss and grad norm per step), the final unsharded ``weights``, the last
         step's ``grads`` and the ``engine`` itself.
     """
-    single = with_execution(config, data_parallel=1, tensor_parallel_1=1, tensor_parallel_2=1)
+    single = with_execution(
+        config, data_parallel=1, tensor_parallel_1=1, tensor_parallel_2=1, context_parallel=1
+    )
     engine = planned_engine(single, ParallelLayout.single(CPU))
     return {
         "steps": train_steps(engine, batches, dp_rank=0),
@@ -275,6 +279,7 @@ def assert_states_close(
 
 
 def world_layout(config: PretrainingConfig) -> ParallelLayout:
-    """This rank's layout of ``config``'s (dp, tp1, tp2) mesh (call inside a rank)."""
+    """This rank's layout of ``config``'s (dp, cp, tp1, tp2) mesh (call inside a rank)."""
     ex = config.execution
-    return ParallelLayout.build(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, CPU)
+    sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    return ParallelLayout.build(*sizes, CPU, cp=ex.context_parallel)

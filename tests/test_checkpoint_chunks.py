@@ -14,36 +14,34 @@ import torch
 from execution.checkpoint.chunks import held_chunks
 from execution.engine.buffers import flat_specs
 from execution.parallel.mesh import MeshShape
-from execution.parallel.sharding import KINDS, MATRIX, TP1_VECTOR, TP2_VECTOR, rts_sizes, shard_part
+from execution.parallel.sharding import KINDS, RTS_AXES, rts_sizes, shard_part
 from modelling.gpt import PARTS, GPTShapes, logical_shapes, part_inits, qualified_name
 from tests.distributed import small_config
 
-RTS_AXIS = {MATRIX: "dp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2"}
-
 
 @pytest.mark.parametrize(
-    ("dp", "tp1", "tp2", "max_chunk_bytes"),
+    ("dp", "tp1", "tp2", "cp", "max_chunk_bytes"),
     [
-        (1, 1, 1, 1 << 30),
-        (2, 2, 2, 1 << 30),
-        (4, 1, 2, 1 << 30),
-        (3, 4, 1, 1 << 30),
-        (2, 2, 2, 96),
+        (1, 1, 1, 1, 1 << 30),
+        (2, 2, 2, 1, 1 << 30),
+        (4, 1, 2, 1, 1 << 30),
+        (3, 4, 1, 1, 1 << 30),
+        (2, 2, 1, 2, 96),
     ],
 )
-def test_chunks_tile_every_logical_tensor_once(dp, tp1, tp2, max_chunk_bytes):
+def test_chunks_tile_every_logical_tensor_once(dp, tp1, tp2, cp, max_chunk_bytes):
     config = small_config("--layers", "2")
     shapes = GPTShapes.from_config(config.model, tp1, tp2)
-    specs = flat_specs(shapes, rts_sizes(dp, tp1, tp2))
+    specs = flat_specs(shapes, rts_sizes(dp, tp1, tp2, cp))
     logical = {
         name: torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape) + 0.5
         for name, shape in logical_shapes(shapes).items()
     }
     covered = {name: torch.zeros(t.shape, dtype=torch.int64) for name, t in logical.items()}
-    mesh = MeshShape(dp, tp1, tp2)
+    mesh = MeshShape(dp, tp1, tp2, cp)
     for rank in range(mesh.world_size):
         c = mesh.coords(rank)
-        rts = {kind: mesh.members(RTS_AXIS[kind], rank).index(rank) for kind in KINDS}
+        rts = {kind: mesh.members(RTS_AXES[kind], rank).index(rank) for kind in KINDS}
         for part in PARTS:
             chunks = held_chunks(part, specs[part], shapes, (c["i"], c["j"]), rts, max_chunk_bytes)
             for row in range(shapes.layers if part == "layers" else 1):

@@ -3,8 +3,8 @@ what a resume on another layout computes.
 
 Saved at (dp, tp1, tp2) = (2, 2, 2), everything on the host, 2 passes, after two steps. The
 references are independent of the chunked save and load: an uninterrupted single-process run
-of the same three steps, and, for a bfloat16 resume, the same layout started from the
-reference's state through the logical-tensor path (``write_part_state``) instead of a load.
+of the same three steps, and, for a bfloat16 resume, the same layout started from the saved
+state read whole by DCP's default planner and sharded through the logical path.
 """
 
 from __future__ import annotations
@@ -221,6 +221,9 @@ def test_save_on_one_layout_resume_on_others(tmp_path):
             resident_111, batches, folder, ParallelLayout.single(CPU)
         ),
         "(4, 1, 2)": run_ranks(_resume, 8, tmp_path / "r412", config_412, batches, folder)[0],
+        "sequence over 2 context ranks": run_ranks(
+            _resume, 2, tmp_path / "cp2", small_config(*layout_flags(1, 1, 1, 2)), batches, folder
+        )[0],
     }
     same = run_ranks(_resume, 8, tmp_path / "r222", saved_config, batches, folder)[0]
     assert same["loss"] == saved[0]["next"]["loss"], "a resume on the same layout is bitwise"

@@ -72,6 +72,29 @@ def test_reference_layouts():
         assert layout.training.optimizer.decay_tokens == 260e9
 
 
+@pytest.mark.parametrize(
+    ("preset", "paper"), [("gpt3_1.3B_32k", "gpt3_1.3B"), ("gpt3_6.7B_32k", "gpt3_6.7B")]
+)
+def test_long_context_presets(preset, paper):
+    """The paper model with a 32,768-token context and learned positions of that length, and
+    the paper's tokens per step (32 and 64 sequences); every context split of a tp1 rank's
+    heads validates."""
+    config, _ = parse_config(["--config", preset])
+    base, _ = parse_config(["--config", paper])
+    m = config.model
+    assert (m.layers, m.hidden_size, m.heads) == (
+        base.model.layers,
+        base.model.hidden_size,
+        base.model.heads,
+    )
+    assert (m.sequence_length, m.max_positional_length) == (32768, 32768)
+    assert config.tokens_per_step == base.tokens_per_step
+    assert config.training.global_batch_size == {"gpt3_1.3B": 32, "gpt3_6.7B": 64}[paper]
+    assert config.training.steps == base.training.steps  # the same 300B tokens
+    for cp in (2, 4, 8, 16):
+        parse_config(["--config", preset, "--context_parallel", str(cp)])
+
+
 def test_flags_override_the_preset():
     flags = shlex.split(
         "--config tiny --layers 3 --learning_rate 1e-4 --wandb --input_files a/*.tfrecord "
@@ -103,6 +126,12 @@ def test_flags_override_the_preset():
         ("--sequence_length 256", "exceeds --max_positional_length 128"),
         ("--tensor_parallel_1 3", "--heads 4 is not divisible by --tensor_parallel_1 3"),
         ("--tensor_parallel_2 3", "--hidden_size 128 is not divisible by --tensor_parallel_2 3"),
+        ("--context_parallel 3", "--sequence_length 128 is not divisible by --context_parallel 3"),
+        ("--context_parallel 0", "--context_parallel must be at least 1, got 0"),
+        (
+            "--context_parallel 4 --tensor_parallel_1 2",
+            "2 heads per tensor_parallel_1 rank is not divisible by --context_parallel 4",
+        ),
         ("--precision fp8", "invalid choice: 'fp8'"),
         ("--dropout_prob 1.5", "--dropout_prob must be in [0, 1)"),
         ("--learning_rate 0", "--learning_rate must be a finite number > 0"),
@@ -164,6 +193,12 @@ def test_world_size_must_match_the_layout():
     check_world_size(config, 256)
     with pytest.raises(ConfigError, match=r"= 256 processes, but the job has 8"):
         check_world_size(config, 8)
+    config, _ = parse_config(["--config", "tiny", "--context_parallel", "2"])
+    check_world_size(config, 2)
+    with pytest.raises(
+        ConfigError, match=r"--context_parallel 2 x .* = 2 processes, but the job has 4"
+    ):
+        check_world_size(config, 4)
 
 
 @pytest.mark.parametrize(

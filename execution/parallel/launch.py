@@ -71,9 +71,11 @@ def check_world_size(config: PretrainingConfig, world_size: int) -> None:
     """Raises a one-line ConfigError when the launch does not fit the preset's layout."""
     ex = config.execution
     if world_size != config.world_size:
+        context = f"--context_parallel {ex.context_parallel} x " if ex.context_parallel > 1 else ""
         raise ConfigError(
-            f"--data_parallel {ex.data_parallel} x --tensor_parallel_1 {ex.tensor_parallel_1} x "
-            f"--tensor_parallel_2 {ex.tensor_parallel_2} = {config.world_size} processes, but "
+            f"--data_parallel {ex.data_parallel} x {context}--tensor_parallel_1 "
+            f"{ex.tensor_parallel_1} x --tensor_parallel_2 {ex.tensor_parallel_2} = "
+            f"{config.world_size} processes, but "
             f"the job has {world_size}; launch {config.world_size} processes (e.g. torchrun "
             f"--nproc_per_node {config.world_size}) or change the layout flags (--dry_run checks "
             f"this layout in one process; --plan_for {world_size} lists layouts of {world_size})"
@@ -123,7 +125,7 @@ def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     layout = ParallelLayout.build(
-        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, device
+        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, device, ex.context_parallel
     )
     return layout, info
 

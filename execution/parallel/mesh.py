@@ -1,8 +1,13 @@
 """The parallel geometry of a run: ranks, mesh axes and their process groups (DESIGN.md section 3).
 
-Rank ``r = d * (tp1 * tp2) + i * tp2 + j`` where ``j`` indexes tensor_parallel_2 (innermost), ``i``
-tensor_parallel_1 and ``d`` data_parallel. :class:`MeshShape` is the one place that formula and
-the membership of every group live; a new parallel axis joins there. One :class:`ParallelLayout`
+Rank ``r = ((d * cp + c) * tp1 + i) * tp2 + j`` where ``j`` indexes tensor_parallel_2
+(innermost), ``i`` tensor_parallel_1, ``c`` context_parallel and ``d`` data_parallel. The tensor
+axes stay innermost because they communicate on every matmul; the context axis comes next
+because its all-to-alls run twice per layer and micro-batch (so it should stay inside a node
+after the tensor axes, where bandwidth allows); data parallelism, which communicates once per
+phase, is outermost. With ``cp = 1`` this is ``d * tp1 * tp2 + i * tp2 + j``.
+:class:`MeshShape` is the one place that formula and the membership of every group live; a new
+parallel axis joins there. One :class:`ParallelLayout`
 is built at start-up and passed to everything that communicates; there is no module-level
 process-group state.
 """
@@ -23,50 +28,63 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# Each group of the mesh, by the coordinates (d, i, j) that vary within it: a rank's group along
-# an axis is every rank that shares its other coordinates.
+# Mesh coordinates, outermost first: the order of the rank formula.
+COORDS = "dcij"
+# Each group of the mesh, by the coordinates (d, c, i, j) that vary within it: a rank's group
+# along an axis is every rank that shares its other coordinates. Weights are replicated over
+# data and context parallelism alike, so both belong to every RTS group.
 AXES: dict[str, tuple[str, ...]] = {
     "dp": ("d",),
+    "cp": ("c",),  # the pieces of one sequence
     "tp1": ("i",),
     "tp2": ("j",),
-    "dp_tp1": ("d", "i"),  # replicas of tp2-sharded vectors: their RTS group
-    "dp_tp2": ("d", "j"),  # replicas of tp1-sharded vectors: their RTS group
-    "world": ("d", "i", "j"),
+    "dp_cp": ("d", "c"),  # replicas of matrices: their RTS group and gradient sum
+    # Replicas of tp2-sharded vectors (RTS group); dp x tp1 without a context axis.
+    "dp_tp1": ("d", "c", "i"),
+    # Replicas of tp1-sharded vectors (RTS group); dp x tp2 without a context axis.
+    "dp_tp2": ("d", "c", "j"),
+    "world": ("d", "c", "i", "j"),
 }
+# Without a context axis the replicas of matrices are the data-parallel group itself: one
+# group, not two with the same members (so a run with cp = 1 creates and reports what it did
+# before the context axis existed).
+_SAME_WHEN_NO_CP = {"dp_cp": "dp"}
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the (dp, tp1, tp2) mesh: the rank formula and every group's members."""
+    """Sizes of the (dp, cp, tp1, tp2) mesh: the rank formula and every group's members."""
 
     dp: int
     tp1: int
     tp2: int
+    cp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.tp1 * self.tp2
+        return self.dp * self.cp * self.tp1 * self.tp2
 
-    def rank(self, d: int, i: int, j: int) -> int:
-        return (d * self.tp1 + i) * self.tp2 + j
+    def rank(self, d: int, c: int, i: int, j: int) -> int:
+        return ((d * self.cp + c) * self.tp1 + i) * self.tp2 + j
 
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"d": ..., "i": ..., "j": ...}`` of a global rank."""
-        d, rest = divmod(rank, self.tp1 * self.tp2)
-        i, j = divmod(rest, self.tp2)
-        return {"d": d, "i": i, "j": j}
+        """``{"d": ..., "c": ..., "i": ..., "j": ...}`` of a global rank."""
+        out = {}
+        for c in reversed(COORDS):
+            rank, out[c] = divmod(rank, self._extent()[c])
+        return {c: out[c] for c in COORDS}
 
     def _extent(self) -> dict[str, int]:
-        return {"d": self.dp, "i": self.tp1, "j": self.tp2}
+        return {"d": self.dp, "c": self.cp, "i": self.tp1, "j": self.tp2}
 
     def size(self, axis: str) -> int:
         return math.prod(self._extent()[c] for c in AXES[axis])
 
     def _ranks(self, fixed: dict[str, int], varying: tuple[str, ...]) -> tuple[int, ...]:
         """Ranks whose ``fixed`` coordinates are as given, over every value of ``varying``
-        (ascending: the rank formula grows with d, then i, then j)."""
+        (ascending: the rank formula grows with d, then c, then i, then j)."""
         extent = self._extent()
-        ranges = [range(extent[c]) if c in varying else [fixed[c]] for c in "dij"]
+        ranges = [range(extent[c]) if c in varying else [fixed[c]] for c in COORDS]
         return tuple(self.rank(*coords) for coords in itertools.product(*ranges))
 
     def members(self, axis: str, rank: int) -> tuple[int, ...]:
@@ -75,8 +93,8 @@ class MeshShape:
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group along ``axis``, each once, in the same order on every rank."""
-        fixed = tuple(c for c in "dij" if c not in AXES[axis])
-        firsts = self._ranks(dict.fromkeys("dij", 0), fixed)  # one rank of each group
+        fixed = tuple(c for c in COORDS if c not in AXES[axis])
+        firsts = self._ranks(dict.fromkeys(COORDS, 0), fixed)  # one rank of each group
         return sorted(self.members(axis, r) for r in firsts)
 
 
@@ -126,6 +144,18 @@ class GroupAxis:
             _all_gather_flat(out, shard.contiguous(), group=self.group)
         return out
 
+    def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
+        """Chunk k of dim 0 (``size`` equal chunks) goes to member k; chunk k of the result
+        came from member k. Its own inverse, so also its backward."""
+        if self.size == 1:
+            return chunks
+        chunks = chunks.contiguous()
+        out = torch.empty_like(chunks)
+        self._count("all_to_all", chunks)
+        if not self._shapes_only(out):
+            dist.all_to_all_single(out, chunks, group=self.group)
+        return out
+
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
         if self.size == 1:
@@ -139,19 +169,26 @@ class GroupAxis:
 
 @dataclass(eq=False)
 class ParallelLayout:
-    """Sizes, this rank's coordinates and the groups of every axis of the (dp, tp1, tp2) mesh.
+    """Sizes, this rank's coordinates and the groups of every axis of the (dp, cp, tp1, tp2)
+    mesh.
 
     Attributes:
-        dp, tp1, tp2: The data-parallel and the two tensor-parallel axes.
-        dp_tp1: Replicas holding identical copies of tp2-sharded vectors (their RTS group).
-        dp_tp2: Replicas holding identical copies of tp1-sharded vectors (their RTS group).
+        dp, cp, tp1, tp2: The data-parallel, context-parallel and two tensor-parallel axes.
+        dp_cp: Replicas holding identical copies of matrices (their RTS group, and the group
+            their gradients are summed over); the ``dp`` axis itself when cp is 1.
+        dp_tp1: Replicas holding identical copies of tp2-sharded vectors (their RTS group):
+            dp x cp x tp1.
+        dp_tp2: Replicas holding identical copies of tp1-sharded vectors (their RTS group):
+            dp x cp x tp2.
         world: Every rank (global gradient norm, loss reporting).
         device: This rank's compute device.
     """
 
     dp: GroupAxis
+    cp: GroupAxis
     tp1: GroupAxis
     tp2: GroupAxis
+    dp_cp: GroupAxis
     dp_tp1: GroupAxis
     dp_tp2: GroupAxis
     world: GroupAxis
@@ -168,38 +205,54 @@ class ParallelLayout:
         return self.world.rank == 0
 
     def axes(self) -> list[GroupAxis]:
-        return [self.dp, self.tp1, self.tp2, self.dp_tp1, self.dp_tp2, self.world]
+        """Every distinct group, once (``dp_cp`` is ``dp`` when cp is 1)."""
+        axes = [getattr(self, name) for name in AXES]
+        return [a for n, a in enumerate(axes) if all(a is not b for b in axes[:n])]
 
     @classmethod
     def single(cls, device: torch.device) -> ParallelLayout:
         """The layout of one process: every axis has size 1."""
-        axes = {name: GroupAxis(name, 1, 0, members=(0,)) for name in AXES}
-        return cls(**axes, device=device)
+        mesh = MeshShape(1, 1, 1)
+        axes = {name: GroupAxis(name, 1, 0, members=(0,)) for name in _axis_names(mesh)}
+        return cls(**_with_aliases(axes, mesh), device=device)
 
     @classmethod
-    def shapes_only(cls, dp: int, tp1: int, tp2: int, device: str | torch.device = "meta"):
-        """Rank 0 of a (dp, tp1, tp2) layout with no process groups: collectives only shape
-        their outputs (meta tensors). Lets a process measure a step of any layout, or build a
-        rank's buffers on ``device`` (construction communicates nothing)."""
-        mesh = MeshShape(dp, tp1, tp2)
-        axes = {
-            name: GroupAxis(
-                name, mesh.size(name), 0, members=mesh.members(name, 0), shapes_only=True
-            )
-            for name in AXES
-        }
-        return cls(**axes, device=torch.device(device))
+    def shapes_only(
+        cls, dp: int, tp1: int, tp2: int, device: str | torch.device = "meta", cp: int = 1
+    ):
+        """Rank 0 of a (dp, cp, tp1, tp2) layout with no process groups: collectives only
+        shape their outputs (meta tensors). Lets a process measure a step of any layout, or
+        build a rank's buffers on ``device`` (construction communicates nothing)."""
+        mesh = MeshShape(dp, tp1, tp2, cp)
+        axes = {}
+        for name in _axis_names(mesh):
+            members = mesh.members(name, 0)
+            axes[name] = GroupAxis(name, len(members), 0, members=members, shapes_only=True)
+        return cls(**_with_aliases(axes, mesh), device=torch.device(device))
 
     @classmethod
-    def build(cls, dp: int, tp1: int, tp2: int, device: torch.device) -> ParallelLayout:
+    def build(
+        cls, dp: int, tp1: int, tp2: int, device: torch.device, cp: int = 1
+    ) -> ParallelLayout:
         """Creates every group of the mesh; all ranks of an initialised job must call this."""
-        mesh, rank = MeshShape(dp, tp1, tp2), dist.get_rank()
+        mesh, rank = MeshShape(dp, tp1, tp2, cp), dist.get_rank()
         assert dist.get_world_size() == mesh.world_size, "checked by check_world_size"
         axes = {}
-        for name in AXES:
+        for name in _axis_names(mesh):
             # new_group is collective: every rank creates every group, in the same order.
             for ranks in mesh.groups(name):
                 group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
                 if rank in ranks:
                     axes[name] = GroupAxis(name, len(ranks), ranks.index(rank), group, ranks)
-        return cls(**axes, device=device)
+        return cls(**_with_aliases(axes, mesh), device=device)
+
+
+def _axis_names(mesh: MeshShape) -> list[str]:
+    """The axes that get a group of their own (not those that are another axis at cp 1)."""
+    return [n for n in AXES if not (mesh.cp == 1 and n in _SAME_WHEN_NO_CP)]
+
+
+def _with_aliases(axes: dict[str, GroupAxis], mesh: MeshShape) -> dict[str, GroupAxis]:
+    if mesh.cp == 1:
+        axes.update({alias: axes[name] for alias, name in _SAME_WHEN_NO_CP.items()})
+    return axes

@@ -7,6 +7,10 @@ decides which replicas hold identical copies and therefore the replicated-tensor
 - ``matrix``: split over tp1 and tp2, identical across dp -> RTS over dp; decayed.
 - ``tp2_vector``: split over tp2 only (layer norms, output biases) -> RTS over dp x tp1.
 - ``tp1_vector``: split over tp1 only (qkv and fc biases) -> RTS over dp x tp2.
+
+No weight is split over the context axis (cp): its ranks run the same weights on different
+pieces of the sequence, so every kind is also replicated, and RTS-sharded, over cp (dp x cp
+wherever dp is named above).
 """
 
 from __future__ import annotations
@@ -140,7 +144,8 @@ def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
 
 
 # The mesh axis (execution.parallel.mesh.AXES) of each kind's RTS group.
-RTS_AXES = {MATRIX: "dp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2"}
+# Weights are replicated over dp and cp alike, so RTS shards over both.
+RTS_AXES = {MATRIX: "dp_cp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2"}
 
 
 def rts_axes(layout) -> dict[str, Axis]:
@@ -148,9 +153,10 @@ def rts_axes(layout) -> dict[str, Axis]:
     return {kind: getattr(layout, axis) for kind, axis in RTS_AXES.items()}
 
 
-def rts_sizes(dp: int, tp1: int, tp2: int) -> dict[str, int]:
-    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, tp1, tp2) layout."""
-    return {MATRIX: dp, TP2_VECTOR: dp * tp1, TP1_VECTOR: dp * tp2}
+def rts_sizes(dp: int, tp1: int, tp2: int, cp: int = 1) -> dict[str, int]:
+    """Sizes of the RTS groups of :func:`rts_axes` for a (dp, cp, tp1, tp2) layout."""
+    replicas = dp * cp
+    return {MATRIX: replicas, TP2_VECTOR: replicas * tp1, TP1_VECTOR: replicas * tp2}
 
 
 def shard_part(

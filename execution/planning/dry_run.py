@@ -39,7 +39,7 @@ from utils.metrics import flops_per_token
 
 META = torch.device("meta")
 # The groups a step communicates over (the world only sums the norm and the loss).
-COMMUNICATING_AXES = ("dp", "tp1", "tp2", "dp_tp1", "dp_tp2")
+COMMUNICATING_AXES = ("dp", "cp", "tp1", "tp2", "dp_cp", "dp_tp1", "dp_tp2")
 STATE_KEYS = (
     "weights",
     "grads",
@@ -54,6 +54,7 @@ RING_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # every chunk but its own leaves the rank
 }
 
 
@@ -64,7 +65,9 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     groups align with nodes have one kind; ranks of a kind differ only in values."""
     ex = config.execution
     shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    mesh = MeshShape(
+        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel
+    )
 
     @functools.cache
     def shard_signature(i: int, j: int) -> tuple:
@@ -121,7 +124,7 @@ def measure_planned_step(
     """Set-up and one training step of this fake job's rank, on meta tensors, measured."""
     ex = config.execution
     mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    layout = ParallelLayout.build(*mesh, META)
+    layout = ParallelLayout.build(*mesh, META, cp=ex.context_parallel)
     step = meta_step(config, plan, layout)
     comm, seconds = {}, {}
     for axis in layout.axes():
@@ -144,9 +147,11 @@ def checkpoint_figures(
     host is written from its buffers, one chunk copied at a time.
     """
     ex = config.execution
-    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    mesh = MeshShape(
+        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel
+    )
     shapes = GPTShapes.from_config(config.model, mesh.tp1, mesh.tp2)
-    specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2))
+    specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
     rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
     per_row = {
@@ -282,7 +287,7 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
     ex, spec = config.execution, report["device_spec"]
     lines = [
         f"dry run: {config.model.layers} layers x {config.model.hidden_size}, "
-        f"{ex.data_parallel} x {ex.tensor_parallel_1} x {ex.tensor_parallel_2} = "
+        f"{ex.data_parallel} x {_context(ex)}{ex.tensor_parallel_1} x {ex.tensor_parallel_2} = "
         f"{report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
         f"{spec['memory_gb']:g} GiB, host {spec['host_memory_gb']:g} GiB), "
         f"global batch {config.training.global_batch_size} x {config.model.sequence_length}"
@@ -321,6 +326,11 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
     lines.append(f"\nverdict: {verdict} on {report['world_size']} x {spec['name']}")
     return "\n".join(lines)
+
+
+def _context(ex) -> str:
+    """The context axis in a layout's ``dp x cp x tp1 x tp2``, shown only when it is used."""
+    return f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else ""
 
 
 def check_input_files(patterns: list[str]) -> None:

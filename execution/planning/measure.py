@@ -94,6 +94,6 @@ def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
         host = Placement("host", "host", "host")
         plan = MemoryPlan(1, 1, host, {}, 0, 0, shared_memory=False)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-        layout = ParallelLayout.shapes_only(*mesh)
+        layout = ParallelLayout.shapes_only(*mesh, cp=ex.context_parallel)
         _MEASURED[key] = meta_step(small, plan, layout, flash).working_set
     return _MEASURED[key]

@@ -9,7 +9,8 @@ Three states are placed, each on the compute device or in host memory:
   dtype beside the masters (2 bytes per parameter, placed with the weights), which the phases
   load instead of the masters;
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
-  micro-batches of one pass, in the compute dtype.
+  micro-batches of one pass, in the compute dtype; a context-parallel rank holds its 1/cp
+  piece of every sequence.
 
 Byte counts come from the same functions the buffers are allocated by
 (:mod:`execution.engine.buffers`), so a plan can never disagree with what is allocated. The
@@ -100,9 +101,10 @@ class RankShape:
     shapes: GPTShapes
     dp: int
     micro_batch: int
-    sequence: int
+    sequence: int  # tokens of a sequence this rank holds: its context-parallel piece
     gradient_accumulation: int
     dtype: torch.dtype
+    cp: int = 1
 
     @classmethod
     def from_config(cls, config: PretrainingConfig) -> RankShape:
@@ -111,15 +113,16 @@ class RankShape:
             GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
             ex.data_parallel,
             ex.micro_batch_size,
-            config.model.sequence_length,
+            config.model.sequence_length // ex.context_parallel,
             config.gradient_accumulation,
             DTYPES[config.training.precision],
+            ex.context_parallel,
         )
 
     @functools.cached_property
     def specs(self):
         s = self.shapes
-        return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2))
+        return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2, self.cp))
 
     def activation_layout(self, entries: int) -> ActivationLayout:
         return ActivationLayout.of(
@@ -174,8 +177,8 @@ def working_set_bytes(
 
     layer = local("layers") * (2 * b + 8)
     layer += tokens * (8 * h2 + 13 * h1) * b + tokens * h2 * 8  # saved tensors, fp32 LN stats
-    if not flash_attention:
-        layer += 16 * rank.micro_batch * (s.heads // s.tp1) * rank.sequence**2
+    if not flash_attention:  # a rank's heads / cp over the whole sequence (cp x its piece)
+        layer += 16 * rank.micro_batch * (s.heads // s.tp1) * rank.cp * rank.sequence**2
     layer += 3 * tokens * h2 * b
     vocab = s.vocab_padded // s.tp1
     head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b

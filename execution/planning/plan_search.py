@@ -1,7 +1,7 @@
 """``--plan_for N``: the layouts of N devices that fit a preset, fastest first.
 
-Each candidate layout (data_parallel x tensor_parallel_1 x tensor_parallel_2 = N, a micro-batch
-size) gets the planner's passes and placements for ``--device_spec``. Its step is then measured
+Each candidate layout (data_parallel x context_parallel x tensor_parallel_1 x tensor_parallel_2
+= N, a micro-batch size) gets the planner's passes and placements for ``--device_spec``. Its step is then measured
 with the dry run's instruments, on meta tensors, but on a shrunk copy of the step: every count
 the estimate needs (FLOPs, bytes of each collective and of the host link) is exactly
 ``c0 + c1 L + c2 P + c3 P L + c4 M + c5 M L`` in the layers L, passes P and micro-batches M of
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 
 import numpy as np
 
@@ -74,23 +75,24 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
 
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
-    """Every (dp, tp1, tp2, micro-batch) of ``devices`` that the model and batch allow."""
+    """Every (dp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch allow."""
     m, t = config.model, config.training
     out = []
-    for tp1 in range(1, devices + 1):
-        for tp2 in range(1, devices // tp1 + 1):
-            if devices % (tp1 * tp2) or m.heads % tp1 or m.hidden_size % tp2:
+    for tp1, tp2, cp in itertools.product(range(1, devices + 1), repeat=3):
+        if devices % (tp1 * tp2 * cp) or m.heads % tp1 or m.hidden_size % tp2:
+            continue
+        if m.sequence_length % cp or (m.heads // tp1) % cp:
+            continue
+        dp = devices // (tp1 * tp2 * cp)
+        for micro in (1, 2, 4, 8, 16):
+            if t.global_batch_size % (micro * dp):
                 continue
-            dp = devices // (tp1 * tp2)
-            for micro in (1, 2, 4, 8, 16):
-                if t.global_batch_size % (micro * dp):
-                    continue
-                candidate = copy.deepcopy(config)
-                ex = candidate.execution
-                ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2 = dp, tp1, tp2
-                ex.micro_batch_size, ex.passes = micro, 0
-                validate(candidate)
-                out.append(candidate)
+            candidate = copy.deepcopy(config)
+            ex = candidate.execution
+            ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2 = dp, tp1, tp2
+            ex.context_parallel, ex.micro_batch_size, ex.passes = cp, micro, 0
+            validate(candidate)
+            out.append(candidate)
     return out
 
 
@@ -136,7 +138,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
     )
     header = (
-        f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<21}"
+        f"{'dp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  "
+        f"{'placement (w/g/a)':<21}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
         f"{'ckpt GB':>9} {'save s':>7}"
     )
@@ -145,7 +148,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         ex, plan = row["config"].execution, row["plan"]
         where = "/".join(vars(plan.placement).values())
         print(
-            f"{ex.data_parallel:>3} {ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
+            f"{ex.data_parallel:>3} {ex.context_parallel:>3} {ex.tensor_parallel_1:>4} "
+            f"{ex.tensor_parallel_2:>4} "
             f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
@@ -156,14 +160,16 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         m = config.model
         print(
             f"no layout of {devices} devices suits this model: tensor_parallel_1 must divide "
-            f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, and "
+            f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, "
+            f"context_parallel --sequence_length {m.sequence_length} and the heads per "
+            "tensor_parallel_1 rank, and "
             f"micro-batch x data_parallel --global_batch_size "
             f"{config.training.global_batch_size}"
         )
     if rows:
         ex = rows[0]["config"].execution
         print(
-            f"fastest: --data_parallel {ex.data_parallel} --tensor_parallel_1 "
-            f"{ex.tensor_parallel_1} --tensor_parallel_2 {ex.tensor_parallel_2} "
-            f"--micro_batch_size {ex.micro_batch_size}"
+            f"fastest: --data_parallel {ex.data_parallel} --context_parallel "
+            f"{ex.context_parallel} --tensor_parallel_1 {ex.tensor_parallel_1} "
+            f"--tensor_parallel_2 {ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
         )

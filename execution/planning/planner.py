@@ -177,7 +177,7 @@ def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudg
         changes.append(("micro_batch_size", micro, f"--micro_batch_size {micro}"))
         micro //= 2
     for factor in (2, 4, 8, 16, 32, 64):
-        for name in ("data_parallel", "tensor_parallel_1", "tensor_parallel_2"):
+        for name in ("data_parallel", "tensor_parallel_1", "tensor_parallel_2", "context_parallel"):
             changes.append((name, getattr(ex, name) * factor, ""))
     found: dict[str, str] = {}
     for name, value, text in changes:
@@ -208,6 +208,8 @@ def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:
         config.training.global_batch_size % per_step == 0
         and m.heads % ex.tensor_parallel_1 == 0
         and m.hidden_size % ex.tensor_parallel_2 == 0
+        and m.sequence_length % ex.context_parallel == 0
+        and (m.heads // ex.tensor_parallel_1) % ex.context_parallel == 0
     )
 
 

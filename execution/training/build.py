@@ -153,8 +153,11 @@ def _restore(
                 f"{config.training.steps}: nothing to train; raise --steps"
             )
     dp, tp1, tp2 = trainer["saved_layout"]
+    # Checkpoints from before the context axis have no context_parallel in their config.
+    cp = trainer["config"]["execution"].get("context_parallel", 1)
+    sizes = f"{dp} x {cp} (context) x {tp1} x {tp2}" if cp > 1 else f"{dp} x {tp1} x {tp2}"
     verb = "loaded" if c.eval_only else "resumed from"
-    saved_by = f"saved by {dp} x {tp1} x {tp2} processes, {trainer['saved_placement']}"
+    saved_by = f"saved by {sizes} processes, {trainer['saved_placement']}"
     return start_step, f"{verb} {trainer['folder']} at step {start_step} ({saved_by})\n"
 
 
