@@ -183,7 +183,18 @@ class ExecutionConfig:
         metadata=_doc(
             "Load the next phase's host-placed weights while the current phase computes (on a "
             "side CUDA stream; on a CPU the same copies, one phase early). The numbers are the "
-            "same either way; false loads each phase's weights when it starts."
+            "same either way; false loads each phase's weights when it starts (unless "
+            "--overlap_communication, whose all-gathers start from shards loaded ahead)."
+        ),
+    )
+    overlap_communication: bool = field(
+        default=True,
+        metadata=_doc(
+            "Run the data-parallel traffic behind compute: the next phase's weight all-gather "
+            "starts before the current phase runs, and a layer's gradient reduce-scatter is "
+            "waited for only after the next layer's backward (async collectives, issued in the "
+            "same order on every rank). The numbers are the same either way; false waits for "
+            "each collective where it is issued."
         ),
     )
     device_memory_gb: float = field(

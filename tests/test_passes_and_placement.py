@@ -162,8 +162,12 @@ def test_weight_copies_follow_written_weights():
 def test_prefetch_changes_no_number_and_no_load(precision):
     """--prefetch true and false, all remote with 2 passes and dropout: bitwise equal steps,
     the same bytes over the host link (each prefetch replaces a load, none is wasted), and
-    prefetch serves the loads after the first phase."""
-    flags = shlex.split(f"--precision {precision} --dropout_prob 0.1 --passes 2 --placement remote")
+    prefetch serves the loads after the first phase. (Overlapped communication would load
+    ahead whatever --prefetch says: its all-gathers start from the loaded shards.)"""
+    flags = shlex.split(
+        f"--precision {precision} --dropout_prob 0.1 --passes 2 --placement remote "
+        "--overlap_communication false"
+    )
     runs = {}
     for prefetch in ("true", "false"):
         config = small_config(*flags, "--prefetch", prefetch)

@@ -16,7 +16,9 @@ never know they are phased (one template block is bound to each layer's weights 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,7 @@ from execution.engine.optimizer import adamw_, clip_coefficient
 from execution.engine.plan import PLACED_STATES, MemoryPlan
 from execution.engine.schedule import Phase
 from execution.engine.state import StateStore
-from execution.parallel.mesh import ParallelLayout
+from execution.parallel.mesh import ParallelLayout, Pending
 from execution.parallel.sharding import DECAYED_KINDS, init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes
 from modelling.layers import BlockSeeds
@@ -129,27 +131,37 @@ class PhasedEngine:
             views.update(spec.views(flats[kind]))
         return flats, views
 
-    def _reduce_over_replicas(self, acc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Mean over data-parallel replicas, leaving this rank's RTS slice of each kind."""
-        dp = self.layout.dp
-        shards = {}
+    def _start_reduction(self, acc: dict[str, torch.Tensor]) -> dict[str, Callable]:
+        """Starts the mean over data-parallel replicas of each kind's accumulator; each
+        returned function waits for it and gives this rank's RTS slice."""
+        dp, overlap = self.layout.dp, self.config.execution.overlap_communication
+        out = {}
         for kind, flat in acc.items():
             rts = self.rts[kind]
             if rts.size == dp.size:  # the same replicas (tp1 or tp2 is 1): one reduce-scatter
-                shard = dp.reduce_scatter(flat)
+                pending = dp.start_reduce_scatter(flat) if overlap else None
+                pending = pending or Pending(dp.reduce_scatter(flat))
+                out[kind] = functools.partial(_mean_of, pending, dp.size)
             else:  # RTS group larger than dp: all-reduce over dp, then keep our slice.
-                shard = dp.all_reduce_(flat).view(rts.size, -1)[rts.rank]
-            shards[kind] = shard / dp.size if dp.size > 1 else shard
-        return shards
+                pending = dp.start_all_reduce_(flat) if overlap else Pending(dp.all_reduce_(flat))
+                out[kind] = functools.partial(_mean_of, pending, dp.size, rts.size, rts.rank)
+        return out
 
-    def _finish_grads(self, part: str, row: int, acc: dict[str, torch.Tensor], phase: Phase):
-        """Reduces a phase's gradients and adds them to the step's; the last pass counts the norm."""
-        total = self.state.accumulate_grads(
-            part, row, self._reduce_over_replicas(acc), first=phase.first_pass
-        )
-        if phase.last_pass:
-            for shard in total.values():
-                self._grad_sumsq += shard.double().square().sum()
+    def _finish_grads(
+        self, part: str, row: int, acc: dict[str, torch.Tensor], phase: Phase, norm: bool = True
+    ) -> None:
+        """Reduces a phase's gradients and adds them to the step's; the last pass counts the
+        norm (``norm``). The reduction is started now and completed by :class:`_InFlight`."""
+        reductions = self._start_reduction(acc)
+
+        def complete() -> None:
+            shards = {kind: wait() for kind, wait in reductions.items()}
+            total = self.state.accumulate_grads(part, row, shards, first=phase.first_pass)
+            if norm and phase.last_pass:
+                for shard in total.values():
+                    self._grad_sumsq += shard.double().square().sum()
+
+        self._in_flight.add(phase, complete)
 
     # ----------------------------------------------------------------- phase bodies
 
@@ -234,9 +246,9 @@ class PhasedEngine:
                 head_views[name].add_(g)
         if backward:
             self._finish_grads(HEAD, 0, head_acc, phase)
-            # Not the last word on the embedding's grads: its backward phase adds its own.
-            tied = self._reduce_over_replicas(tied_acc)
-            self.state.accumulate_grads(EMBEDDING, 0, tied, first=phase.first_pass)
+            # Not the last word on the embedding's grads (its backward phase adds its own), so
+            # not counted in the norm yet.
+            self._finish_grads(EMBEDDING, 0, tied_acc, phase, norm=False)
 
     def _phase_layer_backward(self, phase: Phase, batch: _Batch) -> None:
         """Recompute layer n for each micro-batch, backpropagate, reduce its grads."""
@@ -357,15 +369,19 @@ class PhasedEngine:
         return self._mean_over_replicas(total, len(losses))
 
     def _run_phases(self, phases: list[Phase], batch: _Batch) -> None:
-        """Runs each phase's body; with ``--prefetch``, first starts loading the next phase's
-        weights, so their copy overlaps this phase's compute (a side stream on CUDA)."""
-        prefetch = self.config.execution.prefetch
+        """Runs each phase's body; with ``--prefetch`` or ``--overlap_communication``, first
+        starts loading the next phase's weights, so that their copy (and with overlap, their
+        all-gather) runs behind this phase's compute."""
+        ex = self.config.execution
+        overlap = ex.overlap_communication
         self.state.drop_prefetched()  # none left by a step that raised half-way
+        self._in_flight = _InFlight(overlap)
         for phase, following in zip(phases, [*phases[1:], None], strict=True):
-            if prefetch and following is not None:
+            if (ex.prefetch or overlap) and following is not None:
                 for part, row in schedule.weights_loaded(following):
-                    self.state.prefetch_weights(part, row, self.dtype)
+                    self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
             self._bodies[phase.kind](phase, batch)
+        self._in_flight.finish()  # the norm and the optimizer read every gradient
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
         # (the optimizer is about to change the weights it copied).
         unused = self.state.drop_prefetched()
@@ -389,6 +405,42 @@ def _read(scalar: torch.Tensor) -> float:
     """A scalar's value; a meta tensor (dry run) has none and reads as 0, so a dry-run step
     runs its optimizer phases as a real one would."""
     return 0.0 if scalar.is_meta else scalar.item()
+
+
+def _mean_of(pending: Pending, dp: int, rts: int = 1, rank: int = 0) -> torch.Tensor:
+    """A finished reduction's mean over ``dp`` replicas; after an all-reduce (the RTS group
+    is larger than dp), only this rank's 1/``rts`` slice of it."""
+    total = pending.wait()
+    if rts > 1:
+        total = total.view(rts, -1)[rank]
+    return total / dp if dp > 1 else total
+
+
+class _InFlight:
+    """Gradient reductions started and not yet added to the step's gradients.
+
+    With overlap, a phase's reductions are completed (waited for, accumulated, counted in the
+    norm) when a later phase starts its own, so each runs behind the next phase's compute, and
+    at most two phases' accumulators are alive. Completion follows issue order, so the norm
+    and the accumulators add up in the same order as without overlap (bitwise the same).
+    Without overlap each is completed at once.
+    """
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._queue: list[tuple[Phase, Callable[[], None]]] = []
+
+    def add(self, phase: Phase, complete: Callable[[], None]) -> None:
+        if not self.overlap:
+            complete()
+            return
+        while self._queue and self._queue[0][0] is not phase:
+            self._queue.pop(0)[1]()
+        self._queue.append((phase, complete))
+
+    def finish(self) -> None:
+        while self._queue:
+            self._queue.pop(0)[1]()
 
 
 @dataclass

@@ -14,13 +14,15 @@ Prefetch: :meth:`StateStore.prefetch_weights` issues a part's load one phase ear
 it for the next :meth:`~StateStore.load_weights` of that part. On CUDA the copies run on a side
 stream, which first waits for everything queued so far on the compute stream (the optimizer's
 stores to the same host buffers), and records an event; ``load_weights`` makes the compute
-stream wait for that event, marks the shards as used there (``record_stream``, so the caching
-allocator does not hand their memory to the side stream while the phase still reads them), and
-only then all-gathers them over RTS. The all-gather stays on the compute stream at the point of
-``load_weights``: every rank issues its collectives in the same order as without prefetch, on
-the stream the other collectives use. The engine prefetches the next phase's parts just before
-running the current phase, so at most two phases' weights (two layers) are on the device: the
-running phase's and the next one's.
+stream wait for that event and marks the shards as used there (``record_stream``, so the
+caching allocator does not hand their memory to the side stream while the phase still reads
+them). With ``--overlap_communication`` the RTS all-gather of the shards is started at the
+prefetch too, as an async collective (from the side stream on CUDA, so it waits for those
+copies only; NCCL runs it on its own stream, gloo on its own thread), and ``load_weights`` waits
+for it. Otherwise the all-gather runs at ``load_weights``, synchronously. Either way every rank
+issues its collectives in the same order, since every rank runs the same schedule. The engine
+prefetches the next phase's parts just before running the current phase, so at most two
+phases' weights (two layers) are on the device: the running phase's and the next one's.
 
 Activation stores to host memory run on a second side stream on CUDA, so the copy of one
 micro-batch's output overlaps the next one's compute; each buffer entry's event orders its next
@@ -87,8 +89,9 @@ class StateStore:
         # Bytes copied over the host link, by direction (the dry run reports them).
         self.host_to_device = 0
         self.device_to_host = 0
-        # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None).
-        self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object]] = {}
+        # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None,
+        # the async RTS all-gathers of the shards per kind or None).
+        self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object, dict | None]] = {}
         self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
         # CUDA only: a stream for loads issued ahead and one for activation stores to host.
         self._copy_stream = self._store_stream = None
@@ -122,25 +125,36 @@ class StateStore:
             return {kind: self._load(t[row], place) for kind, t in buffers.weight_copies.items()}
         return {kind: self._load(t[row], place, dtype) for kind, t in buffers.weights.items()}
 
-    def prefetch_weights(self, part: str, row: int, dtype: torch.dtype) -> None:
+    def prefetch_weights(self, part: str, row: int, dtype: torch.dtype, gather: bool) -> None:
         """Starts loading a part's weights for the next :meth:`load_weights` of it.
 
-        Only host-placed weights are prefetched (device weights are used in place). A part
+        Host-placed weights are copied ahead; with ``gather``, the RTS all-gather of the
+        shards is started too (an async collective), so the whole load runs behind the current
+        phase. Device weights with nothing to gather are used in place, not prefetched. A part
         already waiting to be loaded is not loaded twice.
         """
         key = (part, row, dtype)
-        if not self.places["weights"].remote or key in self._prefetched:
+        if key in self._prefetched or not (gather or self.places["weights"].remote):
             return
         if self._copy_stream is None:
-            self._prefetched[key] = (self._weight_shards(part, row, dtype), None)
+            shards = self._weight_shards(part, row, dtype)
+            self._prefetched[key] = (shards, None, self._start_gathers(part, shards, gather))
             return
         # After the compute stream's work so far: the optimizer's stores to these host buffers.
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             shards = self._weight_shards(part, row, dtype)
+            # Issued from the copy stream, so the collective waits for these copies only.
+            gathers = self._start_gathers(part, shards, gather)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
-        self._prefetched[key] = (shards, ready)
+        self._prefetched[key] = (shards, ready, gathers)
+
+    def _start_gathers(self, part: str, shards: dict[str, torch.Tensor], gather: bool):
+        """Async RTS all-gathers of a part's shards per kind (None: gathered at the load)."""
+        if not gather:
+            return None
+        return {kind: self.rts[kind].start_all_gather(shards[kind]) for kind in self.specs[part]}
 
     def drop_prefetched(self) -> int:
         """Forgets loads issued ahead and never used (0 after a whole schedule); returns how many."""
@@ -151,11 +165,12 @@ class StateStore:
     def load_weights(self, part: str, row: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A part's weights on the device in ``dtype``, RTS shards gathered, named views."""
         prefetched = self._prefetched.pop((part, row, dtype), None)
+        gathers = None
         if prefetched is None:
             shards = self._weight_shards(part, row, dtype)
         else:
             self.prefetch_hits += 1
-            shards, ready = prefetched
+            shards, ready, gathers = prefetched
             if ready is not None:
                 compute = torch.cuda.current_stream(self.device)
                 compute.wait_event(ready)
@@ -163,7 +178,13 @@ class StateStore:
                     shard.record_stream(compute)
         weights = {}
         for kind, spec in self.specs[part].items():
-            weights.update(spec.views(self.rts[kind].all_gather(shards[kind])))
+            if gathers is None:
+                full = self.rts[kind].all_gather(shards[kind])
+            else:  # started a phase ago; on CUDA the compute stream now waits for it
+                full = gathers[kind].wait()
+                if prefetched[1] is not None and full is not shards[kind]:
+                    full.record_stream(torch.cuda.current_stream(self.device))
+            weights.update(spec.views(full))
         return weights
 
     def part_rows(self) -> list[tuple[str, int]]:

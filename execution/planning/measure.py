@@ -3,7 +3,7 @@
 :func:`meta_step` runs the real engine's set-up and one training step on meta tensors under a
 :class:`~execution.planning.step_meter.StepMeter`: every shape, split and collective of the real
 code runs without memory, data or devices, and what it allocates and computes is counted. The
-planner measures one layer and one micro-batch of it for a plan's working set; the dry run
+planner measures three layers and two passes of one micro-batch of it for a plan's working set; the dry run
 measures the full step of every kind of rank; ``--plan_for`` measures shrunk steps and
 extrapolates.
 """
@@ -79,20 +79,31 @@ _MEASURED: dict[tuple, int] = {}
 def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
     """Peak bytes one step allocates beyond the buffers, measured, for this rank's shapes.
 
-    Runs one decoder layer and one micro-batch of the real engine on meta tensors (collectives
-    only shape their outputs), with every state on the host: loads from the host are copies,
-    so this bounds every placement. Attention runs as the kernel the device would use (flash
-    on a GPU, and on a CPU without dropout). The result does not depend on the number of
-    layers or micro-batches, which only repeat the same phases.
+    Runs up to three decoder layers and two passes of one micro-batch of the real engine on
+    meta tensors (collectives only shape their outputs), with every state on the host: loads
+    from the host are copies, so this bounds every placement. Attention runs as the kernel the
+    device would use (flash on a GPU, and on a CPU without dropout). With overlapped
+    communication a phase also holds the next phase's gathered weights and the previous
+    phase's gradients in flight: the middle of three layers meets the worst of that within a
+    pass (a layer ahead and a layer behind), which every further layer repeats, and the second
+    pass meets it across a pass boundary (the embedding's gradients in flight behind the next
+    pass's first phases). Further micro-batches repeat a phase's body, so the result does not
+    depend on more layers, passes or micro-batches.
     """
     ex = config.execution
     flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-    small = shrunk_config(config, layers=1, micro_batches=1, passes=1)
+    small = shrunk_config(config, layers=min(3, config.model.layers), micro_batches=2, passes=2)
     # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
-    key = (RankShape.from_config(small), flash, config.model.dropout_prob, ex.prefetch)
+    key = (
+        RankShape.from_config(small),
+        flash,
+        config.model.dropout_prob,
+        ex.prefetch,
+        ex.overlap_communication,
+    )
     if key not in _MEASURED:
         host = Placement("host", "host", "host")
-        plan = MemoryPlan(1, 1, host, {}, 0, 0, shared_memory=False)
+        plan = MemoryPlan(2, 1, host, {}, 0, 0, shared_memory=False)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
         layout = ParallelLayout.shapes_only(*mesh)
         _MEASURED[key] = meta_step(small, plan, layout, flash).working_set
