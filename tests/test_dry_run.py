@@ -11,7 +11,13 @@ from pathlib import Path
 import pytest
 
 from execution.planning.device_specs import resolve_spec
-from execution.planning.dry_run import fake_job, measure_planned_step, measure_rank, rank_kinds
+from execution.planning.dry_run import (
+    estimate,
+    fake_job,
+    measure_planned_step,
+    measure_rank,
+    rank_kinds,
+)
 from execution.planning.measure import measured_working_set
 from execution.planning.plan_search import extrapolated_step, search
 from execution.planning.planner import candidate_plans, planned_engine
@@ -112,12 +118,41 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
     config = distributed_config(*layout_flags(2, 2, 1), *run)
     spec = resolve_spec(config)
     plan = candidate_plans(config, "cuda")[0]
-    flops, comm, _, _ = extrapolated_step(config, plan, spec)
+    flops, comm, _, _, phases = extrapolated_step(config, plan, spec)
     with fake_job(0, config.world_size):
         full = measure_planned_step(config, plan, spec)
     assert flops == full.flops
     assert comm == full.comm_bytes
     assert comm["host_link"] > 0 and comm["dp"] > 0
+    # Per kind of phase too (sums of seconds: equal to rounding), so the overlap model applies.
+    assert phases.keys() == full.phases.keys()
+    for kind, values in full.phases.items():
+        assert phases[kind] == pytest.approx(values, rel=1e-9, abs=1e-12), kind
+    assert sum(v[0] for v in full.phases.values()) == full.flops
+
+
+def _estimate(config):
+    spec = resolve_spec(config)
+    with fake_job(0, config.world_size):
+        measured = measure_planned_step(config, candidate_plans(config, "cuda")[0], spec)
+    return estimate(config, measured, spec)
+
+
+def test_overlap_hides_data_parallel_traffic_in_the_estimate():
+    """All on the device (no host copies), dp 2 x tp1 2: without overlap every collective is
+    exposed (step = compute + collectives, the old formula); with it the data-parallel part
+    hides behind compute (by exactly what is reported hidden)."""
+    run = shlex.split("--layers 3 --global_batch_size 8 --placement resident --passes 1")
+    flags = [*layout_flags(2, 2, 1), *run, "--overlap_communication"]
+    off = _estimate(distributed_config(*flags, "false"))
+    on = _estimate(distributed_config(*flags, "true"))
+    assert off["hidden_comm_s"] == 0
+    assert off["exposed_comm_s"] == pytest.approx(off["collectives_s"], rel=1e-12)
+    assert off["step_time_s"] == pytest.approx(off["compute_s"] + off["collectives_s"])
+    assert on["compute_s"] == off["compute_s"] and on["collectives_s"] == off["collectives_s"]
+    assert on["hidden_comm_s"] > 0
+    assert on["exposed_comm_s"] == pytest.approx(off["exposed_comm_s"] - on["hidden_comm_s"])
+    assert on["step_time_s"] < off["step_time_s"] and on["mfu"] > off["mfu"]
 
 
 def test_plan_for_ranks_layouts_that_fit_by_step_time():

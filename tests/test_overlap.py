@@ -155,3 +155,37 @@ def test_every_rank_issues_collectives_in_the_same_order(tmp_path):
     assert [call[:3] for call in on[0]] != [call[:3] for call in off]
     groups = {call[0] for call in on[0] if call[3]}
     assert groups <= {"dp", "dp_tp1", "dp_tp2"}, groups  # tensor-parallel traffic stays in line
+
+
+# ----------------------------------------------------------------- host AdamW
+
+
+def test_host_weights_are_updated_on_the_host_by_the_threaded_adamw(monkeypatch):
+    """Weights (with their moments) on the host, gradients on the device: every row is
+    updated by the threaded host AdamW, the optimizer copies nothing to the device and only
+    the gradients to the host, and the steps are bitwise those of an all-device run."""
+    from execution.engine import phases
+
+    calls = []
+    threaded = phases.adamw_threaded_
+    monkeypatch.setattr(
+        phases, "adamw_threaded_", lambda *a, **k: calls.append(a[0].device) or threaded(*a, **k)
+    )
+    flags = [*FLAGS, "--grads_placement", "device", "--activations_placement", "device"]
+    host = small_config(*flags, "--weights_placement", "host")
+    engine = planned_engine(host, ParallelLayout.single(CPU))
+    batch = replica_batch(host, global_batches(host, 1)[0], 0)
+    calls.clear()  # the planner's measured step (meta tensors) ran the same code
+    engine.train_step(batch, 0, 2e-3)
+    rows = sum(len(engine.specs[part]) for part, _ in engine.state.part_rows())
+    assert engine.optimizer_steps == 1 and len(calls) == rows
+    assert all(device.type == "cpu" for device in calls)
+    engine.state.host_to_device = engine.state.device_to_host = 0
+    engine._optimizer_phases(1e-3, 1.0)
+    grads = sum(t.numel() * 4 for b in engine.state.parts.values() for t in b.grads.values())
+    assert (engine.state.host_to_device, engine.state.device_to_host) == (0, grads)
+
+    device = _train(
+        small_config(*flags, "--weights_placement", "device"), ParallelLayout.single(CPU)
+    )
+    _assert_bitwise(_train(host, ParallelLayout.single(CPU)), device, "host AdamW")

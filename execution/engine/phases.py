@@ -15,10 +15,13 @@ never know they are phased (one template block is bound to each layer's weights 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +30,7 @@ from torch.func import functional_call
 from config.schema import PretrainingConfig
 from execution.engine import schedule
 from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
-from execution.engine.optimizer import adamw_, clip_coefficient
+from execution.engine.optimizer import adamw_, adamw_threaded_, clip_coefficient
 from execution.engine.plan import PLACED_STATES, MemoryPlan
 from execution.engine.schedule import Phase
 from execution.engine.state import StateStore
@@ -37,6 +40,8 @@ from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes
 from modelling.layers import BlockSeeds
 
 _MASK64 = (1 << 64) - 1
+# Elements per chunk of a host AdamW update: 64 Ki float32 (256 KiB per tensor) stay in cache.
+HOST_CHUNK_ELEMENTS = 1 << 16
 
 
 def mix_seed(*values: int) -> int:
@@ -100,6 +105,9 @@ class PhasedEngine:
         self.optimizer_steps = 0
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(config.training.seed, config.model.init_std)
+        # Called with each phase just before it starts (and its next phase's prefetch), and
+        # with None after the last; the dry run measures per phase through it.
+        self.on_phase: Callable[[Phase | None], None] | None = None
         self._bodies = {
             schedule.EMBEDDING_FORWARD: self._phase_embedding_forward,
             schedule.LAYER_FORWARD: self._phase_layer_forward,
@@ -288,23 +296,39 @@ class PhasedEngine:
         self._finish_grads(EMBEDDING, 0, acc, phase)
 
     def _optimizer_phases(self, lr: float, grad_scale: float) -> None:
-        """AdamW on every part's shards, one row of one kind at a time."""
-        optim = self.config.training.optimizer
-        for part, row in self.state.part_rows():
-            for kind in self.specs[part]:
-                w, g, m, v = self.state.load_optimizer_row(part, kind, row)
-                adamw_(
-                    w,
-                    g,
-                    m,
-                    v,
-                    step=self.optimizer_steps,
-                    lr=lr,
-                    optim=optim,
-                    weight_decay=kind in DECAYED_KINDS,
-                    grad_scale=grad_scale,
-                )
-                self.state.store_optimizer_row(part, kind, row, [w, g, m, v])
+        """AdamW on every part's shards, one row of one kind at a time.
+
+        Device-placed weights are updated on the device. Host-placed ones are updated where
+        they live, by the host's cores (:func:`adamw_threaded_`, bitwise :func:`adamw_`):
+        weights and moments never cross the host link, only gradients kept on the device do.
+        """
+        hyper = {
+            "step": self.optimizer_steps,
+            "lr": lr,
+            "optim": self.config.training.optimizer,
+            "grad_scale": grad_scale,
+        }
+        on_host = self.state.places["weights"].remote
+        threads = _host_threads(self.layout.local_world_size)
+        with ThreadPoolExecutor(threads) if on_host else contextlib.nullcontext() as pool:
+            for part, row in self.state.part_rows():
+                for kind in self.specs[part]:
+                    decay = kind in DECAYED_KINDS
+                    if not on_host:
+                        w, g, m, v = self.state.load_optimizer_row(part, kind, row)
+                        adamw_(w, g, m, v, weight_decay=decay, **hyper)
+                        continue
+                    tensors = self.state.host_optimizer_row(part, kind, row)
+                    # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
+                    chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
+                    adamw_threaded_(
+                        *tensors,
+                        pool=pool,
+                        chunk_elements=max(chunk, 1),
+                        weight_decay=decay,
+                        **hyper,
+                    )
+                    self.state.refresh_weight_copy(part, kind, row)
 
     # ----------------------------------------------------------------- steps
 
@@ -377,11 +401,15 @@ class PhasedEngine:
         self.state.drop_prefetched()  # none left by a step that raised half-way
         self._in_flight = _InFlight(overlap)
         for phase, following in zip(phases, [*phases[1:], None], strict=True):
+            if self.on_phase is not None:
+                self.on_phase(phase)
             if (ex.prefetch or overlap) and following is not None:
                 for part, row in schedule.weights_loaded(following):
                     self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
             self._bodies[phase.kind](phase, batch)
         self._in_flight.finish()  # the norm and the optimizer read every gradient
+        if self.on_phase is not None:
+            self.on_phase(None)
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
         # (the optimizer is about to change the weights it copied).
         unused = self.state.drop_prefetched()
@@ -399,6 +427,12 @@ class PhasedEngine:
         """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
         activations."""
         return self.state.nbytes()
+
+
+def _host_threads(processes_per_node: int) -> int:
+    """This process's share of the cores it may run on, for host-side updates."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(processes_per_node, 1))
 
 
 def _read(scalar: torch.Tensor) -> float:

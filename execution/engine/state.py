@@ -229,27 +229,37 @@ class StateStore:
     # ------------------------------------------------------------------ optimizer state
 
     def load_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
-        """Weights, gradient and both moments of one row of one kind, on the device."""
+        """Weights, gradient and both moments of one row of one kind, on the device (for
+        device-placed weights; host-placed ones are updated where they are, see
+        :meth:`host_optimizer_row`)."""
         buffers = self.parts[part]
         return [
             self._load(getattr(buffers, s)[kind][row], self.places[_group(s)]) for s in PART_STATES
         ]
 
-    def store_optimizer_row(
-        self, part: str, kind: str, row: int, updated: list[torch.Tensor]
-    ) -> None:
-        """Writes back updated weights and moments (gradients are read-only in the update),
-        and the weights cast to the compute dtype where copies are kept (once per step)."""
-        if not self.places["weights"].remote:
-            return  # updated in place
-        buffers, place = self.parts[part], self.places["weights"]
-        for state, value in zip(PART_STATES, updated, strict=True):
-            if state not in GRAD_STATES:
-                self._store(getattr(buffers, state)[kind][row], value, place)
+    def host_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
+        """Weights, gradient and both moments of one row of one kind in host memory, for an
+        update in place there: the gradient is copied from the device where kept there, the
+        rest is the buffers themselves (nothing else crosses the host link)."""
+        assert self.places["weights"].remote, "host update of weights that live on the device"
+        buffers = self.parts[part]
+        grad = buffers.grads[kind][row]
+        if not self.places["grads"].remote:
+            self.device_to_host += grad.numel() * grad.element_size()
+            grad = grad.to(self.places["weights"].device, copy=True)
+        return [
+            buffers.weights[kind][row],
+            grad,
+            buffers.exp_avg[kind][row],
+            buffers.exp_avg_sq[kind][row],
+        ]
+
+    def refresh_weight_copy(self, part: str, kind: str, row: int) -> None:
+        """After a host update: the compute-dtype copy of the row, cast on the host (the same
+        round-to-nearest as on a device), where copies are kept."""
+        buffers = self.parts[part]
         if buffers.weight_copies:
-            # Cast on the device: the link carries 2 bytes, and the host spends no time on it.
-            weights = updated[PART_STATES.index("weights")]
-            self._store(buffers.weight_copies[kind][row], weights.to(self.copy_dtype), place)
+            buffers.weight_copies[kind][row].copy_(buffers.weights[kind][row])
 
     # ------------------------------------------------------------------ activations
 

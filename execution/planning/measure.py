@@ -12,16 +12,81 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
 from config.schema import PretrainingConfig
 from execution.engine.phases import PhasedEngine
 from execution.engine.plan import MemoryPlan, Placement
+from execution.engine.schedule import Phase
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
 from execution.planning.step_meter import FlashAttentionOnMeta, StepMeter
+
+
+@dataclass
+class Window:
+    """What happened while one phase ran (``kind``), or after the last (``optimizer``: the
+    norm, the update and their transfers).
+
+    Attributes:
+        kind: The phase's kind (:mod:`execution.engine.schedule`) or ``optimizer``.
+        flops: Floating-point operations executed.
+        host_bytes: Bytes copied over the host link.
+        sync_bytes: Per axis and op, payload bytes of the collectives waited for where issued.
+        async_bytes: Per axis and op, payload bytes of the collectives issued asynchronously.
+    """
+
+    kind: str
+    flops: int = 0
+    host_bytes: int = 0
+    sync_bytes: dict[str, Counter] = field(default_factory=dict)
+    async_bytes: dict[str, Counter] = field(default_factory=dict)
+
+
+class PhaseRecorder:
+    """Splits a step's FLOPs, host copies and collectives into one :class:`Window` per phase,
+    by reading the counters at each phase's start (the engine's ``on_phase`` hook)."""
+
+    def __init__(self, meter: StepMeter, engine: PhasedEngine):
+        self.meter, self.engine = meter, engine
+        self.windows: list[Window] = []
+        self._last = self._counters()
+        self._kind: str | None = None
+
+    def _counters(self) -> tuple:
+        store, axes = self.engine.state, self.engine.layout.axes()
+        return (
+            self.meter.flops,
+            store.host_to_device + store.device_to_host,
+            {a.name: Counter(a.payload_bytes) for a in axes},
+            {a.name: Counter(a.async_bytes) for a in axes},
+        )
+
+    def _close(self) -> None:
+        now = self._counters()
+        if self._kind is not None:
+            flops, host, payload, asynchronous = (
+                now[0] - self._last[0],
+                now[1] - self._last[1],
+                {a: now[2][a] - self._last[2][a] for a in now[2]},
+                {a: now[3][a] - self._last[3][a] for a in now[3]},
+            )
+            sync = {a: payload[a] - asynchronous[a] for a in payload}
+            self.windows.append(Window(self._kind, flops, host, sync, asynchronous))
+        self._last = now
+
+    def start(self, phase: Phase | None) -> None:
+        """The engine's ``on_phase``: a phase starts (None: the step's phases are done)."""
+        self._close()
+        self._kind = phase.kind if phase is not None else "optimizer"
+
+    def finish(self) -> None:
+        """Closes the optimizer's window (call after the step)."""
+        self._close()
+        self._kind = None
 
 
 @dataclass
@@ -32,11 +97,13 @@ class StepMeasurement:
         engine: The engine that ran it (its buffers, and its layout's collective counters).
         working_set: Peak bytes allocated beyond the buffers.
         flops: Floating-point operations executed (recomputation included).
+        windows: The same per phase (:class:`Window`), in order.
     """
 
     engine: PhasedEngine
     working_set: int
     flops: int
+    windows: list[Window] = field(default_factory=list)
 
 
 def meta_step(
@@ -56,8 +123,11 @@ def meta_step(
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
     attention = FlashAttentionOnMeta() if flash else contextlib.nullcontext()
     with attention, StepMeter() as meter:
+        recorder = PhaseRecorder(meter, engine)
+        engine.on_phase = recorder.start
         engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
-    return StepMeasurement(engine, meter.peak, meter.flops)
+        recorder.finish()
+    return StepMeasurement(engine, meter.peak, meter.flops, recorder.windows)
 
 
 def shrunk_config(

@@ -180,7 +180,8 @@ def working_set_bytes(
     vocab = s.vocab_padded // s.tp1
     head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
     largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
-    optimizer = (28 if placement.weights == "host" else 12) * largest_row
+    # Host weights are updated on the host; a device update holds a gradient and two temporaries.
+    optimizer = 0 if placement.weights == "host" else 12 * largest_row
     ahead = 0
     if prefetch and placement.weights == "host":
         ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
@@ -192,12 +193,12 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
 
     Counts exactly what :class:`execution.engine.state.StateStore` copies (a test holds the two
     together): per pass each part's weights are loaded for forward and backward (the word
-    embedding a third time, tied in the head), gradients are stored and, after the first pass,
-    read back to accumulate (the embedding's twice: the head's tied part and its own); the
-    optimizer reads gradients, weights and moments once and writes weights and moments back
-    (and the compute-dtype copies of host weights, which the loads then read instead);
-    each micro-batch stores x at L + 1 boundaries and reads it 2L + 1 times, and stores and
-    reads dx at L + 1.
+    embedding a third time, tied in the head; from the compute-dtype copies of host weights
+    where kept), gradients are stored and, after the first pass, read back to accumulate (the
+    embedding's twice: the head's tied part and its own); host weights are updated on the
+    host, in place, so only gradients kept on the device cross the link for the optimizer,
+    while device weights read host gradients once; each micro-batch stores x at L + 1
+    boundaries and reads it 2L + 1 times, and stores and reads dx at L + 1.
     """
     specs, layers = rank.specs, rank.shapes.layers
 
@@ -210,11 +211,13 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
     traffic = 0
     if placement.weights == "host":
         loads = passes * (2 * lay + 3 * emb + head)
-        if copies:  # loads read the compute-dtype copies; the optimizer refreshes them
-            loads = loads * rank.dtype.itemsize // 4 + copies
-        traffic += loads + 6 * total
+        if copies:  # loads read the compute-dtype copies (refreshed on the host)
+            loads = loads * rank.dtype.itemsize // 4
+        traffic += loads
     if placement.grads == "host":
-        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb + total
+        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb
+    if placement.weights != placement.grads:  # the optimizer brings the gradients to the update
+        traffic += total
     if placement.activations == "host":
         layout = rank.activation_layout(entries)
         per_micro = (3 * layers + 2) * layout.x_shard + 2 * (layers + 1) * layout.entry_numel

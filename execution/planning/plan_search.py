@@ -43,7 +43,10 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
     """Rank 0's FLOPs, bytes per group and working set for the full step, from six small ones.
 
     Returns:
-        (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set).
+        (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set,
+        per kind of phase its summed FLOPs, overlappable and critical seconds). The phase sums
+        are linear in the same terms: a kind's phases repeat per layer and pass, and their
+        work per micro-batch.
     """
     placement = vars(plan.placement)
     samples, working_set = [], 0
@@ -69,7 +72,16 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
         rate = samples[-1].comm_seconds[group] / max(samples[-1].comm_bytes[group], 1)
         seconds[group] = nbytes * rate
     flops = totals.pop("flops")
-    return flops, totals, seconds, working_set
+    kinds = sorted({kind for sample in samples for kind in sample.phases})
+    per_sample = [
+        [v for kind in kinds for v in sample.phases.get(kind, (0.0, 0.0, 0.0))]
+        for sample in samples
+    ]
+    sums = full @ np.linalg.solve(matrix, np.array(per_sample, dtype=np.float64))
+    phases = {
+        kind: tuple(float(v) for v in sums[3 * i : 3 * i + 3]) for i, kind in enumerate(kinds)
+    }
+    return flops, totals, seconds, working_set, phases
 
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
@@ -103,12 +115,12 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
         if plan is None:
             misfits += 1
             continue
-        flops, comm, seconds, working_set = extrapolated_step(candidate, plan, spec)
+        flops, comm, seconds, working_set, phases = extrapolated_step(candidate, plan, spec)
         plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
         if not budget.fits(plan):
             misfits += 1
             continue
-        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops)
+        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
         rows.append(
             {
                 "config": candidate,
