@@ -14,6 +14,7 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 PLACEMENTS = ("auto", "remote", "resident")
 STATE_PLACEMENTS = ("auto", "device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+RECOMPUTE = ("auto", "full", "selective", "none")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -195,6 +196,17 @@ class ExecutionConfig:
             "waited for only after the next layer's backward (async collectives, issued in the "
             "same order on every rank). The numbers are the same either way; false waits for "
             "each collective where it is issued."
+        ),
+    )
+    recompute: str = field(
+        default="auto",
+        metadata=_doc(
+            "What a decoder layer's backward recomputes. full: the whole layer from its input "
+            "(least memory); selective: only attention's core (scores, softmax, dropout), "
+            "keeping the layer's other activations (Korthikanti et al. 2022); none: keeps "
+            "everything. Kept activations live with the activation buffers. auto: the planner "
+            "picks the fastest that fits, counting recompute FLOPs against host-link bytes.",
+            choices=RECOMPUTE,
         ),
     )
     device_memory_gb: float = field(

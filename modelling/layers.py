@@ -130,11 +130,19 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         qkv = self.qkv(copy_to(x, self.tp1))  # (B, S, 3 * local_heads * head_dim)
         q, k, v = qkv.view(B, S, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        p = self.dropout_prob if seeds is not None else 0.0
-        with seeded(seeds.attention, x.device) if p else contextlib.nullcontext():
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = self.core(q, k, v, seeds)  # (B, local_heads, S, head_dim)
         y = y.transpose(1, 2).reshape(B, S, -1)  # (B, S, local_heads * head_dim)
         return self.out(copy_to(y, self.tp2))
+
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seeds: BlockSeeds | None
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal, with dropout on the probabilities: the part
+        whose activations grow with the square of the sequence (what selective recompute
+        recomputes)."""
+        p = self.dropout_prob if seeds is not None else 0.0
+        with seeded(seeds.attention, q.device) if p else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 class FeedForward(nn.Module):

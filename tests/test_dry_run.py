@@ -84,10 +84,12 @@ def _real_rank(config) -> dict:
 
 # Weights and activations in host memory, gradients on the device.
 STREAMED = "--weights_placement host --activations_placement host --grads_placement device"
+# The dry run plans for a GPU (flash attention), so a layer that keeps its activations keeps
+# the kernel's outputs; selective recompute keeps only the core's inputs, the same on a CPU.
 CASES = [
-    ((1, 1, 1), "--placement resident --passes 1"),
-    ((2, 2, 1), "--placement remote --passes 2"),
-    ((1, 2, 2), f"{STREAMED} --passes 4"),
+    ((1, 1, 1), "--placement resident --passes 1 --recompute full"),
+    ((2, 2, 1), "--placement remote --passes 2 --recompute selective"),
+    ((1, 2, 2), f"{STREAMED} --passes 4 --recompute full"),
 ]
 
 

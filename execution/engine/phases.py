@@ -32,6 +32,7 @@ from execution.engine import schedule
 from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
 from execution.engine.optimizer import adamw_, adamw_threaded_, clip_coefficient
 from execution.engine.plan import PLACED_STATES, MemoryPlan
+from execution.engine.recompute import KeptLayers, prepare_block
 from execution.engine.schedule import Phase
 from execution.engine.state import StateStore
 from execution.parallel.mesh import ParallelLayout, Pending
@@ -98,10 +99,21 @@ class PhasedEngine:
             ex.micro_batch_size,
             config.model.sequence_length,
             self.dtype,
+            kept=plan.kept,
         )
         self.state = StateStore(
             self.specs, self.shapes.layers, self.rts, layout, places, activations
         )
+        # What the layers keep for their backward (None: they recompute it in full).
+        self.kept: KeptLayers | None = None
+        if plan.recompute != "full":
+            prepare_block(self.templates[LAYERS], plan.recompute)
+            store = self.state
+            kept = store.activations.kept
+            block = self.templates[LAYERS]
+            self.kept = KeptLayers(
+                block, self.specs[LAYERS], kept, store.store_kept, store.load_kept
+            )
         self.optimizer_steps = 0
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(config.training.seed, config.model.init_std)
@@ -213,6 +225,12 @@ class PhasedEngine:
     @torch.no_grad()
     def _phase_layer_forward(self, phase: Phase, batch: _Batch) -> None:
         n = phase.layer
+        if batch.training and self.kept is not None:  # keep the graph for the backward
+            vectors = self.state.load_weight_vectors(LAYERS, n, self.dtype)
+            for m, e in self._entries(phase):
+                x, seeds = self.state.fetch_x(n, e), self._seeds(batch.step, n, m)
+                self.state.store_x(n + 1, e, self.kept.forward(n, e, vectors, x, seeds))
+            return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
         for m, e in self._entries(phase):
             x = self.state.fetch_x(n, e)
@@ -259,8 +277,17 @@ class PhasedEngine:
             self._finish_grads(EMBEDDING, 0, tied_acc, phase, norm=False)
 
     def _phase_layer_backward(self, phase: Phase, batch: _Batch) -> None:
-        """Recompute layer n for each micro-batch, backpropagate, reduce its grads."""
+        """Recompute layer n for each micro-batch (what ``--recompute`` did not keep),
+        backpropagate, reduce its grads."""
         n = phase.layer
+        if self.kept is not None:
+            vectors = self.state.load_weight_vectors(LAYERS, n, self.dtype)
+            acc, views = self._accumulators(LAYERS)
+            for _, e in self._entries(phase):
+                dx = self.kept.backward(n, e, vectors, self.state.fetch_dx(n + 1, e), views)
+                self.state.store_dx(n, e, dx)
+            self._finish_grads(LAYERS, n, acc, phase)
+            return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
         weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         acc, views = self._accumulators(LAYERS)
@@ -347,6 +374,8 @@ class PhasedEngine:
         )
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
         batch = _Batch.of(tokens.to(self.device, non_blocking=True), step)
+        if self.kept is not None:
+            self.kept.drop()  # none left by a step that raised half-way
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         phases = schedule.training_phases(
             self.shapes.layers, self.gradient_accumulation, self.plan.passes

@@ -164,6 +164,16 @@ class StateStore:
 
     def load_weights(self, part: str, row: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A part's weights on the device in ``dtype``, RTS shards gathered, named views."""
+        weights = {}
+        for kind, full in self.load_weight_vectors(part, row, dtype).items():
+            weights.update(self.specs[part][kind].views(full))
+        return weights
+
+    def load_weight_vectors(
+        self, part: str, row: int, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """A part's weights on the device in ``dtype``: per kind, the gathered packed vector
+        (:meth:`load_weights` gives named views into them)."""
         prefetched = self._prefetched.pop((part, row, dtype), None)
         gathers = None
         if prefetched is None:
@@ -176,16 +186,16 @@ class StateStore:
                 compute.wait_event(ready)
                 for shard in shards.values():
                     shard.record_stream(compute)
-        weights = {}
-        for kind, spec in self.specs[part].items():
+        vectors = {}
+        for kind in self.specs[part]:
             if gathers is None:
                 full = self.rts[kind].all_gather(shards[kind])
             else:  # started a phase ago; on CUDA the compute stream now waits for it
                 full = gathers[kind].wait()
                 if prefetched[1] is not None and full is not shards[kind]:
                     full.record_stream(torch.cuda.current_stream(self.device))
-            weights.update(spec.views(full))
-        return weights
+            vectors[kind] = full
+        return vectors
 
     def part_rows(self) -> list[tuple[str, int]]:
         """Every (part, row) in order: the embedding, each decoder layer, the head."""
@@ -289,6 +299,15 @@ class StateStore:
     def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
         row = boundary % 2
         return self._load_activation(("dx", row, entry), self.activations.dx[row, entry])
+
+    def store_kept(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        """Copies a tensor a layer keeps for its backward into its region of the buffers (on
+        the compute stream, which reads it back in order)."""
+        self._store(target, value, self.places["activations"])
+
+    def load_kept(self, source: torch.Tensor) -> torch.Tensor:
+        """A kept tensor on the device: a copy from the host, else the region itself."""
+        return self._load(source, self.places["activations"])
 
     def _store_activation(self, key: tuple, target: torch.Tensor, value: torch.Tensor) -> None:
         """Stores an activation entry; to host memory on CUDA, on the store stream.

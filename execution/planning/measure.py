@@ -10,8 +10,8 @@ extrapolates.
 
 from __future__ import annotations
 
-import contextlib
 import copy
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -20,10 +20,17 @@ import torch
 from config.schema import PretrainingConfig
 from execution.engine.phases import PhasedEngine
 from execution.engine.plan import MemoryPlan, Placement
+from execution.engine.recompute import (
+    attention_kernel,
+    attention_on_meta,
+    kept_layer_on_meta,
+    meta_block,
+)
 from execution.engine.schedule import Phase
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
-from execution.planning.step_meter import FlashAttentionOnMeta, StepMeter
+from execution.planning.step_meter import StepMeter
+from modelling.layers import BlockSeeds
 
 
 @dataclass
@@ -107,7 +114,7 @@ class StepMeasurement:
 
 
 def meta_step(
-    config: PretrainingConfig, plan: MemoryPlan, layout: ParallelLayout, flash: bool = True
+    config: PretrainingConfig, plan: MemoryPlan, layout: ParallelLayout, kernel: str = "flash"
 ) -> StepMeasurement:
     """Builds the engine of ``config`` on ``layout`` (meta) and measures one training step.
 
@@ -115,14 +122,14 @@ def meta_step(
         config: The run, or a shrunk copy of it (:func:`shrunk_config`).
         plan: Passes and placements to run by.
         layout: A meta layout: ``ParallelLayout.shapes_only`` or one built on a fake job.
-        flash: Attention runs as the flash kernel a GPU (or a CPU without dropout) would use.
+        kernel: The attention kernel to run as (:func:`attention_kernel`; a GPU's by
+            default).
     """
     ex = config.execution
     engine = PhasedEngine(config, layout, plan)
     shape = (config.gradient_accumulation, ex.micro_batch_size, config.model.sequence_length + 1)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
-    attention = FlashAttentionOnMeta() if flash else contextlib.nullcontext()
-    with attention, StepMeter() as meter:
+    with attention_on_meta(kernel), StepMeter() as meter:
         recorder = PhaseRecorder(meter, engine)
         engine.on_phase = recorder.start
         engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
@@ -146,35 +153,61 @@ def shrunk_config(
 _MEASURED: dict[tuple, int] = {}
 
 
-def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
+def measured_working_set(
+    config: PretrainingConfig, device_type: str, recompute: str = "full"
+) -> int:
     """Peak bytes one step allocates beyond the buffers, measured, for this rank's shapes.
 
     Runs up to three decoder layers and two passes of one micro-batch of the real engine on
     meta tensors (collectives only shape their outputs), with every state on the host: loads
     from the host are copies, so this bounds every placement. Attention runs as the kernel the
-    device would use (flash on a GPU, and on a CPU without dropout). With overlapped
-    communication a phase also holds the next phase's gathered weights and the previous
-    phase's gradients in flight: the middle of three layers meets the worst of that within a
-    pass (a layer ahead and a layer behind), which every further layer repeats, and the second
-    pass meets it across a pass boundary (the embedding's gradients in flight behind the next
-    pass's first phases). Further micro-batches repeat a phase's body, so the result does not
-    depend on more layers, passes or micro-batches.
+    device would use (:func:`attention_kernel`), and layers keep for their backward what
+    ``recompute`` says. With overlapped communication a phase also holds the next phase's
+    gathered weights and the previous phase's gradients in flight: the middle of three layers
+    meets the worst of that within a pass (a layer ahead and a layer behind), which every
+    further layer repeats, and the second pass meets it across a pass boundary (the
+    embedding's gradients in flight behind the next pass's first phases). Further
+    micro-batches repeat a phase's body, so the result does not depend on more layers, passes
+    or micro-batches.
     """
     ex = config.execution
-    flash = device_type == "cuda" or config.model.dropout_prob == 0.0
+    kernel = attention_kernel(device_type, config.model.dropout_prob)
     small = shrunk_config(config, layers=min(3, config.model.layers), micro_batches=2, passes=2)
+    rank = RankShape.from_config(small)
     # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
-    key = (
-        RankShape.from_config(small),
-        flash,
-        config.model.dropout_prob,
-        ex.prefetch,
-        ex.overlap_communication,
-    )
+    key = (rank, kernel, ex.prefetch, ex.overlap_communication, recompute)
     if key not in _MEASURED:
         host = Placement("host", "host", "host")
-        plan = MemoryPlan(2, 1, host, {}, 0, 0, shared_memory=False)
+        kept = rank.kept(recompute, kernel).entry
+        plan = MemoryPlan(2, 1, host, {}, 0, 0, False, recompute, kept)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
         layout = ParallelLayout.shapes_only(*mesh)
-        _MEASURED[key] = meta_step(small, plan, layout, flash).working_set
+        _MEASURED[key] = meta_step(small, plan, layout, kernel).working_set
     return _MEASURED[key]
+
+
+@functools.cache
+def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:
+    """FLOPs one decoder layer's backward spends per micro-batch recomputing what its forward
+    did not keep, measured on meta tensors with attention as ``kernel``: the whole layer
+    forward (``full``), what a checkpointed attention core recomputes beyond keeping
+    everything (``selective``: a layer's forward and backward against ``none``'s; checkpoint
+    stops recomputing once the backward has what it needs, so this is less than the core's
+    forward), or nothing (``none``)."""
+    if recompute == "none":
+        return 0
+    s = rank.shapes
+    if recompute == "selective":
+        flops = []
+        for mode in ("selective", "none"):
+            with StepMeter() as meter:
+                kept_layer_on_meta(s, rank.micro_batch, rank.sequence, rank.dtype, mode, kernel)
+            flops.append(meter.flops)
+        return flops[0] - flops[1]
+    x = torch.empty(
+        rank.micro_batch, rank.sequence, s.hidden // s.tp2, dtype=rank.dtype, device="meta"
+    )
+    seeds = BlockSeeds(1, 2, 3) if s.dropout_prob else None
+    with attention_on_meta(kernel), StepMeter() as meter, torch.no_grad():
+        meta_block(s)(x, seeds)
+    return meter.flops

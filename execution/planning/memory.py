@@ -37,6 +37,7 @@ from execution.engine.buffers import (
     weight_copy_dtype,
 )
 from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.engine.recompute import KeptBytes, kept_bytes
 from execution.parallel.sharding import rts_sizes
 from modelling.gpt import PARTS, GPTShapes
 
@@ -121,9 +122,14 @@ class RankShape:
         s = self.shapes
         return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2))
 
-    def activation_layout(self, entries: int) -> ActivationLayout:
+    def kept(self, recompute: str, kernel: str) -> KeptBytes:
+        """What a decoder layer keeps per micro-batch for its backward (measured)."""
+        s = self
+        return kept_bytes(s.shapes, s.micro_batch, s.sequence, s.dtype, recompute, kernel)
+
+    def activation_layout(self, entries: int, kept: int = 0) -> ActivationLayout:
         return ActivationLayout.of(
-            self.shapes, entries, self.micro_batch, self.sequence, self.dtype
+            self.shapes, entries, self.micro_batch, self.sequence, self.dtype, kept
         )
 
 
@@ -131,9 +137,12 @@ def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
     return math.ceil(gradient_accumulation / passes)
 
 
-def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str, int]:
+def state_bytes(
+    rank: RankShape, entries: int, placement: Placement, kept: int = 0
+) -> dict[str, int]:
     """Bytes of each state's buffers on one rank, from the allocating classes' own formulas
-    (``placement`` decides whether compute-dtype weight copies are kept)."""
+    (``placement`` decides whether compute-dtype weight copies are kept; ``kept``: bytes a
+    layer keeps per micro-batch for its backward)."""
     specs, layers = rank.specs, rank.shapes.layers
     copy_dtype = weight_copy_dtype(placement.weights == "host", rank.dtype)
 
@@ -148,7 +157,7 @@ def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str
         "weight_copies": sum(
             PartBuffers.planned_copy_nbytes(specs[p], rows_of(p, layers), copy_dtype) for p in PARTS
         ),
-        "activations": rank.activation_layout(entries).planned_nbytes(),
+        "activations": rank.activation_layout(entries, kept).planned_nbytes(),
     }
 
 
@@ -188,7 +197,13 @@ def working_set_bytes(
     return max(layer + ahead, head + ahead, optimizer)
 
 
-def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
+def host_traffic(
+    rank: RankShape,
+    placement: Placement,
+    passes: int,
+    entries: int,
+    kept: KeptBytes | None = None,
+) -> int:
     """Bytes a step moves between host and device under a placement (0 for all-device).
 
     Counts exactly what :class:`execution.engine.state.StateStore` copies (a test holds the two
@@ -198,9 +213,12 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
     embedding's twice: the head's tied part and its own); host weights are updated on the
     host, in place, so only gradients kept on the device cross the link for the optimizer,
     while device weights read host gradients once; each micro-batch stores x at L + 1
-    boundaries and reads it 2L + 1 times, and stores and reads dx at L + 1.
+    boundaries and reads it 2L + 1 times (L + 1 when layers keep their activations: the
+    backward then does not read x), stores and reads dx at L + 1, and per layer stores and
+    reads back what the layer keeps.
     """
     specs, layers = rank.specs, rank.shapes.layers
+    kept = kept or KeptBytes()
 
     def fp32(part: str) -> int:  # bytes of one state of a part (all its rows)
         return PartBuffers.planned_nbytes(specs[part], rows_of(part, layers), ("weights",))
@@ -220,6 +238,9 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
         traffic += total
     if placement.activations == "host":
         layout = rank.activation_layout(entries)
-        per_micro = (3 * layers + 2) * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
-        traffic += per_micro * rank.gradient_accumulation * rank.dtype.itemsize
+        x_moves = (3 if not kept.entry else 2) * layers + 2
+        per_micro = x_moves * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
+        per_micro *= rank.dtype.itemsize
+        per_micro += layers * (kept.stored + kept.loaded)
+        traffic += per_micro * rank.gradient_accumulation
     return traffic
