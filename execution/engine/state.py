@@ -12,8 +12,8 @@ since the cast is the same round-to-nearest whether done at the load or once aft
 
 Prefetch: :meth:`StateStore.prefetch_weights` issues a part's load one phase early and keeps
 it for the next :meth:`~StateStore.load_weights` of that part. On CUDA the copies run on a side
-stream, which first waits for everything queued so far on the compute stream (the optimizer's
-stores to the same host buffers), and records an event; ``load_weights`` makes the compute
+stream, which first waits for everything queued so far on the compute stream (for device
+weights, the optimizer's updates of them), and records an event; ``load_weights`` makes the compute
 stream wait for that event and marks the shards as used there (``record_stream``, so the
 caching allocator does not hand their memory to the side stream while the phase still reads
 them). With ``--overlap_communication`` the RTS all-gather of the shards is started at the
@@ -26,9 +26,11 @@ phases' weights (two layers) are on the device: the running phase's and the next
 
 Activation stores to host memory run on a second side stream on CUDA, so the copy of one
 micro-batch's output overlaps the next one's compute; each buffer entry's event orders its next
-load after its store (:meth:`StateStore._store_activation`). Gradient and optimizer stores stay
-on the compute stream, which reads them back in stream order. On a CPU or meta device there are
-no streams: prefetch is the same copy, one phase early, and stores happen in program order.
+load after its store (:meth:`StateStore._store_activation`). Gradient stores, and the tensors
+layers keep for their backward (:mod:`execution.engine.recompute`), stay on the compute stream,
+which reads them back in stream order. Host weights are updated by the host itself, after the
+step's norm has synchronised the device. On a CPU or meta device there are no streams:
+prefetch is the same copy, one phase early, and stores happen in program order.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class StateStore:
             shards = self._weight_shards(part, row, dtype)
             self._prefetched[key] = (shards, None, self._start_gathers(part, shards, gather))
             return
-        # After the compute stream's work so far: the optimizer's stores to these host buffers.
+        # After the compute stream's work so far (for device weights, the optimizer's updates).
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             shards = self._weight_shards(part, row, dtype)

@@ -305,6 +305,7 @@ def _plan_dict(plan: MemoryPlan) -> dict:
         "passes": plan.passes,
         "micro_batches_per_pass": plan.micro_batches_per_pass,
         "placement": vars(plan.placement),
+        "recompute": plan.recompute,
     }
 
 
@@ -326,6 +327,7 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
             f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
             f"{plan['micro_batches_per_pass']} micro-batch(es), "
             + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items())
+            + f", recompute {plan['recompute']}"
         )
         lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
         for where in ("device", "host"):

@@ -9,7 +9,8 @@ Three states are placed, each on the compute device or in host memory:
   dtype beside the masters (2 bytes per parameter, placed with the weights), which the phases
   load instead of the masters;
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
-  micro-batches of one pass, in the compute dtype.
+  micro-batches of one pass, in the compute dtype; with ``--recompute selective`` or ``none``
+  also what each layer keeps for its backward (measured: :mod:`execution.engine.recompute`).
 
 Byte counts come from the same functions the buffers are allocated by
 (:mod:`execution.engine.buffers`), so a plan can never disagree with what is allocated. The
@@ -162,13 +163,14 @@ def state_bytes(
 
 
 def working_set_bytes(
-    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool
+    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool, overlap: bool
 ) -> int:
     """A quick estimate of the transient device bytes of the largest phase.
 
     Used only to advise which flags would make a misfit fit (a measurement per candidate
     layout would take minutes); plans are chosen with :func:`measured_working_set`. With
-    ``prefetch`` and host weights, a phase also holds the next phase's weight shards.
+    ``overlap`` a phase also holds the next phase's gathered weights and the last phase's
+    gradients; otherwise, with ``prefetch`` and host weights, the next phase's weight shards.
     """
     s, b = rank.shapes, rank.dtype.itemsize
     specs = rank.specs
@@ -192,7 +194,9 @@ def working_set_bytes(
     # Host weights are updated on the host; a device update holds a gradient and two temporaries.
     optimizer = 0 if placement.weights == "host" else 12 * largest_row
     ahead = 0
-    if prefetch and placement.weights == "host":
+    if overlap:  # the next phase's gathered weights, and the last phase's gradients in flight
+        ahead = b * max(local("layers"), local("head") + local("embedding")) + 4 * local("layers")
+    elif prefetch and placement.weights == "host":
         ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
     return max(layer + ahead, head + ahead, optimizer)
 

@@ -146,6 +146,7 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     )
     header = (
         f"{'dp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  {'placement (w/g/a)':<21}"
+        f"{'recompute':<10}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
     )
     print(header)
@@ -154,7 +155,7 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         where = "/".join(vars(plan.placement).values())
         print(
             f"{ex.data_parallel:>3} {ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
-            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
+            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}{plan.recompute:<10}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
             f"{row['mfu']:>6.1%}"

@@ -83,7 +83,7 @@ def candidate_plans(
         if estimate_working_set:
             flash = kernel != "math"
             working = working_set_bytes(
-                rank, placement, flash_attention=flash, prefetch=ex.prefetch
+                rank, placement, flash, ex.prefetch, ex.overlap_communication
             )
         else:
             working = measured_working_set(config, device_type, mode)
