@@ -17,6 +17,7 @@ from tests.distributed import (
     CPU,
     global_batches,
     layout_flags,
+    relative_error,
     replica_batch,
     run_ranks,
     small_config,
@@ -48,6 +49,7 @@ def _train(config, layout: ParallelLayout) -> dict:
         "norms": [r.grad_norm for r in results],
         "buffers": buffers,
         "async": sum(sum(a.async_bytes.values()) for a in layout.axes()),
+        "recompute": engine.plan.recompute,
     }
 
 
@@ -77,14 +79,19 @@ def test_overlap_is_bitwise_equal_in_one_process():
 
 
 def _on_and_off_rank(flags: list[str]) -> dict:
-    return _on_and_off(flags, world_layout)
+    runs = _on_and_off(flags, world_layout)
+    # The planner keeps every activation here (auto: none); full recompute, too, at 2 x 2 x 2.
+    full = small_config(*flags, *PLACEMENTS["device"], "--recompute", "full")
+    runs["full recompute"] = _train(full, world_layout(full))
+    return runs
 
 
 @pytest.mark.distributed
 def test_overlap_is_bitwise_equal_at_2x2x2(tmp_path):
     """(dp, tp1, tp2) = (2, 2, 2): every rank's losses, norms and own buffers are bitwise the
     same with overlap on and off, resident and all-host; with overlap the data-parallel
-    traffic really was asynchronous, and without it none was."""
+    traffic really was asynchronous, and without it none was. Layers that keep their
+    activations (the planner's choice here) and full recompute agree within 1e-6."""
     flags = [*FLAGS, *layout_flags(2, 2, 2), "--global_batch_size", "8"]
     ranks = run_ranks(_on_and_off_rank, 8, tmp_path, flags, timeout=240)
     for rank, runs in enumerate(ranks):
@@ -92,6 +99,12 @@ def test_overlap_is_bitwise_equal_at_2x2x2(tmp_path):
             on, off = runs[where, "true"], runs[where, "false"]
             _assert_bitwise(on, off, f"rank {rank}, {where}")
             assert on["async"] > 0 and off["async"] == 0
+        kept, full = runs["device", "true"], runs["full recompute"]
+        assert kept["recompute"] != "full" and full["recompute"] == "full"
+        for got, want in zip(kept["losses"], full["losses"], strict=True):
+            assert abs(got - want) <= 1e-6 * abs(want), (rank, got, want)
+        for name, t in full["buffers"].items():
+            assert relative_error(kept["buffers"][name], t) <= 1e-6, (rank, name)
 
 
 # ----------------------------------------------------------------- issue order
