@@ -55,6 +55,7 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
             small = shrunk_config(config, layers, micro, passes)
             for state, where in placement.items():
                 setattr(small.execution, f"{state}_placement", where)
+            small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
             small_plan = next(iter(candidate_plans(small, "cuda")))
             step = measure_planned_step(small, small_plan, spec)
             samples.append(step)
