@@ -69,6 +69,8 @@ from utils.metrics import device_peak_tflops, flops_per_token, throughput
 OUR_VARIANTS: dict[str, list[str]] = {
     "ours (auto plan)": ["--placement", "auto"],
     "ours, weights streamed": ["--weights_placement", "host"],
+    # The schedule before issue 16: every collective waited for, every layer recomputed.
+    "ours, no overlap, full recompute": ["--overlap_communication", "false", "--recompute", "full"],
 }
 PLAIN_LOOP = "pytorch loop (ckpt, AdamW)"
 FSDP2_OFFLOAD = "pytorch FSDP2 + CPU offload"

@@ -387,6 +387,13 @@ def validate(config: PretrainingConfig) -> None:
             f"divisible by --context_parallel {cp}; attention gives each context rank an equal "
             "share of them"
         )
+    if cp > 1 and ex.recompute in ("selective", "none"):
+        # What a layer keeps is measured on a whole-sequence block; with the sequence split
+        # around attention's all-to-all the kept tensors differ, so it is not planned yet.
+        raise ConfigError(
+            f"--recompute {ex.recompute} with --context_parallel {cp} is not supported yet; use "
+            "--recompute full (or auto, which picks it for context-parallel layouts)"
+        )
 
 
 def config_to_dict(config: PretrainingConfig) -> dict[str, Any]:

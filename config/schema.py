@@ -14,6 +14,7 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 PLACEMENTS = ("auto", "remote", "resident")
 STATE_PLACEMENTS = ("auto", "device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+RECOMPUTE = ("auto", "full", "selective", "none")
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -192,7 +193,29 @@ class ExecutionConfig:
         metadata=_doc(
             "Load the next phase's host-placed weights while the current phase computes (on a "
             "side CUDA stream; on a CPU the same copies, one phase early). The numbers are the "
-            "same either way; false loads each phase's weights when it starts."
+            "same either way; false loads each phase's weights when it starts (unless "
+            "--overlap_communication, whose all-gathers start from shards loaded ahead)."
+        ),
+    )
+    overlap_communication: bool = field(
+        default=True,
+        metadata=_doc(
+            "Run the data-parallel traffic behind compute: the next phase's weight all-gather "
+            "starts before the current phase runs, and a layer's gradient reduce-scatter is "
+            "waited for only after the next layer's backward (async collectives, issued in the "
+            "same order on every rank). The numbers are the same either way; false waits for "
+            "each collective where it is issued."
+        ),
+    )
+    recompute: str = field(
+        default="auto",
+        metadata=_doc(
+            "What a decoder layer's backward recomputes. full: the whole layer from its input "
+            "(least memory); selective: only attention's core (scores, softmax, dropout), "
+            "keeping the layer's other activations (Korthikanti et al. 2022); none: keeps "
+            "everything. Kept activations live with the activation buffers. auto: the planner "
+            "picks the fastest that fits, counting recompute FLOPs against host-link bytes.",
+            choices=RECOMPUTE,
         ),
     )
     device_memory_gb: float = field(

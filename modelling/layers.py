@@ -165,15 +165,22 @@ class Attention(nn.Module):
         qkv = qkv.view(B, S, 3, -1, self.head_dim)
         qkv = sequence_to_heads(qkv, self.cp)  # (B, S * cp, 3, local_heads / cp, head_dim)
         q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
-        p = self.dropout_prob if seeds is not None else 0.0
-        if p and self.cp.size > 1:
-            y = _attention_of_head_group(q, k, v, p, seeds.attention, self.cp)
-        else:
-            with seeded(seeds.attention, x.device) if p else contextlib.nullcontext():
-                y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = self.core(q, k, v, seeds)  # (B, local_heads / cp, S * cp, head_dim)
         y = heads_to_sequence(y.transpose(1, 2), self.cp)  # (B, S, local_heads, head_dim)
         y = y.reshape(B, S, -1)  # (B, S, local_heads * head_dim)
         return self.out(copy_to(y, self.tp2))
+
+    def core(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seeds: BlockSeeds | None
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v, causal, with dropout on the probabilities: the part
+        whose activations grow with the square of the sequence (what selective recompute
+        recomputes)."""
+        p = self.dropout_prob if seeds is not None else 0.0
+        if p and self.cp.size > 1:
+            return _attention_of_head_group(q, k, v, p, seeds.attention, self.cp)
+        with seeded(seeds.attention, q.device) if p else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 def _attention_of_head_group(

@@ -242,3 +242,8 @@ def test_device_selection_without_enough_gpus():
     assert select_device("cpu", 3, 8) == torch.device("cpu")
     with pytest.raises(ConfigError, match=r"--device cuda needs a GPU for each of the 8"):
         select_device("cuda", 0, 8)
+
+
+def test_recompute_other_than_full_with_context_parallel_is_one_line():
+    with pytest.raises(ConfigError, match="--recompute none with --context_parallel 2"):
+        parse_config(["--config", "tiny", "--context_parallel", "2", "--recompute", "none"])

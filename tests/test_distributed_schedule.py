@@ -150,6 +150,8 @@ def test_each_phase_loads_its_weights_once_whatever_the_accumulation(tmp_path):
     configs = []
     for ga, passes in runs:
         sizes = f"--global_batch_size {2 * ga} --micro_batch_size 1 --passes {passes}"
+        # Full recompute: each layer's forward runs again in its backward (counted below).
+        sizes += " --recompute full"
         configs.append(small_config(*layout_flags(2, 2, 2), *shlex.split(sizes)))
 
     def rts(passes: int) -> dict:

@@ -15,6 +15,7 @@ from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import (
     _axis_traffic,
     checkpoint_figures,
+    estimate,
     fake_job,
     measure_planned_step,
     measure_rank,
@@ -107,10 +108,12 @@ def _real_rank(config) -> dict:
 
 # Weights and activations in host memory, gradients on the device.
 STREAMED = "--weights_placement host --activations_placement host --grads_placement device"
+# The dry run plans for a GPU (flash attention), so a layer that keeps its activations keeps
+# the kernel's outputs; selective recompute keeps only the core's inputs, the same on a CPU.
 CASES = [
-    ((1, 1, 1), "--placement resident --passes 1"),
-    ((2, 2, 1), "--placement remote --passes 2"),
-    ((1, 2, 2), f"{STREAMED} --passes 4"),
+    ((1, 1, 1), "--placement resident --passes 1 --recompute full"),
+    ((2, 2, 1), "--placement remote --passes 2 --recompute selective"),
+    ((1, 2, 2), f"{STREAMED} --passes 4 --recompute full"),
 ]
 
 
@@ -148,7 +151,9 @@ def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
     """With the sequence over 2 ranks, the dry run's buffers (activations: half those of one
     rank holding whole sequences) and the bytes each group sends, the context axis's
     all-to-alls included, equal a real gloo step's exactly."""
-    flags = shlex.split("--global_batch_size 4 --micro_batch_size 1 --sequence_length 8 --passes 1")
+    flags = shlex.split(
+        "--global_batch_size 4 --micro_batch_size 1 --sequence_length 8 --passes 1 --recompute full"
+    )
     config = distributed_config(*layout_flags(*layout), *flags)
     real = run_ranks(_real_rank_traffic, config.world_size, tmp_path, config)[0]
     dry = measure_rank(config, 0, resolve_spec(config))
@@ -176,12 +181,41 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
     config = distributed_config(*layout_flags(2, 2, 1), *run)
     spec = resolve_spec(config)
     plan = candidate_plans(config, "cuda")[0]
-    flops, comm, _, _ = extrapolated_step(config, plan, spec)
+    flops, comm, _, _, phases = extrapolated_step(config, plan, spec)
     with fake_job(0, config.world_size):
         full = measure_planned_step(config, plan, spec)
     assert flops == full.flops
     assert comm == full.comm_bytes
     assert comm["host_link"] > 0 and comm["dp"] > 0
+    # Per kind of phase too (sums of seconds: equal to rounding), so the overlap model applies.
+    assert phases.keys() == full.phases.keys()
+    for kind, values in full.phases.items():
+        assert phases[kind] == pytest.approx(values, rel=1e-9, abs=1e-12), kind
+    assert sum(v[0] for v in full.phases.values()) == full.flops
+
+
+def _estimate(config):
+    spec = resolve_spec(config)
+    with fake_job(0, config.world_size):
+        measured = measure_planned_step(config, candidate_plans(config, "cuda")[0], spec)
+    return estimate(config, measured, spec)
+
+
+def test_overlap_hides_data_parallel_traffic_in_the_estimate():
+    """All on the device (no host copies), dp 2 x tp1 2: without overlap every collective is
+    exposed (step = compute + collectives, the old formula); with it the data-parallel part
+    hides behind compute (by exactly what is reported hidden)."""
+    run = shlex.split("--layers 3 --global_batch_size 8 --placement resident --passes 1")
+    flags = [*layout_flags(2, 2, 1), *run, "--overlap_communication"]
+    off = _estimate(distributed_config(*flags, "false"))
+    on = _estimate(distributed_config(*flags, "true"))
+    assert off["hidden_comm_s"] == 0
+    assert off["exposed_comm_s"] == pytest.approx(off["collectives_s"], rel=1e-12)
+    assert off["step_time_s"] == pytest.approx(off["compute_s"] + off["collectives_s"])
+    assert on["compute_s"] == off["compute_s"] and on["collectives_s"] == off["collectives_s"]
+    assert on["hidden_comm_s"] > 0
+    assert on["exposed_comm_s"] == pytest.approx(off["exposed_comm_s"] - on["hidden_comm_s"])
+    assert on["step_time_s"] < off["step_time_s"] and on["mfu"] > off["mfu"]
 
 
 def test_plan_for_ranks_layouts_that_fit_by_step_time():

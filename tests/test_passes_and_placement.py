@@ -162,8 +162,12 @@ def test_weight_copies_follow_written_weights():
 def test_prefetch_changes_no_number_and_no_load(precision):
     """--prefetch true and false, all remote with 2 passes and dropout: bitwise equal steps,
     the same bytes over the host link (each prefetch replaces a load, none is wasted), and
-    prefetch serves the loads after the first phase."""
-    flags = shlex.split(f"--precision {precision} --dropout_prob 0.1 --passes 2 --placement remote")
+    prefetch serves the loads after the first phase. (Overlapped communication would load
+    ahead whatever --prefetch says: its all-gathers start from the loaded shards.)"""
+    flags = shlex.split(
+        f"--precision {precision} --dropout_prob 0.1 --passes 2 --placement remote "
+        "--overlap_communication false"
+    )
     runs = {}
     for prefetch in ("true", "false"):
         config = small_config(*flags, "--prefetch", prefetch)
@@ -235,22 +239,29 @@ def hand_activation_bytes(layers, entries, micro_batch, sequence, hidden, tp1, t
 def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
     """Every state's allocated bytes equal the planner's prediction exactly, and activation
     bytes shrink with tp1 and with the passes as the hand formula says. Host weights keep
-    bfloat16 copies: half the bytes of the float32 masters."""
+    bfloat16 copies: half the bytes of the float32 masters. The same for each --recompute:
+    x and dx, plus what each layer keeps per micro-batch (nothing with full recompute)."""
     run = shlex.split(
         f"--global_batch_size {8 * dp} --micro_batch_size 2 --heads 6 --hidden_size 36 "
         f"--precision bfloat16 --passes {passes} --weights_placement {weights}"
     )
-    config = small_config(*run, *layout_flags(dp, tp1, tp2))
-    engine = planned_engine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
-    allocated = engine.buffer_bytes()
-    rank = RankShape.from_config(config)
-    predicted = state_bytes(rank, engine.plan.micro_batches_per_pass, engine.plan.placement)
-    assert allocated == predicted == engine.plan.state_bytes
-    want_copies = allocated["weights"] // 2 if weights == "host" else 0
-    assert allocated["weight_copies"] == want_copies
-    entries = 4 // passes  # 4 micro-batches per replica
-    seq = config.model.sequence_length
-    assert allocated["activations"] == hand_activation_bytes(2, entries, 2, seq, 36, tp1, tp2, 2)
+    for recompute in ("full", "selective", "none"):
+        flags = [*run, *layout_flags(dp, tp1, tp2), "--recompute", recompute]
+        config = small_config(*flags)
+        engine = planned_engine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
+        assert engine.plan.recompute == recompute
+        allocated = engine.buffer_bytes()
+        rank = RankShape.from_config(config)
+        plan = engine.plan
+        predicted = state_bytes(rank, plan.micro_batches_per_pass, plan.placement, plan.kept)
+        assert allocated == predicted == plan.state_bytes
+        want_copies = allocated["weights"] // 2 if weights == "host" else 0
+        assert allocated["weight_copies"] == want_copies
+        entries = 4 // passes  # 4 micro-batches per replica
+        seq = config.model.sequence_length
+        x_dx = hand_activation_bytes(2, entries, 2, seq, 36, tp1, tp2, 2)
+        assert allocated["activations"] == x_dx + 2 * entries * plan.kept
+        assert (plan.kept == 0) == (recompute == "full")
 
 
 def test_engine_allocates_where_the_plan_says(monkeypatch):

@@ -112,13 +112,13 @@ def test_each_layer_is_loaded_once_per_phase(monkeypatch, passes):
     config = small_config(*run)
     engine = planned_engine(config, ParallelLayout.single(CPU))
     loads = []
-    original = engine.state.load_weights
+    original = engine.state.load_weight_vectors  # under load_weights too
 
-    def load_weights(part, row, dtype):
+    def load_weight_vectors(part, row, dtype):
         loads.append((part, row))
         return original(part, row, dtype)
 
-    monkeypatch.setattr(engine.state, "load_weights", load_weights)
+    monkeypatch.setattr(engine.state, "load_weight_vectors", load_weight_vectors)
     engine.train_step(random_tokens(config, 1)[0], 0, 1e-3)
     layer_loads = [row for part, row in loads if part == "layers"]
     # forward 0..2 then backward 2..0, each exactly once per pass, despite 8 micro-batches

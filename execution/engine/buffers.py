@@ -210,6 +210,8 @@ class ActivationLayout:
         hidden: Local width of the residual stream (``hidden / tp2``).
         tp1: x is identical across tp1, so each tp1 rank stores a 1/tp1 slice of every entry.
         dtype: Compute dtype.
+        kept: Bytes each decoder layer keeps per entry for its backward (0: it recomputes
+            everything from x; see :mod:`execution.engine.recompute`).
     """
 
     layers: int
@@ -218,14 +220,22 @@ class ActivationLayout:
     hidden: int
     tp1: int
     dtype: torch.dtype
+    kept: int = 0
 
     @classmethod
     def of(
-        cls, shapes: GPTShapes, entries: int, micro_batch: int, sequence: int, dtype: torch.dtype
+        cls,
+        shapes: GPTShapes,
+        entries: int,
+        micro_batch: int,
+        sequence: int,
+        dtype: torch.dtype,
+        kept: int = 0,
     ) -> ActivationLayout:
         """The buffers of ``entries`` micro-batches of ``[micro_batch, sequence]`` tokens."""
         hidden = shapes.hidden // shapes.tp2
-        return cls(shapes.layers, entries, (micro_batch, sequence), hidden, shapes.tp1, dtype)
+        tokens = (micro_batch, sequence)
+        return cls(shapes.layers, entries, tokens, hidden, shapes.tp1, dtype, kept)
 
     @property
     def entry_numel(self) -> int:
@@ -237,14 +247,15 @@ class ActivationLayout:
         return math.ceil(self.entry_numel / self.tp1)
 
     def planned_nbytes(self) -> int:
-        """Bytes x and dx will take together, known before allocating them."""
+        """Bytes x, dx and the kept activations will take, known before allocating them."""
         x = (self.layers + 1) * self.entries * self.x_shard
         dx = 2 * self.entries * self.entry_numel
-        return (x + dx) * self.dtype.itemsize
+        return (x + dx) * self.dtype.itemsize + self.layers * self.entries * self.kept
 
 
 class ActivationBuffers:
-    """x: (layers + 1) rows of this rank's tp1 slice of each entry; dx: two rows of entries.
+    """x: (layers + 1) rows of this rank's tp1 slice of each entry; dx: two rows of entries;
+    kept: per layer and entry, the bytes its forward keeps for its backward.
 
     Row 0 of x is the embedding's output, row n + 1 the output of decoder layer n. Backward
     only ever holds the gradient entering a layer and the one leaving it, so dx alternates
@@ -266,6 +277,12 @@ class ActivationBuffers:
             device=place.device,
             pin_memory=place.pin,
         )
+        self.kept = torch.empty(
+            (a.layers, a.entries, a.kept),
+            dtype=torch.uint8,
+            device=place.device,
+            pin_memory=place.pin,
+        )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x, self.dx))
+        return sum(t.numel() * t.element_size() for t in (self.x, self.dx, self.kept))

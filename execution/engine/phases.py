@@ -15,9 +15,13 @@ never know they are phased (one template block is bound to each layer's weights 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
+import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -26,16 +30,19 @@ from torch.func import functional_call
 from config.schema import PretrainingConfig
 from execution.engine import schedule
 from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
-from execution.engine.optimizer import adamw_, clip_coefficient
+from execution.engine.optimizer import adamw_, adamw_threaded_, clip_coefficient
 from execution.engine.plan import PLACED_STATES, MemoryPlan
+from execution.engine.recompute import KeptLayers, prepare_block
 from execution.engine.schedule import Phase
 from execution.engine.state import StateStore
-from execution.parallel.mesh import ParallelLayout
+from execution.parallel.mesh import ParallelLayout, Pending
 from execution.parallel.sharding import DECAYED_KINDS, init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes
 from modelling.layers import BlockSeeds
 
 _MASK64 = (1 << 64) - 1
+# Elements per chunk of a host AdamW update: 64 Ki float32 (256 KiB per tensor) stay in cache.
+HOST_CHUNK_ELEMENTS = 1 << 16
 
 
 def mix_seed(*values: int) -> int:
@@ -94,16 +101,30 @@ class PhasedEngine:
             ex.micro_batch_size,
             config.model.sequence_length // layout.cp.size,  # this rank's piece
             self.dtype,
+            kept=plan.kept,
         )
         self.state = StateStore(
             self.specs, self.shapes.layers, self.rts, layout, places, activations
         )
+        # What the layers keep for their backward (None: they recompute it in full).
+        self.kept: KeptLayers | None = None
+        if plan.recompute != "full":
+            prepare_block(self.templates[LAYERS], plan.recompute)
+            store = self.state
+            kept = store.activations.kept
+            block = self.templates[LAYERS]
+            self.kept = KeptLayers(
+                block, self.specs[LAYERS], kept, store.store_kept, store.load_kept
+            )
         self.optimizer_steps = 0
         # Called before an optimizer update changes the buffers (a checkpoint writing from
         # host buffers waits there until it has read them).
         self.before_update: list[Callable[[], None]] = []
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(config.training.seed, config.model.init_std)
+        # Called with each phase just before it starts (and its next phase's prefetch), and
+        # with None after the last; the dry run measures per phase through it.
+        self.on_phase: Callable[[Phase | None], None] | None = None
         self._bodies = {
             schedule.EMBEDDING_FORWARD: self._phase_embedding_forward,
             schedule.LAYER_FORWARD: self._phase_layer_forward,
@@ -135,31 +156,46 @@ class PhasedEngine:
             views.update(spec.views(flats[kind]))
         return flats, views
 
-    def _reduce_over_replicas(self, acc: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Mean over data-parallel replicas, leaving this rank's RTS slice of each kind.
+    def _start_reduction(self, acc: dict[str, torch.Tensor]) -> dict[str, Callable]:
+        """Starts the mean over data-parallel replicas of each kind's accumulator; each
+        returned function waits for it and gives this rank's RTS slice.
 
         Each context rank's gradient is its sequence piece's share of the sum (the loss is
         pre-divided by cp), so the sum runs over dp x cp and the mean divides by dp only.
         """
         dp, replicas = self.layout.dp, self.layout.dp_cp
-        shards = {}
+        overlap = self.config.execution.overlap_communication
+        out = {}
         for kind, flat in acc.items():
             rts = self.rts[kind]
             if rts.size == replicas.size:  # the same replicas (tp1 or tp2 is 1): one collective
-                shard = replicas.reduce_scatter(flat)
+                pending = replicas.start_reduce_scatter(flat) if overlap else None
+                pending = pending or Pending(replicas.reduce_scatter(flat))
+                out[kind] = functools.partial(_mean_of, pending, dp.size)
             else:  # RTS group larger: all-reduce over the replicas, then keep our slice.
-                shard = replicas.all_reduce_(flat).view(rts.size, -1)[rts.rank]
-            shards[kind] = shard / dp.size if dp.size > 1 else shard
-        return shards
+                pending = (
+                    replicas.start_all_reduce_(flat)
+                    if overlap
+                    else Pending(replicas.all_reduce_(flat))
+                )
+                out[kind] = functools.partial(_mean_of, pending, dp.size, rts.size, rts.rank)
+        return out
 
-    def _finish_grads(self, part: str, row: int, acc: dict[str, torch.Tensor], phase: Phase):
-        """Reduces a phase's gradients and adds them to the step's; the last pass counts the norm."""
-        total = self.state.accumulate_grads(
-            part, row, self._reduce_over_replicas(acc), first=phase.first_pass
-        )
-        if phase.last_pass:
-            for shard in total.values():
-                self._grad_sumsq += shard.double().square().sum()
+    def _finish_grads(
+        self, part: str, row: int, acc: dict[str, torch.Tensor], phase: Phase, norm: bool = True
+    ) -> None:
+        """Reduces a phase's gradients and adds them to the step's; the last pass counts the
+        norm (``norm``). The reduction is started now and completed by :class:`_InFlight`."""
+        reductions = self._start_reduction(acc)
+
+        def complete() -> None:
+            shards = {kind: wait() for kind, wait in reductions.items()}
+            total = self.state.accumulate_grads(part, row, shards, first=phase.first_pass)
+            if norm and phase.last_pass:
+                for shard in total.values():
+                    self._grad_sumsq += shard.double().square().sum()
+
+        self._in_flight.add(phase, complete)
 
     # ----------------------------------------------------------------- phase bodies
 
@@ -203,6 +239,12 @@ class PhasedEngine:
     @torch.no_grad()
     def _phase_layer_forward(self, phase: Phase, batch: _Batch) -> None:
         n = phase.layer
+        if batch.training and self.kept is not None:  # keep the graph for the backward
+            vectors = self.state.load_weight_vectors(LAYERS, n, self.dtype)
+            for m, e in self._entries(phase):
+                x, seeds = self.state.fetch_x(n, e), self._seeds(batch.step, n, m)
+                self.state.store_x(n + 1, e, self.kept.forward(n, e, vectors, x, seeds))
+            return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
         for m, e in self._entries(phase):
             x = self.state.fetch_x(n, e)
@@ -244,13 +286,22 @@ class PhasedEngine:
                 head_views[name].add_(g)
         if backward:
             self._finish_grads(HEAD, 0, head_acc, phase)
-            # Not the last word on the embedding's grads: its backward phase adds its own.
-            tied = self._reduce_over_replicas(tied_acc)
-            self.state.accumulate_grads(EMBEDDING, 0, tied, first=phase.first_pass)
+            # Not the last word on the embedding's grads (its backward phase adds its own), so
+            # not counted in the norm yet.
+            self._finish_grads(EMBEDDING, 0, tied_acc, phase, norm=False)
 
     def _phase_layer_backward(self, phase: Phase, batch: _Batch) -> None:
-        """Recompute layer n for each micro-batch, backpropagate, reduce its grads."""
+        """Recompute layer n for each micro-batch (what ``--recompute`` did not keep),
+        backpropagate, reduce its grads."""
         n = phase.layer
+        if self.kept is not None:
+            vectors = self.state.load_weight_vectors(LAYERS, n, self.dtype)
+            acc, views = self._accumulators(LAYERS)
+            for _, e in self._entries(phase):
+                dx = self.kept.backward(n, e, vectors, self.state.fetch_dx(n + 1, e), views)
+                self.state.store_dx(n, e, dx)
+            self._finish_grads(LAYERS, n, acc, phase)
+            return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
         weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         acc, views = self._accumulators(LAYERS)
@@ -286,23 +337,39 @@ class PhasedEngine:
         self._finish_grads(EMBEDDING, 0, acc, phase)
 
     def _optimizer_phases(self, lr: float, grad_scale: float) -> None:
-        """AdamW on every part's shards, one row of one kind at a time."""
-        optim = self.config.training.optimizer
-        for part, row in self.state.part_rows():
-            for kind in self.specs[part]:
-                w, g, m, v = self.state.load_optimizer_row(part, kind, row)
-                adamw_(
-                    w,
-                    g,
-                    m,
-                    v,
-                    step=self.optimizer_steps,
-                    lr=lr,
-                    optim=optim,
-                    weight_decay=kind in DECAYED_KINDS,
-                    grad_scale=grad_scale,
-                )
-                self.state.store_optimizer_row(part, kind, row, [w, g, m, v])
+        """AdamW on every part's shards, one row of one kind at a time.
+
+        Device-placed weights are updated on the device. Host-placed ones are updated where
+        they live, by the host's cores (:func:`adamw_threaded_`, bitwise :func:`adamw_`):
+        weights and moments never cross the host link, only gradients kept on the device do.
+        """
+        hyper = {
+            "step": self.optimizer_steps,
+            "lr": lr,
+            "optim": self.config.training.optimizer,
+            "grad_scale": grad_scale,
+        }
+        on_host = self.state.places["weights"].remote
+        threads = _host_threads(self.layout.local_world_size)
+        with ThreadPoolExecutor(threads) if on_host else contextlib.nullcontext() as pool:
+            for part, row in self.state.part_rows():
+                for kind in self.specs[part]:
+                    decay = kind in DECAYED_KINDS
+                    if not on_host:
+                        w, g, m, v = self.state.load_optimizer_row(part, kind, row)
+                        adamw_(w, g, m, v, weight_decay=decay, **hyper)
+                        continue
+                    tensors = self.state.host_optimizer_row(part, kind, row)
+                    # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
+                    chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
+                    adamw_threaded_(
+                        *tensors,
+                        pool=pool,
+                        chunk_elements=max(chunk, 1),
+                        weight_decay=decay,
+                        **hyper,
+                    )
+                    self.state.refresh_weight_copy(part, kind, row)
 
     # ----------------------------------------------------------------- steps
 
@@ -321,6 +388,8 @@ class PhasedEngine:
         )
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
         batch = _Batch.of(tokens.to(self.device, non_blocking=True), step, self.layout.cp)
+        if self.kept is not None:
+            self.kept.drop()  # none left by a step that raised half-way
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
         phases = schedule.training_phases(
             self.shapes.layers, self.gradient_accumulation, self.plan.passes
@@ -369,15 +438,23 @@ class PhasedEngine:
         return self._mean_over_replicas(total, len(losses))
 
     def _run_phases(self, phases: list[Phase], batch: _Batch) -> None:
-        """Runs each phase's body; with ``--prefetch``, first starts loading the next phase's
-        weights, so their copy overlaps this phase's compute (a side stream on CUDA)."""
-        prefetch = self.config.execution.prefetch
+        """Runs each phase's body; with ``--prefetch`` or ``--overlap_communication``, first
+        starts loading the next phase's weights, so that their copy (and with overlap, their
+        all-gather) runs behind this phase's compute."""
+        ex = self.config.execution
+        overlap = ex.overlap_communication
         self.state.drop_prefetched()  # none left by a step that raised half-way
+        self._in_flight = _InFlight(overlap)
         for phase, following in zip(phases, [*phases[1:], None], strict=True):
-            if prefetch and following is not None:
+            if self.on_phase is not None:
+                self.on_phase(phase)
+            if (ex.prefetch or overlap) and following is not None:
                 for part, row in schedule.weights_loaded(following):
-                    self.state.prefetch_weights(part, row, self.dtype)
+                    self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
             self._bodies[phase.kind](phase, batch)
+        self._in_flight.finish()  # the norm and the optimizer read every gradient
+        if self.on_phase is not None:
+            self.on_phase(None)
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
         # (the optimizer is about to change the weights it copied).
         unused = self.state.drop_prefetched()
@@ -399,10 +476,52 @@ class PhasedEngine:
         return self.state.nbytes()
 
 
+def _host_threads(processes_per_node: int) -> int:
+    """This process's share of the cores it may run on, for host-side updates."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(processes_per_node, 1))
+
+
 def _read(scalar: torch.Tensor) -> float:
     """A scalar's value; a meta tensor (dry run) has none and reads as 0, so a dry-run step
     runs its optimizer phases as a real one would."""
     return 0.0 if scalar.is_meta else scalar.item()
+
+
+def _mean_of(pending: Pending, dp: int, rts: int = 1, rank: int = 0) -> torch.Tensor:
+    """A finished reduction's mean over ``dp`` replicas; after an all-reduce (the RTS group
+    is larger than dp), only this rank's 1/``rts`` slice of it."""
+    total = pending.wait()
+    if rts > 1:
+        total = total.view(rts, -1)[rank]
+    return total / dp if dp > 1 else total
+
+
+class _InFlight:
+    """Gradient reductions started and not yet added to the step's gradients.
+
+    With overlap, a phase's reductions are completed (waited for, accumulated, counted in the
+    norm) when a later phase starts its own, so each runs behind the next phase's compute, and
+    at most two phases' accumulators are alive. Completion follows issue order, so the norm
+    and the accumulators add up in the same order as without overlap (bitwise the same).
+    Without overlap each is completed at once.
+    """
+
+    def __init__(self, overlap: bool):
+        self.overlap = overlap
+        self._queue: list[tuple[Phase, Callable[[], None]]] = []
+
+    def add(self, phase: Phase, complete: Callable[[], None]) -> None:
+        if not self.overlap:
+            complete()
+            return
+        while self._queue and self._queue[0][0] is not phase:
+            self._queue.pop(0)[1]()
+        self._queue.append((phase, complete))
+
+    def finish(self) -> None:
+        while self._queue:
+            self._queue.pop(0)[1]()
 
 
 @dataclass

@@ -43,6 +43,9 @@ class MemoryPlan:
         working_set: Transient device bytes of the largest phase.
         traffic: Estimated bytes moved between host and device per step.
         shared_memory: The compute device is the CPU, so device and host are one pool.
+        recompute: What a layer's backward recomputes: ``full``, ``selective`` or ``none``.
+        kept: Bytes a decoder layer keeps per micro-batch for its backward (0 with ``full``),
+            held with the activations.
     """
 
     passes: int
@@ -52,6 +55,8 @@ class MemoryPlan:
     working_set: int
     traffic: int
     shared_memory: bool
+    recompute: str = "full"
+    kept: int = 0
 
     def _place_of(self, key: str) -> str:
         return getattr(self.placement, "weights" if key in WEIGHT_STATE_KEYS else key)
@@ -68,7 +73,7 @@ class MemoryPlan:
         device, host = self.bytes_on("device"), self.bytes_on("host")
         rows = [
             f"plan: {self.passes} pass(es) of {self.micro_batches_per_pass} micro-batch(es); "
-            f"{self.placement.describe()}"
+            f"{self.placement.describe()}; recompute {self.recompute}"
         ]
         keys = ["weights", "optimizer", "grads", "activations", "working_set"]
         if self.state_bytes["weight_copies"]:  # only shown where kept

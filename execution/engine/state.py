@@ -12,21 +12,25 @@ since the cast is the same round-to-nearest whether done at the load or once aft
 
 Prefetch: :meth:`StateStore.prefetch_weights` issues a part's load one phase early and keeps
 it for the next :meth:`~StateStore.load_weights` of that part. On CUDA the copies run on a side
-stream, which first waits for everything queued so far on the compute stream (the optimizer's
-stores to the same host buffers), and records an event; ``load_weights`` makes the compute
-stream wait for that event, marks the shards as used there (``record_stream``, so the caching
-allocator does not hand their memory to the side stream while the phase still reads them), and
-only then all-gathers them over RTS. The all-gather stays on the compute stream at the point of
-``load_weights``: every rank issues its collectives in the same order as without prefetch, on
-the stream the other collectives use. The engine prefetches the next phase's parts just before
-running the current phase, so at most two phases' weights (two layers) are on the device: the
-running phase's and the next one's.
+stream, which first waits for everything queued so far on the compute stream (for device
+weights, the optimizer's updates of them), and records an event; ``load_weights`` makes the compute
+stream wait for that event and marks the shards as used there (``record_stream``, so the
+caching allocator does not hand their memory to the side stream while the phase still reads
+them). With ``--overlap_communication`` the RTS all-gather of the shards is started at the
+prefetch too, as an async collective (from the side stream on CUDA, so it waits for those
+copies only; NCCL runs it on its own stream, gloo on its own thread), and ``load_weights`` waits
+for it. Otherwise the all-gather runs at ``load_weights``, synchronously. Either way every rank
+issues its collectives in the same order, since every rank runs the same schedule. The engine
+prefetches the next phase's parts just before running the current phase, so at most two
+phases' weights (two layers) are on the device: the running phase's and the next one's.
 
 Activation stores to host memory run on a second side stream on CUDA, so the copy of one
 micro-batch's output overlaps the next one's compute; each buffer entry's event orders its next
-load after its store (:meth:`StateStore._store_activation`). Gradient and optimizer stores stay
-on the compute stream, which reads them back in stream order. On a CPU or meta device there are
-no streams: prefetch is the same copy, one phase early, and stores happen in program order.
+load after its store (:meth:`StateStore._store_activation`). Gradient stores, and the tensors
+layers keep for their backward (:mod:`execution.engine.recompute`), stay on the compute stream,
+which reads them back in stream order. Host weights are updated by the host itself, after the
+step's norm has synchronised the device. On a CPU or meta device there are no streams:
+prefetch is the same copy, one phase early, and stores happen in program order.
 """
 
 from __future__ import annotations
@@ -87,8 +91,9 @@ class StateStore:
         # Bytes copied over the host link, by direction (the dry run reports them).
         self.host_to_device = 0
         self.device_to_host = 0
-        # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None).
-        self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object]] = {}
+        # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None,
+        # the async RTS all-gathers of the shards per kind or None).
+        self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object, dict | None]] = {}
         self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
         # CUDA only: a stream for loads issued ahead and one for activation stores to host.
         self._copy_stream = self._store_stream = None
@@ -122,25 +127,36 @@ class StateStore:
             return {kind: self._load(t[row], place) for kind, t in buffers.weight_copies.items()}
         return {kind: self._load(t[row], place, dtype) for kind, t in buffers.weights.items()}
 
-    def prefetch_weights(self, part: str, row: int, dtype: torch.dtype) -> None:
+    def prefetch_weights(self, part: str, row: int, dtype: torch.dtype, gather: bool) -> None:
         """Starts loading a part's weights for the next :meth:`load_weights` of it.
 
-        Only host-placed weights are prefetched (device weights are used in place). A part
+        Host-placed weights are copied ahead; with ``gather``, the RTS all-gather of the
+        shards is started too (an async collective), so the whole load runs behind the current
+        phase. Device weights with nothing to gather are used in place, not prefetched. A part
         already waiting to be loaded is not loaded twice.
         """
         key = (part, row, dtype)
-        if not self.places["weights"].remote or key in self._prefetched:
+        if key in self._prefetched or not (gather or self.places["weights"].remote):
             return
         if self._copy_stream is None:
-            self._prefetched[key] = (self._weight_shards(part, row, dtype), None)
+            shards = self._weight_shards(part, row, dtype)
+            self._prefetched[key] = (shards, None, self._start_gathers(part, shards, gather))
             return
-        # After the compute stream's work so far: the optimizer's stores to these host buffers.
+        # After the compute stream's work so far (for device weights, the optimizer's updates).
         self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._copy_stream):
             shards = self._weight_shards(part, row, dtype)
+            # Issued from the copy stream, so the collective waits for these copies only.
+            gathers = self._start_gathers(part, shards, gather)
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
-        self._prefetched[key] = (shards, ready)
+        self._prefetched[key] = (shards, ready, gathers)
+
+    def _start_gathers(self, part: str, shards: dict[str, torch.Tensor], gather: bool):
+        """Async RTS all-gathers of a part's shards per kind (None: gathered at the load)."""
+        if not gather:
+            return None
+        return {kind: self.rts[kind].start_all_gather(shards[kind]) for kind in self.specs[part]}
 
     def drop_prefetched(self) -> int:
         """Forgets loads issued ahead and never used (0 after a whole schedule); returns how many."""
@@ -150,21 +166,38 @@ class StateStore:
 
     def load_weights(self, part: str, row: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """A part's weights on the device in ``dtype``, RTS shards gathered, named views."""
+        weights = {}
+        for kind, full in self.load_weight_vectors(part, row, dtype).items():
+            weights.update(self.specs[part][kind].views(full))
+        return weights
+
+    def load_weight_vectors(
+        self, part: str, row: int, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """A part's weights on the device in ``dtype``: per kind, the gathered packed vector
+        (:meth:`load_weights` gives named views into them)."""
         prefetched = self._prefetched.pop((part, row, dtype), None)
+        gathers = None
         if prefetched is None:
             shards = self._weight_shards(part, row, dtype)
         else:
             self.prefetch_hits += 1
-            shards, ready = prefetched
+            shards, ready, gathers = prefetched
             if ready is not None:
                 compute = torch.cuda.current_stream(self.device)
                 compute.wait_event(ready)
                 for shard in shards.values():
                     shard.record_stream(compute)
-        weights = {}
-        for kind, spec in self.specs[part].items():
-            weights.update(spec.views(self.rts[kind].all_gather(shards[kind])))
-        return weights
+        vectors = {}
+        for kind in self.specs[part]:
+            if gathers is None:
+                full = self.rts[kind].all_gather(shards[kind])
+            else:  # started a phase ago; on CUDA the compute stream now waits for it
+                full = gathers[kind].wait()
+                if prefetched[1] is not None and full is not shards[kind]:
+                    full.record_stream(torch.cuda.current_stream(self.device))
+            vectors[kind] = full
+        return vectors
 
     def part_rows(self) -> list[tuple[str, int]]:
         """Every (part, row) in order: the embedding, each decoder layer, the head."""
@@ -216,27 +249,37 @@ class StateStore:
     # ------------------------------------------------------------------ optimizer state
 
     def load_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
-        """Weights, gradient and both moments of one row of one kind, on the device."""
+        """Weights, gradient and both moments of one row of one kind, on the device (for
+        device-placed weights; host-placed ones are updated where they are, see
+        :meth:`host_optimizer_row`)."""
         buffers = self.parts[part]
         return [
             self._load(getattr(buffers, s)[kind][row], self.places[_group(s)]) for s in PART_STATES
         ]
 
-    def store_optimizer_row(
-        self, part: str, kind: str, row: int, updated: list[torch.Tensor]
-    ) -> None:
-        """Writes back updated weights and moments (gradients are read-only in the update),
-        and the weights cast to the compute dtype where copies are kept (once per step)."""
-        if not self.places["weights"].remote:
-            return  # updated in place
-        buffers, place = self.parts[part], self.places["weights"]
-        for state, value in zip(PART_STATES, updated, strict=True):
-            if state not in GRAD_STATES:
-                self._store(getattr(buffers, state)[kind][row], value, place)
+    def host_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
+        """Weights, gradient and both moments of one row of one kind in host memory, for an
+        update in place there: the gradient is copied from the device where kept there, the
+        rest is the buffers themselves (nothing else crosses the host link)."""
+        assert self.places["weights"].remote, "host update of weights that live on the device"
+        buffers = self.parts[part]
+        grad = buffers.grads[kind][row]
+        if not self.places["grads"].remote:
+            self.device_to_host += grad.numel() * grad.element_size()
+            grad = grad.to(self.places["weights"].device, copy=True)
+        return [
+            buffers.weights[kind][row],
+            grad,
+            buffers.exp_avg[kind][row],
+            buffers.exp_avg_sq[kind][row],
+        ]
+
+    def refresh_weight_copy(self, part: str, kind: str, row: int) -> None:
+        """After a host update: the compute-dtype copy of the row, cast on the host (the same
+        round-to-nearest as on a device), where copies are kept."""
+        buffers = self.parts[part]
         if buffers.weight_copies:
-            # Cast on the device: the link carries 2 bytes, and the host spends no time on it.
-            weights = updated[PART_STATES.index("weights")]
-            self._store(buffers.weight_copies[kind][row], weights.to(self.copy_dtype), place)
+            buffers.weight_copies[kind][row].copy_(buffers.weights[kind][row])
 
     # ------------------------------------------------------------------ activations
 
@@ -266,6 +309,15 @@ class StateStore:
     def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
         row = boundary % 2
         return self._load_activation(("dx", row, entry), self.activations.dx[row, entry])
+
+    def store_kept(self, target: torch.Tensor, value: torch.Tensor) -> None:
+        """Copies a tensor a layer keeps for its backward into its region of the buffers (on
+        the compute stream, which reads it back in order)."""
+        self._store(target, value, self.places["activations"])
+
+    def load_kept(self, source: torch.Tensor) -> torch.Tensor:
+        """A kept tensor on the device: a copy from the host, else the region itself."""
+        return self._load(source, self.places["activations"])
 
     def _store_activation(self, key: tuple, target: torch.Tensor, value: torch.Tensor) -> None:
         """Stores an activation entry; to host memory on CUDA, on the store stream.

@@ -98,13 +98,35 @@ class MeshShape:
         return sorted(self.members(axis, r) for r in firsts)
 
 
+class Pending:
+    """A collective in flight (``async_op=True``): :meth:`wait` returns its result.
+
+    Holds the collective's input until then, so the buffer it reads cannot be freed or reused
+    while the background thread (gloo) or the communication stream (NCCL) still reads it.
+    On CUDA, ``wait`` makes the *current* stream wait for the collective, not the host.
+    """
+
+    def __init__(self, result: torch.Tensor, work=None, source: torch.Tensor | None = None):
+        self._result = result
+        self._work = work
+        self._source = source
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._source = None
+        return self._result
+
+
 @dataclass(eq=False)
 class GroupAxis:
     """One communication group as seen by this rank; size 1 makes every collective a no-op.
 
     ``calls`` counts the collectives issued (by op name) so tests can check the schedule, and
     ``payload_bytes`` adds up their full-size tensors (the all-reduced tensor, the gathered
-    output, the reduce-scattered input) for the dry run's traffic figures.
+    output, the reduce-scattered input) for the dry run's traffic figures; ``async_bytes`` is
+    the part of them issued with ``async_op`` (the ``start_`` methods), which may run behind
+    compute.
     """
 
     name: str
@@ -117,32 +139,54 @@ class GroupAxis:
     shapes_only: bool = False
     calls: collections.Counter = field(default_factory=collections.Counter)
     payload_bytes: collections.Counter = field(default_factory=collections.Counter)
+    async_bytes: collections.Counter = field(default_factory=collections.Counter)
 
-    def _count(self, op: str, full: torch.Tensor) -> None:
+    def _count(self, op: str, full: torch.Tensor, async_op: bool = False) -> None:
         self.calls[op] += 1
-        self.payload_bytes[op] += full.numel() * full.element_size()
-
-    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place all-reduce of ``tensor`` over the group (``sum``, ``max`` or ``min``)."""
-        if self.size > 1:
-            self._count(f"all_reduce_{op}", tensor)
-            if not self._shapes_only(tensor):
-                dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group)
-        return tensor
+        nbytes = full.numel() * full.element_size()
+        self.payload_bytes[op] += nbytes
+        if async_op:
+            self.async_bytes[op] += nbytes
 
     def _shapes_only(self, tensor: torch.Tensor) -> bool:
         assert not self.shapes_only or tensor.is_meta, "a shapes-only axis takes meta tensors"
         return self.shapes_only
 
+    def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of ``tensor`` over the group (``sum``, ``max`` or ``min``)."""
+        return self._all_reduce(tensor, op, async_op=False).wait()
+
+    def start_all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> Pending:
+        """:meth:`all_reduce_` issued in the background; ``tensor`` is the result once waited."""
+        return self._all_reduce(tensor, op, async_op=True)
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str, async_op: bool) -> Pending:
+        if self.size == 1:
+            return Pending(tensor)
+        self._count(f"all_reduce_{op}", tensor, async_op)
+        work = None
+        if not self._shapes_only(tensor):
+            work = dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group, async_op=async_op)
+        return Pending(tensor, work)
+
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Concatenation of every member's equally sized 1-D shard, in group-rank order."""
+        return self._all_gather(shard, async_op=False).wait()
+
+    def start_all_gather(self, shard: torch.Tensor) -> Pending:
+        """:meth:`all_gather` issued in the background."""
+        return self._all_gather(shard, async_op=True)
+
+    def _all_gather(self, shard: torch.Tensor, async_op: bool) -> Pending:
         if self.size == 1:
-            return shard
+            return Pending(shard)
         out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
-        self._count("all_gather", out)
-        if not self._shapes_only(out):
-            _all_gather_flat(out, shard.contiguous(), group=self.group)
-        return out
+        self._count("all_gather", out, async_op)
+        if self._shapes_only(out):
+            return Pending(out)
+        shard = shard.contiguous()
+        work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
+        return Pending(out, work, shard)
 
     def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
         """Chunk k of dim 0 (``size`` equal chunks) goes to member k; chunk k of the result
@@ -158,13 +202,22 @@ class GroupAxis:
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
+        return self._reduce_scatter(full, async_op=False).wait()
+
+    def start_reduce_scatter(self, full: torch.Tensor) -> Pending:
+        """:meth:`reduce_scatter` issued in the background."""
+        return self._reduce_scatter(full, async_op=True)
+
+    def _reduce_scatter(self, full: torch.Tensor, async_op: bool) -> Pending:
         if self.size == 1:
-            return full
-        self._count("reduce_scatter", full)
+            return Pending(full)
+        self._count("reduce_scatter", full, async_op)
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
-        if not self._shapes_only(out):
-            _reduce_scatter_flat(out, full.contiguous(), group=self.group)
-        return out
+        if self._shapes_only(out):
+            return Pending(out)
+        full = full.contiguous()
+        work = _reduce_scatter_flat(out, full, group=self.group, async_op=async_op)
+        return Pending(out, work, full)
 
 
 @dataclass(eq=False)

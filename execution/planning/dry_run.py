@@ -31,7 +31,7 @@ from execution.engine.plan import GiB, MemoryPlan
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
-from execution.planning.measure import meta_step
+from execution.planning.measure import Window, meta_step
 from execution.planning.memory import MemoryBudget
 from execution.planning.planner import choose_or_least
 from modelling.gpt import PARTS, GPTShapes
@@ -112,6 +112,9 @@ class RankMeasurement:
     comm_bytes: dict[str, int]  # per group, bytes this rank sends; plus host_link
     comm_seconds: dict[str, float]
     flops: int
+    # Per kind of phase, summed over its phases: (FLOPs, seconds of transfers that run behind
+    # them, seconds of collectives they wait for); see :func:`phase_costs`.
+    phases: dict[str, tuple[float, float, float]]
 
 
 def spec_budget(spec: DeviceSpec) -> MemoryBudget:
@@ -133,7 +136,49 @@ def measure_planned_step(
     comm["host_link"] = store.host_to_device + store.device_to_host
     seconds["host_link"] = comm["host_link"] / (spec.host_link_gb_per_s * 1e9)
     buffers = step.engine.buffer_bytes()
-    return RankMeasurement(plan, True, "", buffers, step.working_set, comm, seconds, step.flops)
+    phases = phase_costs(step.windows, layout, spec)
+    return RankMeasurement(
+        plan, True, "", buffers, step.working_set, comm, seconds, step.flops, phases
+    )
+
+
+def phase_costs(
+    windows: list[Window], layout: ParallelLayout, spec: DeviceSpec
+) -> dict[str, tuple[float, float, float]]:
+    """Per kind of phase, summed over its phases: FLOPs, seconds of overlappable transfers and
+    seconds of collectives on the critical path.
+
+    Overlappable, behind a phase's compute: its host copies (prefetched), the async
+    all-gathers started just before it (the next phase's weights) and the async reductions
+    the previous phase started (its gradients, waited for a phase later). They share the time
+    behind compute one after the other (conservatively: PCIe and the network could run side
+    by side). Critical: every collective waited for where it is issued, which is all of the
+    tensor-parallel ones. The optimizer window has no FLOPs counted, so what runs there is
+    exposed.
+    """
+    axes = {axis.name: axis for axis in layout.axes()}
+    link = spec.host_link_gb_per_s * 1e9
+    out: dict[str, list[float]] = {}
+    carried = 0.0  # async reductions of the previous window
+    for window in windows:
+        gathers = reductions = critical = 0.0
+        for name, axis in axes.items():
+            for op, nbytes in window.async_bytes[name].items():
+                if op == "all_gather":
+                    gathers += _seconds(axis, op, nbytes, spec)
+                else:
+                    reductions += _seconds(axis, op, nbytes, spec)
+            critical += sum(
+                _seconds(axis, op, n, spec) for op, n in window.sync_bytes[name].items()
+            )
+        overlappable = window.host_bytes / link + gathers + carried
+        carried = reductions
+        sums = out.setdefault(window.kind, [0.0, 0.0, 0.0])
+        for index, value in enumerate((window.flops, overlappable, critical)):
+            sums[index] += value
+    if carried:  # reductions started in the last window: nothing is left to hide them
+        out.setdefault("optimizer", [0.0, 0.0, 0.0])[2] += carried
+    return {kind: tuple(sums) for kind, sums in out.items()}
 
 
 def checkpoint_figures(
@@ -192,9 +237,20 @@ def _axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:
     sent = sum(
         RING_FACTOR[_op_family(op)](axis.size) * nbytes for op, nbytes in axis.payload_bytes.items()
     )
+    return int(sent), sent / _bandwidth(axis, spec)
+
+
+def _bandwidth(axis: GroupAxis, spec: DeviceSpec) -> float:
+    """Bytes per second a member sends on the group: NVLink inside a node, else the network."""
     nodes = {member // spec.devices_per_node for member in axis.members}
-    bandwidth = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
-    return int(sent), sent / (bandwidth * 1e9)
+    return (spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s) * 1e9
+
+
+def _seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec) -> float:
+    """Seconds of one op's ``payload`` bytes on the group (ring algorithms)."""
+    if axis.size == 1 or not payload:
+        return 0.0
+    return RING_FACTOR[_op_family(op)](axis.size) * payload / _bandwidth(axis, spec)
 
 
 def _op_family(op: str) -> str:
@@ -224,18 +280,31 @@ def _why(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
 
 
 def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:
-    """Step time and MFU from a rank's measurements: compute overlaps host copies (they are
-    prefetched), collectives do not overlap compute."""
-    compute = m.flops / (spec.peak_tflops * 1e12 * spec.compute_efficiency)
-    collectives = sum(v for k, v in m.comm_seconds.items() if k != "host_link")
-    step = max(compute, m.comm_seconds["host_link"]) + collectives
+    """Step time and MFU from a rank's measurements.
+
+    Per phase, the step waits for the larger of its compute and the transfers that run behind
+    it (host copies, and with ``--overlap_communication`` the data-parallel all-gathers and
+    reductions), plus the collectives on its critical path (tensor-parallel ones, and every
+    collective without overlap). Phases of a kind are alike, so the sum over a kind is the
+    same formula over the kind's sums. Communication that fits behind compute is reported as
+    hidden, the rest (and the critical path) as exposed.
+    """
+    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
+    step = hidden = 0.0
+    for flops, overlappable, critical in m.phases.values():
+        compute = flops / rate
+        step += max(compute, overlappable) + critical
+        hidden += min(compute, overlappable)
+    compute = m.flops / rate
     model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     return {
         "step_time_s": step,
         "mfu": per_rank / (step * spec.peak_tflops * 1e12),
         "compute_s": compute,
-        "collectives_s": collectives,
+        "collectives_s": sum(v for k, v in m.comm_seconds.items() if k != "host_link"),
+        "hidden_comm_s": hidden,
+        "exposed_comm_s": step - compute,
     }
 
 
@@ -279,6 +348,7 @@ def _plan_dict(plan: MemoryPlan) -> dict:
         "passes": plan.passes,
         "micro_batches_per_pass": plan.micro_batches_per_pass,
         "placement": vars(plan.placement),
+        "recompute": plan.recompute,
     }
 
 
@@ -300,6 +370,7 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
             f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
             f"{plan['micro_batches_per_pass']} micro-batch(es), "
             + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items())
+            + f", recompute {plan['recompute']}"
         )
         lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
         for where in ("device", "host"):
@@ -311,8 +382,10 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
         )
         lines.append(
             f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
-            f"estimated step {entry['step_time_s']:,.2f} s (compute {entry['compute_s']:,.2f} s, "
-            f"collectives {entry['collectives_s']:,.2f} s), MFU {entry['mfu']:.1%}"
+            f"estimated step {entry['step_time_s']:,.2f} s = compute {entry['compute_s']:,.2f} s "
+            f"+ exposed communication {entry['exposed_comm_s']:,.2f} s "
+            f"(hidden behind compute {entry['hidden_comm_s']:,.2f} s; collectives "
+            f"{entry['collectives_s']:,.2f} s in all), MFU {entry['mfu']:.1%}"
         )
         ckpt = entry["checkpoint"]
         lines.append(

@@ -3,25 +3,97 @@
 :func:`meta_step` runs the real engine's set-up and one training step on meta tensors under a
 :class:`~execution.planning.step_meter.StepMeter`: every shape, split and collective of the real
 code runs without memory, data or devices, and what it allocates and computes is counted. The
-planner measures one layer and one micro-batch of it for a plan's working set; the dry run
+planner measures three layers and two passes of one micro-batch of it for a plan's working set; the dry run
 measures the full step of every kind of rank; ``--plan_for`` measures shrunk steps and
 extrapolates.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from dataclasses import dataclass
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
 
 import torch
 
 from config.schema import PretrainingConfig
 from execution.engine.phases import PhasedEngine
 from execution.engine.plan import MemoryPlan, Placement
+from execution.engine.recompute import (
+    attention_kernel,
+    attention_on_meta,
+    kept_layer_on_meta,
+    meta_block,
+)
+from execution.engine.schedule import Phase
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
-from execution.planning.step_meter import FlashAttentionOnMeta, StepMeter
+from execution.planning.step_meter import StepMeter
+from modelling.layers import BlockSeeds
+
+
+@dataclass
+class Window:
+    """What happened while one phase ran (``kind``), or after the last (``optimizer``: the
+    norm, the update and their transfers).
+
+    Attributes:
+        kind: The phase's kind (:mod:`execution.engine.schedule`) or ``optimizer``.
+        flops: Floating-point operations executed.
+        host_bytes: Bytes copied over the host link.
+        sync_bytes: Per axis and op, payload bytes of the collectives waited for where issued.
+        async_bytes: Per axis and op, payload bytes of the collectives issued asynchronously.
+    """
+
+    kind: str
+    flops: int = 0
+    host_bytes: int = 0
+    sync_bytes: dict[str, Counter] = field(default_factory=dict)
+    async_bytes: dict[str, Counter] = field(default_factory=dict)
+
+
+class PhaseRecorder:
+    """Splits a step's FLOPs, host copies and collectives into one :class:`Window` per phase,
+    by reading the counters at each phase's start (the engine's ``on_phase`` hook)."""
+
+    def __init__(self, meter: StepMeter, engine: PhasedEngine):
+        self.meter, self.engine = meter, engine
+        self.windows: list[Window] = []
+        self._last = self._counters()
+        self._kind: str | None = None
+
+    def _counters(self) -> tuple:
+        store, axes = self.engine.state, self.engine.layout.axes()
+        return (
+            self.meter.flops,
+            store.host_to_device + store.device_to_host,
+            {a.name: Counter(a.payload_bytes) for a in axes},
+            {a.name: Counter(a.async_bytes) for a in axes},
+        )
+
+    def _close(self) -> None:
+        now = self._counters()
+        if self._kind is not None:
+            flops, host, payload, asynchronous = (
+                now[0] - self._last[0],
+                now[1] - self._last[1],
+                {a: now[2][a] - self._last[2][a] for a in now[2]},
+                {a: now[3][a] - self._last[3][a] for a in now[3]},
+            )
+            sync = {a: payload[a] - asynchronous[a] for a in payload}
+            self.windows.append(Window(self._kind, flops, host, sync, asynchronous))
+        self._last = now
+
+    def start(self, phase: Phase | None) -> None:
+        """The engine's ``on_phase``: a phase starts (None: the step's phases are done)."""
+        self._close()
+        self._kind = phase.kind if phase is not None else "optimizer"
+
+    def finish(self) -> None:
+        """Closes the optimizer's window (call after the step)."""
+        self._close()
+        self._kind = None
 
 
 @dataclass
@@ -32,15 +104,17 @@ class StepMeasurement:
         engine: The engine that ran it (its buffers, and its layout's collective counters).
         working_set: Peak bytes allocated beyond the buffers.
         flops: Floating-point operations executed (recomputation included).
+        windows: The same per phase (:class:`Window`), in order.
     """
 
     engine: PhasedEngine
     working_set: int
     flops: int
+    windows: list[Window] = field(default_factory=list)
 
 
 def meta_step(
-    config: PretrainingConfig, plan: MemoryPlan, layout: ParallelLayout, flash: bool = True
+    config: PretrainingConfig, plan: MemoryPlan, layout: ParallelLayout, kernel: str = "flash"
 ) -> StepMeasurement:
     """Builds the engine of ``config`` on ``layout`` (meta) and measures one training step.
 
@@ -48,16 +122,19 @@ def meta_step(
         config: The run, or a shrunk copy of it (:func:`shrunk_config`).
         plan: Passes and placements to run by.
         layout: A meta layout: ``ParallelLayout.shapes_only`` or one built on a fake job.
-        flash: Attention runs as the flash kernel a GPU (or a CPU without dropout) would use.
+        kernel: The attention kernel to run as (:func:`attention_kernel`; a GPU's by
+            default).
     """
     ex = config.execution
     engine = PhasedEngine(config, layout, plan)
     shape = (config.gradient_accumulation, ex.micro_batch_size, config.model.sequence_length + 1)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
-    attention = FlashAttentionOnMeta() if flash else contextlib.nullcontext()
-    with attention, StepMeter() as meter:
+    with attention_on_meta(kernel), StepMeter() as meter:
+        recorder = PhaseRecorder(meter, engine)
+        engine.on_phase = recorder.start
         engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
-    return StepMeasurement(engine, meter.peak, meter.flops)
+        recorder.finish()
+    return StepMeasurement(engine, meter.peak, meter.flops, recorder.windows)
 
 
 def shrunk_config(
@@ -76,24 +153,61 @@ def shrunk_config(
 _MEASURED: dict[tuple, int] = {}
 
 
-def measured_working_set(config: PretrainingConfig, device_type: str) -> int:
+def measured_working_set(
+    config: PretrainingConfig, device_type: str, recompute: str = "full"
+) -> int:
     """Peak bytes one step allocates beyond the buffers, measured, for this rank's shapes.
 
-    Runs one decoder layer and one micro-batch of the real engine on meta tensors (collectives
-    only shape their outputs), with every state on the host: loads from the host are copies,
-    so this bounds every placement. Attention runs as the kernel the device would use (flash
-    on a GPU, and on a CPU without dropout). The result does not depend on the number of
-    layers or micro-batches, which only repeat the same phases.
+    Runs up to three decoder layers and two passes of one micro-batch of the real engine on
+    meta tensors (collectives only shape their outputs), with every state on the host: loads
+    from the host are copies, so this bounds every placement. Attention runs as the kernel the
+    device would use (:func:`attention_kernel`), and layers keep for their backward what
+    ``recompute`` says. With overlapped communication a phase also holds the next phase's
+    gathered weights and the previous phase's gradients in flight: the middle of three layers
+    meets the worst of that within a pass (a layer ahead and a layer behind), which every
+    further layer repeats, and the second pass meets it across a pass boundary (the
+    embedding's gradients in flight behind the next pass's first phases). Further
+    micro-batches repeat a phase's body, so the result does not depend on more layers, passes
+    or micro-batches.
     """
     ex = config.execution
-    flash = device_type == "cuda" or config.model.dropout_prob == 0.0
-    small = shrunk_config(config, layers=1, micro_batches=1, passes=1)
+    kernel = attention_kernel(device_type, config.model.dropout_prob)
+    small = shrunk_config(config, layers=min(3, config.model.layers), micro_batches=2, passes=2)
+    rank = RankShape.from_config(small)
     # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
-    key = (RankShape.from_config(small), flash, config.model.dropout_prob, ex.prefetch)
+    key = (rank, kernel, ex.prefetch, ex.overlap_communication, recompute)
     if key not in _MEASURED:
         host = Placement("host", "host", "host")
-        plan = MemoryPlan(1, 1, host, {}, 0, 0, shared_memory=False)
+        kept = rank.kept(recompute, kernel).entry
+        plan = MemoryPlan(2, 1, host, {}, 0, 0, False, recompute, kept)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
         layout = ParallelLayout.shapes_only(*mesh, cp=ex.context_parallel)
-        _MEASURED[key] = meta_step(small, plan, layout, flash).working_set
+        _MEASURED[key] = meta_step(small, plan, layout, kernel).working_set
     return _MEASURED[key]
+
+
+@functools.cache
+def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:
+    """FLOPs one decoder layer's backward spends per micro-batch recomputing what its forward
+    did not keep, measured on meta tensors with attention as ``kernel``: the whole layer
+    forward (``full``), what a checkpointed attention core recomputes beyond keeping
+    everything (``selective``: a layer's forward and backward against ``none``'s; checkpoint
+    stops recomputing once the backward has what it needs, so this is less than the core's
+    forward), or nothing (``none``)."""
+    if recompute == "none":
+        return 0
+    s = rank.shapes
+    if recompute == "selective":
+        flops = []
+        for mode in ("selective", "none"):
+            with StepMeter() as meter:
+                kept_layer_on_meta(s, rank.micro_batch, rank.sequence, rank.dtype, mode, kernel)
+            flops.append(meter.flops)
+        return flops[0] - flops[1]
+    x = torch.empty(
+        rank.micro_batch, rank.sequence, s.hidden // s.tp2, dtype=rank.dtype, device="meta"
+    )
+    seeds = BlockSeeds(1, 2, 3) if s.dropout_prob else None
+    with attention_on_meta(kernel), StepMeter() as meter, torch.no_grad():
+        meta_block(s)(x, seeds)
+    return meter.flops

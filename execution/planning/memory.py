@@ -10,7 +10,8 @@ Three states are placed, each on the compute device or in host memory:
   load instead of the masters;
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
   micro-batches of one pass, in the compute dtype; a context-parallel rank holds its 1/cp
-  piece of every sequence.
+  piece of every sequence. With ``--recompute selective`` or ``none`` also what each layer
+  keeps for its backward (measured: :mod:`execution.engine.recompute`).
 
 Byte counts come from the same functions the buffers are allocated by
 (:mod:`execution.engine.buffers`), so a plan can never disagree with what is allocated. The
@@ -38,6 +39,7 @@ from execution.engine.buffers import (
     weight_copy_dtype,
 )
 from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.engine.recompute import KeptBytes, kept_bytes
 from execution.parallel.sharding import rts_sizes
 from modelling.gpt import PARTS, GPTShapes
 
@@ -124,9 +126,14 @@ class RankShape:
         s = self.shapes
         return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2, self.cp))
 
-    def activation_layout(self, entries: int) -> ActivationLayout:
+    def kept(self, recompute: str, kernel: str) -> KeptBytes:
+        """What a decoder layer keeps per micro-batch for its backward (measured)."""
+        s = self
+        return kept_bytes(s.shapes, s.micro_batch, s.sequence, s.dtype, recompute, kernel)
+
+    def activation_layout(self, entries: int, kept: int = 0) -> ActivationLayout:
         return ActivationLayout.of(
-            self.shapes, entries, self.micro_batch, self.sequence, self.dtype
+            self.shapes, entries, self.micro_batch, self.sequence, self.dtype, kept
         )
 
 
@@ -134,9 +141,12 @@ def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
     return math.ceil(gradient_accumulation / passes)
 
 
-def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str, int]:
+def state_bytes(
+    rank: RankShape, entries: int, placement: Placement, kept: int = 0
+) -> dict[str, int]:
     """Bytes of each state's buffers on one rank, from the allocating classes' own formulas
-    (``placement`` decides whether compute-dtype weight copies are kept)."""
+    (``placement`` decides whether compute-dtype weight copies are kept; ``kept``: bytes a
+    layer keeps per micro-batch for its backward)."""
     specs, layers = rank.specs, rank.shapes.layers
     copy_dtype = weight_copy_dtype(placement.weights == "host", rank.dtype)
 
@@ -151,18 +161,19 @@ def state_bytes(rank: RankShape, entries: int, placement: Placement) -> dict[str
         "weight_copies": sum(
             PartBuffers.planned_copy_nbytes(specs[p], rows_of(p, layers), copy_dtype) for p in PARTS
         ),
-        "activations": rank.activation_layout(entries).planned_nbytes(),
+        "activations": rank.activation_layout(entries, kept).planned_nbytes(),
     }
 
 
 def working_set_bytes(
-    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool
+    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool, overlap: bool
 ) -> int:
     """A quick estimate of the transient device bytes of the largest phase.
 
     Used only to advise which flags would make a misfit fit (a measurement per candidate
     layout would take minutes); plans are chosen with :func:`measured_working_set`. With
-    ``prefetch`` and host weights, a phase also holds the next phase's weight shards.
+    ``overlap`` a phase also holds the next phase's gathered weights and the last phase's
+    gradients; otherwise, with ``prefetch`` and host weights, the next phase's weight shards.
     """
     s, b = rank.shapes, rank.dtype.itemsize
     specs = rank.specs
@@ -183,26 +194,38 @@ def working_set_bytes(
     vocab = s.vocab_padded // s.tp1
     head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
     largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
-    optimizer = (28 if placement.weights == "host" else 12) * largest_row
+    # Host weights are updated on the host; a device update holds a gradient and two temporaries.
+    optimizer = 0 if placement.weights == "host" else 12 * largest_row
     ahead = 0
-    if prefetch and placement.weights == "host":
+    if overlap:  # the next phase's gathered weights, and the last phase's gradients in flight
+        ahead = b * max(local("layers"), local("head") + local("embedding")) + 4 * local("layers")
+    elif prefetch and placement.weights == "host":
         ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
     return max(layer + ahead, head + ahead, optimizer)
 
 
-def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: int) -> int:
+def host_traffic(
+    rank: RankShape,
+    placement: Placement,
+    passes: int,
+    entries: int,
+    kept: KeptBytes | None = None,
+) -> int:
     """Bytes a step moves between host and device under a placement (0 for all-device).
 
     Counts exactly what :class:`execution.engine.state.StateStore` copies (a test holds the two
     together): per pass each part's weights are loaded for forward and backward (the word
-    embedding a third time, tied in the head), gradients are stored and, after the first pass,
-    read back to accumulate (the embedding's twice: the head's tied part and its own); the
-    optimizer reads gradients, weights and moments once and writes weights and moments back
-    (and the compute-dtype copies of host weights, which the loads then read instead);
-    each micro-batch stores x at L + 1 boundaries and reads it 2L + 1 times, and stores and
-    reads dx at L + 1.
+    embedding a third time, tied in the head; from the compute-dtype copies of host weights
+    where kept), gradients are stored and, after the first pass, read back to accumulate (the
+    embedding's twice: the head's tied part and its own); host weights are updated on the
+    host, in place, so only gradients kept on the device cross the link for the optimizer,
+    while device weights read host gradients once; each micro-batch stores x at L + 1
+    boundaries and reads it 2L + 1 times (L + 1 when layers keep their activations: the
+    backward then does not read x), stores and reads dx at L + 1, and per layer stores and
+    reads back what the layer keeps.
     """
     specs, layers = rank.specs, rank.shapes.layers
+    kept = kept or KeptBytes()
 
     def fp32(part: str) -> int:  # bytes of one state of a part (all its rows)
         return PartBuffers.planned_nbytes(specs[part], rows_of(part, layers), ("weights",))
@@ -213,13 +236,18 @@ def host_traffic(rank: RankShape, placement: Placement, passes: int, entries: in
     traffic = 0
     if placement.weights == "host":
         loads = passes * (2 * lay + 3 * emb + head)
-        if copies:  # loads read the compute-dtype copies; the optimizer refreshes them
-            loads = loads * rank.dtype.itemsize // 4 + copies
-        traffic += loads + 6 * total
+        if copies:  # loads read the compute-dtype copies (refreshed on the host)
+            loads = loads * rank.dtype.itemsize // 4
+        traffic += loads
     if placement.grads == "host":
-        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb + total
+        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb
+    if placement.weights != placement.grads:  # the optimizer brings the gradients to the update
+        traffic += total
     if placement.activations == "host":
         layout = rank.activation_layout(entries)
-        per_micro = (3 * layers + 2) * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
-        traffic += per_micro * rank.gradient_accumulation * rank.dtype.itemsize
+        x_moves = (3 if not kept.entry else 2) * layers + 2
+        per_micro = x_moves * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
+        per_micro *= rank.dtype.itemsize
+        per_micro += layers * (kept.stored + kept.loaded)
+        traffic += per_micro * rank.gradient_accumulation
     return traffic

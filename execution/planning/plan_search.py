@@ -45,7 +45,10 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
     """Rank 0's FLOPs, bytes per group and working set for the full step, from six small ones.
 
     Returns:
-        (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set).
+        (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set,
+        per kind of phase its summed FLOPs, overlappable and critical seconds). The phase sums
+        are linear in the same terms: a kind's phases repeat per layer and pass, and their
+        work per micro-batch.
     """
     placement = vars(plan.placement)
     samples, working_set = [], 0
@@ -54,6 +57,7 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
             small = shrunk_config(config, layers, micro, passes)
             for state, where in placement.items():
                 setattr(small.execution, f"{state}_placement", where)
+            small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
             small_plan = next(iter(candidate_plans(small, "cuda")))
             step = measure_planned_step(small, small_plan, spec)
             samples.append(step)
@@ -71,7 +75,16 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
         rate = samples[-1].comm_seconds[group] / max(samples[-1].comm_bytes[group], 1)
         seconds[group] = nbytes * rate
     flops = totals.pop("flops")
-    return flops, totals, seconds, working_set
+    kinds = sorted({kind for sample in samples for kind in sample.phases})
+    per_sample = [
+        [v for kind in kinds for v in sample.phases.get(kind, (0.0, 0.0, 0.0))]
+        for sample in samples
+    ]
+    sums = full @ np.linalg.solve(matrix, np.array(per_sample, dtype=np.float64))
+    phases = {
+        kind: tuple(float(v) for v in sums[3 * i : 3 * i + 3]) for i, kind in enumerate(kinds)
+    }
+    return flops, totals, seconds, working_set, phases
 
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
@@ -106,12 +119,12 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
         if plan is None:
             misfits += 1
             continue
-        flops, comm, seconds, working_set = extrapolated_step(candidate, plan, spec)
+        flops, comm, seconds, working_set, phases = extrapolated_step(candidate, plan, spec)
         plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
         if not budget.fits(plan):
             misfits += 1
             continue
-        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops)
+        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
         rows.append(
             {
                 "config": candidate,
@@ -139,7 +152,7 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     )
     header = (
         f"{'dp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  "
-        f"{'placement (w/g/a)':<21}"
+        f"{'placement (w/g/a)':<21}{'recompute':<10}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
         f"{'ckpt GB':>9} {'save s':>7}"
     )
@@ -150,7 +163,7 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         print(
             f"{ex.data_parallel:>3} {ex.context_parallel:>3} {ex.tensor_parallel_1:>4} "
             f"{ex.tensor_parallel_2:>4} "
-            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}"
+            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}{plan.recompute:<10}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
             f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"

@@ -10,15 +10,19 @@ least memory it needs and the single flag changes that would make it fit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
+from execution.engine.buffers import rows_of
 from execution.engine.phases import PhasedEngine
 from execution.engine.plan import PLACED_STATES, PLACES, GiB, MemoryPlan, Placement
-from execution.parallel.mesh import ParallelLayout
-from execution.planning.measure import measured_working_set
+from execution.engine.recompute import MODES, attention_kernel
+from execution.parallel.mesh import MeshShape, ParallelLayout
+from execution.planning.device_specs import resolve_spec
+from execution.planning.measure import measured_working_set, recompute_flops
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
@@ -28,6 +32,8 @@ from execution.planning.memory import (
     state_bytes,
     working_set_bytes,
 )
+from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
+from utils.metrics import flops_per_token
 
 
 def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
@@ -48,16 +54,18 @@ def candidate_plans(
     most_passes_only: bool = False,
     estimate_working_set: bool = False,
 ) -> list[MemoryPlan]:
-    """Every plan the flags allow, fastest first (least host traffic, then fewest passes).
+    """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
+    traffic, fewest states on the host, fewest passes, least kept).
 
     ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
     ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
     """
     rank = RankShape.from_config(config)
     fixed = requested_placement(config)
+    ex = config.execution
     ga = rank.gradient_accumulation
-    if config.execution.passes:
-        pass_options = [config.execution.passes]
+    if ex.passes:
+        pass_options = [ex.passes]
     elif most_passes_only:
         pass_options = [ga]
     else:  # each distinct number of micro-batches per pass, once
@@ -65,29 +73,36 @@ def candidate_plans(
             {math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)}
         )
     places = [[fixed[s]] if fixed[s] else list(PLACES) for s in PLACED_STATES]
+    kernel = attention_kernel(device_type, config.model.dropout_prob)
+    modes = list(MODES) if ex.recompute == "auto" else [ex.recompute]
+    if ex.context_parallel > 1:  # kept tensors are not planned around the all-to-all yet
+        modes = ["full"]
     shared = device_type == "cpu"
     plans = []
-    for where in itertools.product(*places):
+    for mode, where in itertools.product(modes, itertools.product(*places)):
         placement = Placement(*where)
+        kept = rank.kept(mode, kernel)
         if estimate_working_set:
-            flash = device_type == "cuda" or config.model.dropout_prob == 0.0
+            flash = kernel != "math"
             working = working_set_bytes(
-                rank, placement, flash_attention=flash, prefetch=config.execution.prefetch
+                rank, placement, flash, ex.prefetch, ex.overlap_communication
             )
         else:
-            working = measured_working_set(config, device_type)
+            working = measured_working_set(config, device_type, mode)
         for passes in pass_options:
             entries = micro_batches_per_pass(ga, passes)
-            traffic = 0 if shared else host_traffic(rank, placement, passes, entries)
+            traffic = 0 if shared else host_traffic(rank, placement, passes, entries, kept)
             plans.append(
                 MemoryPlan(
                     passes,
                     entries,
                     placement,
-                    state_bytes(rank, entries, placement),
+                    state_bytes(rank, entries, placement, kept.entry),
                     working,
                     traffic,
                     shared,
+                    mode,
+                    kept.entry,
                 )
             )
 
@@ -95,7 +110,43 @@ def candidate_plans(
     def hosted(plan: MemoryPlan) -> int:
         return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
 
-    return sorted(plans, key=lambda p: (p.traffic, hosted(p), p.passes))
+    seconds = functools.partial(step_seconds, config, rank, kernel)
+    return sorted(
+        plans,
+        key=lambda p: (seconds(p), p.traffic, hosted(p), p.passes, MODES.index(p.recompute)),
+    )
+
+
+def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: MemoryPlan):
+    """What the planner ranks plans by: a step's compute (the model's FLOPs and what the
+    backward recomputes) or its host copies, whichever is longer, plus the data-parallel
+    weight all-gathers that every pass after the first repeats. At ``--device_spec``'s
+    rates (on a CPU device only the relative sizes matter)."""
+    spec = resolve_spec(config)
+    model = flops_per_token(GPTShapes.from_config(config.model), rank.sequence)
+    flops = model * config.tokens_per_step / config.world_size
+    recompute = recompute_flops(rank, plan.recompute, kernel)
+    flops += recompute * rank.shapes.layers * rank.gradient_accumulation
+    compute = flops / (spec.peak_tflops * 1e12 * spec.compute_efficiency)
+    copies = plan.traffic / (spec.host_link_gb_per_s * 1e9)
+    return max(compute, copies) + (plan.passes - 1) * _pass_gather_seconds(config, rank, spec)
+
+
+def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
+    """Seconds of one pass's RTS all-gathers: each layer twice, the embedding three times,
+    the head once, in the compute dtype, over the data-parallel group's links."""
+    ex = config.execution
+    loads = {LAYERS: 2, EMBEDDING: 3, HEAD: 1}
+    sent = 0.0
+    for part, specs in rank.specs.items():
+        rows = rows_of(part, rank.shapes.layers)
+        for spec_ in specs.values():
+            share = (spec_.rts_size - 1) / spec_.rts_size
+            sent += loads[part] * rows * spec_.padded * rank.dtype.itemsize * share
+    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    nodes = {member // spec.devices_per_node for member in mesh.members("dp", 0)}
+    rate = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
+    return sent / (rate * 1e9)
 
 
 def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan | None:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
@@ -73,21 +71,3 @@ def _tensors(values) -> list[torch.Tensor]:
         elif isinstance(v, (tuple, list)):
             out.extend(t for t in v if isinstance(t, torch.Tensor))
     return out
-
-
-class FlashAttentionOnMeta(TorchFunctionMode):
-    """Runs attention as the flash kernel a GPU would use.
-
-    On the meta device ``scaled_dot_product_attention`` always takes the math path, which
-    materialises every score; the flash op's meta implementation has the real kernel's outputs
-    and saved tensors, so the working set and FLOPs are those of the GPU.
-    """
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:
-            q, k, v = args[:3]
-            dropout_p, causal = kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False)
-            flash = torch.ops.aten._scaled_dot_product_flash_attention
-            return flash(q, k, v, dropout_p, causal)[0]
-        return func(*args, **kwargs)

@@ -1,0 +1,315 @@
+"""What a decoder layer keeps from its forward for its backward (``--recompute``).
+
+- ``full``: nothing but its input x (already in the activation buffers); the backward phase
+  runs the layer forward again under autograd (the engine's original schedule).
+- ``none``: the forward phase runs under autograd and keeps the graph; every tensor autograd
+  saves goes into the layer's ``kept`` entry of the activation buffers (device or host, as
+  the plan places activations), and the backward phase only runs the backward.
+- ``selective`` (Korthikanti et al. 2022): as ``none``, but attention's core (scores,
+  softmax, dropout, the product with v) is checkpointed, so what it keeps is q, k and v, not
+  the ``[heads, seq, seq]`` tensors; the backward recomputes only the core.
+
+Weights are never kept: a saved tensor that lies in a gathered weight vector is recorded as
+its place in that vector, and the backward phase reads it from the same weights gathered
+again. Gradients reach the accumulators through :class:`_Bind`, and the graph is held by a
+one-element :class:`_Handle` instead of the layer's output, so a kept graph holds no memory
+but its ``kept`` entry. Dropout masks are drawn from the same explicit seeds as in ``full``
+(:mod:`modelling.layers`), so every mode computes the same numbers.
+
+The bytes of an entry are measured, not estimated: :func:`kept_bytes` runs the same packing
+over one layer's forward on meta tensors, with attention as the kernel the device runs; the
+buffers are allocated by that figure and the planner plans with it.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from execution.engine.buffers import FlatSpec, flat_specs
+from execution.parallel.mesh import ParallelLayout
+from execution.parallel.sharding import KINDS
+from modelling.gpt import GPT, LAYERS, GPTShapes
+from modelling.layers import BlockSeeds
+
+MODES = ("full", "selective", "none")
+# Each kept tensor starts on this many bytes, so any dtype can view its region.
+ALIGN = 16
+META = torch.device("meta")
+
+
+def attention_kernel(device_type: str, dropout_prob: float) -> str:
+    """The attention kernel ``scaled_dot_product_attention`` runs on a device, which decides
+    what it saves: ``flash`` on CUDA, ``cpu_flash`` on a CPU without dropout, else ``math``."""
+    if device_type == "cuda":
+        return "flash"
+    return "cpu_flash" if dropout_prob == 0.0 else "math"
+
+
+@contextlib.contextmanager
+def attention_on_meta(kernel: str) -> Iterator[None]:
+    """Runs attention on meta tensors as ``kernel`` would (the meta device takes the math
+    path), so that outputs, saved tensors and FLOPs are the device kernel's.
+
+    It replaces ``F.scaled_dot_product_attention`` for every thread, not a thread-local mode:
+    autograd runs a meta backward, and a selective recompute inside it, on its own thread.
+    Real tensors go to the original function.
+    """
+    op = {
+        "flash": torch.ops.aten._scaled_dot_product_flash_attention,
+        "cpu_flash": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
+    }.get(kernel)
+    original = F.scaled_dot_product_attention
+    if op is None:
+        yield
+        return
+
+    def attention(q, k, v, *args, dropout_p=0.0, is_causal=False, **kwargs):
+        if not q.is_meta or args or kwargs:
+            return original(q, k, v, *args, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+        return op(q, k, v, dropout_p, is_causal)[0]
+
+    F.scaled_dot_product_attention = attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
+
+
+def prepare_block(block: torch.nn.Module, mode: str) -> None:
+    """Makes a decoder block's attention core recompute in its backward (``selective``); only
+    where autograd records, so a forward without grad runs it plainly."""
+    if mode != "selective":
+        return
+    core = block.attn.core
+
+    def checkpointed(q, k, v, seeds):
+        if not torch.is_grad_enabled():
+            return core(q, k, v, seeds)
+        # The core seeds its own dropout, so the generator's state need not be saved.
+        return checkpoint(core, q, k, v, seeds, use_reentrant=False, preserve_rng_state=False)
+
+    block.attn.core = checkpointed
+
+
+class _Bind(torch.autograd.Function):
+    """Identity forward; backward hands the gradient to ``sinks[name]``, chosen at backward
+    time (the accumulator of the weight, or the dx of the layer's input)."""
+
+    @staticmethod
+    def forward(ctx, value, anchor, sinks, name):
+        ctx.sinks, ctx.name = sinks, name
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sinks[ctx.name](grad)
+        return None, None, None, None
+
+
+class _Handle(torch.autograd.Function):
+    """Stands for a layer's output in its kept graph: one element broadcast to the output's
+    shape, so the graph does not hold the output itself (which went to the x buffer)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.new_zeros(()).expand(y.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Packer:
+    """The ``pack`` hook of one layer's forward: each tensor autograd saves goes to the next
+    aligned region of ``entry`` (``store`` copies it there), once however often it is saved;
+    weights become their place in a gathered vector of ``flats``.
+
+    ``entry`` None measures only. A tensor that does not fit (the kernel saved more than was
+    measured) stays where it is and is counted in ``overflow``.
+    """
+
+    def __init__(self, entry, store, flats: dict[str, torch.Tensor]):
+        self.entry, self.store = entry, store
+        self.weights = {flat.untyped_storage()._cdata: kind for kind, flat in flats.items()}
+        self.offsets = {kind: flat.storage_offset() for kind, flat in flats.items()}
+        self.used = self.copied = self.overflow = 0
+        self._seen: dict[tuple, tuple] = {}
+        # Packed tensors stay referenced until the forward ends: their storages' addresses key
+        # _seen, and a storage freed meanwhile could lend its address to a new one.
+        self._alive: list[torch.Tensor] = []
+
+    def pack(self, t: torch.Tensor) -> tuple:
+        storage = t.untyped_storage()._cdata
+        kind = self.weights.get(storage)
+        if kind is not None:
+            return ("weight", kind, t.size(), t.stride(), t.storage_offset() - self.offsets[kind])
+        key = (storage, t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
+        if key in self._seen:
+            return self._seen[key]
+        nbytes = t.numel() * t.element_size()
+        start, end = self.used, -(-(self.used + nbytes) // ALIGN) * ALIGN
+        if self.entry is None:
+            packed = ("measured", t)
+        elif end > self.entry.numel():
+            self.overflow += nbytes
+            packed = ("kept", t)
+        else:
+            region = self.entry[start : start + nbytes].view(t.dtype).view(t.shape)
+            self.store(region, t)
+            packed = ("region", region)
+        self.used, self.copied = end, self.copied + nbytes
+        self._seen[key] = packed
+        self._alive.append(t)
+        return packed
+
+    def close(self) -> None:
+        self._seen.clear()
+        self._alive.clear()
+
+
+def _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks) -> tuple:
+    """One layer forward under autograd with its saved tensors packed by ``packer``; returns
+    the output and the handle of its graph."""
+    anchor = torch.empty(0, device=x.device, requires_grad=True)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, unpack):
+        weights = {}
+        for kind, flat in flats.items():
+            for name, view in specs[kind].views(flat).items():
+                weights[name] = _Bind.apply(view, anchor, sinks, name)
+        y = functional_call(block, weights, (_Bind.apply(x, anchor, sinks, "x"), seeds))
+        handle = _Handle.apply(y)
+    packer.close()
+    return y.detach(), handle
+
+
+class KeptLayers:
+    """The kept graphs of one step's layer forwards, until their backward (``none`` and
+    ``selective``).
+
+    Args:
+        block: The stateless decoder-block template (prepared by :func:`prepare_block`).
+        specs: How each kind's weights pack into a layer's gathered vectors.
+        entries: ``kept`` activation buffer, ``[layers, entries, bytes]`` of uint8.
+        store: Copies a tensor into a region of ``entries`` (counting host-link bytes).
+        load: A region of ``entries`` on the compute device (a copy when on the host).
+    """
+
+    def __init__(self, block, specs: dict[str, FlatSpec], entries, store, load):
+        self.block, self.specs = block, specs
+        self.entries, self.store, self.load = entries, store, load
+        self.overflow = 0  # bytes kept outside the buffer (0 when the measurement held)
+        self.largest = 0  # most bytes of an entry used (its size when the measurement held)
+        self._graphs: dict[tuple[int, int], torch.Tensor] = {}
+        self._sinks: dict[str, Callable] = {}
+        self._flats: dict[str, torch.Tensor] = {}
+
+    def _unpack(self, packed: tuple) -> torch.Tensor:
+        if packed[0] == "weight":
+            _, kind, size, stride, offset = packed
+            flat = self._flats[kind]
+            return flat.as_strided(size, stride, flat.storage_offset() + offset)
+        if packed[0] == "region":
+            return self.load(packed[1])
+        return packed[1]
+
+    def forward(self, layer, entry, flats, x, seeds) -> torch.Tensor:
+        """Layer ``layer``'s output for buffer entry ``entry``, its graph kept."""
+        packer = _Packer(self.entries[layer, entry], self.store, flats)
+        args = (self.block, self.specs, flats, x, seeds, packer, self._unpack, self._sinks)
+        y, self._graphs[layer, entry] = _bound_forward(*args)
+        self.overflow += packer.overflow
+        self.largest = max(self.largest, packer.used)
+        return y
+
+    def backward(self, layer, entry, flats, dy, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Backpropagates ``dy`` through the kept graph: adds the weights' gradients to
+        ``grads`` (views of the accumulators) and returns the gradient of the layer's input."""
+        handle = self._graphs.pop((layer, entry))
+        dx: list[torch.Tensor] = []
+        self._flats = flats
+        self._sinks.clear()
+        self._sinks.update({name: view.add_ for name, view in grads.items()})
+        self._sinks["x"] = dx.append
+        try:
+            torch.autograd.backward(handle, dy)
+        finally:  # in place: every kept graph's _Bind nodes hold this very dict
+            self._flats = {}
+            self._sinks.clear()
+        return dx[0]
+
+    def drop(self) -> None:
+        """Forgets graphs a step left behind (one that raised half-way)."""
+        self._graphs.clear()
+
+
+def meta_block(shapes: GPTShapes) -> torch.nn.Module:
+    """A decoder block of this shard's shapes on meta tensors, its collectives only shaping
+    their outputs."""
+    layout = ParallelLayout.shapes_only(1, shapes.tp1, shapes.tp2)
+    with torch.device(META):
+        return GPT(dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2).layers[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptBytes:
+    """What one decoder layer keeps per micro-batch, measured (all 0 for ``full``).
+
+    Attributes:
+        entry: Bytes of its entry in the ``kept`` buffer (regions aligned).
+        stored: Bytes copied into the entry by the forward.
+        loaded: Bytes read back by the backward (a region saved twice is read twice).
+    """
+
+    entry: int = 0
+    stored: int = 0
+    loaded: int = 0
+
+
+@functools.cache
+def kept_bytes(
+    shapes: GPTShapes, micro_batch: int, sequence: int, dtype: torch.dtype, mode: str, kernel: str
+) -> KeptBytes:
+    """What one decoder layer keeps per micro-batch under ``mode`` (see
+    :func:`kept_layer_on_meta`)."""
+    if mode == "full":
+        return KeptBytes()
+    return kept_layer_on_meta(shapes, micro_batch, sequence, dtype, mode, kernel)
+
+
+def kept_layer_on_meta(
+    shapes: GPTShapes, micro_batch: int, sequence: int, dtype: torch.dtype, mode: str, kernel: str
+) -> KeptBytes:
+    """One decoder layer's forward, keeping what ``mode`` keeps (``selective`` or ``none``)
+    through the engine's packing, and its backward, on meta tensors with attention running
+    as ``kernel`` (:func:`attention_kernel`); returns the bytes kept, stored and loaded."""
+    block = meta_block(shapes)
+    prepare_block(block, mode)
+    specs = flat_specs(shapes, dict.fromkeys(KINDS, 1))[LAYERS]
+    flats = {k: torch.empty(s.padded, dtype=dtype, device=META) for k, s in specs.items()}
+    x = torch.empty(micro_batch, sequence, shapes.hidden // shapes.tp2, dtype=dtype, device=META)
+    seeds = BlockSeeds(1, 2, 3) if shapes.dropout_prob else None
+    packer = _Packer(None, None, flats)
+    loaded = 0
+
+    def unpack(packed: tuple) -> torch.Tensor:
+        nonlocal loaded
+        if packed[0] == "weight":
+            _, kind, size, stride, offset = packed
+            return flats[kind].as_strided(size, stride, offset)
+        loaded += packed[1].numel() * packed[1].element_size()
+        return packed[1]
+
+    sinks = collections.defaultdict(lambda: lambda grad: None)
+    with attention_on_meta(kernel):
+        _, handle = _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks)
+        torch.autograd.backward(handle, torch.empty_like(x))
+    return KeptBytes(packer.used, packer.copied, loaded)
