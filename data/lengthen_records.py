@@ -27,7 +27,7 @@ if __package__ in (None, ""):  # run as `python data/lengthen_records.py`
 
 from data.dataset import read_index
 from data.errors import DataError
-from data.tfrecord_io import TFRecordWriter, decode_example, read_record
+from data.tfrecord_io import RoundRobinShards, decode_example, read_record
 from data.write_into_tfrecord import WindowCutter
 
 
@@ -58,23 +58,13 @@ def lengthen(source: Path, output: Path, seq_length: int, num_shards: int) -> in
     """Writes the stream of ``source`` as records of ``seq_length + 1`` ids; returns how many."""
     metadata = json.loads((source / "metadata.json").read_text())
     output.mkdir(parents=True, exist_ok=True)
-    writers = [TFRecordWriter(output / f"data_{i:04d}.tfrecord") for i in range(num_shards)]
+    paths = [output / f"data_{i:04d}.tfrecord" for i in range(num_shards)]
     cutter = WindowCutter(seq_length + 1, seq_length)
-    count = 0
-    try:
+    with RoundRobinShards(paths) as shards_out:
         for ids in token_stream(source):
             for window in cutter.feed(ids):
-                writers[count % num_shards].write(window)
-                count += 1
-    except BaseException:
-        for writer in writers:
-            writer.abort()
-        raise
-    for writer in writers:
-        writer.close()
-        if writer.num_records == 0:
-            writer.path.unlink()
-            writer.path.with_name(writer.path.name + ".index").unlink(missing_ok=True)
+                shards_out.write(window)
+    count, writers = shards_out.count, shards_out.writers
     if count == 0:
         raise DataError(
             f"{source} holds {metadata['tokens']} tokens, fewer than one record of "

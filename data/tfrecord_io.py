@@ -357,3 +357,37 @@ class TFRecordWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class RoundRobinShards:
+    """Windows written in turn to ``len(paths)`` TFRecord shards, as a context manager.
+
+    On an error (or an interrupt) every shard is deleted: half-written shards would look like
+    data to a ``*.tfrecord`` glob. On success every shard is closed (index written) and those
+    that got no window (fewer windows than shards) are deleted with their index.
+
+    Attributes:
+        writers: One :class:`TFRecordWriter` per shard.
+        count: Windows written so far.
+    """
+
+    def __init__(self, paths: list[Path]):
+        self.writers = [TFRecordWriter(path) for path in paths]
+        self.count = 0
+
+    def write(self, window: np.ndarray) -> None:
+        self.writers[self.count % len(self.writers)].write(window)
+        self.count += 1
+
+    def __enter__(self) -> RoundRobinShards:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        for writer in self.writers:
+            if exc_type is not None:
+                writer.abort()
+                continue
+            writer.close()
+            if writer.num_records == 0:
+                writer.path.unlink()
+                index_path_for(writer.path).unlink()

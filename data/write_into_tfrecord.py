@@ -36,7 +36,7 @@ if __package__ in (None, ""):  # run as `python data/write_into_tfrecord.py`
 from data.errors import DataError
 from data.parallel import ordered_map, run_script
 from data.progress import Progress
-from data.tfrecord_io import TFRecordWriter, index_path_for
+from data.tfrecord_io import RoundRobinShards, index_path_for
 from data.tokenizer import GPT2_EOT_TOKEN, TokenizerSpec, load_tokenizer
 
 CHUNK_BYTES = 1 << 20  # text per worker task: large enough to amortise the IPC, small for memory
@@ -224,29 +224,18 @@ def write_tfrecords(
         index_path_for(path).unlink(missing_ok=True)
 
     length = seq_length + 1
-    writers = [TFRecordWriter(output_dir / f"{prefix}_{i:04d}.tfrecord") for i in range(num_shards)]
+    paths = [output_dir / f"{prefix}_{i:04d}.tfrecord" for i in range(num_shards)]
     cutter = WindowCutter(length, stride)
     progress = Progress("write")
-    num_windows = 0
-    try:
+    with RoundRobinShards(paths) as shards_out:
         chunks = iter_chunks(iter_documents(files, input_format))
         for ids, num_docs, num_bytes in ordered_map(
             tokenize_chunk, chunks, workers, _init_worker, (spec,)
         ):
             for window in cutter.feed(ids):
-                writers[num_windows % num_shards].write(window)
-                num_windows += 1
+                shards_out.write(window)
             progress.update(num_docs, len(ids), num_bytes)
-    except BaseException:
-        # Half-written shards would look like data to a '*.tfrecord' glob: remove them.
-        for writer in writers:
-            writer.abort()
-        raise
-    for writer in writers:
-        writer.close()
-        if writer.num_records == 0:  # fewer windows than shards: an empty file helps nobody
-            writer.path.unlink()
-            index_path_for(writer.path).unlink()
+    num_windows, writers = shards_out.count, shards_out.writers
     dropped = cutter.finish()
     progress.finish()
     if num_windows == 0:
