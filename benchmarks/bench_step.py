@@ -55,13 +55,12 @@ from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.buffers import DTYPES
 from execution.engine.optimizer import adamw_, adamw_threaded_, learning_rate
-from execution.engine.phases import mix_seed
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import shard_part
 from execution.planning.planner import planned_engine
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
-from modelling.layers import BlockSeeds
+from modelling.layers import BlockSeeds, mix_seed
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
 
 # Our engine's rows: the planner's choice, and the same run with the weights (and their AdamW

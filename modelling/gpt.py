@@ -106,6 +106,7 @@ class GPT(nn.Module):
             local_hidden,
             s.dropout_prob,
             tp1,
+            tp2,
             cp,
         )
         self.layers = nn.ModuleList(

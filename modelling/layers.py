@@ -10,14 +10,17 @@ each layer in backward and must reproduce the forward's masks exactly.
 
 Context parallelism (axis ``cp``): outside attention a rank holds piece ``cp.rank`` of
 ``cp.size`` equal pieces of every sequence (dim 1). Attention swaps the sequence split for a
-head split with an all-to-all and back (DeepSpeed-Ulysses, :func:`sequence_to_heads`). Dropout
-masks are those of the whole sequence, so every layout draws the single process's masks.
+head split with an all-to-all and back (DeepSpeed-Ulysses, :func:`sequence_to_heads`).
+
+Every layout draws the single process's dropout masks: a residual or embedding mask is drawn
+for the whole ``[B, S, h]`` tensor and each rank keeps its piece of the sequence (cp) and block
+of the hidden size (tp2); an attention-probability mask is drawn head by head, from a seed of
+the head's global index, so a tp1 shard or a cp head group draws exactly its heads' masks.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
@@ -49,6 +52,19 @@ class BlockSeeds(NamedTuple):
     mlp_residual: int
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*values: int) -> int:
+    """A well-spread 63-bit seed from integers (splitmix64 finaliser over the sequence)."""
+    h = 0x9E3779B97F4A7C15
+    for v in values:
+        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
+        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
+        h ^= h >> 29
+    return h >> 1
+
+
 @contextlib.contextmanager
 def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """Runs the block with the global generator of ``device`` set to ``seed``, then restores it.
@@ -67,25 +83,29 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
         yield
 
 
-def dropout(x: torch.Tensor, p: float, seed: int | None, cp: Axis = LOCAL) -> torch.Tensor:
+def dropout(
+    x: torch.Tensor, p: float, seed: int | None, cp: Axis = LOCAL, tp2: Axis = LOCAL
+) -> torch.Tensor:
     """Inverted dropout whose mask is a pure function of ``seed`` (no-op when seed is None).
 
-    ``x`` (B, s, ...) is piece ``cp.rank`` of the sequence (dim 1). The mask is the whole
-    sequence's, drawn as one process draws it, and this piece's slice of it is applied: the
-    generator's stream runs over the whole tensor, so a piece's mask cannot be drawn alone.
-    That costs the mask of the whole sequence for an instant (its elementwise work is small
-    beside the matmuls), and buys masks that do not depend on the layout.
+    ``x`` (B, s, h/tp2) is piece ``cp.rank`` of the sequence (dim 1) and block ``tp2.rank`` of
+    the hidden size. The mask is the whole tensor's, drawn as one process draws it, and this
+    rank's piece and block of it are applied: the generator's stream runs over the whole
+    tensor, so a part's mask cannot be drawn alone. That costs the mask of the whole (B, S, h)
+    for an instant, elementwise work far below the layer's matmuls, and buys masks that do not
+    depend on the layout.
     """
     if seed is None or p == 0.0:
         return x
     with seeded(seed, x.device):
-        if cp.size == 1:
+        if cp.size == 1 and tp2.size == 1:
             return F.dropout(x, p, training=True)
-        whole = (x.shape[0], x.shape[1] * cp.size, *x.shape[2:])
-        # F.dropout multiplies its input by this same scaled mask, so the piece is bitwise
-        # the piece of the single process's result.
-        mask = F.dropout(torch.ones(whole, dtype=x.dtype, device=x.device), p, training=True)
-    return x * mask.narrow(1, cp.rank * x.shape[1], x.shape[1])
+        B, s, h = x.shape
+        # F.dropout multiplies its input by this same scaled mask, so the part is bitwise
+        # the part of the single process's result.
+        ones = torch.ones(B, s * cp.size, h * tp2.size, dtype=x.dtype, device=x.device)
+        mask = F.dropout(ones, p, training=True)
+    return x * mask[:, cp.rank * s : (cp.rank + 1) * s, tp2.rank * h : (tp2.rank + 1) * h]
 
 
 class LayerNorm(nn.Module):
@@ -155,7 +175,7 @@ class Attention(nn.Module):
         # Columns hold [q | k | v] of the same local heads so a shard never splits a head.
         self.qkv = ParallelLinear(local_hidden, 3 * width, reduce_axis=tp2)
         self.out = ParallelLinear(width, local_hidden, reduce_axis=tp1)
-        self.head_dim = head_dim
+        self.local_heads, self.head_dim = local_heads, head_dim
         self.dropout_prob = dropout_prob
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
 
@@ -175,35 +195,28 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal, with dropout on the probabilities: the part
         whose activations grow with the square of the sequence (what selective recompute
-        recomputes)."""
+        recomputes).
+
+        With dropout, each head runs alone with its mask seeded by its global index (this tp1
+        shard's first head, then this cp group's, then the head's place in it), so every
+        layout draws the masks the single process draws. The kernel stays the fused one, once
+        per head instead of once for all of them.
+        """
         p = self.dropout_prob if seeds is not None else 0.0
-        if p and self.cp.size > 1:
-            return _attention_of_head_group(q, k, v, p, seeds.attention, self.cp)
-        with seeded(seeds.attention, q.device) if p else contextlib.nullcontext():
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-
-
-def _attention_of_head_group(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: int, cp: Axis
-) -> torch.Tensor:
-    """Causal attention with dropout for head group ``cp.rank`` of ``cp.size``, with the
-    dropout mask one process draws for all the groups' heads.
-
-    ``scaled_dot_product_attention`` draws its mask inside, for the heads it is given, so a
-    group's mask would not be the single process's. This is its math path written out
-    (bitwise the same on a CPU): the mask of every local head is drawn and this group's heads
-    are kept. That mask is (B, heads, S, S): exact, but only affordable for short sequences;
-    long contexts train without dropout (the 32k presets) and take the flash kernel above.
-    """
-    B, h, S, d = q.shape
-    scale = math.sqrt(1.0 / math.sqrt(d))
-    scores = (q * scale) @ (k * scale).transpose(-2, -1)  # (B, h, S, S)
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    with seeded(seed, q.device):
-        ones = torch.ones(B, h * cp.size, S, S, dtype=probs.dtype, device=q.device)
-        mask = F.dropout(ones, p, training=True)
-    return (probs * mask.narrow(1, cp.rank * h, h)) @ v
+        if not p:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        group = q.shape[1]  # local_heads / cp
+        first = self.tp1.rank * self.local_heads + self.cp.rank * group
+        heads = []
+        for n in range(group):
+            at = slice(n, n + 1)
+            with seeded(mix_seed(seeds.attention, first + n), q.device):
+                heads.append(
+                    F.scaled_dot_product_attention(
+                        q[:, at], k[:, at], v[:, at], dropout_p=p, is_causal=True
+                    )
+                )
+        return torch.cat(heads, 1)
 
 
 class FeedForward(nn.Module):
@@ -242,12 +255,15 @@ class DecoderBlock(nn.Module):
         self.ln_2 = LayerNorm(local_hidden, tp2, eps)
         self.mlp = FeedForward(local_hidden, local_ffn, tp1, tp2)
         self.dropout_prob = dropout_prob
-        self.cp = cp
+        self.cp, self.tp2 = cp, tp2
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None = None) -> torch.Tensor:
-        p, cp = self.dropout_prob, self.cp
-        x = x + dropout(self.attn(self.ln_1(x), seeds), p, seeds and seeds.attention_residual, cp)
-        return x + dropout(self.mlp(self.ln_2(x)), p, seeds and seeds.mlp_residual, cp)
+        p, axes = self.dropout_prob, (self.cp, self.tp2)
+        attn_seed, mlp_seed = (
+            (seeds.attention_residual, seeds.mlp_residual) if seeds else (None,) * 2
+        )
+        x = x + dropout(self.attn(self.ln_1(x), seeds), p, attn_seed, *axes)
+        return x + dropout(self.mlp(self.ln_2(x)), p, mlp_seed, *axes)
 
 
 class Embedding(nn.Module):
@@ -265,13 +281,14 @@ class Embedding(nn.Module):
         local_hidden: int,
         dropout_prob: float,
         tp1: Axis,
+        tp2: Axis = LOCAL,
         cp: Axis = LOCAL,
     ):
         super().__init__()
         self.word = nn.Embedding(local_vocab, local_hidden)
         self.position = nn.Embedding(local_positions, local_hidden)
         self.dropout_prob = dropout_prob
-        self.tp1, self.cp = tp1, cp
+        self.tp1, self.tp2, self.cp = tp1, tp2, cp
 
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]
@@ -279,7 +296,7 @@ class Embedding(nn.Module):
         x = _lookup_rows(self.word.weight, ids, self.tp1) + _lookup_rows(
             self.position.weight, positions, self.tp1
         )
-        return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp)
+        return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp, self.tp2)
 
 
 def _lookup_rows(table: torch.Tensor, ids: torch.Tensor, tp1: Axis) -> torch.Tensor:

@@ -7,7 +7,7 @@ unsharded weights (``full_state``, gathered over all three axes), and a validati
 Equal gradient norms also show that each element is counted once: a vector replicated over
 tp1 or tp2 would otherwise be counted tp1 or tp2 times.
 
-(AdamW epsilon is 1e-3 for the reason ``tests.distributed.small_config`` gives.)
+(AdamW epsilon is 1e-2 for the reason ``tests.distributed.small_config`` gives.)
 """
 
 from __future__ import annotations
@@ -129,10 +129,13 @@ def test_real_vocabulary_with_eight_vocab_shards(tmp_path):
     assert_layout_matches(tmp_path, (1, 8, 1), model_flags=model_flags)
 
 
-def test_data_parallel_dropout_matches_single_process(tmp_path):
-    """With dropout on, dp replicas draw the masks the single process draws for the same
-    micro-batches: masks are seeded by the global micro-batch index, not by the rank."""
-    assert_layout_matches(tmp_path, (2, 1, 1), model_flags=["--dropout_prob", "0.1"])
+@pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 2), (2, 2, 2)], ids=["dp2", "tp2x2", "2x2x2"])
+def test_dropout_matches_single_process(tmp_path, layout):
+    """With dropout on, every rank draws its part of the masks the single process draws:
+    seeds follow the global micro-batch index, not the data-parallel rank; residual masks are
+    cut from the whole tensor's by the tp2 block; attention masks are seeded per global head,
+    so a tp1 shard draws its heads' masks."""
+    assert_layout_matches(tmp_path, layout, model_flags=["--dropout_prob", "0.1"])
 
 
 def _placements_rank(configs: dict, batches: torch.Tensor) -> dict:

@@ -218,8 +218,8 @@ def _dropout_rank(config) -> dict:
 def test_dropout_masks_agree_where_tensors_are_replicated(tmp_path):
     """With dropout 0.1 on (2, 2, 2): the residual stream x and its gradient stay bitwise
     identical across tp1 (residual and embedding masks agree there), attention outputs stay
-    identical across tp2 (attention-probability masks agree there), and the residual masks of
-    different tp2 shards are independent draws."""
+    identical across tp2 (attention-probability masks agree there), and different tp2 shards
+    apply different blocks of the whole tensor's residual mask."""
     config = small_config(*layout_flags(2, 2, 2), "--dropout_prob", "0.1")
     results = run_ranks(_dropout_rank, 8, tmp_path, config)
     by_coords = {coords(r, 2, 2): result for r, result in enumerate(results)}

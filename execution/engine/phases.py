@@ -38,21 +38,10 @@ from execution.engine.state import StateStore
 from execution.parallel.mesh import ParallelLayout, Pending
 from execution.parallel.sharding import DECAYED_KINDS, init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes
-from modelling.layers import BlockSeeds
+from modelling.layers import BlockSeeds, mix_seed
 
-_MASK64 = (1 << 64) - 1
 # Elements per chunk of a host AdamW update: 64 Ki float32 (256 KiB per tensor) stay in cache.
 HOST_CHUNK_ELEMENTS = 1 << 16
-
-
-def mix_seed(*values: int) -> int:
-    """A well-spread 63-bit seed from integers (splitmix64 finaliser over the sequence)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
-        h ^= h >> 29
-    return h >> 1
 
 
 @dataclass
@@ -202,9 +191,9 @@ class PhasedEngine:
     def _seeds(self, step: int | None, layer: int, micro: int) -> BlockSeeds | None:
         """Dropout seeds of (step, layer, global micro-batch); None disables dropout.
 
-        Attention-probability masks must agree across tp2 (those ranks hold the same heads), so
-        they depend on the tp1 rank only; residual masks depend on the tp2 rank only. The
-        micro-batch index is global, so the masks do not depend on the number of passes.
+        The same on every rank that runs the micro-batch: each draws its part of the whole
+        tensor's masks (:mod:`modelling.layers`). The micro-batch index is global, so the masks
+        depend on neither the data-parallel rank nor the number of passes.
         """
         if step is None or self.config.model.dropout_prob == 0.0:
             return None
@@ -214,8 +203,7 @@ class PhasedEngine:
             layer,
             self.layout.dp.rank * self.gradient_accumulation + micro,
         )
-        i, j = self.layout.tp1.rank, self.layout.tp2.rank
-        return BlockSeeds(mix_seed(*base, 0, i), mix_seed(*base, 1, j), mix_seed(*base, 2, j))
+        return BlockSeeds(*(mix_seed(*base, kind) for kind in range(3)))
 
     def _embedding_seed(self, step: int | None, micro: int) -> int | None:
         seeds = self._seeds(step, -1, micro)
