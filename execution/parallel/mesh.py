@@ -229,6 +229,24 @@ class GroupAxis:
             dist.all_to_all_single(out, chunks, group=self.group)
         return out
 
+    def start_send(self, tensor: torch.Tensor, to: int, tag: int) -> Pending:
+        """Sends ``tensor`` to group rank ``to`` in the background (``isend``); its conjugate
+        is :meth:`start_receive` on that rank with the same tag."""
+        self._count("send", tensor, async_op=True)
+        work = None
+        if not self._shapes_only(tensor):
+            work = dist.isend(tensor, self.members[to], group=self.group, tag=tag)
+        return Pending(tensor, work, tensor)
+
+    def start_receive(self, into: torch.Tensor, source: int, tag: int) -> Pending:
+        """Receives into ``into`` from group rank ``source`` in the background (``irecv``);
+        :meth:`Pending.wait` gives it once arrived."""
+        self._count("receive", into, async_op=True)
+        work = None
+        if not self._shapes_only(into):
+            work = dist.irecv(into, self.members[source], group=self.group, tag=tag)
+        return Pending(into, work)
+
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
         return self._reduce_scatter(full, async_op=False).wait()

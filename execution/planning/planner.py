@@ -16,7 +16,6 @@ import math
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
-from execution.engine.buffers import rows_of
 from execution.engine.phases import PhasedEngine
 from execution.engine.plan import PLACED_STATES, PLACES, GiB, MemoryPlan, Placement
 from execution.engine.recompute import MODES, attention_kernel
@@ -53,14 +52,16 @@ def candidate_plans(
     device_type: str,
     most_passes_only: bool = False,
     estimate_working_set: bool = False,
+    stage: int = 0,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
     traffic, fewest states on the host, fewest passes, least kept).
 
     ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
     ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
+    The plans are those of a rank of pipeline stage ``stage``.
     """
-    rank = RankShape.from_config(config)
+    rank = RankShape.from_config(config, stage)
     fixed = requested_placement(config)
     ex = config.execution
     ga = rank.gradient_accumulation
@@ -97,7 +98,7 @@ def candidate_plans(
                     passes,
                     entries,
                     placement,
-                    state_bytes(rank, entries, placement, kept.entry),
+                    state_bytes(rank, entries, placement, kept.entry, passes),
                     working,
                     traffic,
                     shared,
@@ -129,7 +130,11 @@ def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: 
     flops += recompute * rank.shapes.layers * rank.gradient_accumulation
     compute = flops / (spec.peak_tflops * 1e12 * spec.compute_efficiency)
     copies = plan.traffic / (spec.host_link_gb_per_s * 1e9)
-    return max(compute, copies) + (plan.passes - 1) * _pass_gather_seconds(config, rank, spec)
+    # A pipeline's P passes take P + S - 1 pass-times (the bubble).
+    stages = config.execution.pipeline_parallel
+    bubble = (plan.passes + stages - 1) / plan.passes
+    gathers = (plan.passes - 1) * _pass_gather_seconds(config, rank, spec)
+    return max(compute, copies) * bubble + gathers
 
 
 def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
@@ -139,7 +144,7 @@ def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> fl
     loads = {LAYERS: 2, EMBEDDING: 3, HEAD: 1}
     sent = 0.0
     for part, specs in rank.specs.items():
-        rows = rows_of(part, rank.shapes.layers)
+        rows = rank.rows(part)
         for spec_ in specs.values():
             share = (spec_.rts_size - 1) / spec_.rts_size
             sent += loads[part] * rows * spec_.padded * rank.dtype.itemsize * share
@@ -154,9 +159,28 @@ def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan
     return next((plan for plan in plans if budget.fits(plan)), None)
 
 
-def choose_plan(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> MemoryPlan:
-    """The fastest plan that fits ``budget``; a one-line ConfigError when none does."""
-    plans = candidate_plans(config, device_type)
+def _same_choice(plan: MemoryPlan) -> tuple:
+    """What every stage of a pipeline must choose alike: passes, placement, recompute."""
+    return plan.passes, plan.placement, plan.recompute
+
+
+def choose_plan(
+    config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int = 0
+) -> MemoryPlan:
+    """The fastest plan that fits ``budget``; a one-line ConfigError when none does.
+
+    With a pipeline, the stages hold different layers and passes in flight but must run the
+    same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
+    bytes are returned)."""
+    plans = candidate_plans(config, device_type, stage=stage)
+    for other in range(config.execution.pipeline_parallel):
+        if other != stage:
+            fits = {
+                _same_choice(p)
+                for p in candidate_plans(config, device_type, stage=other)
+                if budget.fits(p)
+            }
+            plans = [p for p in plans if _same_choice(p) in fits] or plans[-1:]
     plan = fastest_fitting(plans, budget)
     if plan is not None:
         return plan
@@ -182,7 +206,7 @@ def plan_for_process(
         ConfigError: no plan fits (one line with the least memory needed and what would fit).
     """
     budget = measure_budget(config, layout.device, layout.local_world_size)
-    return choose_plan(config, layout.device.type, budget), budget
+    return choose_plan(config, layout.device.type, budget, layout.pp.rank), budget
 
 
 def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
