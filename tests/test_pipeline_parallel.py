@@ -230,3 +230,46 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1_and_pp4(tmp_path, pp):
         assert merged.keys() == want.keys()
         for name, t in want.items():
             assert relative_error(merged[name], t) <= 1e-5, (state, name)
+
+
+# ----------------------------------------------------------------- dry run
+
+
+def _real_rank_traffic(config) -> dict:
+    """One real gloo step of this rank: its buffers and the bytes it sent over each group."""
+    from execution.planning.device_specs import resolve_spec
+    from execution.planning.dry_run import _axis_traffic
+    from tests.distributed import replica_batch
+
+    layout = _layout(config)
+    engine = planned_engine(config, layout)
+    batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
+    engine.train_step(batch, 0, 1e-3)
+    spec = resolve_spec(config)
+    sent = {axis.name: _axis_traffic(axis, spec)[0] for axis in layout.axes()}
+    return {"buffers": engine.buffer_bytes(), "sent": sent}
+
+
+def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
+    """(dp, pp, tp1, tp2) = (1, 2, 2, 1), 2 passes of 2 micro-batches: every stage's buffers
+    (each its layers and parts, stage 0 two passes of activations in flight) and the bytes each
+    group sends, the point-to-point moves included, equal a real gloo step's exactly; the moves
+    by hand."""
+    from execution.planning.device_specs import resolve_spec
+    from execution.planning.dry_run import measure_rank
+
+    flags = shlex.split("--layers 3 --global_batch_size 4 --micro_batch_size 1 --recompute full")
+    config = small_config(*flags, *_flags(1, 2, 2, 1, 2))
+    real = run_ranks(_real_rank_traffic, config.world_size, tmp_path, config)
+    spec = resolve_spec(config)
+    m, micro_batches = config.model, config.gradient_accumulation
+    entry = config.execution.micro_batch_size * m.sequence_length * m.hidden_size * 4
+    for rank in (0, 2):  # the first rank of each stage
+        dry = measure_rank(config, rank, spec)
+        assert dry.buffer_bytes == real[rank]["buffers"], rank
+        dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}
+        assert dry_sent == real[rank]["sent"], rank
+        # Stage 0 sends its tp1 half of x, stage 1 the whole dx, once per micro-batch.
+        assert dry_sent["pp"] == micro_batches * (entry // 2 if rank == 0 else entry)
+    first, last = (measure_rank(config, r, spec).buffer_bytes for r in (0, 2))
+    assert first["weights"] != last["weights"]  # 2 layers and the embedding vs 1, both, head

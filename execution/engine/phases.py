@@ -420,15 +420,8 @@ class PhasedEngine:
         if self.kept is not None:
             self.kept.drop()  # none left by a step that raised half-way
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if self.stage.count > 1:
-            phases = pipeline.training_phases(
-                self.stage, self.gradient_accumulation, self.plan.passes
-            )
-        else:
-            phases = schedule.training_phases(
-                self.shapes.layers, self.gradient_accumulation, self.plan.passes
-            )
-        self._run_phases(list(phases), batch)
+        phases = pipeline.training_phases(self.stage, self.gradient_accumulation, self.plan.passes)
+        self._run_phases(phases, batch)
         if self.layout.embedding.size > 1:
             tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
             if self.stage.is_first:  # counted once, by the first stage
@@ -467,14 +460,7 @@ class PhasedEngine:
             tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
             batch = _Batch.of(tokens, None, self.layout.cp)
             group = range(len(tokens))
-            if self.stage.count > 1:
-                phases = pipeline.evaluation_phases(self.stage, group, index)
-            else:
-                phases = [
-                    *schedule.forward_phases(self.shapes.layers, group),
-                    Phase(schedule.HEAD, 0, group),
-                ]
-            self._run_phases(phases, batch)
+            self._run_phases(pipeline.evaluation_phases(self.stage, group, index), batch)
             losses.extend(batch.losses)
         total = (
             torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)

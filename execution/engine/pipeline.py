@@ -123,7 +123,10 @@ def _backward(stage: Stage, group: range, index: int, passes: int) -> list[Phase
 
 
 def training_phases(stage: Stage, micro_batches: int, passes: int) -> list[Phase]:
-    """Every phase of one stage's training step, one forward, one backward over passes."""
+    """Every phase of one stage's training step, one forward, one backward over passes
+    (without a pipeline, :func:`schedule.training_phases`: every pass forward, then back)."""
+    if stage.count == 1:
+        return list(schedule.training_phases(stage.layers, micro_batches, passes))
     groups = schedule.pass_groups(micro_batches, passes)
     warmup = min(stage.count - 1 - stage.index, passes)
     order = [("F", p) for p in range(warmup)]
@@ -141,6 +144,8 @@ def training_phases(stage: Stage, micro_batches: int, passes: int) -> list[Phase
 
 def evaluation_phases(stage: Stage, group: range, index: int) -> list[Phase]:
     """One chunk's forward through this stage (the head's loss on the last)."""
+    if stage.count == 1:
+        return [*schedule.forward_phases(stage.layers, group), Phase(schedule.HEAD, 0, group)]
     return _forward(stage, group, index, evaluation=True)
 
 

@@ -164,6 +164,27 @@ def _same_choice(plan: MemoryPlan) -> tuple:
     return plan.passes, plan.placement, plan.recompute
 
 
+def _fitting_every_stage(
+    config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int
+) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
+    """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
+    stage, in the first stage's order: every stage then picks the same passes, placement and
+    recompute (their steps must match), with its own bytes."""
+    plans = candidate_plans(config, device_type, stage=stage)
+    stages = config.execution.pipeline_parallel
+    if stages == 1:
+        return plans, plans
+    by_stage = [
+        plans if s == stage else candidate_plans(config, device_type, stage=s)
+        for s in range(stages)
+    ]
+    fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage]
+    mine = {_same_choice(p): p for p in plans}
+    order = [_same_choice(p) for p in by_stage[0]]
+    everywhere = [mine[c] for c in order if all(c in f for f in fitting)]
+    return plans, everywhere
+
+
 def choose_plan(
     config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int = 0
 ) -> MemoryPlan:
@@ -172,16 +193,8 @@ def choose_plan(
     With a pipeline, the stages hold different layers and passes in flight but must run the
     same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
     bytes are returned)."""
-    plans = candidate_plans(config, device_type, stage=stage)
-    for other in range(config.execution.pipeline_parallel):
-        if other != stage:
-            fits = {
-                _same_choice(p)
-                for p in candidate_plans(config, device_type, stage=other)
-                if budget.fits(p)
-            }
-            plans = [p for p in plans if _same_choice(p) in fits] or plans[-1:]
-    plan = fastest_fitting(plans, budget)
+    plans, everywhere = _fitting_every_stage(config, device_type, budget, stage)
+    plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan
     least = min(plans, key=lambda p: _shortfall(p, budget))
@@ -215,11 +228,14 @@ def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedE
     return PhasedEngine(config, layout, plan)
 
 
-def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[MemoryPlan, bool]:
+def choose_or_least(
+    config: PretrainingConfig, budget: MemoryBudget, stage: int = 0
+) -> tuple[MemoryPlan, bool]:
     """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
-    that needs the least device memory and False (so a dry run can show what it would take)."""
-    plans = candidate_plans(config, "cuda")
-    plan = fastest_fitting(plans, budget)
+    that needs the least device memory and False (so a dry run can show what it would take);
+    for a rank of pipeline stage ``stage``."""
+    plans, everywhere = _fitting_every_stage(config, "cuda", budget, stage)
+    plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan, True
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
