@@ -139,11 +139,19 @@ def test_pipeline_trains_like_one_process(tmp_path, dp, pp, tp1, tp2, passes, st
 
 
 def test_pipeline_beside_both_tensor_axes(tmp_path):
-    """(dp, pp, tp1, tp2) = (1, 2, 2, 2), 2 passes: without dropout the single process's
-    numbers. (With dropout a tp1 layout draws per-shard attention masks, not the single
-    process's, until the dropout seeding follows the single process.)"""
-    results = _run(tmp_path, *_flags(1, 2, 2, 2, 2), "--dropout_prob", "0")
-    _assert_matches(results, _single_process(2, "0"))
+    """(dp, pp, tp1, tp2) = (1, 2, 2, 2), 2 passes, 8 ranks.
+
+    With dropout 0.1 a tp1 layout draws per-shard attention masks, not the single process's
+    (until the dropout seeding follows the single process), so the reference is the same
+    tensor layout without a pipeline: losses, norms and states within 1e-6. Without dropout
+    the reference is the single process: losses and norms within 1e-6; the states within the
+    distributed tests' float32 tolerance, since the tensor-parallel sums alone round apart by
+    up to 2.7e-6 (measured)."""
+    dropout = _run(tmp_path / "dropout", *_flags(1, 2, 2, 2, 2))
+    tensor_only = _run(tmp_path / "tensor-only", *_flags(1, 1, 2, 2, 2))
+    _assert_matches(dropout, tensor_only[0])
+    exact = _run(tmp_path / "no-dropout", *_flags(1, 2, 2, 2, 2), "--dropout_prob", "0")
+    _assert_matches(exact, _single_process(2, "0"), FLOAT32_TOLERANCE)
 
 
 def test_tied_embedding_gradient_is_whole_on_both_stages(tmp_path):
@@ -269,7 +277,9 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
         assert dry.buffer_bytes == real[rank]["buffers"], rank
         dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}
         assert dry_sent == real[rank]["sent"], rank
-        # Stage 0 sends its tp1 half of x, stage 1 the whole dx, once per micro-batch.
-        assert dry_sent["pp"] == micro_batches * (entry // 2 if rank == 0 else entry)
+        # Stage 0 sends its tp1 half of x, stage 1 the whole dx, once per micro-batch; and
+        # the loss with its count (two float64) is summed over the pipeline.
+        moves = micro_batches * (entry // 2 if rank == 0 else entry)
+        assert dry_sent["pp"] == moves + 2 * 8
     first, last = (measure_rank(config, r, spec).buffer_bytes for r in (0, 2))
     assert first["weights"] != last["weights"]  # 2 layers and the embedding vs 1, both, head

@@ -85,6 +85,19 @@ class Stage:
         return min(self.count - self.index, passes)
 
 
+def deciding_stages(stage_layers: tuple[int, ...]) -> list[int]:
+    """The stages whose memory decides whether a plan fits every stage: the first and the
+    last (they hold the embedding, and the head), and each middle stage with more layers than
+    every middle stage before it (a later one with no more layers holds fewer passes)."""
+    count = len(stage_layers)
+    out, most = sorted({0, count - 1}), 0
+    for index in range(1, count - 1):
+        if stage_layers[index] > most:
+            out.append(index)
+            most = stage_layers[index]
+    return sorted(out)
+
+
 def bubble_fraction(stages: int, passes: int) -> float:
     """The share of a step each stage idles: (S - 1) / (P + S - 1)."""
     return (stages - 1) / (passes + stages - 1)

@@ -1,12 +1,20 @@
 """``--plan_for N``: the layouts of N devices that fit a preset, fastest first.
 
-Each candidate layout (data_parallel x context_parallel x tensor_parallel_1 x tensor_parallel_2
-= N, a micro-batch size) gets the planner's passes and placements for ``--device_spec``. Its step is then measured
+Each candidate layout (data_parallel x pipeline_parallel x context_parallel x tensor_parallel_1
+x tensor_parallel_2 = N, a micro-batch size) gets the planner's passes and placements for
+``--device_spec`` (the same on every pipeline stage). Its step is then measured
 with the dry run's instruments, on meta tensors, but on a shrunk copy of the step: every count
 the estimate needs (FLOPs, bytes of each collective and of the host link) is exactly
 ``c0 + c1 L + c2 P + c3 P L + c4 M + c5 M L`` in the layers L, passes P and micro-batches M of
 the step, so six steps of 1-2 layers and 1-2 micro-batches determine it for the full preset.
 A test checks the extrapolation against a full dry-run step.
+
+A pipeline stage is measured as one rank of the same layout without the pipeline axis, holding
+the largest stage's layers with the embedding and the head (an upper bound on every stage's
+work), so each distinct stage shape is measured once; its step then takes (P + S - 1) / P
+times as long (the bubble), plus the point-to-point moves of the busiest stage, exposed. Only
+layouts that keep the tensor and context axes inside a node get a pipeline (it is the axis
+that crosses nodes).
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import numpy as np
 
 from config.loading import validate
 from config.schema import PretrainingConfig
+from execution.engine.buffers import DTYPES
 from execution.engine.plan import GiB, MemoryPlan
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
@@ -30,7 +39,7 @@ from execution.planning.dry_run import (
     spec_budget,
 )
 from execution.planning.measure import shrunk_config
-from execution.planning.planner import candidate_plans, fastest_fitting
+from execution.planning.planner import candidate_plans, fastest_fitting, plans_fitting_every_stage
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -88,15 +97,21 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
 
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
-    """Every (dp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch allow."""
+    """Every (dp, pp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch
+    allow; a pipeline only where the tensor and context axes fit in a node."""
     m, t = config.model, config.training
+    per_node = resolve_spec(config).devices_per_node
     out = []
-    for tp1, tp2, cp in itertools.product(range(1, devices + 1), repeat=3):
-        if devices % (tp1 * tp2 * cp) or m.heads % tp1 or m.hidden_size % tp2:
+    divisors = [n for n in range(1, devices + 1) if devices % n == 0]
+    for tp1, tp2, cp, pp in itertools.product(divisors, repeat=4):
+        inner = tp1 * tp2 * cp
+        if devices % (inner * pp) or m.heads % tp1 or m.hidden_size % tp2:
             continue
         if m.sequence_length % cp or (m.heads // tp1) % cp:
             continue
-        dp = devices // (tp1 * tp2 * cp)
+        if pp > 1 and (pp > m.layers or inner > per_node):
+            continue
+        dp = devices // (inner * pp)
         for micro in (1, 2, 4, 8, 16):
             if t.global_batch_size % (micro * dp):
                 continue
@@ -104,9 +119,38 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
             ex = candidate.execution
             ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2 = dp, tp1, tp2
             ex.context_parallel, ex.micro_batch_size, ex.passes = cp, micro, 0
+            ex.pipeline_parallel, ex.pipeline_layers = pp, ""
             validate(candidate)
             out.append(candidate)
     return out
+
+
+def _largest_stage(config: PretrainingConfig) -> PretrainingConfig:
+    """The layout without its pipeline axis, holding the largest stage's layers (and the
+    embedding and head): what one stage's rank is measured as."""
+    flat = copy.deepcopy(config)
+    flat.model.layers = max(config.stage_layers)
+    flat.execution.pipeline_parallel, flat.execution.pipeline_layers = 1, ""
+    return flat
+
+
+def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tuple[int, float]:
+    """Bytes the busiest stage sends to its neighbours per step (x slices forward, dx back, per
+    micro-batch), and their seconds on the pipeline group's links."""
+    ex, m = config.execution, config.model
+    if ex.pipeline_parallel == 1:
+        return 0, 0.0
+    entry = ex.micro_batch_size * m.sequence_length // ex.context_parallel
+    entry *= m.hidden_size // ex.tensor_parallel_2
+    x_slice = -(-entry // ex.tensor_parallel_1)
+    # A middle stage sends both ways; with two stages the busier sends the whole dx.
+    per_micro = x_slice + entry if ex.pipeline_parallel > 2 else entry
+    nbytes = config.gradient_accumulation * per_micro
+    nbytes *= DTYPES[config.training.precision].itemsize
+    inner = ex.context_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
+    within = inner * ex.pipeline_parallel <= spec.devices_per_node
+    rate = spec.intra_node_gb_per_s if within else spec.inter_node_gb_per_s
+    return nbytes, nbytes / (rate * 1e9)
 
 
 def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
@@ -115,15 +159,19 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
     budget = spec_budget(spec)
     rows, misfits = [], 0
     for candidate in layouts(config, devices):
-        plan = fastest_fitting(candidate_plans(candidate, "cuda"), budget)
+        plan = fastest_fitting(plans_fitting_every_stage(candidate, "cuda", budget, 0)[1], budget)
         if plan is None:
             misfits += 1
             continue
-        flops, comm, seconds, working_set, phases = extrapolated_step(candidate, plan, spec)
+        measured_as = _largest_stage(candidate)
+        flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec)
         plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
         if not budget.fits(plan):
             misfits += 1
             continue
+        if candidate.execution.pipeline_parallel > 1:
+            comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
+            phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"])}
         measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
         rows.append(
             {
@@ -139,31 +187,71 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
     return rows, misfits
 
 
+# Micro-batch sizes of one layout whose step times are within this fraction of its fastest
+# are shown as one row.
+TIE = 0.005
+
+
+def layout_rows(rows: list[dict]) -> list[dict]:
+    """One row per layout (dp, pp, cp, tp1, tp2): its fastest micro-batch size, with
+    ``micro_batches`` naming every size that ties with it (e.g. ``1-4``)."""
+    best: dict[tuple, dict] = {}
+    ties: dict[tuple, list[int]] = {}
+    for row in rows:  # fastest first
+        ex = row["config"].execution
+        key = (
+            ex.data_parallel,
+            ex.pipeline_parallel,
+            ex.context_parallel,
+            ex.tensor_parallel_1,
+            ex.tensor_parallel_2,
+        )
+        if key not in best:
+            best[key], ties[key] = row, []
+        if row["step_time_s"] <= best[key]["step_time_s"] * (1 + TIE):
+            ties[key].append(ex.micro_batch_size)
+    out = []
+    for key, row in best.items():
+        sizes = sorted(ties[key])
+        contiguous = all(b == 2 * a for a, b in itertools.pairwise(sizes))
+        text = (
+            f"{sizes[0]}-{sizes[-1]}"
+            if contiguous and len(sizes) > 1
+            else ",".join(map(str, sizes))
+        )
+        out.append({**row, "micro_batches": text})
+    return out
+
+
 def print_layouts(config: PretrainingConfig, preset: str) -> None:
     devices = config.planning.plan_for
     spec = resolve_spec(config)
     rows, misfits = search(config, devices)
+    shown = layout_rows(rows)
     tokens = config.tokens_per_step
     print(
         f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
         f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
-        f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not; "
+        f"x {config.model.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
+        f"micro-batch sizes), {misfits} do not; mbs: micro-batch sizes within "
+        f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
         f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
     )
     header = (
-        f"{'dp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  "
-        f"{'placement (w/g/a)':<21}{'recompute':<10}"
+        f"{'dp':>3} {'pp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>6} {'passes':>6} "
+        f"{'bubble':>6}  {'placement (w/g/a)':<21}{'recompute':<10}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
         f"{'ckpt GB':>9} {'save s':>7}"
     )
     print(header)
-    for row in rows:
+    for row in shown:
         ex, plan = row["config"].execution, row["plan"]
         where = "/".join(vars(plan.placement).values())
         print(
-            f"{ex.data_parallel:>3} {ex.context_parallel:>3} {ex.tensor_parallel_1:>4} "
-            f"{ex.tensor_parallel_2:>4} "
-            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}{plan.recompute:<10}"
+            f"{ex.data_parallel:>3} {ex.pipeline_parallel:>3} {ex.context_parallel:>3} "
+            f"{ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
+            f"{row['micro_batches']:>6} {plan.passes:>6} {row['bubble']:>6.1%}  "
+            f"{where:<21}{plan.recompute:<10}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
             f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
@@ -182,7 +270,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     if rows:
         ex = rows[0]["config"].execution
         print(
-            f"fastest: --data_parallel {ex.data_parallel} --context_parallel "
-            f"{ex.context_parallel} --tensor_parallel_1 {ex.tensor_parallel_1} "
-            f"--tensor_parallel_2 {ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
+            f"fastest: --data_parallel {ex.data_parallel} --pipeline_parallel "
+            f"{ex.pipeline_parallel} --context_parallel {ex.context_parallel} "
+            f"--tensor_parallel_1 {ex.tensor_parallel_1} --tensor_parallel_2 "
+            f"{ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
         )

@@ -17,6 +17,7 @@ import math
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
 from execution.engine.phases import PhasedEngine
+from execution.engine.pipeline import deciding_stages
 from execution.engine.plan import PLACED_STATES, PLACES, GiB, MemoryPlan, Placement
 from execution.engine.recompute import MODES, attention_kernel
 from execution.parallel.mesh import MeshShape, ParallelLayout
@@ -164,7 +165,7 @@ def _same_choice(plan: MemoryPlan) -> tuple:
     return plan.passes, plan.placement, plan.recompute
 
 
-def _fitting_every_stage(
+def plans_fitting_every_stage(
     config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int
 ) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
     """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
@@ -174,11 +175,12 @@ def _fitting_every_stage(
     stages = config.execution.pipeline_parallel
     if stages == 1:
         return plans, plans
-    by_stage = [
-        plans if s == stage else candidate_plans(config, device_type, stage=s)
-        for s in range(stages)
-    ]
-    fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage]
+    deciding = deciding_stages(config.stage_layers)
+    by_stage = {
+        s: plans if s == stage else candidate_plans(config, device_type, stage=s)
+        for s in {0, *deciding}
+    }
+    fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage.values()]
     mine = {_same_choice(p): p for p in plans}
     order = [_same_choice(p) for p in by_stage[0]]
     everywhere = [mine[c] for c in order if all(c in f for f in fitting)]
@@ -193,7 +195,7 @@ def choose_plan(
     With a pipeline, the stages hold different layers and passes in flight but must run the
     same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
     bytes are returned)."""
-    plans, everywhere = _fitting_every_stage(config, device_type, budget, stage)
+    plans, everywhere = plans_fitting_every_stage(config, device_type, budget, stage)
     plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan
@@ -234,7 +236,7 @@ def choose_or_least(
     """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
     that needs the least device memory and False (so a dry run can show what it would take);
     for a rank of pipeline stage ``stage``."""
-    plans, everywhere = _fitting_every_stage(config, "cuda", budget, stage)
+    plans, everywhere = plans_fitting_every_stage(config, "cuda", budget, stage)
     plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan, True
