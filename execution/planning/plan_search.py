@@ -9,12 +9,15 @@ the estimate needs (FLOPs, bytes of each collective and of the host link) is exa
 the step, so six steps of 1-2 layers and 1-2 micro-batches determine it for the full preset.
 A test checks the extrapolation against a full dry-run step.
 
-A pipeline stage is measured as one rank of the same layout without the pipeline axis, holding
-the largest stage's layers with the embedding and the head (an upper bound on every stage's
-work), so each distinct stage shape is measured once; its step then takes (P + S - 1) / P
-times as long (the bubble), plus the point-to-point moves of the busiest stage, exposed. Only
-layouts that keep the tensor and context axes inside a node get a pipeline (it is the axis
-that crosses nodes).
+A pipeline stage is measured as a rank of its *sibling* layout without the pipeline axis (dp x
+pp replicas, the same tensor and context axes and micro-batch, so the same probes as that
+layout's, measured once for every pipeline size), holding the largest stage's layers with the
+embedding and the head (an upper bound on every stage's work) and the stage's micro-batches
+per replica. The sibling's data-parallel group is pp times larger, so its ring all-gathers
+send slightly more per byte: a conservative estimate. The step then takes (P + S - 1) / P
+times as long (the bubble), plus the point-to-point moves of the busiest stage, exposed.
+Buffers and the fit stay exact per stage (the planner's formulas). Only layouts that keep the
+tensor and context axes inside a node get a pipeline (it is the axis that crosses nodes).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from config.loading import validate
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
-from execution.engine.plan import GiB, MemoryPlan
+from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     RankMeasurement,
@@ -59,18 +62,7 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
         are linear in the same terms: a kind's phases repeat per layer and pass, and their
         work per micro-batch.
     """
-    placement = vars(plan.placement)
-    samples, working_set = [], 0
-    with fake_job(0, config.world_size):
-        for layers, micro, passes in PROBES:
-            small = shrunk_config(config, layers, micro, passes)
-            for state, where in placement.items():
-                setattr(small.execution, f"{state}_placement", where)
-            small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
-            small_plan = next(iter(candidate_plans(small, "cuda")))
-            step = measure_planned_step(small, small_plan, spec)
-            samples.append(step)
-            working_set = max(working_set, step.working_set)
+    samples, working_set = _probes(config, plan, spec)
     keys = ["flops", *samples[0].comm_bytes]
     matrix = np.array([_basis(*probe) for probe in PROBES], dtype=np.float64)
     values = np.array([[s.flops, *s.comm_bytes.values()] for s in samples], dtype=np.float64)
@@ -94,6 +86,32 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
         kind: tuple(float(v) for v in sums[3 * i : 3 * i + 3]) for i, kind in enumerate(kinds)
     }
     return flops, totals, seconds, working_set, phases
+
+
+_PROBED: dict[str, tuple[list[RankMeasurement], int]] = {}
+
+
+def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
+    """The six shrunk steps of a layout under a plan's placement and recompute, measured once
+    per distinct shape (layouts that differ only in layers, batch or passes share them)."""
+    smalls = []
+    for layers, micro, passes in PROBES:
+        small = shrunk_config(config, layers, micro, passes)
+        for state, where in vars(plan.placement).items():
+            setattr(small.execution, f"{state}_placement", where)
+        small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
+        smalls.append(small)
+    key = repr((smalls[0], vars(spec)))
+    if key not in _PROBED:
+        samples, working_set = [], 0
+        with fake_job(0, smalls[0].world_size):
+            for small in smalls:
+                small_plan = next(iter(candidate_plans(small, "cuda")))
+                step = measure_planned_step(small, small_plan, spec)
+                samples.append(step)
+                working_set = max(working_set, step.working_set)
+        _PROBED[key] = samples, working_set
+    return _PROBED[key]
 
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
@@ -125,11 +143,15 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     return out
 
 
-def _largest_stage(config: PretrainingConfig) -> PretrainingConfig:
-    """The layout without its pipeline axis, holding the largest stage's layers (and the
-    embedding and head): what one stage's rank is measured as."""
+def _sibling(config: PretrainingConfig) -> PretrainingConfig:
+    """What a pipeline stage's rank is measured as: the layout without its pipeline axis (pp
+    times the replicas), holding the largest stage's layers (and the embedding and head) and
+    the same micro-batches per replica."""
+    ex = config.execution
     flat = copy.deepcopy(config)
     flat.model.layers = max(config.stage_layers)
+    flat.execution.data_parallel = ex.data_parallel * ex.pipeline_parallel
+    flat.training.global_batch_size *= ex.pipeline_parallel
     flat.execution.pipeline_parallel, flat.execution.pipeline_layers = 1, ""
     return flat
 
@@ -154,35 +176,40 @@ def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tup
 
 
 def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
-    """Layouts that fit, each with its plan and estimate, fastest first; and how many did not."""
+    """Layouts that fit, each with its plan and estimate, fastest first; and how many did not.
+
+    A pipeline layout's passes trade its bubble against a data-parallel all-gather of every
+    weight per pass, which the planner's quick ranking does not weigh as the estimate does:
+    every pass count that fits is estimated under the planner's first two placements and
+    recomputes, and all on the device with full recompute (the probes do not depend on
+    passes, so each adds one measurement per stage shape), and the fastest kept."""
     spec = resolve_spec(config)
     budget = spec_budget(spec)
     rows, misfits = [], 0
     for candidate in layouts(config, devices):
-        plan = fastest_fitting(plans_fitting_every_stage(candidate, "cuda", budget, 0)[1], budget)
+        sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
+        _, everywhere = plans_fitting_every_stage(candidate, "cuda", budget, 0, sibling)
+        plan = fastest_fitting(everywhere, budget)
         if plan is None:
             misfits += 1
             continue
-        measured_as = _largest_stage(candidate)
-        flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec)
-        plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
-        if not budget.fits(plan):
+        options = [plan]
+        if sibling is not None:
+            fitting = [p for p in everywhere if budget.fits(p)]
+            keys = list(dict.fromkeys((p.placement, p.recompute) for p in fitting))[:2]
+            keys.append((Placement("device", "device", "device"), "full"))
+            options = [p for p in fitting if (p.placement, p.recompute) in keys]
+        best = None
+        for option in options:
+            row = _estimated_row(candidate, sibling or candidate, option, spec)
+            if budget.fits(row["plan"]) and (
+                best is None or row["step_time_s"] < best["step_time_s"]
+            ):
+                best = row
+        if best is None:
             misfits += 1
             continue
-        if candidate.execution.pipeline_parallel > 1:
-            comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
-            phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"])}
-        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
-        rows.append(
-            {
-                "config": candidate,
-                "plan": plan,
-                "device_bytes": plan.bytes_on("device")["total"],
-                "host_bytes": plan.bytes_on("host")["total"],
-                "checkpoint": checkpoint_figures(candidate, plan, spec),
-                **estimate(candidate, measured, spec),
-            }
-        )
+        rows.append(best)
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, misfits
 
@@ -221,6 +248,27 @@ def layout_rows(rows: list[dict]) -> list[dict]:
         )
         out.append({**row, "micro_batches": text})
     return out
+
+
+def _estimated_row(
+    candidate: PretrainingConfig, measured_as: PretrainingConfig, plan: MemoryPlan, spec
+) -> dict:
+    """A layout's row under ``plan``: its step extrapolated from the probes of ``measured_as``
+    (itself, or a pipeline stage's sibling), with the pipeline's moves and bubble."""
+    flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec)
+    plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
+    if candidate.execution.pipeline_parallel > 1:
+        comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
+        phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"])}
+    measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
+    return {
+        "config": candidate,
+        "plan": plan,
+        "device_bytes": plan.bytes_on("device")["total"],
+        "host_bytes": plan.bytes_on("host")["total"],
+        "checkpoint": checkpoint_figures(candidate, plan, spec),
+        **estimate(candidate, measured, spec),
+    }
 
 
 def print_layouts(config: PretrainingConfig, preset: str) -> None:

@@ -54,13 +54,15 @@ def candidate_plans(
     most_passes_only: bool = False,
     estimate_working_set: bool = False,
     stage: int = 0,
+    measure_as: PretrainingConfig | None = None,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
     traffic, fewest states on the host, fewest passes, least kept).
 
     ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
     ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
-    The plans are those of a rank of pipeline stage ``stage``.
+    The plans are those of a rank of pipeline stage ``stage``. ``measure_as``: the config
+    whose step measures the working set (``--plan_for`` shares one across pipeline sizes).
     """
     rank = RankShape.from_config(config, stage)
     fixed = requested_placement(config)
@@ -90,7 +92,7 @@ def candidate_plans(
                 rank, placement, flash, ex.prefetch, ex.overlap_communication
             )
         else:
-            working = measured_working_set(config, device_type, mode)
+            working = measured_working_set(measure_as or config, device_type, mode)
         for passes in pass_options:
             entries = micro_batches_per_pass(ga, passes)
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries, kept)
@@ -166,18 +168,24 @@ def _same_choice(plan: MemoryPlan) -> tuple:
 
 
 def plans_fitting_every_stage(
-    config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int
+    config: PretrainingConfig,
+    device_type: str,
+    budget: MemoryBudget,
+    stage: int,
+    measure_as: PretrainingConfig | None = None,
 ) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
     """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
     stage, in the first stage's order: every stage then picks the same passes, placement and
     recompute (their steps must match), with its own bytes."""
-    plans = candidate_plans(config, device_type, stage=stage)
+    plans = candidate_plans(config, device_type, stage=stage, measure_as=measure_as)
     stages = config.execution.pipeline_parallel
     if stages == 1:
         return plans, plans
     deciding = deciding_stages(config.stage_layers)
     by_stage = {
-        s: plans if s == stage else candidate_plans(config, device_type, stage=s)
+        s: plans
+        if s == stage
+        else candidate_plans(config, device_type, stage=s, measure_as=measure_as)
         for s in {0, *deciding}
     }
     fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage.values()]
