@@ -14,6 +14,7 @@ plan can never disagree with what is allocated.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,11 +42,11 @@ class FlatSpec:
     shapes: tuple[torch.Size, ...]
     rts_size: int
 
-    @property
+    @functools.cached_property  # read for every plan the planner weighs
     def numel(self) -> int:
         return sum(s.numel() for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def padded(self) -> int:
         """Length of the packed vector, a multiple of the RTS group size."""
         return math.ceil(self.numel / self.rts_size) * self.rts_size

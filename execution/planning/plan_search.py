@@ -16,8 +16,9 @@ embedding and the head (an upper bound on every stage's work) and the stage's mi
 per replica. The sibling's data-parallel group is pp times larger, so its ring all-gathers
 send slightly more per byte: a conservative estimate. The step then takes (P + S - 1) / P
 times as long (the bubble), plus the point-to-point moves of the busiest stage, exposed.
-Buffers and the fit stay exact per stage (the planner's formulas). Only layouts that keep the
-tensor and context axes inside a node get a pipeline (it is the axis that crosses nodes).
+Buffers and the fit stay exact per stage (the planner's formulas). Only layouts whose tensor
+and context axes fill a node get a pipeline (it is the axis that crosses nodes), which keeps
+the search within its time.
 """
 
 from __future__ import annotations
@@ -53,16 +54,18 @@ def _basis(layers: int, micro_batches: int, passes: int) -> list[int]:
     return [1, layers, passes, passes * layers, micro_batches, micro_batches * layers]
 
 
-def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
+def extrapolated_step(
+    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, probes: tuple | None = None
+):
     """Rank 0's FLOPs, bytes per group and working set for the full step, from six small ones.
 
     Returns:
         (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set,
         per kind of phase its summed FLOPs, overlappable and critical seconds). The phase sums
         are linear in the same terms: a kind's phases repeat per layer and pass, and their
-        work per micro-batch.
+        work per micro-batch. ``probes``: ``_probes(config, plan, spec)`` if already taken.
     """
-    samples, working_set = _probes(config, plan, spec)
+    samples, working_set = probes or _probes(config, plan, spec)
     keys = ["flops", *samples[0].comm_bytes]
     matrix = np.array([_basis(*probe) for probe in PROBES], dtype=np.float64)
     values = np.array([[s.flops, *s.comm_bytes.values()] for s in samples], dtype=np.float64)
@@ -116,7 +119,8 @@ def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     """Every (dp, pp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch
-    allow; a pipeline only where the tensor and context axes fit in a node."""
+    allow; a pipeline only where the tensor and context axes fill a node (the pipeline is the
+    axis that crosses nodes)."""
     m, t = config.model, config.training
     per_node = resolve_spec(config).devices_per_node
     out = []
@@ -127,7 +131,7 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
             continue
         if m.sequence_length % cp or (m.heads // tp1) % cp:
             continue
-        if pp > 1 and (pp > m.layers or inner > per_node):
+        if pp > 1 and (pp > m.layers or inner != min(per_node, devices // pp)):
             continue
         dp = devices // (inner * pp)
         for micro in (1, 2, 4, 8, 16):
@@ -180,8 +184,8 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
 
     A pipeline layout's passes trade its bubble against a data-parallel all-gather of every
     weight per pass, which the planner's quick ranking does not weigh as the estimate does:
-    every pass count that fits is estimated under the planner's first two placements and
-    recomputes, and all on the device with full recompute (the probes do not depend on
+    every pass count that fits is estimated under the planner's placement and recompute, and
+    all on the device with full recompute (the probes do not depend on
     passes, so each adds one measurement per stage shape), and the fastest kept."""
     spec = resolve_spec(config)
     budget = spec_budget(spec)
@@ -196,12 +200,15 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
         options = [plan]
         if sibling is not None:
             fitting = [p for p in everywhere if budget.fits(p)]
-            keys = list(dict.fromkeys((p.placement, p.recompute) for p in fitting))[:2]
+            keys = list(dict.fromkeys((p.placement, p.recompute) for p in fitting))[:1]
             keys.append((Placement("device", "device", "device"), "full"))
             options = [p for p in fitting if (p.placement, p.recompute) in keys]
-        best = None
+        best, probes = None, {}
         for option in options:
-            row = _estimated_row(candidate, sibling or candidate, option, spec)
+            key = (option.placement, option.recompute)
+            if key not in probes:
+                probes[key] = _probes(sibling or candidate, option, spec)
+            row = _estimated_row(candidate, sibling or candidate, option, spec, probes[key])
             if budget.fits(row["plan"]) and (
                 best is None or row["step_time_s"] < best["step_time_s"]
             ):
@@ -209,7 +216,7 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
         if best is None:
             misfits += 1
             continue
-        rows.append(best)
+        rows.append({**best, "checkpoint": checkpoint_figures(candidate, best["plan"], spec)})
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, misfits
 
@@ -251,11 +258,11 @@ def layout_rows(rows: list[dict]) -> list[dict]:
 
 
 def _estimated_row(
-    candidate: PretrainingConfig, measured_as: PretrainingConfig, plan: MemoryPlan, spec
+    candidate: PretrainingConfig, measured_as: PretrainingConfig, plan: MemoryPlan, spec, probes
 ) -> dict:
     """A layout's row under ``plan``: its step extrapolated from the probes of ``measured_as``
     (itself, or a pipeline stage's sibling), with the pipeline's moves and bubble."""
-    flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec)
+    flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec, probes)
     plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
     if candidate.execution.pipeline_parallel > 1:
         comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
@@ -266,7 +273,6 @@ def _estimated_row(
         "plan": plan,
         "device_bytes": plan.bytes_on("device")["total"],
         "host_bytes": plan.bytes_on("host")["total"],
-        "checkpoint": checkpoint_figures(candidate, plan, spec),
         **estimate(candidate, measured, spec),
     }
 
