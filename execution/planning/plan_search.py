@@ -18,7 +18,8 @@ send slightly more per byte: a conservative estimate. The step then takes (P + S
 times as long (the bubble), plus the point-to-point moves of the busiest stage, exposed.
 Buffers and the fit stay exact per stage (the planner's formulas). Only layouts whose tensor
 and context axes fill a node get a pipeline (it is the axis that crosses nodes), which keeps
-the search within its time.
+the search within its time, as do the pipeline sizes (2, 4, 8) and micro-batch sizes (1, 2)
+it weighs.
 """
 
 from __future__ import annotations
@@ -92,6 +93,10 @@ def extrapolated_step(
 
 
 _PROBED: dict[str, tuple[list[RankMeasurement], int]] = {}
+# The pipelines --plan_for weighs, and their micro-batch sizes: a pipeline's bubble shrinks
+# with more, smaller micro-batches, and each further size would take as long to plan again.
+PIPELINES = (2, 4, 8)
+PIPELINE_MICRO_BATCHES = (1, 2)
 
 
 def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
@@ -131,10 +136,12 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
             continue
         if m.sequence_length % cp or (m.heads // tp1) % cp:
             continue
-        if pp > 1 and (pp > m.layers or inner != min(per_node, devices // pp)):
+        if pp > 1 and (
+            pp not in PIPELINES or pp > m.layers or inner != min(per_node, devices // pp)
+        ):
             continue
         dp = devices // (inner * pp)
-        for micro in (1, 2, 4, 8, 16):
+        for micro in (1, 2, 4, 8, 16) if pp == 1 else PIPELINE_MICRO_BATCHES:
             if t.global_batch_size % (micro * dp):
                 continue
             candidate = copy.deepcopy(config)
