@@ -66,7 +66,17 @@ def _train_rank(config, batches: torch.Tensor) -> dict:
     steps = train_steps(engine, batches, layout.dp.rank)
     states = {state: full_state(engine, state) for state in STATES}
     first_of_stage = layout.dp.rank == layout.tp1.rank == layout.tp2.rank == 0
-    return {"steps": steps, "stage": layout.pp.rank, **(states if first_of_stage else {})}
+    eval_loss = engine.evaluate(_validation(config, layout.dp.rank, layout.dp.size))
+    out = {"steps": steps, "stage": layout.pp.rank, "eval_loss": eval_loss}
+    return {**out, **(states if first_of_stage else {})}
+
+
+def _validation(config, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
+    """Replica ``dp_rank``'s share of 4 held-out sequences, as ``[1, seq + 1]`` micro-batches
+    (evaluated 2 at a time with 2 passes: a pipeline's chunks)."""
+    ids = global_batches(config, 1, seed=7)[0, :4]
+    share = len(ids) // dp_size
+    return list(ids[dp_rank * share : (dp_rank + 1) * share].unsqueeze(1))
 
 
 @functools.cache
@@ -74,6 +84,7 @@ def _single_process(passes: int, dropout: str = "0.1") -> dict:
     config = small_config(*MODEL, "--passes", str(passes), "--dropout_prob", dropout)
     result = single_process_run(config, global_batches(config, STEPS))
     engine = result.pop("engine")
+    result["eval_loss"] = engine.evaluate(_validation(config))
     result["exp_avg"] = full_state(engine, "exp_avg")
     result["exp_avg_sq"] = full_state(engine, "exp_avg_sq")
     return result
@@ -99,6 +110,8 @@ def _assert_matches(
             for key in ("loss", "grad_norm"):
                 error = abs(got[key] - want[key]) / abs(want[key])
                 assert error <= TOLERANCE, f"rank {rank} step {step} {key}: {got} vs {want}"
+        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
+        assert error <= TOLERANCE, f"rank {rank} validation loss {result['eval_loss']}"
     for state in STATES:
         stages = _by_stage(results, state)
         merged = {name: t for stage in stages for name, t in stage.items()}
@@ -123,8 +136,9 @@ def _assert_matches(
     ids=["pp2-p1", "pp2-p4-uneven", "pp4-p2", "pp4-p4", "dp2-pp2-p1", "dp2-pp2-p2-uneven"],
 )
 def test_pipeline_trains_like_one_process(tmp_path, dp, pp, tp1, tp2, passes, stages):
-    """3 float32 steps with dropout 0.1: every rank's loss and gradient norm, and every
-    weight, last gradient and Adam moment equal the single process's (same passes)."""
+    """3 float32 steps with dropout 0.1: every rank's loss, gradient norm and a validation
+    loss after them, and every weight, last gradient and Adam moment equal the single
+    process's (same passes)."""
     results = _run(tmp_path, *_flags(dp, pp, tp1, tp2, passes, stages))
     if dp == 1:
         _assert_matches(results, _single_process(passes))
@@ -135,7 +149,8 @@ def test_pipeline_trains_like_one_process(tmp_path, dp, pp, tp1, tp2, passes, st
     # without a pipeline, and to FLOAT32_TOLERANCE against the single process.
     _assert_matches(results, _single_process(passes), FLOAT32_TOLERANCE)
     without = _run(tmp_path / "without-pipeline", *_flags(dp, 1, tp1, tp2, passes))
-    _assert_matches(results, {**without[0], "steps": _single_process(passes)["steps"]})
+    expected = _single_process(passes)
+    _assert_matches(results, {**without[0], **{k: expected[k] for k in ("steps", "eval_loss")}})
 
 
 def test_pipeline_beside_both_tensor_axes(tmp_path):
