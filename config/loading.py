@@ -243,6 +243,7 @@ def validate(config: PretrainingConfig) -> None:
         "tensor_parallel_1": ex.tensor_parallel_1,
         "tensor_parallel_2": ex.tensor_parallel_2,
         "context_parallel": ex.context_parallel,
+        "pipeline_parallel": ex.pipeline_parallel,
         "log_every": config.logging.log_every,
     }
     for name, value in positive.items():
@@ -374,6 +375,7 @@ def validate(config: PretrainingConfig) -> None:
             f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
             f"{ex.tensor_parallel_2}"
         )
+    _validate_pipeline(config)
     cp = ex.context_parallel
     if m.sequence_length % cp:
         raise ConfigError(
@@ -393,6 +395,41 @@ def validate(config: PretrainingConfig) -> None:
         raise ConfigError(
             f"--recompute {ex.recompute} with --context_parallel {cp} is not supported yet; use "
             "--recompute full (or auto, which picks it for context-parallel layouts)"
+        )
+
+
+def _validate_pipeline(config: PretrainingConfig) -> None:
+    """One line for a pipeline that cannot split the decoder layers."""
+    m, ex = config.model, config.execution
+    stages = ex.pipeline_parallel
+    if stages > m.layers:
+        raise ConfigError(
+            f"--pipeline_parallel {stages} exceeds the {m.layers} decoder layers (--layers); "
+            "every stage needs at least one layer"
+        )
+    if not ex.pipeline_layers.strip():
+        return
+    try:
+        sizes = [int(n) for n in ex.pipeline_layers.split(",")]
+    except ValueError:
+        raise ConfigError(
+            f"--pipeline_layers {ex.pipeline_layers!r} must be comma-separated layer counts, "
+            "one per stage (e.g. 10,12,12,10)"
+        ) from None
+    if len(sizes) != stages:
+        raise ConfigError(
+            f"--pipeline_layers {ex.pipeline_layers} gives {len(sizes)} stage(s), but "
+            f"--pipeline_parallel is {stages}; give one layer count per stage"
+        )
+    if min(sizes) < 1:
+        raise ConfigError(
+            f"--pipeline_layers {ex.pipeline_layers} has a stage without layers; every stage "
+            "needs at least one"
+        )
+    if sum(sizes) != m.layers:
+        raise ConfigError(
+            f"--pipeline_layers {ex.pipeline_layers} sums to {sum(sizes)} layers, but --layers "
+            f"is {m.layers}; the stages must hold every decoder layer once"
         )
 
 

@@ -149,6 +149,22 @@ class ExecutionConfig:
             "of a tensor_parallel_1 rank."
         ),
     )
+    pipeline_parallel: int = field(
+        default=1,
+        metadata=_doc(
+            "Pipeline stages: the decoder layers split into this many contiguous stages, one "
+            "per rank of the pipeline axis (stage 0 also holds the embedding, the last the "
+            "head); the passes of a step are the pipeline's chunks, run one forward, one "
+            "backward."
+        ),
+    )
+    pipeline_layers: str = field(
+        default="",
+        metadata=_doc(
+            "Decoder layers of each pipeline stage, comma-separated (e.g. 10,12,12,10), "
+            "summing to --layers; empty splits them as evenly as possible."
+        ),
+    )
     placement: str = field(
         default="auto",
         metadata=_doc(
@@ -382,10 +398,27 @@ class PretrainingConfig:
 
     @property
     def world_size(self) -> int:
-        """Processes the layout needs: data_parallel x context_parallel x tensor_parallel_1 x
-        tensor_parallel_2."""
+        """Processes the layout needs: data_parallel x pipeline_parallel x context_parallel x
+        tensor_parallel_1 x tensor_parallel_2."""
         ex = self.execution
-        return ex.data_parallel * ex.context_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
+        sequence = ex.data_parallel * ex.pipeline_parallel * ex.context_parallel
+        return sequence * ex.tensor_parallel_1 * ex.tensor_parallel_2
+
+    @property
+    def stage_layers(self) -> tuple[int, ...]:
+        """Decoder layers of each pipeline stage: ``--pipeline_layers`` as given, else as
+        even as possible, the extra layers on the middle stages first (they hold neither the
+        embedding nor the head), then on the first. Validated by ``config.loading.validate``."""
+        ex = self.execution
+        if ex.pipeline_layers.strip():
+            return tuple(int(n) for n in ex.pipeline_layers.split(","))
+        stages = ex.pipeline_parallel
+        base, extra = divmod(self.model.layers, stages)
+        order = [*range(1, stages - 1), 0, stages - 1][:stages] if stages > 1 else [0]
+        sizes = [base] * stages
+        for stage in order[:extra]:
+            sizes[stage] += 1
+        return tuple(sizes)
 
     @property
     def tokens_per_step(self) -> int:

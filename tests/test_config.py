@@ -132,6 +132,17 @@ def test_flags_override_the_preset():
             "--context_parallel 4 --tensor_parallel_1 2",
             "2 heads per tensor_parallel_1 rank is not divisible by --context_parallel 4",
         ),
+        ("--pipeline_parallel 0", "--pipeline_parallel must be at least 1, got 0"),
+        ("--pipeline_parallel 3", "--pipeline_parallel 3 exceeds the 2 decoder layers"),
+        (
+            "--pipeline_parallel 2 --pipeline_layers 1,2",
+            "--pipeline_layers 1,2 sums to 3 layers, but --layers is 2",
+        ),
+        (
+            "--pipeline_parallel 2 --pipeline_layers 2",
+            "--pipeline_layers 2 gives 1 stage(s), but --pipeline_parallel is 2",
+        ),
+        ("--pipeline_parallel 2 --pipeline_layers 1,x", "must be comma-separated layer counts"),
         ("--precision fp8", "invalid choice: 'fp8'"),
         ("--dropout_prob 1.5", "--dropout_prob must be in [0, 1)"),
         ("--learning_rate 0", "--learning_rate must be a finite number > 0"),
@@ -199,6 +210,12 @@ def test_world_size_must_match_the_layout():
         ConfigError, match=r"--context_parallel 2 x .* = 2 processes, but the job has 4"
     ):
         check_world_size(config, 4)
+    config, _ = parse_config(["--config", "tiny", "--pipeline_parallel", "2"])
+    check_world_size(config, 2)
+    with pytest.raises(
+        ConfigError, match=r"--pipeline_parallel 2 x .* = 2 processes, but the job has 8"
+    ):
+        check_world_size(config, 8)
 
 
 @pytest.mark.parametrize(

@@ -255,3 +255,28 @@ def test_kinds_of_rank_group_equal_shards_and_node_spans():
     kind_of = {r: k for k, ranks in enumerate(kinds) for r in ranks}
     assert kind_of[0] != kind_of[6]
     assert sorted(r for kind in kinds for r in kind) == list(range(24))
+
+
+def test_plan_for_lists_pipeline_layouts_one_row_each():
+    """Pipelines of 2 and 4 stages are searched (tensor axes filling what is left of a node),
+    with the bubble in their estimate; the table has one row per layout, with the micro-batch
+    sizes that tie shown together."""
+    from execution.planning.plan_search import layout_rows
+
+    config = small_config("--layers", "4", "--global_batch_size", "8")
+    rows, _ = search(config, 4)
+    executions = [r["config"].execution for r in rows]
+    stages = {e.pipeline_parallel for e in executions}
+    assert {1, 2, 4} <= stages
+    for row in rows:
+        ex, passes = row["config"].execution, row["plan"].passes
+        s = ex.pipeline_parallel
+        assert row["bubble"] == (s - 1) / (passes + s - 1)
+        if s > 1:
+            assert ex.tensor_parallel_1 * ex.tensor_parallel_2 * ex.context_parallel == 4 // s
+    shown = layout_rows(rows)
+    axes = ("data_parallel", "pipeline_parallel", "context_parallel")
+    axes += ("tensor_parallel_1", "tensor_parallel_2")
+    keys = [tuple(getattr(r["config"].execution, n) for n in axes) for r in shown]
+    assert len(keys) == len(set(keys)) and len(shown) < len(rows)
+    assert all(r["micro_batches"] for r in shown)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, Chunk, held_chunks
 from execution.checkpoint.files import SAVED_STATES
 from execution.engine.phases import PhasedEngine
-from modelling.gpt import logical_shapes, qualified_name
+from modelling.gpt import EMBEDDING, logical_shapes, qualified_name
 
 
 @dataclass(frozen=True)
@@ -50,8 +50,14 @@ class HeldItem:
     row: int
 
 
-def held_items(engine: PhasedEngine, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> list[HeldItem]:
-    """Every chunk of the saved states (weights and AdamW moments) this rank's buffers hold."""
+def held_items(
+    engine: PhasedEngine, max_chunk_bytes: int = MAX_CHUNK_BYTES, saving: bool = False
+) -> list[HeldItem]:
+    """Every chunk of the saved states (weights and AdamW moments) this rank's buffers hold.
+
+    ``saving``: only those this rank writes. The last pipeline stage holds a copy of the word
+    embedding (tied to its head), identical to the first stage's, which writes it; both read it.
+    """
     layout = engine.layout
     tp = (layout.tp1.rank, layout.tp2.rank)
     rts = {kind: axis.rank for kind, axis in engine.rts.items()}
@@ -59,9 +65,12 @@ def held_items(engine: PhasedEngine, max_chunk_bytes: int = MAX_CHUNK_BYTES) -> 
         part: held_chunks(part, engine.specs[part], engine.shapes, tp, rts, max_chunk_bytes)
         for part in engine.specs
     }
+    copy = saving and engine.stage.count > 1 and not engine.stage.is_first
+    logical = engine.state.logical_row
     return [
-        HeldItem(f"{state}/{qualified_name(part, row, c.name)}", c, state, part, row)
+        HeldItem(f"{state}/{qualified_name(part, logical(part, row), c.name)}", c, state, part, row)
         for part, row in engine.state.part_rows()
+        if not (copy and part == EMBEDDING)
         for state in SAVED_STATES
         for c in per_part[part]
     ]

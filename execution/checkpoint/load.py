@@ -180,7 +180,7 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
     for part, row in engine.state.part_rows():
         full = {}
         for name, init in part_inits(engine.shapes, part).items():
-            ours = qualified_name(part, row, name)
+            ours = qualified_name(part, engine.state.logical_row(part, row), name)
             t = hf.get(ours)
             if tuple(t.shape) != init.shape:
                 raise ConfigError(

@@ -59,12 +59,14 @@ def full_state(engine: PhasedEngine, state: str = "weights") -> dict[str, torch.
     """Unsharded, unpadded float32 tensors of every parameter, named as in :class:`GPT`.
 
     Collective over all ranks. ``state`` is ``weights``, ``grads`` (the last step's mean
-    gradients, loss scale removed), ``exp_avg`` or ``exp_avg_sq``.
+    gradients, loss scale removed), ``exp_avg`` or ``exp_avg_sq``. A pipeline stage gives the
+    parameters it holds (the first and the last stage both the word embedding).
     """
     out = {}
     for part, row in engine.state.part_rows():
+        layer = engine.state.logical_row(part, row)
         for name, t in read_part_state(engine, part, row, state).items():
-            out[qualified_name(part, row, name)] = t
+            out[qualified_name(part, layer, name)] = t
     if state == "grads":
         out = {k: v / engine.config.training.loss_scaling for k, v in out.items()}
     return out

@@ -125,7 +125,7 @@ class Checkpointer:
             for stale in self.directory.glob("step_*.tmp"):  # left by a killed run
                 shutil.rmtree(stale, ignore_errors=True)
         if self._items is None:
-            self._items = held_items(self.engine, self.max_chunk_bytes)
+            self._items = held_items(self.engine, self.max_chunk_bytes, saving=True)
         rows = self._stage()
         self.held_seconds = time.perf_counter() - started
         self._host_read = host_read = threading.Event()

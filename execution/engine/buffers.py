@@ -14,6 +14,7 @@ plan can never disagree with what is allocated.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -41,11 +42,11 @@ class FlatSpec:
     shapes: tuple[torch.Size, ...]
     rts_size: int
 
-    @property
+    @functools.cached_property  # read for every plan the planner weighs
     def numel(self) -> int:
         return sum(s.numel() for s in self.shapes)
 
-    @property
+    @functools.cached_property
     def padded(self) -> int:
         """Length of the packed vector, a multiple of the RTS group size."""
         return math.ceil(self.numel / self.rts_size) * self.rts_size
@@ -212,6 +213,8 @@ class ActivationLayout:
         dtype: Compute dtype.
         kept: Bytes each decoder layer keeps per entry for its backward (0: it recomputes
             everything from x; see :mod:`execution.engine.recompute`).
+        in_flight: Passes a pipeline stage holds at once (x and the kept activations have
+            ``entries`` per pass in flight; dx only one pass's, as one backward runs at a time).
     """
 
     layers: int
@@ -221,6 +224,7 @@ class ActivationLayout:
     tp1: int
     dtype: torch.dtype
     kept: int = 0
+    in_flight: int = 1
 
     @classmethod
     def of(
@@ -231,11 +235,18 @@ class ActivationLayout:
         sequence: int,
         dtype: torch.dtype,
         kept: int = 0,
+        in_flight: int = 1,
     ) -> ActivationLayout:
-        """The buffers of ``entries`` micro-batches of ``[micro_batch, sequence]`` tokens."""
+        """The buffers of ``entries`` micro-batches of ``[micro_batch, sequence]`` tokens per
+        pass, for ``in_flight`` passes."""
         hidden = shapes.hidden // shapes.tp2
         tokens = (micro_batch, sequence)
-        return cls(shapes.layers, entries, tokens, hidden, shapes.tp1, dtype, kept)
+        return cls(shapes.layers, entries, tokens, hidden, shapes.tp1, dtype, kept, in_flight)
+
+    @property
+    def held(self) -> int:
+        """Entries of x and of the kept activations: ``entries`` per pass in flight."""
+        return self.entries * self.in_flight
 
     @property
     def entry_numel(self) -> int:
@@ -248,9 +259,9 @@ class ActivationLayout:
 
     def planned_nbytes(self) -> int:
         """Bytes x, dx and the kept activations will take, known before allocating them."""
-        x = (self.layers + 1) * self.entries * self.x_shard
+        x = (self.layers + 1) * self.held * self.x_shard
         dx = 2 * self.entries * self.entry_numel
-        return (x + dx) * self.dtype.itemsize + self.layers * self.entries * self.kept
+        return (x + dx) * self.dtype.itemsize + self.layers * self.held * self.kept
 
 
 class ActivationBuffers:
@@ -266,7 +277,7 @@ class ActivationBuffers:
         self.layout = layout
         a = layout
         self.x = torch.empty(
-            (a.layers + 1, a.entries, a.x_shard),
+            (a.layers + 1, a.held, a.x_shard),
             dtype=a.dtype,
             device=place.device,
             pin_memory=place.pin,
@@ -278,7 +289,7 @@ class ActivationBuffers:
             pin_memory=place.pin,
         )
         self.kept = torch.empty(
-            (a.layers, a.entries, a.kept),
+            (a.layers, a.held, a.kept),
             dtype=torch.uint8,
             device=place.device,
             pin_memory=place.pin,

@@ -28,7 +28,7 @@ import torch
 from torch.func import functional_call
 
 from config.schema import PretrainingConfig
-from execution.engine import schedule
+from execution.engine import pipeline, schedule
 from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
 from execution.engine.optimizer import adamw_, adamw_threaded_, clip_coefficient
 from execution.engine.plan import PLACED_STATES, MemoryPlan
@@ -37,7 +37,7 @@ from execution.engine.schedule import Phase
 from execution.engine.state import StateStore
 from execution.parallel.mesh import ParallelLayout, Pending
 from execution.parallel.sharding import DECAYED_KINDS, init_part_shard, rts_axes
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
 from modelling.layers import BlockSeeds, mix_seed
 
 # Elements per chunk of a host AdamW update: 64 Ki float32 (256 KiB per tensor) stay in cache.
@@ -84,17 +84,29 @@ class PhasedEngine:
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         places = {s: Place.of(getattr(plan.placement, s), self.device) for s in PLACED_STATES}
         ex = config.execution
+        # This rank's pipeline stage: its layers, and the passes it holds at once.
+        self.stage = pipeline.Stage.of(config.stage_layers, layout.pp.rank)
         activations = ActivationLayout.of(
-            self.shapes,
+            dataclasses.replace(self.shapes, layers=self.stage.layers),
             plan.micro_batches_per_pass,
             ex.micro_batch_size,
             config.model.sequence_length // layout.cp.size,  # this rank's piece
             self.dtype,
             kept=plan.kept,
+            in_flight=self.stage.in_flight(plan.passes),
         )
+        rows = {part: self.stage.rows(part) for part in PARTS}
         self.state = StateStore(
-            self.specs, self.shapes.layers, self.rts, layout, places, activations
+            self.specs,
+            self.stage.layers,
+            self.rts,
+            layout,
+            places,
+            activations,
+            rows,
+            self.stage.first_layer,
         )
+        self.link = pipeline.Link(layout.pp, self.stage, activations, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
         self.kept: KeptLayers | None = None
         if plan.recompute != "full":
@@ -120,6 +132,7 @@ class PhasedEngine:
             schedule.HEAD: self._phase_head,
             schedule.LAYER_BACKWARD: self._phase_layer_backward,
             schedule.EMBEDDING_BACKWARD: self._phase_embedding_backward,
+            **dict.fromkeys(pipeline.MOVES, self._phase_move),
         }
 
     # ----------------------------------------------------------------- weights in and out
@@ -132,7 +145,8 @@ class PhasedEngine:
         """
         i, j = self.layout.tp1.rank, self.layout.tp2.rank
         for part, row in self.state.part_rows():
-            local = init_part_shard(self.shapes, part, row, seed, init_std, i, j)
+            layer = self.state.logical_row(part, row)
+            local = init_part_shard(self.shapes, part, layer, seed, init_std, i, j)
             self.state.write_shard(part, row, "weights", local)
 
     # ----------------------------------------------------------------- gradients
@@ -210,8 +224,15 @@ class PhasedEngine:
         return seeds and seeds.attention_residual
 
     def _entries(self, phase: Phase):
-        """(micro-batch index in the step, activation buffer entry) for each of the phase's."""
-        return ((m, m - phase.micro_batches.start) for m in phase.micro_batches)
+        """(micro-batch index in the step, activation buffer entry) for each of the phase's:
+        a pipeline stage keeps each pass it holds at once in a slot of its own."""
+        layout = self.state.activations.layout
+        slot = phase.pass_index % layout.in_flight * layout.entries
+        return ((m, slot + m - phase.micro_batches.start) for m in phase.micro_batches)
+
+    def _layer_seeds(self, step: int | None, n: int, micro: int) -> BlockSeeds | None:
+        """Dropout seeds of this stage's decoder layer ``n`` (seeded by its global index)."""
+        return self._seeds(step, self.stage.first_layer + n, micro)
 
     @torch.no_grad()
     def _phase_embedding_forward(self, phase: Phase, batch: _Batch) -> None:
@@ -230,13 +251,14 @@ class PhasedEngine:
         if batch.training and self.kept is not None:  # keep the graph for the backward
             vectors = self.state.load_weight_vectors(LAYERS, n, self.dtype)
             for m, e in self._entries(phase):
-                x, seeds = self.state.fetch_x(n, e), self._seeds(batch.step, n, m)
+                x, seeds = self.state.fetch_x(n, e), self._layer_seeds(batch.step, n, m)
                 self.state.store_x(n + 1, e, self.kept.forward(n, e, vectors, x, seeds))
             return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
         for m, e in self._entries(phase):
             x = self.state.fetch_x(n, e)
-            y = functional_call(self.templates[LAYERS], weights, (x, self._seeds(batch.step, n, m)))
+            seeds = self._layer_seeds(batch.step, n, m)
+            y = functional_call(self.templates[LAYERS], weights, (x, seeds))
             self.state.store_x(n + 1, e, y)
 
     def _phase_head(self, phase: Phase, batch: _Batch) -> None:
@@ -245,7 +267,7 @@ class PhasedEngine:
         The tied word embedding's gradient is added to the embedding's accumulators here and
         completed by the embedding backward phase.
         """
-        L, backward = self.shapes.layers, batch.training
+        L, backward = self.stage.layers, batch.training
         head = self.state.load_weights(HEAD, 0, self.dtype)
         word = self.state.load_weights(EMBEDDING, 0, self.dtype)["word.weight"]  # tied
         if backward:
@@ -297,7 +319,7 @@ class PhasedEngine:
             x = self.state.fetch_x(n, e).requires_grad_()
             with torch.enable_grad():
                 y = functional_call(
-                    self.templates[LAYERS], weights, (x, self._seeds(batch.step, n, m))
+                    self.templates[LAYERS], weights, (x, self._layer_seeds(batch.step, n, m))
                 )
             dx, *grads = torch.autograd.grad(
                 y, [x, *weights.values()], self.state.fetch_dx(n + 1, e)
@@ -322,7 +344,14 @@ class PhasedEngine:
             grads = torch.autograd.grad(y, list(weights.values()), self.state.fetch_dx(0, e))
             for name, g in zip(weights, grads, strict=True):
                 views[name].add_(g)
-        self._finish_grads(EMBEDDING, 0, acc, phase)
+        # With a pipeline the last stage holds the head's tied part: the sum is complete, and
+        # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
+        self._finish_grads(EMBEDDING, 0, acc, phase, norm=self.layout.embedding.size == 1)
+
+    def _phase_move(self, phase: Phase, batch: _Batch) -> None:
+        """A pipeline stage's boundary activations (or their gradients) in or out."""
+        entries = [e for _, e in self._entries(phase)]
+        pipeline.move(self.link, self.state, phase, range(entries[0], entries[-1] + 1))
 
     def _optimizer_phases(self, lr: float, grad_scale: float) -> None:
         """AdamW on every part's shards, one row of one kind at a time.
@@ -379,15 +408,20 @@ class PhasedEngine:
         if self.kept is not None:
             self.kept.drop()  # none left by a step that raised half-way
         self._grad_sumsq = torch.zeros((), dtype=torch.float64, device=self.device)
-        phases = schedule.training_phases(
-            self.shapes.layers, self.gradient_accumulation, self.plan.passes
-        )
-        self._run_phases(list(phases), batch)
+        phases = pipeline.training_phases(self.stage, self.gradient_accumulation, self.plan.passes)
+        self._run_phases(phases, batch)
+        if self.layout.embedding.size > 1:
+            tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
+            if self.stage.is_first:  # counted once, by the first stage
+                for shard in tied:
+                    self._grad_sumsq += shard.double().square().sum()
 
         world = self.layout.world
         scale = self.config.training.loss_scaling
         grad_norm = math.sqrt(_read(world.all_reduce_(self._grad_sumsq))) / scale
-        loss = self._mean_over_replicas(torch.stack(batch.losses).float().sum(), len(batch.losses))
+        losses = batch.losses  # the last stage's (the head's)
+        total = torch.stack(losses).float().sum() if losses else torch.zeros((), device=self.device)
+        loss = self._mean_over_replicas(total, len(losses))
         if not math.isfinite(grad_norm):
             return StepResult(loss, grad_norm, skipped=True)
         self.optimizer_steps += 1
@@ -410,15 +444,11 @@ class PhasedEngine:
         batches = batches[: int(self.layout.dp.all_reduce_(count_tensor, op="min"))]
         per_pass = self.plan.micro_batches_per_pass
         losses: list[torch.Tensor] = []
-        for start in range(0, len(batches), per_pass):
+        for index, start in enumerate(range(0, len(batches), per_pass)):
             tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
             batch = _Batch.of(tokens, None, self.layout.cp)
             group = range(len(tokens))
-            phases = [
-                *schedule.forward_phases(self.shapes.layers, group),
-                Phase(schedule.HEAD, 0, group),
-            ]
-            self._run_phases(phases, batch)
+            self._run_phases(pipeline.evaluation_phases(self.stage, group, index), batch)
             losses.extend(batch.losses)
         total = (
             torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)
@@ -433,14 +463,20 @@ class PhasedEngine:
         overlap = ex.overlap_communication
         self.state.drop_prefetched()  # none left by a step that raised half-way
         self._in_flight = _InFlight(overlap)
-        for phase, following in zip(phases, [*phases[1:], None], strict=True):
+        # The next phase that loads weights (a pipeline's moves load none).
+        self.link.start(phases)
+        loading = [n for n, phase in enumerate(phases) if schedule.weights_loaded(phase)]
+        following = dict(zip(loading, [*loading[1:], None], strict=True))
+        for n, phase in enumerate(phases):
             if self.on_phase is not None:
                 self.on_phase(phase)
-            if (ex.prefetch or overlap) and following is not None:
-                for part, row in schedule.weights_loaded(following):
+            ahead = following.get(n, loading[0] if n < loading[0] else None)
+            if (ex.prefetch or overlap) and ahead is not None and n < ahead:
+                for part, row in schedule.weights_loaded(phases[ahead]):
                     self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
             self._bodies[phase.kind](phase, batch)
         self._in_flight.finish()  # the norm and the optimizer read every gradient
+        self.link.finish()  # every boundary activation sent has arrived
         if self.on_phase is not None:
             self.on_phase(None)
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
@@ -455,6 +491,7 @@ class PhasedEngine:
             [total.double(), torch.tensor(float(count), device=self.device).double()]
         )
         both = self.layout.dp_cp.all_reduce_(both)
+        both = self.layout.pp.all_reduce_(both)  # from the last stage (others add zeros)
         total_all, count_all = _read(both[0]), _read(both[1])
         return total_all / count_all if count_all else float("nan")
 

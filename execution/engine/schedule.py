@@ -35,6 +35,8 @@ class Phase:
         micro_batches: Indices into this replica's micro-batches of the step.
         first_pass: Gradients of this phase start the step's accumulation.
         last_pass: Gradients of this phase complete it (they count towards the global norm).
+        pass_index: The pass it belongs to (a pipeline stage holds several passes at once,
+            each in its own slot of the activation buffers).
     """
 
     kind: str
@@ -42,13 +44,23 @@ class Phase:
     micro_batches: range
     first_pass: bool = True
     last_pass: bool = True
+    pass_index: int = 0
 
 
 def weights_loaded(phase: Phase) -> list[tuple[str, int]]:
     """The (part, row) whose weights a phase loads, so they can be fetched a phase ahead.
 
-    The head also loads the word embedding, tied to its output projection.
+    The head also loads the word embedding, tied to its output projection; the pipeline's
+    point-to-point moves load none.
     """
+    if phase.kind not in (
+        EMBEDDING_FORWARD,
+        LAYER_FORWARD,
+        HEAD,
+        LAYER_BACKWARD,
+        EMBEDDING_BACKWARD,
+    ):
+        return []
     if phase.kind in (LAYER_FORWARD, LAYER_BACKWARD):
         return [(gpt.LAYERS, phase.layer)]
     if phase.kind == HEAD:

@@ -50,7 +50,7 @@ from execution.engine.buffers import (
     weight_copy_dtype,
 )
 from execution.parallel.mesh import ParallelLayout
-from modelling.gpt import PARTS
+from modelling.gpt import LAYERS, PARTS
 from modelling.parallel import Axis
 
 
@@ -59,7 +59,7 @@ class StateStore:
 
     Args:
         specs: Per part and kind, how parameters pack into flat shards.
-        layers: Decoder layers.
+        layers: Decoder layers this rank holds (its pipeline stage's).
         rts: RTS group of each kind.
         layout: This rank's parallel geometry.
         places: Place of ``weights`` (with the AdamW moments), ``grads`` and ``activations``.
@@ -74,8 +74,14 @@ class StateStore:
         layout: ParallelLayout,
         places: dict[str, Place],
         activations: ActivationLayout,
+        rows: dict[str, int] | None = None,
+        first_layer: int = 0,
     ):
+        """``rows``: buffer rows of each part (default: every part, ``layers`` decoder layers);
+        a pipeline stage holds some parts only. ``first_layer``: the global index of its first
+        decoder layer."""
         self.specs = specs
+        self.first_layer = first_layer
         self.rts = rts
         self.device = layout.device
         self.tp1 = layout.tp1
@@ -83,9 +89,9 @@ class StateStore:
         by_state = {s: places["weights"] for s in WEIGHT_STATES}
         by_state.update({s: places["grads"] for s in GRAD_STATES})
         self.copy_dtype = weight_copy_dtype(places["weights"].remote, activations.dtype)
+        rows = rows or {part: rows_of(part, layers) for part in PARTS}
         self.parts = {
-            part: PartBuffers(specs[part], rows_of(part, layers), by_state, self.copy_dtype)
-            for part in PARTS
+            part: PartBuffers(specs[part], rows[part], by_state, self.copy_dtype) for part in PARTS
         }
         self.activations = ActivationBuffers(activations, places["activations"])
         # Bytes copied over the host link, by direction (the dry run reports them).
@@ -200,8 +206,12 @@ class StateStore:
         return vectors
 
     def part_rows(self) -> list[tuple[str, int]]:
-        """Every (part, row) in order: the embedding, each decoder layer, the head."""
+        """Every (part, row) held, in order: the embedding, each decoder layer, the head."""
         return [(part, row) for part in PARTS for row in range(self.parts[part].rows)]
+
+    def logical_row(self, part: str, row: int) -> int:
+        """The model's index of a buffer row: its global layer for the decoder layers."""
+        return self.first_layer + row if part == LAYERS else row
 
     def write_shard(self, part: str, row: int, state: str, local: dict[str, torch.Tensor]) -> None:
         """Stores this rank's RTS slice of a part's tensor-parallel shards (padded, named as in
@@ -302,13 +312,33 @@ class StateStore:
         return full.view(*layout.tokens, layout.hidden).detach()
 
     def store_dx(self, boundary: int, entry: int, dx: torch.Tensor) -> None:
-        """Stores the gradient at a layer boundary (rows alternate: only two are ever live)."""
-        row = boundary % 2
+        """Stores the gradient at a layer boundary (rows alternate: only two are ever live;
+        one pass's entries, as one backward runs at a time)."""
+        row, entry = boundary % 2, entry % self.activations.layout.entries
         self._store_activation(("dx", row, entry), self.activations.dx[row, entry], dx)
 
     def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
-        row = boundary % 2
+        row, entry = boundary % 2, entry % self.activations.layout.entries
         return self._load_activation(("dx", row, entry), self.activations.dx[row, entry])
+
+    def x_slices(self, boundary: int, entries: range) -> torch.Tensor:
+        """This rank's tp1 slices of x at a boundary for consecutive entries, on the device:
+        what a pipeline stage sends to the next."""
+        rows = [
+            self._load_activation(("x", boundary, e), self.activations.x[boundary, e])
+            for e in entries
+        ]
+        return torch.stack(rows)
+
+    def put_x_slices(self, boundary: int, entries: range, slices: torch.Tensor) -> None:
+        """Stores tp1 slices of x received from the previous stage (inverse of
+        :meth:`x_slices`)."""
+        for e, flat in zip(entries, slices, strict=True):
+            self._store_activation(("x", boundary, e), self.activations.x[boundary, e], flat)
+
+    def dx_entries(self, boundary: int, entries: range) -> torch.Tensor:
+        """The gradients at a boundary for consecutive entries, on the device."""
+        return torch.stack([self.fetch_dx(boundary, e) for e in entries])
 
     def store_kept(self, target: torch.Tensor, value: torch.Tensor) -> None:
         """Copies a tensor a layer keeps for its backward into its region of the buffers (on

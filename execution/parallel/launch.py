@@ -71,9 +71,12 @@ def check_world_size(config: PretrainingConfig, world_size: int) -> None:
     """Raises a one-line ConfigError when the launch does not fit the preset's layout."""
     ex = config.execution
     if world_size != config.world_size:
+        pipeline = (
+            f"--pipeline_parallel {ex.pipeline_parallel} x " if ex.pipeline_parallel > 1 else ""
+        )
         context = f"--context_parallel {ex.context_parallel} x " if ex.context_parallel > 1 else ""
         raise ConfigError(
-            f"--data_parallel {ex.data_parallel} x {context}--tensor_parallel_1 "
+            f"--data_parallel {ex.data_parallel} x {pipeline}{context}--tensor_parallel_1 "
             f"{ex.tensor_parallel_1} x --tensor_parallel_2 {ex.tensor_parallel_2} = "
             f"{config.world_size} processes, but "
             f"the job has {world_size}; launch {config.world_size} processes (e.g. torchrun "
@@ -125,7 +128,12 @@ def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     layout = ParallelLayout.build(
-        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, device, ex.context_parallel
+        ex.data_parallel,
+        ex.tensor_parallel_1,
+        ex.tensor_parallel_2,
+        device,
+        ex.context_parallel,
+        pp=ex.pipeline_parallel,
     )
     return layout, info
 

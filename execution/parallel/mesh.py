@@ -1,11 +1,13 @@
 """The parallel geometry of a run: ranks, mesh axes and their process groups (DESIGN.md section 3).
 
-Rank ``r = ((d * cp + c) * tp1 + i) * tp2 + j`` where ``j`` indexes tensor_parallel_2
-(innermost), ``i`` tensor_parallel_1, ``c`` context_parallel and ``d`` data_parallel. The tensor
-axes stay innermost because they communicate on every matmul; the context axis comes next
-because its all-to-alls run twice per layer and micro-batch (so it should stay inside a node
-after the tensor axes, where bandwidth allows); data parallelism, which communicates once per
-phase, is outermost. With ``cp = 1`` this is ``d * tp1 * tp2 + i * tp2 + j``.
+Rank ``r = (((d * pp + p) * cp + c) * tp1 + i) * tp2 + j`` where ``j`` indexes
+tensor_parallel_2 (innermost), ``i`` tensor_parallel_1, ``c`` context_parallel, ``p`` the
+pipeline stage and ``d`` data_parallel. The tensor axes stay innermost because they communicate
+on every matmul; the context axis comes next because its all-to-alls run twice per layer and
+micro-batch (so it should stay inside a node after the tensor axes, where bandwidth allows);
+the pipeline axis sends one activation per micro-batch between neighbouring stages, so it may
+cross nodes; data parallelism, which communicates once per phase, is outermost. With
+``pp = cp = 1`` this is ``d * tp1 * tp2 + i * tp2 + j``.
 :class:`MeshShape` is the one place that formula and the membership of every group live; a new
 parallel axis joins there. One :class:`ParallelLayout`
 is built at start-up and passed to everything that communicates; there is no module-level
@@ -29,12 +31,17 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 # Mesh coordinates, outermost first: the order of the rank formula.
-COORDS = "dcij"
-# Each group of the mesh, by the coordinates (d, c, i, j) that vary within it: a rank's group
-# along an axis is every rank that shares its other coordinates. Weights are replicated over
-# data and context parallelism alike, so both belong to every RTS group.
+COORDS = "dpcij"
+# Each group of the mesh, by the coordinates (d, p, c, i, j) that vary within it: a rank's
+# group along an axis is every rank that shares its other coordinates. Weights are replicated
+# over data and context parallelism alike, so both belong to every RTS group; pipeline stages
+# hold different layers, so no replica group spans stages.
 AXES: dict[str, tuple[str, ...]] = {
     "dp": ("d",),
+    "pp": ("p",),  # the stages of one pipeline, in stage order
+    # The first and the last stage, which both hold the tied word embedding and sum its
+    # gradient (only stages 0 and pp - 1 of the pipeline axis; see MeshShape.members).
+    "embedding": ("p",),
     "cp": ("c",),  # the pieces of one sequence
     "tp1": ("i",),
     "tp2": ("j",),
@@ -43,56 +50,78 @@ AXES: dict[str, tuple[str, ...]] = {
     "dp_tp1": ("d", "c", "i"),
     # Replicas of tp1-sharded vectors (RTS group); dp x tp2 without a context axis.
     "dp_tp2": ("d", "c", "j"),
-    "world": ("d", "c", "i", "j"),
+    "world": ("d", "p", "c", "i", "j"),
 }
 # Without a context axis the replicas of matrices are the data-parallel group itself: one
 # group, not two with the same members (so a run with cp = 1 creates and reports what it did
 # before the context axis existed).
 _SAME_WHEN_NO_CP = {"dp_cp": "dp"}
+# Without a pipeline these axes are size 1 and get no group (nor a place in ``axes()``), so a
+# run with pp = 1 creates and reports what it did before the pipeline axis existed.
+PIPELINE_AXES = ("pp", "embedding")
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """Sizes of the (dp, cp, tp1, tp2) mesh: the rank formula and every group's members."""
+    """Sizes of the (dp, pp, cp, tp1, tp2) mesh: the rank formula and every group's members."""
 
     dp: int
     tp1: int
     tp2: int
     cp: int = 1
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.dp * self.cp * self.tp1 * self.tp2
+        return self.dp * self.pp * self.cp * self.tp1 * self.tp2
 
-    def rank(self, d: int, c: int, i: int, j: int) -> int:
-        return ((d * self.cp + c) * self.tp1 + i) * self.tp2 + j
+    def rank(self, d: int, p: int, c: int, i: int, j: int) -> int:
+        return (((d * self.pp + p) * self.cp + c) * self.tp1 + i) * self.tp2 + j
 
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"d": ..., "c": ..., "i": ..., "j": ...}`` of a global rank."""
+        """``{"d": ..., "p": ..., "c": ..., "i": ..., "j": ...}`` of a global rank."""
         out = {}
         for c in reversed(COORDS):
             rank, out[c] = divmod(rank, self._extent()[c])
         return {c: out[c] for c in COORDS}
 
     def _extent(self) -> dict[str, int]:
-        return {"d": self.dp, "c": self.cp, "i": self.tp1, "j": self.tp2}
+        return {"d": self.dp, "p": self.pp, "c": self.cp, "i": self.tp1, "j": self.tp2}
 
     def size(self, axis: str) -> int:
+        if axis == "embedding":
+            return min(self.pp, 2)
         return math.prod(self._extent()[c] for c in AXES[axis])
 
-    def _ranks(self, fixed: dict[str, int], varying: tuple[str, ...]) -> tuple[int, ...]:
+    def _ranks(
+        self, fixed: dict[str, int], varying: tuple[str, ...], stages=None
+    ) -> tuple[int, ...]:
         """Ranks whose ``fixed`` coordinates are as given, over every value of ``varying``
-        (ascending: the rank formula grows with d, then c, then i, then j)."""
+        (ascending: the rank formula grows with d, then p, c, i, j); ``stages`` limits the
+        values of p."""
         extent = self._extent()
         ranges = [range(extent[c]) if c in varying else [fixed[c]] for c in COORDS]
+        if stages is not None and "p" in varying:
+            ranges[COORDS.index("p")] = stages
         return tuple(self.rank(*coords) for coords in itertools.product(*ranges))
 
+    def _embedding_stages(self) -> tuple[int, ...]:
+        return tuple(sorted({0, self.pp - 1}))
+
     def members(self, axis: str, rank: int) -> tuple[int, ...]:
-        """Global ranks of ``rank``'s group along ``axis``, in group-rank order (ascending)."""
-        return self._ranks(self.coords(rank), AXES[axis])
+        """Global ranks of ``rank``'s group along ``axis``, in group-rank order (ascending).
+
+        A middle stage holds no embedding: its ``embedding`` group is itself alone."""
+        coords = self.coords(rank)
+        if axis == "embedding":
+            if coords["p"] not in self._embedding_stages():
+                return (rank,)
+            return self._ranks(coords, AXES[axis], self._embedding_stages())
+        return self._ranks(coords, AXES[axis])
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along ``axis``, each once, in the same order on every rank."""
+        """Every group along ``axis`` (of more than one rank for ``embedding``), each once, in
+        the same order on every rank."""
         fixed = tuple(c for c in COORDS if c not in AXES[axis])
         firsts = self._ranks(dict.fromkeys(COORDS, 0), fixed)  # one rank of each group
         return sorted(self.members(axis, r) for r in firsts)
@@ -200,6 +229,24 @@ class GroupAxis:
             dist.all_to_all_single(out, chunks, group=self.group)
         return out
 
+    def start_send(self, tensor: torch.Tensor, to: int, tag: int) -> Pending:
+        """Sends ``tensor`` to group rank ``to`` in the background (``isend``); its conjugate
+        is :meth:`start_receive` on that rank with the same tag."""
+        self._count("send", tensor, async_op=True)
+        work = None
+        if not self._shapes_only(tensor):
+            work = dist.isend(tensor, self.members[to], group=self.group, tag=tag)
+        return Pending(tensor, work, tensor)
+
+    def start_receive(self, into: torch.Tensor, source: int, tag: int) -> Pending:
+        """Receives into ``into`` from group rank ``source`` in the background (``irecv``);
+        :meth:`Pending.wait` gives it once arrived."""
+        self._count("receive", into, async_op=True)
+        work = None
+        if not self._shapes_only(into):
+            work = dist.irecv(into, self.members[source], group=self.group, tag=tag)
+        return Pending(into, work)
+
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
         return self._reduce_scatter(full, async_op=False).wait()
@@ -222,11 +269,15 @@ class GroupAxis:
 
 @dataclass(eq=False)
 class ParallelLayout:
-    """Sizes, this rank's coordinates and the groups of every axis of the (dp, cp, tp1, tp2)
-    mesh.
+    """Sizes, this rank's coordinates and the groups of every axis of the (dp, pp, cp, tp1,
+    tp2) mesh.
 
     Attributes:
         dp, cp, tp1, tp2: The data-parallel, context-parallel and two tensor-parallel axes.
+        pp: The pipeline axis: this rank's stage is ``pp.rank``, its neighbours are
+            ``pp.members[pp.rank -+ 1]``.
+        embedding: The first and the last stage (size 1 without a pipeline, and on a middle
+            stage): they sum the tied word embedding's gradient.
         dp_cp: Replicas holding identical copies of matrices (their RTS group, and the group
             their gradients are summed over); the ``dp`` axis itself when cp is 1.
         dp_tp1: Replicas holding identical copies of tp2-sharded vectors (their RTS group):
@@ -246,6 +297,8 @@ class ParallelLayout:
     dp_tp2: GroupAxis
     world: GroupAxis
     device: torch.device
+    pp: GroupAxis = field(default_factory=lambda: GroupAxis("pp", 1, 0, members=(0,)))
+    embedding: GroupAxis = field(default_factory=lambda: GroupAxis("embedding", 1, 0, members=(0,)))
     local_world_size: int = 1  # processes on this machine, sharing its host memory
 
     @property
@@ -258,8 +311,10 @@ class ParallelLayout:
         return self.world.rank == 0
 
     def axes(self) -> list[GroupAxis]:
-        """Every distinct group, once (``dp_cp`` is ``dp`` when cp is 1)."""
-        axes = [getattr(self, name) for name in AXES]
+        """Every distinct group, once (``dp_cp`` is ``dp`` when cp is 1; the pipeline axes
+        only with a pipeline)."""
+        pipeline = self.pp.size > 1
+        axes = [getattr(self, n) for n in AXES if pipeline or n not in PIPELINE_AXES]
         return [a for n, a in enumerate(axes) if all(a is not b for b in axes[:n])]
 
     @classmethod
@@ -271,24 +326,34 @@ class ParallelLayout:
 
     @classmethod
     def shapes_only(
-        cls, dp: int, tp1: int, tp2: int, device: str | torch.device = "meta", cp: int = 1
+        cls,
+        dp: int,
+        tp1: int,
+        tp2: int,
+        device: str | torch.device = "meta",
+        cp: int = 1,
+        pp: int = 1,
+        stage: int = 0,
     ):
-        """Rank 0 of a (dp, cp, tp1, tp2) layout with no process groups: collectives only
-        shape their outputs (meta tensors). Lets a process measure a step of any layout, or
-        build a rank's buffers on ``device`` (construction communicates nothing)."""
-        mesh = MeshShape(dp, tp1, tp2, cp)
+        """The first rank of pipeline stage ``stage`` of a (dp, pp, cp, tp1, tp2) layout with
+        no process groups: collectives only shape their outputs (meta tensors). Lets a process
+        measure a step of any layout, or build a rank's buffers on ``device`` (construction
+        communicates nothing)."""
+        mesh = MeshShape(dp, tp1, tp2, cp, pp)
+        rank = mesh.rank(0, stage, 0, 0, 0)
         axes = {}
         for name in _axis_names(mesh):
-            members = mesh.members(name, 0)
-            axes[name] = GroupAxis(name, len(members), 0, members=members, shapes_only=True)
+            members = mesh.members(name, rank)
+            index = members.index(rank)
+            axes[name] = GroupAxis(name, len(members), index, members=members, shapes_only=True)
         return cls(**_with_aliases(axes, mesh), device=torch.device(device))
 
     @classmethod
     def build(
-        cls, dp: int, tp1: int, tp2: int, device: torch.device, cp: int = 1
+        cls, dp: int, tp1: int, tp2: int, device: torch.device, cp: int = 1, pp: int = 1
     ) -> ParallelLayout:
         """Creates every group of the mesh; all ranks of an initialised job must call this."""
-        mesh, rank = MeshShape(dp, tp1, tp2, cp), dist.get_rank()
+        mesh, rank = MeshShape(dp, tp1, tp2, cp, pp), dist.get_rank()
         assert dist.get_world_size() == mesh.world_size, "checked by check_world_size"
         axes = {}
         for name in _axis_names(mesh):
@@ -297,12 +362,20 @@ class ParallelLayout:
                 group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
                 if rank in ranks:
                     axes[name] = GroupAxis(name, len(ranks), ranks.index(rank), group, ranks)
+        if "embedding" in _axis_names(mesh) and "embedding" not in axes:  # a middle stage
+            axes["embedding"] = GroupAxis("embedding", 1, 0, members=(rank,))
         return cls(**_with_aliases(axes, mesh), device=device)
 
 
 def _axis_names(mesh: MeshShape) -> list[str]:
-    """The axes that get a group of their own (not those that are another axis at cp 1)."""
-    return [n for n in AXES if not (mesh.cp == 1 and n in _SAME_WHEN_NO_CP)]
+    """The axes that get a group of their own (not those that are another axis at cp 1, nor
+    the pipeline's without a pipeline)."""
+    return [
+        n
+        for n in AXES
+        if not (mesh.cp == 1 and n in _SAME_WHEN_NO_CP)
+        and not (mesh.pp == 1 and n in PIPELINE_AXES)
+    ]
 
 
 def _with_aliases(axes: dict[str, GroupAxis], mesh: MeshShape) -> dict[str, GroupAxis]:

@@ -26,7 +26,8 @@ import torch.distributed as dist
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
-from execution.engine.buffers import WEIGHT_STATES, flat_specs, rows_of
+from execution.engine.buffers import WEIGHT_STATES, flat_specs
+from execution.engine.pipeline import Stage
 from execution.engine.plan import GiB, MemoryPlan
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
@@ -34,12 +35,12 @@ from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.measure import Window, meta_step
 from execution.planning.memory import MemoryBudget
 from execution.planning.planner import choose_or_least
-from modelling.gpt import PARTS, GPTShapes
+from modelling.gpt import EMBEDDING, PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
 # The groups a step communicates over (the world only sums the norm and the loss).
-COMMUNICATING_AXES = ("dp", "cp", "tp1", "tp2", "dp_cp", "dp_tp1", "dp_tp2")
+COMMUNICATING_AXES = ("dp", "pp", "embedding", "cp", "tp1", "tp2", "dp_cp", "dp_tp1", "dp_tp2")
 STATE_KEYS = (
     "weights",
     "grads",
@@ -55,19 +56,21 @@ RING_FACTOR = {
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
     "all_to_all": lambda n: (n - 1) / n,  # every chunk but its own leaves the rank
+    # A pipeline stage's point-to-point moves: what it sends leaves it, what it receives not.
+    "send": lambda n: 1.0,
+    "receive": lambda n: 0.0,
 }
 
 
 def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[int]]:
-    """Ranks grouped by the shapes of their tensor-parallel shards (so of every buffer and
-    activation) and by how many nodes each of their groups spans (so the speed of each
-    collective). Padding keeps the vocabulary and position shards equal, so layouts whose
-    groups align with nodes have one kind; ranks of a kind differ only in values."""
+    """Ranks grouped by pipeline stage (its layers, parts and passes in flight), by the
+    shapes of their tensor-parallel shards (so of every buffer and activation) and by how many
+    nodes each of their groups spans (so the speed of each collective). Padding keeps the
+    vocabulary and position shards equal, so layouts whose groups align with nodes have one
+    kind per stage; ranks of a kind differ only in values."""
     ex = config.execution
     shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    mesh = MeshShape(
-        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel
-    )
+    mesh = _mesh(config)
 
     @functools.cache
     def shard_signature(i: int, j: int) -> tuple:
@@ -84,8 +87,15 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     for rank in range(mesh.world_size):
         coords = mesh.coords(rank)
         spans = tuple(nodes(mesh.members(axis, rank)) for axis in COMMUNICATING_AXES)
-        kinds.setdefault((shard_signature(coords["i"], coords["j"]), spans), []).append(rank)
+        signature = (coords["p"], shard_signature(coords["i"], coords["j"]), spans)
+        kinds.setdefault(signature, []).append(rank)
     return list(kinds.values())
+
+
+def _mesh(config: PretrainingConfig) -> MeshShape:
+    ex = config.execution
+    sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel)
+    return MeshShape(*sizes, ex.pipeline_parallel)
 
 
 @contextmanager
@@ -127,7 +137,7 @@ def measure_planned_step(
     """Set-up and one training step of this fake job's rank, on meta tensors, measured."""
     ex = config.execution
     mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    layout = ParallelLayout.build(*mesh, META, cp=ex.context_parallel)
+    layout = ParallelLayout.build(*mesh, META, cp=ex.context_parallel, pp=ex.pipeline_parallel)
     step = meta_step(config, plan, layout)
     comm, seconds = {}, {}
     for axis in layout.axes():
@@ -191,10 +201,7 @@ def checkpoint_figures(
     first copied to host memory (staged: the training loop waits for that copy); state on the
     host is written from its buffers, one chunk copied at a time.
     """
-    ex = config.execution
-    mesh = MeshShape(
-        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel
-    )
+    mesh = _mesh(config)
     shapes = GPTShapes.from_config(config.model, mesh.tp1, mesh.tp2)
     specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
@@ -205,7 +212,13 @@ def checkpoint_figures(
         )
         for part in PARTS
     }
-    written = 4 * len(WEIGHT_STATES) * sum(per_row[p] * rows_of(p, shapes.layers) for p in PARTS)
+    # A stage writes the rows it holds; the last stage's copy of the tied embedding is the
+    # first stage's to write.
+    stage = Stage.of(config.stage_layers, coords["p"])
+    rows = {p: stage.rows(p) for p in PARTS}
+    if stage.count > 1 and not stage.is_first:
+        rows[EMBEDDING] = 0
+    written = 4 * len(WEIGHT_STATES) * sum(per_row[p] * rows[p] for p in PARTS)
     on_device = plan.placement.weights == "device"
     held = written / (spec.host_link_gb_per_s * 1e9) if on_device else 0.0
     return {
@@ -221,7 +234,7 @@ def checkpoint_figures(
 def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
     """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits."""
     budget = spec_budget(spec)
-    plan, planned_fit = choose_or_least(config, budget)
+    plan, planned_fit = choose_or_least(config, budget, _mesh(config).coords(rank)["p"])
     with fake_job(rank, config.world_size):
         m = measure_planned_step(config, plan, spec)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
@@ -291,9 +304,13 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
     """
     rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
     step = hidden = 0.0
-    for flops, overlappable, critical in m.phases.values():
+    # A pipeline stage's P passes take P + S - 1 pass-times: it idles for the bubble.
+    stages, passes = config.execution.pipeline_parallel, m.plan.passes
+    bubble = (passes + stages - 1) / passes
+    for kind, (flops, overlappable, critical) in m.phases.items():
         compute = flops / rate
-        step += max(compute, overlappable) + critical
+        scale = 1.0 if kind == "optimizer" else bubble
+        step += (max(compute, overlappable) + critical) * scale
         hidden += min(compute, overlappable)
     compute = m.flops / rate
     model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
@@ -305,6 +322,7 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
         "collectives_s": sum(v for k, v in m.comm_seconds.items() if k != "host_link"),
         "hidden_comm_s": hidden,
         "exposed_comm_s": step - compute,
+        "bubble": (stages - 1) / (passes + stages - 1),
     }
 
 
@@ -386,6 +404,7 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
             f"+ exposed communication {entry['exposed_comm_s']:,.2f} s "
             f"(hidden behind compute {entry['hidden_comm_s']:,.2f} s; collectives "
             f"{entry['collectives_s']:,.2f} s in all), MFU {entry['mfu']:.1%}"
+            + (f", pipeline bubble {entry['bubble']:.1%}" if entry["bubble"] else "")
         )
         ckpt = entry["checkpoint"]
         lines.append(
@@ -402,8 +421,10 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
 
 
 def _context(ex) -> str:
-    """The context axis in a layout's ``dp x cp x tp1 x tp2``, shown only when it is used."""
-    return f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else ""
+    """The pipeline and context axes in a layout's ``dp x pp x cp x tp1 x tp2``, shown only
+    when used."""
+    pipeline = f"{ex.pipeline_parallel} (pipeline) x " if ex.pipeline_parallel > 1 else ""
+    return pipeline + (f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else "")
 
 
 def check_input_files(patterns: list[str]) -> None:

@@ -147,6 +147,8 @@ def shrunk_config(
     ex = out.execution
     out.training.global_batch_size = micro_batches * ex.micro_batch_size * ex.data_parallel
     ex.passes = passes
+    # One stage of any pipeline runs a subset of the whole model's phases: measured whole.
+    ex.pipeline_parallel, ex.pipeline_layers = 1, ""
     return out
 
 

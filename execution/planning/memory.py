@@ -21,6 +21,7 @@ serves only the advice given for a misfit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
+from execution.engine.pipeline import Stage
 from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.engine.recompute import KeptBytes, kept_bytes
 from execution.parallel.sharding import rts_sizes
@@ -107,10 +109,14 @@ class RankShape:
     gradient_accumulation: int
     dtype: torch.dtype
     cp: int = 1
+    # The pipeline stage whose layers and parts the rank holds (None: the whole model).
+    stage: Stage | None = None
 
     @classmethod
-    def from_config(cls, config: PretrainingConfig) -> RankShape:
+    def from_config(cls, config: PretrainingConfig, stage: int = 0) -> RankShape:
+        """The shape of a rank of pipeline stage ``stage`` (without a pipeline, every rank)."""
         ex = config.execution
+        pipeline = Stage.of(config.stage_layers, stage) if ex.pipeline_parallel > 1 else None
         return cls(
             GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
             ex.data_parallel,
@@ -119,7 +125,21 @@ class RankShape:
             config.gradient_accumulation,
             DTYPES[config.training.precision],
             ex.context_parallel,
+            pipeline,
         )
+
+    @property
+    def layers(self) -> int:
+        """Decoder layers this rank holds."""
+        return self.stage.layers if self.stage else self.shapes.layers
+
+    def rows(self, part: str) -> int:
+        """Buffer rows of ``part`` this rank holds."""
+        return self.stage.rows(part) if self.stage else rows_of(part, self.shapes.layers)
+
+    def in_flight(self, passes: int) -> int:
+        """Passes of activations held at once (one without a pipeline)."""
+        return self.stage.in_flight(passes) if self.stage else 1
 
     @functools.cached_property
     def specs(self):
@@ -131,9 +151,10 @@ class RankShape:
         s = self
         return kept_bytes(s.shapes, s.micro_batch, s.sequence, s.dtype, recompute, kernel)
 
-    def activation_layout(self, entries: int, kept: int = 0) -> ActivationLayout:
+    def activation_layout(self, entries: int, kept: int = 0, in_flight: int = 1):
+        shapes = dataclasses.replace(self.shapes, layers=self.layers)
         return ActivationLayout.of(
-            self.shapes, entries, self.micro_batch, self.sequence, self.dtype, kept
+            shapes, entries, self.micro_batch, self.sequence, self.dtype, kept, in_flight
         )
 
 
@@ -142,16 +163,17 @@ def micro_batches_per_pass(gradient_accumulation: int, passes: int) -> int:
 
 
 def state_bytes(
-    rank: RankShape, entries: int, placement: Placement, kept: int = 0
+    rank: RankShape, entries: int, placement: Placement, kept: int = 0, passes: int = 1
 ) -> dict[str, int]:
     """Bytes of each state's buffers on one rank, from the allocating classes' own formulas
     (``placement`` decides whether compute-dtype weight copies are kept; ``kept``: bytes a
-    layer keeps per micro-batch for its backward)."""
-    specs, layers = rank.specs, rank.shapes.layers
+    layer keeps per micro-batch for its backward; ``passes``: of a step, for the passes a
+    pipeline stage holds at once)."""
+    specs = rank.specs
     copy_dtype = weight_copy_dtype(placement.weights == "host", rank.dtype)
 
     def part_bytes(states) -> int:
-        return sum(PartBuffers.planned_nbytes(specs[p], rows_of(p, layers), states) for p in PARTS)
+        return sum(PartBuffers.planned_nbytes(specs[p], rank.rows(p), states) for p in PARTS)
 
     weights = part_bytes(WEIGHT_STATES[:1])
     return {
@@ -159,9 +181,11 @@ def state_bytes(
         "optimizer": part_bytes(WEIGHT_STATES) - weights,
         "grads": part_bytes(GRAD_STATES),
         "weight_copies": sum(
-            PartBuffers.planned_copy_nbytes(specs[p], rows_of(p, layers), copy_dtype) for p in PARTS
+            PartBuffers.planned_copy_nbytes(specs[p], rank.rows(p), copy_dtype) for p in PARTS
         ),
-        "activations": rank.activation_layout(entries, kept).planned_nbytes(),
+        "activations": rank.activation_layout(
+            entries, kept, rank.in_flight(passes)
+        ).planned_nbytes(),
     }
 
 
@@ -224,11 +248,11 @@ def host_traffic(
     backward then does not read x), stores and reads dx at L + 1, and per layer stores and
     reads back what the layer keeps.
     """
-    specs, layers = rank.specs, rank.shapes.layers
+    specs, layers = rank.specs, rank.layers
     kept = kept or KeptBytes()
 
     def fp32(part: str) -> int:  # bytes of one state of a part (all its rows)
-        return PartBuffers.planned_nbytes(specs[part], rows_of(part, layers), ("weights",))
+        return PartBuffers.planned_nbytes(specs[part], rank.rows(part), ("weights",))
 
     total = sum(fp32(part) for part in PARTS)
     emb, lay, head = fp32("embedding"), fp32("layers"), fp32("head")

@@ -1,12 +1,25 @@
 """``--plan_for N``: the layouts of N devices that fit a preset, fastest first.
 
-Each candidate layout (data_parallel x context_parallel x tensor_parallel_1 x tensor_parallel_2
-= N, a micro-batch size) gets the planner's passes and placements for ``--device_spec``. Its step is then measured
+Each candidate layout (data_parallel x pipeline_parallel x context_parallel x tensor_parallel_1
+x tensor_parallel_2 = N, a micro-batch size) gets the planner's passes and placements for
+``--device_spec`` (the same on every pipeline stage). Its step is then measured
 with the dry run's instruments, on meta tensors, but on a shrunk copy of the step: every count
 the estimate needs (FLOPs, bytes of each collective and of the host link) is exactly
 ``c0 + c1 L + c2 P + c3 P L + c4 M + c5 M L`` in the layers L, passes P and micro-batches M of
 the step, so six steps of 1-2 layers and 1-2 micro-batches determine it for the full preset.
 A test checks the extrapolation against a full dry-run step.
+
+A pipeline stage is measured as a rank of its *sibling* layout without the pipeline axis (dp x
+pp replicas, the same tensor and context axes and micro-batch, so the same probes as that
+layout's, measured once for every pipeline size), holding the largest stage's layers with the
+embedding and the head (an upper bound on every stage's work) and the stage's micro-batches
+per replica. The sibling's data-parallel group is pp times larger, so its ring all-gathers
+send slightly more per byte: a conservative estimate. The step then takes (P + S - 1) / P
+times as long (the bubble), plus the point-to-point moves of the busiest stage, exposed.
+Buffers and the fit stay exact per stage (the planner's formulas). Only layouts whose tensor
+and context axes fill a node get a pipeline (it is the axis that crosses nodes), which keeps
+the search within its time, as do the pipeline sizes (2, 4, 8) and micro-batch sizes (1, 2)
+it weighs.
 """
 
 from __future__ import annotations
@@ -19,7 +32,8 @@ import numpy as np
 
 from config.loading import validate
 from config.schema import PretrainingConfig
-from execution.engine.plan import GiB, MemoryPlan
+from execution.engine.buffers import DTYPES
+from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     RankMeasurement,
@@ -30,7 +44,7 @@ from execution.planning.dry_run import (
     spec_budget,
 )
 from execution.planning.measure import shrunk_config
-from execution.planning.planner import candidate_plans, fastest_fitting
+from execution.planning.planner import candidate_plans, fastest_fitting, plans_fitting_every_stage
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -41,27 +55,18 @@ def _basis(layers: int, micro_batches: int, passes: int) -> list[int]:
     return [1, layers, passes, passes * layers, micro_batches, micro_batches * layers]
 
 
-def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
+def extrapolated_step(
+    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, probes: tuple | None = None
+):
     """Rank 0's FLOPs, bytes per group and working set for the full step, from six small ones.
 
     Returns:
         (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set,
         per kind of phase its summed FLOPs, overlappable and critical seconds). The phase sums
         are linear in the same terms: a kind's phases repeat per layer and pass, and their
-        work per micro-batch.
+        work per micro-batch. ``probes``: ``_probes(config, plan, spec)`` if already taken.
     """
-    placement = vars(plan.placement)
-    samples, working_set = [], 0
-    with fake_job(0, config.world_size):
-        for layers, micro, passes in PROBES:
-            small = shrunk_config(config, layers, micro, passes)
-            for state, where in placement.items():
-                setattr(small.execution, f"{state}_placement", where)
-            small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
-            small_plan = next(iter(candidate_plans(small, "cuda")))
-            step = measure_planned_step(small, small_plan, spec)
-            samples.append(step)
-            working_set = max(working_set, step.working_set)
+    samples, working_set = probes or _probes(config, plan, spec)
     keys = ["flops", *samples[0].comm_bytes]
     matrix = np.array([_basis(*probe) for probe in PROBES], dtype=np.float64)
     values = np.array([[s.flops, *s.comm_bytes.values()] for s in samples], dtype=np.float64)
@@ -87,83 +92,227 @@ def extrapolated_step(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceS
     return flops, totals, seconds, working_set, phases
 
 
+_PROBED: dict[str, tuple[list[RankMeasurement], int]] = {}
+# The pipelines --plan_for weighs, and their micro-batch sizes: a pipeline's bubble shrinks
+# with more, smaller micro-batches, and each further size would take as long to plan again.
+PIPELINES = (2, 4, 8)
+PIPELINE_MICRO_BATCHES = (1, 2)
+
+
+def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
+    """The six shrunk steps of a layout under a plan's placement and recompute, measured once
+    per distinct shape (layouts that differ only in layers, batch or passes share them)."""
+    smalls = []
+    for layers, micro, passes in PROBES:
+        small = shrunk_config(config, layers, micro, passes)
+        for state, where in vars(plan.placement).items():
+            setattr(small.execution, f"{state}_placement", where)
+        small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
+        smalls.append(small)
+    key = repr((smalls[0], vars(spec)))
+    if key not in _PROBED:
+        samples, working_set = [], 0
+        with fake_job(0, smalls[0].world_size):
+            for small in smalls:
+                small_plan = next(iter(candidate_plans(small, "cuda")))
+                step = measure_planned_step(small, small_plan, spec)
+                samples.append(step)
+                working_set = max(working_set, step.working_set)
+        _PROBED[key] = samples, working_set
+    return _PROBED[key]
+
+
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
-    """Every (dp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch allow."""
+    """Every (dp, pp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch
+    allow; a pipeline only where the tensor and context axes fill a node (the pipeline is the
+    axis that crosses nodes)."""
     m, t = config.model, config.training
+    per_node = resolve_spec(config).devices_per_node
     out = []
-    for tp1, tp2, cp in itertools.product(range(1, devices + 1), repeat=3):
-        if devices % (tp1 * tp2 * cp) or m.heads % tp1 or m.hidden_size % tp2:
+    divisors = [n for n in range(1, devices + 1) if devices % n == 0]
+    for tp1, tp2, cp, pp in itertools.product(divisors, repeat=4):
+        inner = tp1 * tp2 * cp
+        if devices % (inner * pp) or m.heads % tp1 or m.hidden_size % tp2:
             continue
         if m.sequence_length % cp or (m.heads // tp1) % cp:
             continue
-        dp = devices // (tp1 * tp2 * cp)
-        for micro in (1, 2, 4, 8, 16):
+        if pp > 1 and (
+            pp not in PIPELINES or pp > m.layers or inner != min(per_node, devices // pp)
+        ):
+            continue
+        dp = devices // (inner * pp)
+        for micro in (1, 2, 4, 8, 16) if pp == 1 else PIPELINE_MICRO_BATCHES:
             if t.global_batch_size % (micro * dp):
                 continue
             candidate = copy.deepcopy(config)
             ex = candidate.execution
             ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2 = dp, tp1, tp2
             ex.context_parallel, ex.micro_batch_size, ex.passes = cp, micro, 0
+            ex.pipeline_parallel, ex.pipeline_layers = pp, ""
             validate(candidate)
             out.append(candidate)
     return out
 
 
+def _sibling(config: PretrainingConfig) -> PretrainingConfig:
+    """What a pipeline stage's rank is measured as: the layout without its pipeline axis (pp
+    times the replicas), holding the largest stage's layers (and the embedding and head) and
+    the same micro-batches per replica."""
+    ex = config.execution
+    flat = copy.deepcopy(config)
+    flat.model.layers = max(config.stage_layers)
+    flat.execution.data_parallel = ex.data_parallel * ex.pipeline_parallel
+    flat.training.global_batch_size *= ex.pipeline_parallel
+    flat.execution.pipeline_parallel, flat.execution.pipeline_layers = 1, ""
+    return flat
+
+
+def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tuple[int, float]:
+    """Bytes the busiest stage sends to its neighbours per step (x slices forward, dx back, per
+    micro-batch), and their seconds on the pipeline group's links."""
+    ex, m = config.execution, config.model
+    if ex.pipeline_parallel == 1:
+        return 0, 0.0
+    entry = ex.micro_batch_size * m.sequence_length // ex.context_parallel
+    entry *= m.hidden_size // ex.tensor_parallel_2
+    x_slice = -(-entry // ex.tensor_parallel_1)
+    # A middle stage sends both ways; with two stages the busier sends the whole dx.
+    per_micro = x_slice + entry if ex.pipeline_parallel > 2 else entry
+    nbytes = config.gradient_accumulation * per_micro
+    nbytes *= DTYPES[config.training.precision].itemsize
+    inner = ex.context_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
+    within = inner * ex.pipeline_parallel <= spec.devices_per_node
+    rate = spec.intra_node_gb_per_s if within else spec.inter_node_gb_per_s
+    return nbytes, nbytes / (rate * 1e9)
+
+
 def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
-    """Layouts that fit, each with its plan and estimate, fastest first; and how many did not."""
+    """Layouts that fit, each with its plan and estimate, fastest first; and how many did not.
+
+    A pipeline layout's passes trade its bubble against a data-parallel all-gather of every
+    weight per pass, which the planner's quick ranking does not weigh as the estimate does:
+    every pass count that fits is estimated under the planner's placement and recompute, and
+    all on the device with full recompute (the probes do not depend on
+    passes, so each adds one measurement per stage shape), and the fastest kept."""
     spec = resolve_spec(config)
     budget = spec_budget(spec)
     rows, misfits = [], 0
     for candidate in layouts(config, devices):
-        plan = fastest_fitting(candidate_plans(candidate, "cuda"), budget)
+        sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
+        _, everywhere = plans_fitting_every_stage(candidate, "cuda", budget, 0, sibling)
+        plan = fastest_fitting(everywhere, budget)
         if plan is None:
             misfits += 1
             continue
-        flops, comm, seconds, working_set, phases = extrapolated_step(candidate, plan, spec)
-        plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
-        if not budget.fits(plan):
+        options = [plan]
+        if sibling is not None:
+            fitting = [p for p in everywhere if budget.fits(p)]
+            keys = list(dict.fromkeys((p.placement, p.recompute) for p in fitting))[:1]
+            keys.append((Placement("device", "device", "device"), "full"))
+            options = [p for p in fitting if (p.placement, p.recompute) in keys]
+        best, probes = None, {}
+        for option in options:
+            key = (option.placement, option.recompute)
+            if key not in probes:
+                probes[key] = _probes(sibling or candidate, option, spec)
+            row = _estimated_row(candidate, sibling or candidate, option, spec, probes[key])
+            if budget.fits(row["plan"]) and (
+                best is None or row["step_time_s"] < best["step_time_s"]
+            ):
+                best = row
+        if best is None:
             misfits += 1
             continue
-        measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
-        rows.append(
-            {
-                "config": candidate,
-                "plan": plan,
-                "device_bytes": plan.bytes_on("device")["total"],
-                "host_bytes": plan.bytes_on("host")["total"],
-                "checkpoint": checkpoint_figures(candidate, plan, spec),
-                **estimate(candidate, measured, spec),
-            }
-        )
+        rows.append({**best, "checkpoint": checkpoint_figures(candidate, best["plan"], spec)})
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, misfits
+
+
+# Micro-batch sizes of one layout whose step times are within this fraction of its fastest
+# are shown as one row.
+TIE = 0.005
+
+
+def layout_rows(rows: list[dict]) -> list[dict]:
+    """One row per layout (dp, pp, cp, tp1, tp2): its fastest micro-batch size, with
+    ``micro_batches`` naming every size that ties with it (e.g. ``1-4``)."""
+    best: dict[tuple, dict] = {}
+    ties: dict[tuple, list[int]] = {}
+    for row in rows:  # fastest first
+        ex = row["config"].execution
+        key = (
+            ex.data_parallel,
+            ex.pipeline_parallel,
+            ex.context_parallel,
+            ex.tensor_parallel_1,
+            ex.tensor_parallel_2,
+        )
+        if key not in best:
+            best[key], ties[key] = row, []
+        if row["step_time_s"] <= best[key]["step_time_s"] * (1 + TIE):
+            ties[key].append(ex.micro_batch_size)
+    out = []
+    for key, row in best.items():
+        sizes = sorted(ties[key])
+        contiguous = all(b == 2 * a for a, b in itertools.pairwise(sizes))
+        text = (
+            f"{sizes[0]}-{sizes[-1]}"
+            if contiguous and len(sizes) > 1
+            else ",".join(map(str, sizes))
+        )
+        out.append({**row, "micro_batches": text})
+    return out
+
+
+def _estimated_row(
+    candidate: PretrainingConfig, measured_as: PretrainingConfig, plan: MemoryPlan, spec, probes
+) -> dict:
+    """A layout's row under ``plan``: its step extrapolated from the probes of ``measured_as``
+    (itself, or a pipeline stage's sibling), with the pipeline's moves and bubble."""
+    flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec, probes)
+    plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
+    if candidate.execution.pipeline_parallel > 1:
+        comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
+        phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"])}
+    measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
+    return {
+        "config": candidate,
+        "plan": plan,
+        "device_bytes": plan.bytes_on("device")["total"],
+        "host_bytes": plan.bytes_on("host")["total"],
+        **estimate(candidate, measured, spec),
+    }
 
 
 def print_layouts(config: PretrainingConfig, preset: str) -> None:
     devices = config.planning.plan_for
     spec = resolve_spec(config)
     rows, misfits = search(config, devices)
+    shown = layout_rows(rows)
     tokens = config.tokens_per_step
     print(
         f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
         f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
-        f"x {config.model.sequence_length}; {len(rows)} layouts fit, {misfits} do not; "
+        f"x {config.model.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
+        f"micro-batch sizes), {misfits} do not; mbs: micro-batch sizes within "
+        f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
         f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
     )
     header = (
-        f"{'dp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>4} {'passes':>6}  "
-        f"{'placement (w/g/a)':<21}{'recompute':<10}"
+        f"{'dp':>3} {'pp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>6} {'passes':>6} "
+        f"{'bubble':>6}  {'placement (w/g/a)':<21}{'recompute':<10}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
         f"{'ckpt GB':>9} {'save s':>7}"
     )
     print(header)
-    for row in rows:
+    for row in shown:
         ex, plan = row["config"].execution, row["plan"]
         where = "/".join(vars(plan.placement).values())
         print(
-            f"{ex.data_parallel:>3} {ex.context_parallel:>3} {ex.tensor_parallel_1:>4} "
-            f"{ex.tensor_parallel_2:>4} "
-            f"{ex.micro_batch_size:>4} {plan.passes:>6}  {where:<21}{plan.recompute:<10}"
+            f"{ex.data_parallel:>3} {ex.pipeline_parallel:>3} {ex.context_parallel:>3} "
+            f"{ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
+            f"{row['micro_batches']:>6} {plan.passes:>6} {row['bubble']:>6.1%}  "
+            f"{where:<21}{plan.recompute:<10}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
             f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
@@ -182,7 +331,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     if rows:
         ex = rows[0]["config"].execution
         print(
-            f"fastest: --data_parallel {ex.data_parallel} --context_parallel "
-            f"{ex.context_parallel} --tensor_parallel_1 {ex.tensor_parallel_1} "
-            f"--tensor_parallel_2 {ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
+            f"fastest: --data_parallel {ex.data_parallel} --pipeline_parallel "
+            f"{ex.pipeline_parallel} --context_parallel {ex.context_parallel} "
+            f"--tensor_parallel_1 {ex.tensor_parallel_1} --tensor_parallel_2 "
+            f"{ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
         )

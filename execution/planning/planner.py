@@ -16,8 +16,8 @@ import math
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
-from execution.engine.buffers import rows_of
 from execution.engine.phases import PhasedEngine
+from execution.engine.pipeline import deciding_stages
 from execution.engine.plan import PLACED_STATES, PLACES, GiB, MemoryPlan, Placement
 from execution.engine.recompute import MODES, attention_kernel
 from execution.parallel.mesh import MeshShape, ParallelLayout
@@ -53,14 +53,18 @@ def candidate_plans(
     device_type: str,
     most_passes_only: bool = False,
     estimate_working_set: bool = False,
+    stage: int = 0,
+    measure_as: PretrainingConfig | None = None,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
     traffic, fewest states on the host, fewest passes, least kept).
 
     ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
     ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
+    The plans are those of a rank of pipeline stage ``stage``. ``measure_as``: the config
+    whose step measures the working set (``--plan_for`` shares one across pipeline sizes).
     """
-    rank = RankShape.from_config(config)
+    rank = RankShape.from_config(config, stage)
     fixed = requested_placement(config)
     ex = config.execution
     ga = rank.gradient_accumulation
@@ -88,7 +92,7 @@ def candidate_plans(
                 rank, placement, flash, ex.prefetch, ex.overlap_communication
             )
         else:
-            working = measured_working_set(config, device_type, mode)
+            working = measured_working_set(measure_as or config, device_type, mode)
         for passes in pass_options:
             entries = micro_batches_per_pass(ga, passes)
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries, kept)
@@ -97,7 +101,7 @@ def candidate_plans(
                     passes,
                     entries,
                     placement,
-                    state_bytes(rank, entries, placement, kept.entry),
+                    state_bytes(rank, entries, placement, kept.entry, passes),
                     working,
                     traffic,
                     shared,
@@ -129,7 +133,11 @@ def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: 
     flops += recompute * rank.shapes.layers * rank.gradient_accumulation
     compute = flops / (spec.peak_tflops * 1e12 * spec.compute_efficiency)
     copies = plan.traffic / (spec.host_link_gb_per_s * 1e9)
-    return max(compute, copies) + (plan.passes - 1) * _pass_gather_seconds(config, rank, spec)
+    # A pipeline's P passes take P + S - 1 pass-times (the bubble).
+    stages = config.execution.pipeline_parallel
+    bubble = (plan.passes + stages - 1) / plan.passes
+    gathers = (plan.passes - 1) * _pass_gather_seconds(config, rank, spec)
+    return max(compute, copies) * bubble + gathers
 
 
 def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
@@ -139,7 +147,7 @@ def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> fl
     loads = {LAYERS: 2, EMBEDDING: 3, HEAD: 1}
     sent = 0.0
     for part, specs in rank.specs.items():
-        rows = rows_of(part, rank.shapes.layers)
+        rows = rank.rows(part)
         for spec_ in specs.values():
             share = (spec_.rts_size - 1) / spec_.rts_size
             sent += loads[part] * rows * spec_.padded * rank.dtype.itemsize * share
@@ -154,10 +162,49 @@ def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan
     return next((plan for plan in plans if budget.fits(plan)), None)
 
 
-def choose_plan(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> MemoryPlan:
-    """The fastest plan that fits ``budget``; a one-line ConfigError when none does."""
-    plans = candidate_plans(config, device_type)
-    plan = fastest_fitting(plans, budget)
+def _same_choice(plan: MemoryPlan) -> tuple:
+    """What every stage of a pipeline must choose alike: passes, placement, recompute."""
+    return plan.passes, plan.placement, plan.recompute
+
+
+def plans_fitting_every_stage(
+    config: PretrainingConfig,
+    device_type: str,
+    budget: MemoryBudget,
+    stage: int,
+    measure_as: PretrainingConfig | None = None,
+) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
+    """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
+    stage, in the first stage's order: every stage then picks the same passes, placement and
+    recompute (their steps must match), with its own bytes."""
+    plans = candidate_plans(config, device_type, stage=stage, measure_as=measure_as)
+    stages = config.execution.pipeline_parallel
+    if stages == 1:
+        return plans, plans
+    deciding = deciding_stages(config.stage_layers)
+    by_stage = {
+        s: plans
+        if s == stage
+        else candidate_plans(config, device_type, stage=s, measure_as=measure_as)
+        for s in {0, *deciding}
+    }
+    fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage.values()]
+    mine = {_same_choice(p): p for p in plans}
+    order = [_same_choice(p) for p in by_stage[0]]
+    everywhere = [mine[c] for c in order if all(c in f for f in fitting)]
+    return plans, everywhere
+
+
+def choose_plan(
+    config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int = 0
+) -> MemoryPlan:
+    """The fastest plan that fits ``budget``; a one-line ConfigError when none does.
+
+    With a pipeline, the stages hold different layers and passes in flight but must run the
+    same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
+    bytes are returned)."""
+    plans, everywhere = plans_fitting_every_stage(config, device_type, budget, stage)
+    plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan
     least = min(plans, key=lambda p: _shortfall(p, budget))
@@ -182,7 +229,7 @@ def plan_for_process(
         ConfigError: no plan fits (one line with the least memory needed and what would fit).
     """
     budget = measure_budget(config, layout.device, layout.local_world_size)
-    return choose_plan(config, layout.device.type, budget), budget
+    return choose_plan(config, layout.device.type, budget, layout.pp.rank), budget
 
 
 def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
@@ -191,11 +238,14 @@ def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedE
     return PhasedEngine(config, layout, plan)
 
 
-def choose_or_least(config: PretrainingConfig, budget: MemoryBudget) -> tuple[MemoryPlan, bool]:
+def choose_or_least(
+    config: PretrainingConfig, budget: MemoryBudget, stage: int = 0
+) -> tuple[MemoryPlan, bool]:
     """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
-    that needs the least device memory and False (so a dry run can show what it would take)."""
-    plans = candidate_plans(config, "cuda")
-    plan = fastest_fitting(plans, budget)
+    that needs the least device memory and False (so a dry run can show what it would take);
+    for a rank of pipeline stage ``stage``."""
+    plans, everywhere = plans_fitting_every_stage(config, "cuda", budget, stage)
+    plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan, True
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False

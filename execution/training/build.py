@@ -28,6 +28,7 @@ from execution.checkpoint.files import resolve as resolve_checkpoint
 from execution.checkpoint.load import load_checkpoint, load_hf_weights
 from execution.checkpoint.save import Checkpointer
 from execution.engine.phases import PhasedEngine
+from execution.engine.pipeline import bubble_fraction
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
@@ -123,7 +124,7 @@ def build(
             f"{config.training.precision}, gradient accumulation {config.gradient_accumulation}, "
             f"{buffers:.2f} GiB of buffers per process\n"
             f"data: {data} ({loader.samples_per_epoch} sequences per epoch)\n"
-            f"{restored}output: {output_dir}/metrics.jsonl",
+            f"{restored}{_pipeline_line(config, plan.passes)}output: {output_dir}/metrics.jsonl",
             flush=True,
         )
     return Run(config, engine, loader, validation, tracker, checkpointer, start_step)
@@ -153,12 +154,28 @@ def _restore(
                 f"{config.training.steps}: nothing to train; raise --steps"
             )
     dp, tp1, tp2 = trainer["saved_layout"]
-    # Checkpoints from before the context axis have no context_parallel in their config.
+    # Checkpoints from before the context (pipeline) axis have no context_parallel
+    # (pipeline_parallel) in their config.
     cp = trainer["config"]["execution"].get("context_parallel", 1)
+    pp = trainer["config"]["execution"].get("pipeline_parallel", 1)
     sizes = f"{dp} x {cp} (context) x {tp1} x {tp2}" if cp > 1 else f"{dp} x {tp1} x {tp2}"
+    sizes = f"{sizes} x {pp} (pipeline)" if pp > 1 else sizes
     verb = "loaded" if c.eval_only else "resumed from"
     saved_by = f"saved by {sizes} processes, {trainer['saved_placement']}"
     return start_step, f"{verb} {trainer['folder']} at step {start_step} ({saved_by})\n"
+
+
+def _pipeline_line(config: PretrainingConfig, passes: int) -> str:
+    """The start-up line of a pipeline: its stages and the share of a step they idle."""
+    stages = config.execution.pipeline_parallel
+    if stages == 1:
+        return ""
+    layers = ",".join(str(n) for n in config.stage_layers)
+    bubble = bubble_fraction(stages, passes)
+    return (
+        f"pipeline: {stages} stages of {layers} layers, {passes} pass(es) as its chunks; "
+        f"bubble (S - 1) / (P + S - 1) = {stages - 1}/{passes + stages - 1} = {bubble:.1%}\n"
+    )
 
 
 def _main_tracker(config: PretrainingConfig, output_dir: Path, total_steps: int) -> Tracker:
