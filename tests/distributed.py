@@ -268,6 +268,18 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return (actual - expected).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
+def assert_curves_close(results: list[dict], expected: dict, tolerance: float) -> None:
+    """Every rank's loss and gradient norm of every step, and its validation loss
+    (``eval_loss``), are within ``tolerance`` (relative) of ``expected``'s."""
+    for rank, result in enumerate(results):
+        for step, (got, want) in enumerate(zip(result["steps"], expected["steps"], strict=True)):
+            for key in ("loss", "grad_norm"):
+                error = abs(got[key] - want[key]) / abs(want[key])
+                assert error <= tolerance, f"rank {rank} step {step} {key}: {got} vs {want}"
+        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
+        assert error <= tolerance, f"rank {rank} validation loss {result['eval_loss']}"
+
+
 def assert_states_close(
     actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float, what: str
 ) -> None:

@@ -21,6 +21,7 @@ from modelling.parallel import LOCAL
 from tests.distributed import (
     CPU,
     FLOAT32_TOLERANCE,
+    assert_curves_close,
     assert_states_close,
     global_batches,
     layout_flags,
@@ -137,13 +138,7 @@ def _single_process(*flags: str) -> dict:
 
 
 def _assert_matches(results: list[dict], expected: dict) -> None:
-    for rank, result in enumerate(results):
-        for step, (got, want) in enumerate(zip(result["steps"], expected["steps"], strict=True)):
-            for key in ("loss", "grad_norm"):
-                error = abs(got[key] - want[key]) / abs(want[key])
-                assert error <= TOLERANCE, f"rank {rank} step {step} {key}: {got} vs {want}"
-        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
-        assert error <= TOLERANCE, f"rank {rank} eval loss {result['eval_loss']}"
+    assert_curves_close(results, expected, TOLERANCE)
     grads, weights = results[0]["grads"], results[0]["weights"]
     assert_states_close(grads, expected["grads"], GRADIENT_TOLERANCE, "last step's grads")
     assert_states_close(weights, expected["weights"], TOLERANCE, "weights")

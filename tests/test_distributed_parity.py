@@ -23,6 +23,7 @@ from execution.engine.phases import PhasedEngine
 from execution.planning.planner import planned_engine
 from tests.distributed import (
     FLOAT32_TOLERANCE,
+    assert_curves_close,
     assert_states_close,
     global_batches,
     layout_flags,
@@ -91,13 +92,7 @@ def assert_layout_matches(
     config = small_config(*model_flags, *layout_flags(*layout), *layout_only_flags)
     batches = global_batches(config, STEPS)
     results = run_ranks(_train_rank, config.world_size, tmp_path, config, batches)
-    for rank, result in enumerate(results):
-        for step, (got, want) in enumerate(zip(result["steps"], expected["steps"], strict=True)):
-            for key in ("loss", "grad_norm"):
-                error = abs(got[key] - want[key]) / abs(want[key])
-                assert error <= tolerance, f"rank {rank} step {step} {key}: {got} vs {want}"
-        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
-        assert error <= tolerance, f"rank {rank} eval loss {result['eval_loss']}"
+    assert_curves_close(results, expected, tolerance)
     assert_states_close(results[0]["grads"], expected["grads"], tolerance, "last step's grads")
     assert_states_close(results[0]["weights"], expected["weights"], tolerance, "weights")
 

@@ -20,6 +20,7 @@ from execution.planning.planner import planned_engine
 from tests.distributed import (
     CPU,
     FLOAT32_TOLERANCE,
+    assert_curves_close,
     global_batches,
     relative_error,
     run_ranks,
@@ -105,13 +106,7 @@ def _assert_matches(
 ) -> None:
     """Every rank's losses and norms, and every stage's states, equal the expected run's;
     the two copies of the word embedding are identical."""
-    for rank, result in enumerate(results):
-        for step, (got, want) in enumerate(zip(result["steps"], expected["steps"], strict=True)):
-            for key in ("loss", "grad_norm"):
-                error = abs(got[key] - want[key]) / abs(want[key])
-                assert error <= TOLERANCE, f"rank {rank} step {step} {key}: {got} vs {want}"
-        error = abs(result["eval_loss"] - expected["eval_loss"]) / expected["eval_loss"]
-        assert error <= TOLERANCE, f"rank {rank} validation loss {result['eval_loss']}"
+    assert_curves_close(results, expected, TOLERANCE)
     for state in STATES:
         stages = _by_stage(results, state)
         merged = {name: t for stage in stages for name, t in stage.items()}
