@@ -293,7 +293,23 @@ def assert_states_close(
 
 
 def world_layout(config: PretrainingConfig) -> ParallelLayout:
-    """This rank's layout of ``config``'s (dp, cp, tp1, tp2) mesh (call inside a rank)."""
+    """This rank's layout of ``config``'s (dp, pp, cp, tp1, tp2) mesh (call inside a rank)."""
     ex = config.execution
     sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    return ParallelLayout.build(*sizes, CPU, cp=ex.context_parallel)
+    return ParallelLayout.build(*sizes, CPU, cp=ex.context_parallel, pp=ex.pipeline_parallel)
+
+
+def real_step_traffic(config: PretrainingConfig) -> dict:
+    """One real gloo step of this rank (call inside a rank): its buffers and the bytes it sent
+    over each group, as the dry run counts them."""
+    from execution.planning.device_specs import resolve_spec
+    from execution.planning.dry_run import _axis_traffic
+    from execution.planning.planner import planned_engine
+
+    layout = world_layout(config)
+    engine = planned_engine(config, layout)
+    batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
+    engine.train_step(batch, 0, 1e-3)
+    spec = resolve_spec(config)
+    sent = {axis.name: _axis_traffic(axis, spec)[0] for axis in layout.axes()}
+    return {"buffers": engine.buffer_bytes(), "sent": sent}

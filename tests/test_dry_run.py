@@ -13,7 +13,6 @@ import pytest
 
 from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import (
-    _axis_traffic,
     checkpoint_figures,
     estimate,
     fake_job,
@@ -26,7 +25,14 @@ from execution.planning.plan_search import extrapolated_step, search
 from execution.planning.planner import candidate_plans, planned_engine
 from execution.planning.step_meter import StepMeter
 from modelling.gpt import GPTShapes, logical_shapes
-from tests.distributed import global_batches, layout_flags, replica_batch, run_ranks, world_layout
+from tests.distributed import (
+    global_batches,
+    layout_flags,
+    real_step_traffic,
+    replica_batch,
+    run_ranks,
+    world_layout,
+)
 from tests.distributed import small_config as distributed_config
 from tests.reference import small_config
 
@@ -135,17 +141,6 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     assert 0.99 * real["working_set"] <= planned <= 1.5 * real["working_set"], (planned, real)
 
 
-def _real_rank_traffic(config) -> dict:
-    """One real CPU step of this rank: its buffers and the bytes it sent over each group."""
-    layout = world_layout(config)
-    engine = planned_engine(config, layout)
-    batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
-    engine.train_step(batch, 0, 1e-3)
-    spec = resolve_spec(config)
-    sent = {axis.name: _axis_traffic(axis, spec)[0] for axis in layout.axes()}
-    return {"buffers": engine.buffer_bytes(), "sent": sent}
-
-
 @pytest.mark.parametrize("layout", [(1, 1, 1, 2), (1, 2, 1, 2)], ids=["cp2", "tp1_2-cp2"])
 def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
     """With the sequence over 2 ranks, the dry run's buffers (activations: half those of one
@@ -155,7 +150,7 @@ def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
         "--global_batch_size 4 --micro_batch_size 1 --sequence_length 8 --passes 1 --recompute full"
     )
     config = distributed_config(*layout_flags(*layout), *flags)
-    real = run_ranks(_real_rank_traffic, config.world_size, tmp_path, config)[0]
+    real = run_ranks(real_step_traffic, config.world_size, tmp_path, config)[0]
     dry = measure_rank(config, 0, resolve_spec(config))
     assert dry.buffer_bytes == real["buffers"]
     dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}

@@ -15,19 +15,20 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.pipeline import Stage, bubble_fraction, training_phases
-from execution.parallel.mesh import MeshShape, ParallelLayout
+from execution.parallel.mesh import MeshShape
 from execution.planning.planner import planned_engine
 from tests.distributed import (
-    CPU,
     FLOAT32_TOLERANCE,
     assert_curves_close,
     global_batches,
+    real_step_traffic,
     relative_error,
     run_ranks,
     single_process_run,
     small_config,
     train_steps,
     with_execution,
+    world_layout,
 )
 
 pytestmark = pytest.mark.distributed
@@ -53,16 +54,10 @@ def _flags(dp: int, pp: int, tp1: int, tp2: int, passes: int, stages: str = "") 
     return [*flags, "--pipeline_layers", stages] if stages else flags
 
 
-def _layout(config) -> ParallelLayout:
-    ex = config.execution
-    sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    return ParallelLayout.build(*sizes, CPU, cp=ex.context_parallel, pp=ex.pipeline_parallel)
-
-
 def _train_rank(config, batches: torch.Tensor) -> dict:
     """One rank: train, then gather the unsharded states its stage holds (collective within
     the stage); the first rank of each stage returns them."""
-    layout = _layout(config)
+    layout = world_layout(config)
     engine = planned_engine(config, layout)
     steps = train_steps(engine, batches, layout.dp.rank)
     states = {state: full_state(engine, state) for state in STATES}
@@ -199,7 +194,7 @@ CHECKPOINT_MODEL = [*MODEL, "--dropout_prob", "0"]
 def _save_rank(config, batches, folder) -> None:
     from execution.checkpoint.save import Checkpointer
 
-    layout = _layout(config)
+    layout = world_layout(config)
     engine = planned_engine(config, layout)
     train_steps(engine, batches, layout.dp.rank)
     saver = Checkpointer(str(folder), engine, 0)
@@ -210,7 +205,7 @@ def _save_rank(config, batches, folder) -> None:
 def _resume_rank(config, folder) -> dict:
     from execution.checkpoint.load import load_checkpoint
 
-    layout = _layout(config)
+    layout = world_layout(config)
     engine = planned_engine(config, layout)
     load_checkpoint(str(folder), engine)
     first = layout.tp1.rank == 0 and layout.tp2.rank == 0 and layout.dp.rank == 0
@@ -241,21 +236,6 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1_and_pp4(tmp_path, pp):
 # ----------------------------------------------------------------- dry run
 
 
-def _real_rank_traffic(config) -> dict:
-    """One real gloo step of this rank: its buffers and the bytes it sent over each group."""
-    from execution.planning.device_specs import resolve_spec
-    from execution.planning.dry_run import _axis_traffic
-    from tests.distributed import replica_batch
-
-    layout = _layout(config)
-    engine = planned_engine(config, layout)
-    batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
-    engine.train_step(batch, 0, 1e-3)
-    spec = resolve_spec(config)
-    sent = {axis.name: _axis_traffic(axis, spec)[0] for axis in layout.axes()}
-    return {"buffers": engine.buffer_bytes(), "sent": sent}
-
-
 def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
     """(dp, pp, tp1, tp2) = (1, 2, 2, 1), 2 passes of 2 micro-batches: every stage's buffers
     (each its layers and parts, stage 0 two passes of activations in flight) and the bytes each
@@ -266,7 +246,7 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
 
     flags = shlex.split("--layers 3 --global_batch_size 4 --micro_batch_size 1 --recompute full")
     config = small_config(*flags, *_flags(1, 2, 2, 1, 2))
-    real = run_ranks(_real_rank_traffic, config.world_size, tmp_path, config)
+    real = run_ranks(real_step_traffic, config.world_size, tmp_path, config)
     spec = resolve_spec(config)
     m, micro_batches = config.model, config.gradient_accumulation
     entry = config.execution.micro_batch_size * m.sequence_length * m.hidden_size * 4
