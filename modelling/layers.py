@@ -73,7 +73,9 @@ def keep_mask(
     generator in the same state. On the meta device (planning) only the shape matters.
     """
     mask = torch.empty(shape, dtype=dtype, device=device)
-    generator = None if device.type == "meta" else torch.Generator(device).manual_seed(seed)
+    if device.type == "meta":  # the draw and the scaling are in place: nothing to plan
+        return mask
+    generator = torch.Generator(device).manual_seed(seed)
     return mask.bernoulli_(1 - p, generator=generator).div_(1 - p)
 
 
@@ -209,7 +211,8 @@ def _attention_with_head_masks(
     causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
     probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     mask = torch.empty_like(probs)
-    for n in range(heads):
+    # Planning (meta) needs only the shapes: one head's temporary mask stands for each.
+    for n in range(1 if q.device.type == "meta" else heads):
         mask[:, n] = keep_mask((B, S, S), p, mix_seed(seed, first_head + n), probs.dtype, q.device)
     return (probs * mask) @ v
 

@@ -5,11 +5,19 @@ and matmuls and attention kernels add their FLOPs (torch's own flop formulas).
 It works the same on real tensors (measure a CPU run) and on meta tensors (the dry run), so a
 dry run's working set is what the same step allocates, not a formula. Buffers allocated before
 the mode starts are not counted; what the caller keeps afterwards still counts as live.
+
+On meta tensors an op's result depends only on its inputs' shapes, strides and dtypes and its
+other arguments, and most of a dry run's time goes to torch's Python meta kernels working that
+out again for every layer, pass and probe. So a functional op (no mutated argument, no result
+aliasing an input) whose inputs and results are all meta is run once per distinct signature;
+later calls get fresh tensors of the recorded results' layout and storage size, and the
+recorded FLOPs (:class:`MetaResults`).
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,10 +44,19 @@ class StepMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        count_flops = flop_registry.get(func._overloadpacket)
-        if count_flops is not None:
-            self.flops += count_flops(*args, **kwargs, out_val=out)
+        key = _META_RESULTS.key(func, args, kwargs)
+        recorded = _META_RESULTS.get(key)
+        if recorded is not None:
+            out, flops = recorded.replay()
+            self.flops += flops
+        else:
+            out = func(*args, **kwargs)
+            flops = 0
+            count_flops = flop_registry.get(func._overloadpacket)
+            if count_flops is not None:
+                flops = count_flops(*args, **kwargs, out_val=out)
+                self.flops += flops
+            _META_RESULTS.record(key, args, kwargs, out, flops)
         inputs = None
         for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
             storage = t.untyped_storage()
@@ -59,6 +76,100 @@ class StepMeter(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         self.live -= self._counted.pop(key)
+
+
+class _Result:
+    """A functional meta op's results (layout and storage size of each) and FLOPs."""
+
+    def __init__(self, out: Any, flops: int):
+        self.single = isinstance(out, torch.Tensor)
+        results = (out,) if self.single else out
+        self.layouts = [
+            (t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+            for t in results
+        ]
+        self.flops = flops
+
+    def replay(self) -> tuple[Any, int]:
+        made = []
+        for shape, stride, offset, dtype, nbytes in self.layouts:
+            t = torch.empty(0, dtype=dtype, device="meta")
+            t.set_(torch.UntypedStorage(nbytes, device="meta"), offset, shape, stride)
+            made.append(t)
+        return (made[0] if self.single else tuple(made)), self.flops
+
+
+class MetaResults:
+    """Results of functional ops on meta tensors, by signature (see the module docstring)."""
+
+    def __init__(self):
+        self._results: dict[tuple, _Result | None] = {}
+        self._functional: dict[Any, bool] = {}
+
+    def _is_functional(self, func) -> bool:
+        known = self._functional.get(func)
+        if known is None:
+            schema = func._schema
+            known = (
+                not schema.is_mutable
+                and all(a.alias_info is None for a in schema.arguments)
+                and all(
+                    r.alias_info is None and isinstance(r.type, torch.TensorType)
+                    for r in schema.returns
+                )
+                and len(schema.returns) > 0
+            )
+            self._functional[func] = known
+        return known
+
+    def key(self, func, args, kwargs) -> tuple | None:
+        """The op's signature, or None where its results may depend on more (not functional,
+        or some tensor not on the meta device)."""
+        if not self._is_functional(func):
+            return None
+        try:
+            signature = (func, _signature(args), _signature(tuple(kwargs.items())))
+            hash(signature)
+        except (_NotMeta, TypeError):
+            return None
+        return signature
+
+    def get(self, key: tuple | None) -> _Result | None:
+        return None if key is None else self._results.get(key)
+
+    def record(self, key: tuple | None, args, kwargs, out: Any, flops: int) -> None:
+        """Keeps ``out``'s layout for ``key``, unless a result is not a fresh meta tensor
+        (``_unsafe_view``, say, declares no alias but returns a view of its input)."""
+        if key is None or key in self._results:
+            return
+        results = (out,) if isinstance(out, torch.Tensor) else out
+        fresh = isinstance(results, tuple) and all(
+            isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results
+        )
+        if fresh:
+            storages = [id(t.untyped_storage()) for t in results]
+            inputs = {id(t.untyped_storage()) for t in _tensors((*args, *kwargs.values()))}
+            fresh = len(set(storages)) == len(storages) and not inputs.intersection(storages)
+        self._results[key] = _Result(out, flops) if fresh else None
+
+
+class _NotMeta(Exception):
+    pass
+
+
+def _signature(value) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "meta":
+            raise _NotMeta
+        return (tuple(value.shape), value.stride(), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, torch.Generator):
+        return "generator"  # draws nothing on meta
+    return value
+
+
+_META_RESULTS = MetaResults()
 
 
 def _tensors(values) -> list[torch.Tensor]:
