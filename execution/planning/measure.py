@@ -188,7 +188,6 @@ def measured_working_set(
     return _MEASURED[key]
 
 
-@functools.cache
 def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:
     """FLOPs one decoder layer's backward spends per micro-batch recomputing what its forward
     did not keep, measured on meta tensors with attention as ``kernel``: the whole layer
@@ -198,7 +197,16 @@ def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:
     forward), or nothing (``none``)."""
     if recompute == "none":
         return 0
-    s = rank.shapes
+    # A layer's shard and micro-batch decide it, not the replicas or the batch: measured once
+    # for all the layouts --plan_for weighs that share them.
+    return _layer_recompute_flops(
+        rank.shapes, rank.micro_batch, rank.sequence, rank.dtype, recompute, kernel
+    )
+
+
+@functools.cache
+def _layer_recompute_flops(s, micro_batch, sequence, dtype, recompute, kernel) -> int:
+    rank = RankShape(s, 1, micro_batch, sequence, 1, dtype)
     if recompute == "selective":
         flops = []
         for mode in ("selective", "none"):

@@ -10,7 +10,6 @@ least memory it needs and the single flag changes that would make it fit.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 
@@ -55,6 +54,7 @@ def candidate_plans(
     estimate_working_set: bool = False,
     stage: int = 0,
     measure_as: PretrainingConfig | None = None,
+    budget: MemoryBudget | None = None,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
     traffic, fewest states on the host, fewest passes, least kept).
@@ -63,6 +63,9 @@ def candidate_plans(
     ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
     The plans are those of a rank of pipeline stage ``stage``. ``measure_as``: the config
     whose step measures the working set (``--plan_for`` shares one across pipeline sizes).
+    ``budget``: measure a recompute mode's working set only if one of its plans fits
+    ``budget`` before any working set (a plan that does not fit without one fits with none);
+    the others get the quick formula's, so only whether they fit is exact.
     """
     rank = RankShape.from_config(config, stage)
     fixed = requested_placement(config)
@@ -83,38 +86,31 @@ def candidate_plans(
         modes = ["full"]
     shared = device_type == "cpu"
     plans = []
-    for mode, where in itertools.product(modes, itertools.product(*places)):
-        placement = Placement(*where)
+    for mode in modes:
         kept = rank.kept(mode, kernel)
-        if estimate_working_set:
-            flash = kernel != "math"
-            working = working_set_bytes(
-                rank, placement, flash, ex.prefetch, ex.overlap_communication
-            )
-        else:
-            working = measured_working_set(measure_as or config, device_type, mode)
-        for passes in pass_options:
-            entries = micro_batches_per_pass(ga, passes)
+        mode_plans = []
+        for where, passes in itertools.product(itertools.product(*places), pass_options):
+            placement, entries = Placement(*where), micro_batches_per_pass(ga, passes)
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries, kept)
-            plans.append(
-                MemoryPlan(
-                    passes,
-                    entries,
-                    placement,
-                    state_bytes(rank, entries, placement, kept.entry, passes),
-                    working,
-                    traffic,
-                    shared,
-                    mode,
-                    kept.entry,
-                )
+            state = state_bytes(rank, entries, placement, kept.entry, passes)
+            mode_plans.append(
+                MemoryPlan(passes, entries, placement, state, 0, traffic, shared, mode, kept.entry)
             )
+        measure = not estimate_working_set and (
+            budget is None or any(budget.fits(plan) for plan in mode_plans)
+        )
+        measured = measured_working_set(measure_as or config, device_type, mode) if measure else 0
+        for plan in mode_plans:
+            working = measured or working_set_bytes(
+                rank, plan.placement, kernel != "math", ex.prefetch, ex.overlap_communication
+            )
+            plans.append(dataclasses.replace(plan, working_set=working))
 
     # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
     def hosted(plan: MemoryPlan) -> int:
         return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
 
-    seconds = functools.partial(step_seconds, config, rank, kernel)
+    seconds = step_timer(config, rank, kernel)
     return sorted(
         plans,
         key=lambda p: (seconds(p), p.traffic, hosted(p), p.passes, MODES.index(p.recompute)),
@@ -126,18 +122,27 @@ def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: 
     backward recomputes) or its host copies, whichever is longer, plus the data-parallel
     weight all-gathers that every pass after the first repeats. At ``--device_spec``'s
     rates (on a CPU device only the relative sizes matter)."""
+    return step_timer(config, rank, kernel)(plan)
+
+
+def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
+    """:func:`step_seconds` of the plans of one rank, with what they share worked out once."""
     spec = resolve_spec(config)
     model = flops_per_token(GPTShapes.from_config(config.model), rank.sequence)
-    flops = model * config.tokens_per_step / config.world_size
-    recompute = recompute_flops(rank, plan.recompute, kernel)
-    flops += recompute * rank.shapes.layers * rank.gradient_accumulation
-    compute = flops / (spec.peak_tflops * 1e12 * spec.compute_efficiency)
-    copies = plan.traffic / (spec.host_link_gb_per_s * 1e9)
-    # A pipeline's P passes take P + S - 1 pass-times (the bubble).
+    model_flops = model * config.tokens_per_step / config.world_size
+    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
+    pass_gathers = _pass_gather_seconds(config, rank, spec)
     stages = config.execution.pipeline_parallel
-    bubble = (plan.passes + stages - 1) / plan.passes
-    gathers = (plan.passes - 1) * _pass_gather_seconds(config, rank, spec)
-    return max(compute, copies) * bubble + gathers
+
+    def seconds(plan: MemoryPlan) -> float:
+        recompute = recompute_flops(rank, plan.recompute, kernel)
+        flops = model_flops + recompute * rank.shapes.layers * rank.gradient_accumulation
+        copies = plan.traffic / (spec.host_link_gb_per_s * 1e9)
+        # A pipeline's P passes take P + S - 1 pass-times (the bubble).
+        bubble = (plan.passes + stages - 1) / plan.passes
+        return max(flops / rate, copies) * bubble + (plan.passes - 1) * pass_gathers
+
+    return seconds
 
 
 def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
@@ -173,19 +178,21 @@ def plans_fitting_every_stage(
     budget: MemoryBudget,
     stage: int,
     measure_as: PretrainingConfig | None = None,
+    fitting_only: bool = False,
 ) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
     """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
     stage, in the first stage's order: every stage then picks the same passes, placement and
-    recompute (their steps must match), with its own bytes."""
-    plans = candidate_plans(config, device_type, stage=stage, measure_as=measure_as)
+    recompute (their steps must match), with its own bytes. ``fitting_only`` (``--plan_for``,
+    where plans that do not fit are of no interest): measure the working sets of only the
+    recompute modes that may fit (the ``budget`` of :func:`candidate_plans`)."""
+    plan_options = {"measure_as": measure_as, "budget": budget if fitting_only else None}
+    plans = candidate_plans(config, device_type, stage=stage, **plan_options)
     stages = config.execution.pipeline_parallel
     if stages == 1:
         return plans, plans
     deciding = deciding_stages(config.stage_layers)
     by_stage = {
-        s: plans
-        if s == stage
-        else candidate_plans(config, device_type, stage=s, measure_as=measure_as)
+        s: plans if s == stage else candidate_plans(config, device_type, stage=s, **plan_options)
         for s in {0, *deciding}
     }
     fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage.values()]
