@@ -261,6 +261,7 @@ def validate(config: PretrainingConfig) -> None:
         "device_memory_gb": ex.device_memory_gb,
         "host_memory_gb": ex.host_memory_gb,
         "plan_for": config.planning.plan_for,
+        "plan_workers": config.planning.plan_workers,
         "host_link_gb_per_s": config.planning.host_link_gb_per_s,
         "intra_node_gb_per_s": config.planning.intra_node_gb_per_s,
         "inter_node_gb_per_s": config.planning.inter_node_gb_per_s,

@@ -283,6 +283,21 @@ class PlanningConfig:
             "first, and exit. 0: off."
         ),
     )
+    plan_across_nodes: bool = field(
+        default=False,
+        metadata=_doc(
+            "--plan_for also weighs layouts whose tensor or context groups span nodes (their "
+            "per-layer collectives then cross the network; the search takes about four "
+            "times as long)."
+        ),
+    )
+    plan_workers: int = field(
+        default=0,
+        metadata=_doc(
+            "Processes --plan_for measures layouts in, side by side. 0: one per CPU core this "
+            "process may use."
+        ),
+    )
     device_spec: str = field(
         default="h100_sxm",
         metadata=_doc(

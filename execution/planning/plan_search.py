@@ -27,6 +27,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
@@ -114,7 +117,8 @@ def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
         samples, working_set = [], 0
         with fake_job(0, smalls[0].world_size):
             for small in smalls:
-                small_plan = next(iter(candidate_plans(small, "cuda")))
+                # The probe's passes, placement and recompute are fixed: its one plan.
+                small_plan = candidate_plans(small, "cuda", estimate_working_set=True)[0]
                 step = measure_planned_step(small, small_plan, spec)
                 samples.append(step)
                 working_set = max(working_set, step.working_set)
@@ -125,7 +129,9 @@ def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     """Every (dp, pp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch
     allow; a pipeline only where the tensor and context axes fill a node (the pipeline is the
-    axis that crosses nodes)."""
+    axis that crosses nodes); tensor and context axes that span nodes only with
+    ``--plan_across_nodes`` (their per-layer collectives would wait on the network, which is
+    why Megatron keeps tensor parallelism inside a node)."""
     m, t = config.model, config.training
     per_node = resolve_spec(config).devices_per_node
     out = []
@@ -133,6 +139,8 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     for tp1, tp2, cp, pp in itertools.product(divisors, repeat=4):
         inner = tp1 * tp2 * cp
         if devices % (inner * pp) or m.heads % tp1 or m.hidden_size % tp2:
+            continue
+        if inner > per_node and not config.planning.plan_across_nodes:
             continue
         if m.sequence_length % cp or (m.heads // tp1) % cp:
             continue
@@ -189,17 +197,60 @@ def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tup
 def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
     """Layouts that fit, each with its plan and estimate, fastest first; and how many did not.
 
+    Layouts that share probes (:func:`_probe_group`) are measured together, and groups side by
+    side in ``--plan_workers`` forked processes: measuring is single-threaded Python, so each
+    further core shortens the search about as much as the first."""
+    groups: dict[tuple, list[PretrainingConfig]] = {}
+    for candidate in layouts(config, devices):
+        groups.setdefault(_probe_group(candidate), []).append(candidate)
+    workers = min(config.planning.plan_workers or _usable_cores(), len(groups))
+    if workers > 1:
+        fork = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(workers, mp_context=fork) as pool:
+            results = list(pool.map(_search_group, groups.values()))
+    else:
+        results = [_search_group(group) for group in groups.values()]
+    rows = [row for group_rows, _ in results for row in group_rows]
+    rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
+    return rows, sum(misfits for _, misfits in results)
+
+
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _probe_group(candidate: PretrainingConfig) -> tuple:
+    """What a layout's probes depend on besides its plan: a rank's shards and micro-batch,
+    and the replicas of the layout without its pipeline (a stage's sibling)."""
+    ex = candidate.execution
+    return (
+        ex.data_parallel * ex.pipeline_parallel,
+        ex.context_parallel,
+        ex.tensor_parallel_1,
+        ex.tensor_parallel_2,
+        ex.micro_batch_size,
+    )
+
+
+def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], int]:
+    """The rows of the layouts of one probe group that fit, and how many do not.
+
     A pipeline layout's passes trade its bubble against a data-parallel all-gather of every
     weight per pass, which the planner's quick ranking does not weigh as the estimate does:
     every pass count that fits is estimated under the planner's placement and recompute, and
     all on the device with full recompute (the probes do not depend on
     passes, so each adds one measurement per stage shape), and the fastest kept."""
-    spec = resolve_spec(config)
-    budget = spec_budget(spec)
     rows, misfits = [], 0
-    for candidate in layouts(config, devices):
+    for candidate in candidates:
+        spec = resolve_spec(candidate)
+        budget = spec_budget(spec)
         sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
-        _, everywhere = plans_fitting_every_stage(candidate, "cuda", budget, 0, sibling)
+        _, everywhere = plans_fitting_every_stage(
+            candidate, "cuda", budget, 0, sibling, fitting_only=True
+        )
         plan = fastest_fitting(everywhere, budget)
         if plan is None:
             misfits += 1
@@ -224,7 +275,6 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
             misfits += 1
             continue
         rows.append({**best, "checkpoint": checkpoint_figures(candidate, best["plan"], spec)})
-    rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, misfits
 
 
@@ -318,6 +368,15 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
             f"{row['checkpoint']['save_s']:>7.1f}"
         )
+    if not config.planning.plan_across_nodes:
+        wide = copy.deepcopy(config)
+        wide.planning.plan_across_nodes = True
+        spanning = len(layouts(wide, devices)) - len(layouts(config, devices))
+        if spanning:
+            print(
+                f"not weighed: {spanning} layouts (with their micro-batch sizes) whose tensor "
+                "or context groups would span nodes; --plan_across_nodes weighs them too"
+            )
     if not rows and not misfits:
         m = config.model
         print(

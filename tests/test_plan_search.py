@@ -1,0 +1,133 @@
+"""--plan_for's shortcuts give what the long way gives: replayed meta ops, working sets measured
+only where a plan may fit, layouts measured in worker processes; and which layouts it weighs."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from execution.planning import measure, step_meter
+from execution.planning.device_specs import resolve_spec
+from execution.planning.dry_run import fake_job, measure_planned_step
+from execution.planning.memory import MemoryBudget
+from execution.planning.plan_search import layouts, search
+from execution.planning.planner import candidate_plans, plans_fitting_every_stage
+from tests.distributed import layout_flags
+from tests.distributed import small_config as distributed_config
+from tests.reference import small_config
+
+
+def _measured(config, monkeypatch, replay: bool):
+    """One planned step of rank 0 on meta tensors, with meta results replayed or not."""
+    results = step_meter.MetaResults()
+    if not replay:
+        monkeypatch.setattr(results, "key", lambda *args: None)
+    monkeypatch.setattr(step_meter, "_META_RESULTS", results)
+    spec = resolve_spec(config)
+    plan = candidate_plans(config, "cuda")[0]
+    with fake_job(0, config.world_size):
+        return measure_planned_step(config, plan, spec)
+
+
+@pytest.mark.parametrize(
+    "layout, flags",
+    [
+        ((2, 2, 2, 1), "--placement remote"),
+        ((1, 2, 2, 1), "--placement resident --recompute selective"),
+    ],
+)
+def test_replayed_meta_ops_measure_the_same_step(monkeypatch, layout, flags):
+    """Replaying recorded meta results (StepMeter) changes none of a step's figures: working
+    set, FLOPs, each group's bytes, the per-phase windows and the buffers; and most ops were
+    replayed (the cache is used)."""
+    run = ["--layers", "3", "--global_batch_size", "8", "--dropout_prob", "0.1"]
+    config = distributed_config(*layout_flags(*layout), *run, *shlex.split(flags))
+    direct = _measured(config, monkeypatch, replay=False)
+    replayed = _measured(config, monkeypatch, replay=True)
+    assert replayed.working_set == direct.working_set > 0
+    assert replayed.flops == direct.flops > 0
+    assert replayed.comm_bytes == direct.comm_bytes
+    assert replayed.phases == direct.phases
+    assert replayed.buffer_bytes == direct.buffer_bytes
+    recorded = step_meter._META_RESULTS._results
+    assert sum(result is not None for result in recorded.values()) > 20
+
+
+def test_views_are_never_replayed_as_fresh_tensors(monkeypatch):
+    """``_unsafe_view`` declares no alias but returns a view of its input: it is recorded as
+    not replayable, so replaying does not count it as a new allocation."""
+    import torch
+
+    def peak(replay: bool) -> int:
+        results = step_meter.MetaResults()
+        if not replay:
+            monkeypatch.setattr(results, "key", lambda *args: None)
+        monkeypatch.setattr(step_meter, "_META_RESULTS", results)
+        x = torch.empty(4, 6, device="meta")
+        with step_meter.StepMeter() as meter:
+            kept = [torch.ops.aten._unsafe_view(x * 2.0, [24]) for _ in range(3)]
+            kept += [torch.ops.aten._unsafe_view(k, [4, 6]) for k in kept]
+        view = torch.ops.aten._unsafe_view.default
+        assert not any(key[0] is view and result for key, result in results._results.items())
+        return meter.peak
+
+    assert peak(replay=True) == peak(replay=False) == 3 * 4 * 6 * 4
+
+
+def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans():
+    """Everything on the device, with a device budget that keeping every activation cannot fit
+    even before a working set: --plan_for's planner call does not measure that mode's working
+    set, and finds the same fitting plans, with the same bytes, as measuring every mode."""
+    run = "--layers 12 --global_batch_size 16 --micro_batch_size 8 --passes 1 --placement resident"
+    config = distributed_config(*layout_flags(2, 2, 1), *shlex.split(run))
+    plans, _ = plans_fitting_every_stage(config, "cuda", MemoryBudget(None, 1 << 50), 0)
+    assert {p.recompute for p in plans} == {"full", "selective", "none"}
+    full = min(p.bytes_on("device")["total"] for p in plans if p.recompute == "full")
+    none = min(
+        p.bytes_on("device")["total"] - p.working_set for p in plans if p.recompute == "none"
+    )
+    assert full < none
+    budget = MemoryBudget((full + none) // 2, 1 << 50)
+    _, everywhere = plans_fitting_every_stage(config, "cuda", budget, 0)
+    measure._MEASURED.clear()
+    _, searched = plans_fitting_every_stage(config, "cuda", budget, 0, fitting_only=True)
+    assert "none" not in {key[-1] for key in measure._MEASURED}
+    fitting = [p for p in everywhere if budget.fits(p)]
+    assert fitting and [p for p in searched if budget.fits(p)] == fitting
+
+
+def test_workers_find_the_rows_one_process_finds():
+    """Groups of layouts of 2 devices (dp, pp, cp, tp1, tp2 and micro-batch sizes) measured in
+    two forked workers give the same rows, in the same order, as one process."""
+    config = small_config("--layers", "2", "--global_batch_size", "8")
+    config.planning.plan_workers = 1
+    alone, misfits = search(config, 2)
+    config.planning.plan_workers = 2
+    side_by_side, misfits_by_two = search(config, 2)
+    assert misfits_by_two == misfits
+    assert len(side_by_side) == len(alone) > 3
+
+    def figures(row):
+        ex = row["config"].execution
+        return ex, row["plan"], row["step_time_s"], row["mfu"], row["checkpoint"]
+
+    assert [figures(r) for r in side_by_side] == [figures(r) for r in alone]
+
+
+def test_layouts_spanning_nodes_only_when_asked():
+    """Nodes of 2 devices: tensor and context groups of 4 span two nodes, so --plan_for 4
+    weighs them only with --plan_across_nodes."""
+    config = small_config("--layers", "2", "--global_batch_size", "8", "--devices_per_node", "2")
+
+    def inner_sizes(candidates):
+        return {
+            c.execution.context_parallel
+            * c.execution.tensor_parallel_1
+            * c.execution.tensor_parallel_2
+            for c in candidates
+        }
+
+    assert inner_sizes(layouts(config, 4)) == {1, 2}
+    config.planning.plan_across_nodes = True
+    assert inner_sizes(layouts(config, 4)) == {1, 2, 4}
