@@ -287,8 +287,8 @@ class PlanningConfig:
         default=False,
         metadata=_doc(
             "--plan_for also weighs layouts whose tensor or context groups span nodes (their "
-            "per-layer collectives then cross the network; the search takes about four "
-            "times as long)."
+            "per-layer collectives then cross the network; the search takes several times as "
+            "long)."
         ),
     )
     plan_workers: int = field(
