@@ -117,13 +117,24 @@ def _assert_matches(
     ("dp", "pp", "tp1", "tp2", "passes", "stages"),
     [
         (1, 2, 1, 1, 1, ""),
+        (1, 2, 1, 1, 2, ""),
         (1, 2, 1, 1, 4, "1,3"),
+        (1, 4, 1, 1, 1, ""),
         (1, 4, 1, 1, 2, ""),
         (1, 4, 1, 1, 4, ""),
         (2, 2, 1, 1, 1, ""),
         (2, 2, 1, 1, 2, "3,1"),
     ],
-    ids=["pp2-p1", "pp2-p4-uneven", "pp4-p2", "pp4-p4", "dp2-pp2-p1", "dp2-pp2-p2-uneven"],
+    ids=[
+        "pp2-p1",
+        "pp2-p2",
+        "pp2-p4-uneven",
+        "pp4-p1",
+        "pp4-p2",
+        "pp4-p4",
+        "dp2-pp2-p1",
+        "dp2-pp2-p2-uneven",
+    ],
 )
 def test_pipeline_trains_like_one_process(tmp_path, dp, pp, tp1, tp2, passes, stages):
     """3 float32 steps with dropout 0.1: every rank's loss, gradient norm and a validation

@@ -99,6 +99,10 @@ class _Result:
         return (made[0] if self.single else tuple(made)), self.flops
 
 
+# Signatures kept at most (a step of one shape has a few thousand; each entry is small).
+MAX_RECORDED = 200_000
+
+
 class MetaResults:
     """Results of functional ops on meta tensors, by signature (see the module docstring)."""
 
@@ -142,6 +146,8 @@ class MetaResults:
         (``_unsafe_view``, say, declares no alias but returns a view of its input)."""
         if key is None or key in self._results:
             return
+        if len(self._results) >= MAX_RECORDED:  # a long-lived process plans many shapes
+            self._results.clear()
         results = (out,) if isinstance(out, torch.Tensor) else out
         fresh = isinstance(results, tuple) and all(
             isinstance(t, torch.Tensor) and t.device.type == "meta" for t in results
