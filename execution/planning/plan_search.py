@@ -20,6 +20,12 @@ Buffers and the fit stay exact per stage (the planner's formulas). Only layouts 
 and context axes fill a node get a pipeline (it is the axis that crosses nodes), which keeps
 the search within its time, as do the pipeline sizes (2, 4, 8) and micro-batch sizes (1, 2)
 it weighs.
+
+The search's time: tensor and context axes that span nodes are weighed only with
+``--plan_across_nodes``; layouts that share probes are measured in one process, and such
+groups in ``--plan_workers`` processes side by side; the planner measures only the working
+sets that may fit; and the step meter replays meta ops it has seen
+(:mod:`execution.planning.step_meter`).
 """
 
 from __future__ import annotations
