@@ -206,17 +206,14 @@ def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:
 
 @functools.cache
 def _layer_recompute_flops(s, micro_batch, sequence, dtype, recompute, kernel) -> int:
-    rank = RankShape(s, 1, micro_batch, sequence, 1, dtype)
     if recompute == "selective":
         flops = []
         for mode in ("selective", "none"):
             with StepMeter() as meter:
-                kept_layer_on_meta(s, rank.micro_batch, rank.sequence, rank.dtype, mode, kernel)
+                kept_layer_on_meta(s, micro_batch, sequence, dtype, mode, kernel)
             flops.append(meter.flops)
         return flops[0] - flops[1]
-    x = torch.empty(
-        rank.micro_batch, rank.sequence, s.hidden // s.tp2, dtype=rank.dtype, device="meta"
-    )
+    x = torch.empty(micro_batch, sequence, s.hidden // s.tp2, dtype=dtype, device="meta")
     seeds = BlockSeeds(1, 2, 3) if s.dropout_prob else None
     with attention_on_meta(kernel), StepMeter() as meter, torch.no_grad():
         meta_block(s)(x, seeds)

@@ -250,9 +250,9 @@ def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], int]
     all on the device with full recompute (the probes do not depend on
     passes, so each adds one measurement per stage shape), and the fastest kept."""
     rows, misfits = [], 0
+    spec = resolve_spec(candidates[0])  # the planning flags, the same for every layout
+    budget = spec_budget(spec)
     for candidate in candidates:
-        spec = resolve_spec(candidate)
-        budget = spec_budget(spec)
         sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
         _, everywhere = plans_fitting_every_stage(
             candidate, "cuda", budget, 0, sibling, fitting_only=True

@@ -99,10 +99,15 @@ def candidate_plans(
         measure = not estimate_working_set and (
             budget is None or any(budget.fits(plan) for plan in mode_plans)
         )
-        measured = measured_working_set(measure_as or config, device_type, mode) if measure else 0
+        if measure:
+            measured = measured_working_set(measure_as or config, device_type, mode)
         for plan in mode_plans:
-            working = measured or working_set_bytes(
-                rank, plan.placement, kernel != "math", ex.prefetch, ex.overlap_communication
+            working = (
+                measured
+                if measure
+                else working_set_bytes(
+                    rank, plan.placement, kernel != "math", ex.prefetch, ex.overlap_communication
+                )
             )
             plans.append(dataclasses.replace(plan, working_set=working))
 

@@ -64,7 +64,7 @@ class StepMeter(TorchDispatchMode):
             if key in self._counted:
                 continue  # a view, or an in-place op, of a tensor made in the block
             if inputs is None:
-                inputs = {id(i.untyped_storage()) for i in _tensors((*args, *kwargs.values()))}
+                inputs = _input_storages(args, kwargs)
             if key in inputs:
                 continue  # a view or in-place op of a buffer made before the block
             nbytes = storage.nbytes()
@@ -154,7 +154,7 @@ class MetaResults:
         )
         if fresh:
             storages = [id(t.untyped_storage()) for t in results]
-            inputs = {id(t.untyped_storage()) for t in _tensors((*args, *kwargs.values()))}
+            inputs = _input_storages(args, kwargs)
             fresh = len(set(storages)) == len(storages) and not inputs.intersection(storages)
         self._results[key] = _Result(out, flops) if fresh else None
 
@@ -176,6 +176,11 @@ def _signature(value) -> Any:
 
 
 _META_RESULTS = MetaResults()
+
+
+def _input_storages(args, kwargs) -> set[int]:
+    """ids of the storages of an op's tensor arguments."""
+    return {id(t.untyped_storage()) for t in _tensors((*args, *kwargs.values()))}
 
 
 def _tensors(values) -> list[torch.Tensor]:
