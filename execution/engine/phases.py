@@ -11,6 +11,10 @@ Three concerns, three places:
 
 A phase loads one part's weights once and runs it for every micro-batch of its pass; the layers
 never know they are phased (one template block is bound to each layer's weights in turn).
+Each micro-batch's temporaries (its input copy, output, gradients) are dropped before the next
+micro-batch runs: a loop variable would hold them through the next one's compute (a whole
+layer's weight gradients in the backward), and the working set, which the planner measures
+at one micro-batch per pass, would grow once a pass holds two.
 """
 
 from __future__ import annotations
@@ -244,6 +248,7 @@ class PhasedEngine:
                 (batch.ids[m], self._embedding_seed(batch.step, m)),
             )
             self.state.store_x(0, e, y)
+            del y  # not held through the next micro-batch (module docstring)
 
     @torch.no_grad()
     def _phase_layer_forward(self, phase: Phase, batch: _Batch) -> None:
@@ -253,6 +258,7 @@ class PhasedEngine:
             for m, e in self._entries(phase):
                 x, seeds = self.state.fetch_x(n, e), self._layer_seeds(batch.step, n, m)
                 self.state.store_x(n + 1, e, self.kept.forward(n, e, vectors, x, seeds))
+                del x
             return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
         for m, e in self._entries(phase):
@@ -260,6 +266,7 @@ class PhasedEngine:
             seeds = self._layer_seeds(batch.step, n, m)
             y = functional_call(self.templates[LAYERS], weights, (x, seeds))
             self.state.store_x(n + 1, e, y)
+            del x, y
 
     def _phase_head(self, phase: Phase, batch: _Batch) -> None:
         """Loss per micro-batch; when training, dx at the last boundary and the head's grads.
@@ -287,13 +294,13 @@ class PhasedEngine:
                     self.templates[HEAD], head, (x, word, batch.labels[m], self.shapes.vocab)
                 )
             batch.losses.append(loss.detach())
-            if not backward:
-                continue
-            dx, dword, *grads = torch.autograd.grad(loss, [x, word, *head.values()], scale)
-            self.state.store_dx(L, e, dx)
-            tied_views["word.weight"].add_(dword)
-            for name, g in zip(head, grads, strict=True):
-                head_views[name].add_(g)
+            if backward:
+                dx, dword, *grads = torch.autograd.grad(loss, [x, word, *head.values()], scale)
+                self.state.store_dx(L, e, dx)
+                tied_views["word.weight"].add_(dword)
+                _add_grads(head_views, head, grads)
+                del dx, dword, grads
+            del x, loss
         if backward:
             self._finish_grads(HEAD, 0, head_acc, phase)
             # Not the last word on the embedding's grads (its backward phase adds its own), so
@@ -310,6 +317,7 @@ class PhasedEngine:
             for _, e in self._entries(phase):
                 dx = self.kept.backward(n, e, vectors, self.state.fetch_dx(n + 1, e), views)
                 self.state.store_dx(n, e, dx)
+                del dx
             self._finish_grads(LAYERS, n, acc, phase)
             return
         weights = self.state.load_weights(LAYERS, n, self.dtype)
@@ -325,8 +333,8 @@ class PhasedEngine:
                 y, [x, *weights.values()], self.state.fetch_dx(n + 1, e)
             )
             self.state.store_dx(n, e, dx)
-            for name, g in zip(weights, grads, strict=True):
-                views[name].add_(g)
+            _add_grads(views, weights, grads)
+            del x, y, dx, grads
         self._finish_grads(LAYERS, n, acc, phase)
 
     def _phase_embedding_backward(self, phase: Phase, batch: _Batch) -> None:
@@ -342,8 +350,8 @@ class PhasedEngine:
                     (batch.ids[m], self._embedding_seed(batch.step, m)),
                 )
             grads = torch.autograd.grad(y, list(weights.values()), self.state.fetch_dx(0, e))
-            for name, g in zip(weights, grads, strict=True):
-                views[name].add_(g)
+            _add_grads(views, weights, grads)
+            del y, grads
         # With a pipeline the last stage holds the head's tied part: the sum is complete, and
         # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
         self._finish_grads(EMBEDDING, 0, acc, phase, norm=self.layout.embedding.size == 1)
@@ -499,6 +507,13 @@ class PhasedEngine:
         """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
         activations."""
         return self.state.nbytes()
+
+
+def _add_grads(views: dict[str, torch.Tensor], names, grads) -> None:
+    """Adds one micro-batch's gradients to the accumulators (in a function: no loop variable
+    holds the last of them through the next micro-batch)."""
+    for name, g in zip(names, grads, strict=True):
+        views[name].add_(g)
 
 
 def _host_threads(processes_per_node: int) -> int:
