@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import shlex
@@ -48,8 +49,14 @@ def entry_point(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
     """gpt3_175B_pod256 (dp 4 x tp1 8 x tp2 8, float16) through the entry point, in one CPU
-    process: every rank's weights, gradients, optimizer state and activations, by hand."""
+    process: every rank's weights, gradients, optimizer state and activations, by hand.
+
+    One micro-batch per replica (global batch 4, not the preset's 128), with full recompute
+    as the preset plans it: the bytes are the same formulas, and the measured step runs the 96
+    layers once instead of 32 times (the whole preset's dry run takes ~100 s on two cores; the
+    README shows it)."""
     flags = ["--config", "gpt3_175B_pod256", "--dry_run", "--output_dir", str(tmp_path)]
+    flags += ["--global_batch_size", "4", "--recompute", "full"]
     result = entry_point(*flags, timeout=600)
     assert result.returncode == 0, result.stderr
     assert "verdict: FITS on 256 x h100_sxm" in result.stdout
@@ -213,9 +220,15 @@ def test_overlap_hides_data_parallel_traffic_in_the_estimate():
     assert on["step_time_s"] < off["step_time_s"] and on["mfu"] > off["mfu"]
 
 
+@functools.cache
+def _search_four_devices() -> tuple[list[dict], int]:
+    """``--plan_for 4`` of a small model with 4 layers (pipelines of up to 4 stages), shared
+    by the tests that read its rows."""
+    return search(small_config("--layers", "4", "--global_batch_size", "8"), 4)
+
+
 def test_plan_for_ranks_layouts_that_fit_by_step_time():
-    config = small_config("--layers", "2", "--global_batch_size", "8")
-    rows, misfits = search(config, 4)
+    rows, misfits = _search_four_devices()
     assert rows and misfits == 0
     times = [r["step_time_s"] for r in rows]
     assert times == sorted(times)
@@ -258,8 +271,7 @@ def test_plan_for_lists_pipeline_layouts_one_row_each():
     sizes that tie shown together."""
     from execution.planning.plan_search import layout_rows
 
-    config = small_config("--layers", "4", "--global_batch_size", "8")
-    rows, _ = search(config, 4)
+    rows, _ = _search_four_devices()
     executions = [r["config"].execution for r in rows]
     stages = {e.pipeline_parallel for e in executions}
     assert {1, 2, 4} <= stages
