@@ -147,6 +147,18 @@ class Pending:
         return self._result
 
 
+class _ShapesOnlyWork:
+    """What a shapes-only collective "runs": nothing to wait for, but its :class:`Pending`
+    holds the input until waited, as a real one does, so that a measured step (the planner's
+    working set) counts an in-flight reduction's input beside the next phase's tensors."""
+
+    def wait(self) -> None:
+        pass
+
+
+SHAPES_ONLY_WORK = _ShapesOnlyWork()
+
+
 @dataclass(eq=False)
 class GroupAxis:
     """One communication group as seen by this rank; size 1 makes every collective a no-op.
@@ -212,7 +224,7 @@ class GroupAxis:
         out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
         self._count("all_gather", out, async_op)
         if self._shapes_only(out):
-            return Pending(out)
+            return Pending(out, SHAPES_ONLY_WORK, shard)
         shard = shard.contiguous()
         work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
         return Pending(out, work, shard)
@@ -261,7 +273,7 @@ class GroupAxis:
         self._count("reduce_scatter", full, async_op)
         out = torch.empty(full.numel() // self.size, dtype=full.dtype, device=full.device)
         if self._shapes_only(out):
-            return Pending(out)
+            return Pending(out, SHAPES_ONLY_WORK, full)
         full = full.contiguous()
         work = _reduce_scatter_flat(out, full, group=self.group, async_op=async_op)
         return Pending(out, work, full)

@@ -6,7 +6,11 @@ x tensor_parallel_2 = N, a micro-batch size) gets the planner's passes and place
 with the dry run's instruments, on meta tensors, but on a shrunk copy of the step: every count
 the estimate needs (FLOPs, bytes of each collective and of the host link) is exactly
 ``c0 + c1 L + c2 P + c3 P L + c4 M + c5 M L`` in the layers L, passes P and micro-batches M of
-the step, so six steps of 1-2 layers and 1-2 micro-batches determine it for the full preset.
+the step, so six steps of 1 or 3 layers and 1-2 micro-batches determine it for the full preset.
+Three layers, because the working set (the largest of the six) needs them: with overlapped
+communication the middle layer computes beside the next one's weights gathered ahead and the
+previous one's gradients still being reduced (as the planner's measurement,
+:func:`execution.planning.measure.measured_working_set`).
 A test checks the extrapolation against a full dry-run step.
 
 A pipeline stage is measured as a rank of its *sibling* layout without the pipeline axis (dp x
@@ -57,7 +61,7 @@ from execution.planning.planner import candidate_plans, fastest_fitting, plans_f
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
-PROBES = ((1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 2, 2), (2, 2, 2))
+PROBES = ((1, 1, 1), (3, 1, 1), (1, 2, 1), (3, 2, 1), (1, 2, 2), (3, 2, 2))
 
 
 def _basis(layers: int, micro_batches: int, passes: int) -> list[int]:
