@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from execution.engine.plan import PLACED_STATES, MemoryPlan
 from execution.engine.recompute import KeptLayers, prepare_block
 from execution.engine.schedule import Phase
 from execution.engine.state import StateStore
+from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout, Pending
 from execution.parallel.sharding import DECAYED_KINDS, init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
@@ -518,8 +518,7 @@ def _add_grads(views: dict[str, torch.Tensor], names, grads) -> None:
 
 def _host_threads(processes_per_node: int) -> int:
     """This process's share of the cores it may run on, for host-side updates."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return max(1, (cores or 1) // max(processes_per_node, 1))
+    return max(1, usable_cores() // max(processes_per_node, 1))
 
 
 def _read(scalar: torch.Tensor) -> float:

@@ -103,6 +103,13 @@ def select_device(requested: str, local_rank: int, local_world_size: int = 1) ->
     return torch.device("cuda", local_rank)
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity, where the OS reports one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None):
     """Joins the job described by the launcher's environment and builds its layout.
 

@@ -38,7 +38,6 @@ import copy
 import dataclasses
 import itertools
 import multiprocessing
-import os
 from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
@@ -47,6 +46,7 @@ from config.loading import validate
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
 from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.parallel.launch import usable_cores
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     RankMeasurement,
@@ -213,7 +213,7 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
     groups: dict[tuple, list[PretrainingConfig]] = {}
     for candidate in layouts(config, devices):
         groups.setdefault(_probe_group(candidate), []).append(candidate)
-    workers = min(config.planning.plan_workers or _usable_cores(), len(groups))
+    workers = min(config.planning.plan_workers or usable_cores(), len(groups))
     if workers > 1:
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(workers, mp_context=fork) as pool:
@@ -223,13 +223,6 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
     rows = [row for group_rows, _ in results for row in group_rows]
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     return rows, sum(misfits for _, misfits in results)
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _probe_group(candidate: PretrainingConfig) -> tuple:
