@@ -7,6 +7,7 @@ The reference is the single-process engine fed each whole global batch, with the
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shlex
 
@@ -30,6 +31,7 @@ from tests.distributed import (
     with_execution,
     world_layout,
 )
+from tests.nccl_order import OrderError, P2POp, check_pairing, recording
 
 pytestmark = pytest.mark.distributed
 
@@ -54,16 +56,22 @@ def _flags(dp: int, pp: int, tp1: int, tp2: int, passes: int, stages: str = "") 
     return [*flags, "--pipeline_layers", stages] if stages else flags
 
 
-def _train_rank(config, batches: torch.Tensor) -> dict:
+def _train_rank(config, batches: torch.Tensor, one_group: bool = False) -> dict:
     """One rank: train, then gather the unsharded states its stage holds (collective within
-    the stage); the first rank of each stage returns them."""
-    layout = world_layout(config)
-    engine = planned_engine(config, layout)
-    steps = train_steps(engine, batches, layout.dp.rank)
-    states = {state: full_state(engine, state) for state in STATES}
-    first_of_stage = layout.dp.rank == layout.tp1.rank == layout.tp2.rank == 0
-    eval_loss = engine.evaluate(_validation(config, layout.dp.rank, layout.dp.size))
+    the stage); the first rank of each stage returns them. Every point-to-point op is logged
+    (``p2p``) for :func:`check_pairing`. ``one_group``: both directions of the stages'
+    transfers on the pipeline group itself, as before they had a group each."""
+    with recording() as p2p:
+        layout = world_layout(config)
+        if one_group:
+            layout.pp.upward_group = layout.pp.downward_group = None
+        engine = planned_engine(config, layout)
+        steps = train_steps(engine, batches, layout.dp.rank)
+        states = {state: full_state(engine, state) for state in STATES}
+        first_of_stage = layout.dp.rank == layout.tp1.rank == layout.tp2.rank == 0
+        eval_loss = engine.evaluate(_validation(config, layout.dp.rank, layout.dp.size))
     out = {"steps": steps, "stage": layout.pp.rank, "eval_loss": eval_loss}
+    out["p2p"] = (layout.rank, p2p)
     return {**out, **(states if first_of_stage else {})}
 
 
@@ -87,9 +95,14 @@ def _single_process(passes: int, dropout: str = "0.1") -> dict:
 
 
 def _run(tmp_path, *flags: str) -> list[dict]:
+    """Every rank's results of training ``flags``' layout, whose point-to-point ops pair off
+    as NCCL pairs them (checked)."""
     config = small_config(*MODEL, *flags)
     batches = global_batches(config, STEPS)
-    return run_ranks(_train_rank, config.world_size, tmp_path, config, batches)
+    results = run_ranks(_train_rank, config.world_size, tmp_path, config, batches)
+    pairs = check_pairing(dict(r["p2p"] for r in results))
+    assert (pairs > 0) == (config.execution.pipeline_parallel > 1)
+    return results
 
 
 def _by_stage(results: list[dict], state: str) -> list[dict[str, torch.Tensor]]:
@@ -188,6 +201,49 @@ def test_tied_embedding_gradient_is_whole_on_both_stages(tmp_path):
     assert "head.ln_f.weight" in last
 
 
+def test_stages_sharing_one_group_each_way_would_hang_under_nccl(tmp_path):
+    """The checker catches the deadlock it exists for: with x and dx on the pipeline group
+    itself (the stages' transfers before they had a group each way), gloo trains, matching by
+    tag, but under NCCL's issue order stage 0's first op with stage 1 is its dx receive, posted
+    a pass ahead, and stage 1's is its x receive: receive against receive."""
+    config = small_config(*MODEL, *_flags(1, 2, 1, 1, 2))
+    batches = global_batches(config, 1)
+    results = run_ranks(_train_rank, 2, tmp_path, config, batches, True)
+    with pytest.raises(OrderError, match=r"recv <- 1 .* \| rank 1 recv <- 0"):
+        check_pairing(dict(r["p2p"] for r in results))
+
+
+def test_nccl_order_checker_by_hand():
+    """Heads pair send against receive of equal size and dtype, in issue order; the ops of one
+    batch in any order; a receive against a receive, a size mismatch or an op left over fail."""
+
+    def op(rank, peer, kind, numel=4, group="pp"):
+        return P2POp(group, rank, peer, kind, numel, "torch.float32")
+
+    send, recv = (op(0, 1, "send"),), (op(1, 0, "recv"),)
+    assert check_pairing({0: [send, send], 1: [recv, recv]}) == 2
+    # Each direction on a group of its own: x up on one, dx down on another.
+    up_down = {
+        0: [(op(0, 1, "recv", group="down"),), (op(0, 1, "send", group="up"),)],
+        1: [(op(1, 0, "recv", group="up"),), (op(1, 0, "send", group="down"),)],
+    }
+    assert check_pairing(up_down) == 2
+    # The same on one group: receive against receive.
+    one = {r: [(dataclasses.replace(o, group="pp"),) for (o,) in e] for r, e in up_down.items()}
+    with pytest.raises(OrderError, match="heads do not pair"):
+        check_pairing(one)
+    # One batch on each side (batch_isend_irecv) pairs in any order.
+    batched = {0: [tuple(reversed([o for (o,) in one[0]]))], 1: [tuple(o for (o,) in one[1])]}
+    assert check_pairing(batched) == 2
+    with pytest.raises(OrderError, match="heads do not pair"):
+        check_pairing({0: [send], 1: [(op(1, 0, "recv", numel=5),)]})
+    with pytest.raises(OrderError, match="no partner"):
+        check_pairing({0: [send, send], 1: [recv]})
+    # Other pairs and other groups are separate queues.
+    other = (op(2, 3, "send", group="pp2"),), (op(3, 2, "recv", group="pp2"),)
+    assert check_pairing({0: [send], 1: [recv], 2: [other[0]], 3: [other[1]]}) == 2
+
+
 def test_one_forward_one_backward_holds_at_most_s_passes():
     """Stage s starts S - 1 - s forwards before its first backward; every pass's forward comes
     before its backward; the bubble is (S - 1) / (P + S - 1)."""
@@ -265,6 +321,13 @@ def test_checkpoint_saved_at_pp2_resumes_at_pp1_and_pp4(tmp_path, pp):
 # ----------------------------------------------------------------- dry run
 
 
+def _recorded_traffic(config) -> dict:
+    """:func:`real_step_traffic` with the rank's point-to-point ops logged."""
+    with recording() as p2p:
+        out = real_step_traffic(config)
+    return {**out, "p2p": (torch.distributed.get_rank(), p2p)}
+
+
 def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
     """(dp, pp, tp1, tp2) = (1, 2, 2, 1), 2 passes of 2 micro-batches: every stage's buffers
     (each its layers and parts, stage 0 two passes of activations in flight) and the bytes each
@@ -275,7 +338,8 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
 
     flags = shlex.split("--layers 3 --global_batch_size 4 --micro_batch_size 1 --recompute full")
     config = small_config(*flags, *_flags(1, 2, 2, 1, 2))
-    real = run_ranks(real_step_traffic, config.world_size, tmp_path, config)
+    real = run_ranks(_recorded_traffic, config.world_size, tmp_path, config)
+    assert check_pairing(dict(r["p2p"] for r in real)) > 0
     spec = resolve_spec(config)
     m, micro_batches = config.model, config.gradient_accumulation
     entry = config.execution.micro_batch_size * m.sequence_length * m.hidden_size * 4

@@ -178,6 +178,15 @@ class GroupAxis:
     # No process group at all: collectives only produce outputs of the right shape (meta
     # tensors), for measuring one rank's step inside a running job.
     shapes_only: bool = False
+    # Point-to-point transfers toward higher group ranks, and toward lower ones, each on a
+    # group of its own (None: on ``group``). NCCL ignores tags and runs a group's
+    # point-to-point ops between two ranks in issue order, a send waiting for its receive: a
+    # pipeline stage's dx receive, posted a pass ahead, would stand before its first x send,
+    # while its successor's x receive stands before that successor's dx send, and the two
+    # heads would be receive against receive. With a group per direction each pair of ranks
+    # has one sender and one receiver per group, whose ops pair off in issue order.
+    upward_group: dist.ProcessGroup | None = None
+    downward_group: dist.ProcessGroup | None = None
     calls: collections.Counter = field(default_factory=collections.Counter)
     payload_bytes: collections.Counter = field(default_factory=collections.Counter)
     async_bytes: collections.Counter = field(default_factory=collections.Counter)
@@ -247,7 +256,8 @@ class GroupAxis:
         self._count("send", tensor, async_op=True)
         work = None
         if not self._shapes_only(tensor):
-            work = dist.isend(tensor, self.members[to], group=self.group, tag=tag)
+            group = self._point_to_point_group(self.rank, to)
+            work = dist.isend(tensor, self.members[to], group=group, tag=tag)
         return Pending(tensor, work, tensor)
 
     def start_receive(self, into: torch.Tensor, source: int, tag: int) -> Pending:
@@ -256,8 +266,14 @@ class GroupAxis:
         self._count("receive", into, async_op=True)
         work = None
         if not self._shapes_only(into):
-            work = dist.irecv(into, self.members[source], group=self.group, tag=tag)
+            group = self._point_to_point_group(source, self.rank)
+            work = dist.irecv(into, self.members[source], group=group, tag=tag)
         return Pending(into, work)
+
+    def _point_to_point_group(self, source: int, target: int) -> dist.ProcessGroup | None:
+        """The group a transfer from group rank ``source`` to ``target`` runs on."""
+        direction = self.upward_group if target > source else self.downward_group
+        return direction or self.group
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """This member's chunk of the elementwise sum of every member's 1-D ``full``."""
@@ -372,8 +388,16 @@ class ParallelLayout:
             # new_group is collective: every rank creates every group, in the same order.
             for ranks in mesh.groups(name):
                 group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                # The stages' transfers each way on a group of its own (GroupAxis).
+                directions = {}
+                if name == "pp" and group is not None:
+                    directions = {
+                        "upward_group": dist.new_group(list(ranks)),
+                        "downward_group": dist.new_group(list(ranks)),
+                    }
                 if rank in ranks:
-                    axes[name] = GroupAxis(name, len(ranks), ranks.index(rank), group, ranks)
+                    index = ranks.index(rank)
+                    axes[name] = GroupAxis(name, len(ranks), index, group, ranks, **directions)
         if "embedding" in _axis_names(mesh) and "embedding" not in axes:  # a middle stage
             axes["embedding"] = GroupAxis("embedding", 1, 0, members=(rank,))
         return cls(**_with_aliases(axes, mesh), device=device)
