@@ -168,8 +168,12 @@ class Link:
     Receives land in fresh device tensors; :meth:`start` posts the first of each direction and
     each receive, once waited for, posts the next pass's, so every transfer is posted a pass
     ahead of its use. Sends read a copy of what they send, so the buffers they came from may be
-    reused at once. The tag is the pass index: the receive of a pass matches only that pass's
-    send.
+    reused at once. The tag is the pass index: under gloo the receive of a pass matches only
+    that pass's send. NCCL ignores tags and pairs a group's ops between two ranks in issue
+    order, so x and dx travel on a group each (:class:`GroupAxis` ``upward_group`` and
+    ``downward_group``): per group and pair of stages, one sends and the other receives, pass
+    after pass in the same order (``tests/nccl_order.py`` checks every pipeline test by that
+    rule).
     """
 
     def __init__(self, pp: GroupAxis, stage: Stage, activations: ActivationLayout, device):
