@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 import yaml
 
 from config.schema import PretrainingConfig, leaf_fields
+from config.strict_yaml import load_strict
 
 PRESETS_FILE = Path(__file__).with_name("pretraining.yml")
 DEFAULT_PRESET = "tiny"
@@ -37,7 +38,7 @@ def load_presets(path: str | Path = PRESETS_FILE) -> dict[str, dict[str, Any]]:
     """
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = load_strict(path.read_text())
     except OSError as err:
         raise ConfigError(f"cannot read preset file {path}: {err.strerror}") from None
     except yaml.YAMLError as err:
@@ -86,6 +87,11 @@ def config_from_dict(settings: dict[str, Any], source: str) -> PretrainingConfig
                 apply(value, path + ".")
                 continue
             if path not in leaves:
+                if any(p.startswith(path + ".") for p in leaves):
+                    raise ConfigError(
+                        f"{source}: {path!r} is a section and needs a mapping of its settings, "
+                        f"not {value!r}"
+                    )
                 raise ConfigError(f"{source}: unknown setting {path!r}")
             owner, f = leaves[path]
             setattr(owner, f.name, _coerce(value, f, f"{source}: {path}"))

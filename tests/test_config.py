@@ -180,6 +180,13 @@ def test_bad_flags_name_the_problem(flags, message):
         ("tiny:\n  base: nowhere\n", "has base 'nowhere'"),
         ("tiny:\n  base: other\nother:\n  base: tiny\n", "inherits from itself"),
         ("- just a list\n", "must map preset names to settings"),
+        # PyYAML alone keeps the second 'model:' and drops the first without a word.
+        (
+            "tiny:\n  model: {layers: 3}\n  model: {hidden_size: 64}\n",
+            "key 'model' appears twice, at lines 2 and 3",
+        ),
+        ("tiny:\n  model: {layers: 2}\ntiny:\n  model: {layers: 3}\n", "key 'tiny' appears twice"),
+        ("tiny:\n  model: 5\n", "'model' is a section and needs a mapping of its settings"),
     ],
 )
 def test_malformed_preset_files(tmp_path, text, message):
