@@ -185,6 +185,33 @@ def test_a_damaged_file_is_named(saved, tmp_path, damage):
     assert {"truncate": "damaged", "flip": "CRC", "delete": "missing"}[damage] in message
 
 
+@pytest.mark.parametrize(
+    ("manifest", "message"),
+    [
+        ("{}", "it does not list .metadata, __0_0.distcp, trainer.json"),
+        ("[]", "it holds a list, not a map of file -> [size, CRC-32C]"),
+        ('{"trainer.json": 5}', "its entry for 'trainer.json' is 5, not [size, CRC-32C]"),
+        ("drop __0_0.distcp", "it does not list __0_0.distcp"),
+    ],
+)
+def test_a_manifest_that_does_not_list_every_file_is_damage(saved, tmp_path, manifest, message):
+    """An empty or partial manifest would let every file (or the unlisted one) pass unchecked:
+    the checkpoint is refused in one line, and nothing in its folder changes."""
+    folder = _copy(saved[0] / "step_2", tmp_path)
+    if manifest.startswith("drop "):
+        entries = json.loads((folder / "manifest.json").read_text())
+        del entries[manifest.removeprefix("drop ")]
+        manifest = json.dumps(entries)
+    (folder / "manifest.json").write_text(manifest)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with pytest.raises(CheckpointError) as err:
+        load_checkpoint(folder, _engine(saved[1]))
+    assert str(err.value) == (
+        f"checkpoint file {folder / 'manifest.json'} is damaged: {message}"
+    ), err.value
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
+
+
 def test_another_model_shape_names_the_tensor_and_both_shapes(saved):
     shapes = r"has shape \[1000, 32\] in the checkpoint but \[1000, 64\] in this model"
     with pytest.raises(CheckpointError, match=r"weights/embedding.word.weight " + shapes):

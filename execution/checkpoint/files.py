@@ -106,6 +106,9 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
         manifest = json.loads((path / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as err:
         return f"checkpoint file {path / MANIFEST_FILE} is damaged: {err}"
+    problem = _manifest_problem(path, manifest)
+    if problem:
+        return f"checkpoint file {path / MANIFEST_FILE} is damaged: {problem}"
     for index, (name, (size, crc)) in enumerate(sorted(manifest.items())):
         file = path / name
         if not file.is_file():
@@ -117,6 +120,26 @@ def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:
             )
         if index % world_size == rank and file_crc(file) != crc:
             return f"checkpoint file {file} is damaged: its CRC-32C does not match"
+    return None
+
+
+def _manifest_problem(path: Path, manifest: Any) -> str | None:
+    """What makes a manifest unusable, or None: it must map each file of the folder but itself
+    (the trainer state and DCP's index at least) to ``[size, CRC-32C]``. A manifest that lists
+    fewer files would let a damaged or missing one pass unchecked."""
+    if not isinstance(manifest, dict):
+        return f"it holds a {type(manifest).__name__}, not a map of file -> [size, CRC-32C]"
+    for name, entry in manifest.items():
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in entry)
+        ):
+            return f"its entry for {name!r} is {entry!r}, not [size, CRC-32C]"
+    on_disk = {p.name for p in path.iterdir() if p.is_file() and p.name != MANIFEST_FILE}
+    unlisted = sorted((on_disk | {TRAINER_FILE, ".metadata"}) - manifest.keys())
+    if unlisted:
+        return f"it does not list {', '.join(unlisted[:3])}" + (" ..." if unlisted[3:] else "")
     return None
 
 
