@@ -323,6 +323,9 @@ def validate(config: PretrainingConfig) -> None:
             f"--compute_efficiency is a fraction of the peak, at most 1, got "
             f"{config.planning.compute_efficiency}"
         )
+    spec_file = config.planning.device_spec_file
+    if spec_file and not Path(spec_file).is_file():
+        raise ConfigError(f"--device_spec_file {spec_file}: no such file")
     if config.planning.dry_run and config.planning.plan_for:
         raise ConfigError("give either --dry_run or --plan_for N, not both")
     if config.planning.dry_run or config.planning.plan_for:

@@ -306,6 +306,13 @@ class PlanningConfig:
             choices=DEVICE_SPECS,
         ),
     )
+    device_spec_file: str = field(
+        default="",
+        metadata=_doc(
+            "JSON file of measured device numbers (written by benchmarks/calibrate.py) that "
+            "replace --device_spec's data-sheet numbers; fields it lacks keep those. Empty: none."
+        ),
+    )
     host_link_gb_per_s: float = field(
         default=0.0, metadata=_doc("Host<->device bandwidth per device in GB/s; 0: the spec's.")
     )

@@ -3,13 +3,22 @@
 Each number can be overridden by a flag of the same meaning (``--peak_tflops``,
 ``--device_memory_gb``, ``--host_memory_gb``, ``--host_link_gb_per_s``, ...). Bandwidths are
 per device and per direction, as achieved rather than signalled where the two differ.
+
+``--device_spec_file spec.json`` replaces data-sheet numbers by measured ones: the file
+``benchmarks/calibrate.py`` writes on the machine at hand. Its ``device_spec`` object names any
+subset of :class:`DeviceSpec`'s fields; the others keep the ``--device_spec`` entry's values, and
+the override flags still apply on top.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from dataclasses import dataclass
+from pathlib import Path
 
+from config.loading import ConfigError
 from config.schema import PretrainingConfig
 
 
@@ -28,6 +37,16 @@ class DeviceSpec:
         devices_per_node: Devices a node holds.
         storage_gb_per_s: Checkpoint write bandwidth per device (each rank writes its own files).
         compute_efficiency: Fraction of the peak that large bf16 matmuls reach.
+        The fields below are measured by ``benchmarks/calibrate.py`` (empty or 0 where only a
+        data sheet is known).
+        matmul_tflops: ``(m, n, k, TFLOPS)`` of the matmuls measured, in the run's 16-bit
+            precision on a GPU (float32 on a CPU): ``(m, k) @ (k, n)``.
+        device_memory_gb_per_s: Device memory bandwidth (HBM), bytes read + written per second.
+        h2d_gb_per_s: Host-to-device copies from pinned memory.
+        d2h_gb_per_s: Device-to-host copies into pinned memory.
+        launch_overhead_us: Host time to launch one small kernel (what a phase of many small ops
+            pays besides its FLOPs and bytes).
+        host_memory_gb_per_s: Host memory bandwidth (what host AdamW runs at).
     """
 
     name: str
@@ -40,6 +59,23 @@ class DeviceSpec:
     devices_per_node: int
     compute_efficiency: float
     storage_gb_per_s: float
+    matmul_tflops: tuple[tuple[int, int, int, float], ...] = ()
+    device_memory_gb_per_s: float = 0.0
+    h2d_gb_per_s: float = 0.0
+    d2h_gb_per_s: float = 0.0
+    launch_overhead_us: float = 0.0
+    host_memory_gb_per_s: float = 0.0
+
+    def matmul_rate(self, m: int, n: int, k: int) -> float:
+        """TFLOPS of ``(m, k) @ (k, n)``: the measured shape nearest in FLOPs (log scale), or the
+        data sheet's ``peak_tflops x compute_efficiency`` when nothing was measured."""
+        if not self.matmul_tflops:
+            return self.peak_tflops * self.compute_efficiency
+        work = math.log(2.0 * m * n * k)
+        nearest = min(
+            self.matmul_tflops, key=lambda e: abs(math.log(2.0 * e[0] * e[1] * e[2]) - work)
+        )
+        return nearest[3]
 
 
 # H100/H200 SXM: PCIe 5 x16 (~55 GB/s achieved), NVLink 4 (450 GB/s each way), 400 Gb/s NDR
@@ -54,9 +90,41 @@ SPECS = {
 }
 
 
+def read_spec_file(path: str | Path, base: DeviceSpec) -> DeviceSpec:
+    """``base`` with the fields a calibration file (``{"device_spec": {...}}``) gives.
+
+    Raises:
+        ConfigError: the file cannot be read, is not such an object, or names unknown fields.
+    """
+    try:
+        given = json.loads(Path(path).read_text())["device_spec"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ConfigError(f"--device_spec_file {path}: not a calibration file ({err})") from err
+    if not isinstance(given, dict):
+        raise ConfigError(f"--device_spec_file {path}: device_spec must be an object")
+    known = {f.name for f in dataclasses.fields(DeviceSpec)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        raise ConfigError(f"--device_spec_file {path}: unknown fields {', '.join(unknown)}")
+    if "matmul_tflops" in given:  # JSON has lists; the spec stays hashable and comparable
+        given["matmul_tflops"] = tuple(tuple(entry) for entry in given["matmul_tflops"])
+    return dataclasses.replace(base, **given)
+
+
+def spec_file_dict(spec: DeviceSpec) -> dict:
+    """The ``device_spec`` object of a calibration file that :func:`read_spec_file` reads back."""
+    fields = dataclasses.asdict(spec)
+    fields["matmul_tflops"] = [list(entry) for entry in spec.matmul_tflops]
+    return fields
+
+
 def resolve_spec(config: PretrainingConfig) -> DeviceSpec:
-    """The ``--device_spec`` entry with every non-zero override flag applied."""
+    """The ``--device_spec`` entry, measured numbers of ``--device_spec_file`` on top, then every
+    non-zero override flag."""
     p, ex = config.planning, config.execution
+    base = SPECS[p.device_spec]
+    if p.device_spec_file:
+        base = read_spec_file(p.device_spec_file, base)
     overrides = {
         "peak_tflops": ex.peak_tflops,
         "memory_gb": ex.device_memory_gb,
@@ -68,4 +136,4 @@ def resolve_spec(config: PretrainingConfig) -> DeviceSpec:
         "compute_efficiency": p.compute_efficiency,
         "storage_gb_per_s": p.storage_gb_per_s,
     }
-    return dataclasses.replace(SPECS[p.device_spec], **{k: v for k, v in overrides.items() if v})
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v})

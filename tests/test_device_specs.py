@@ -1,0 +1,69 @@
+"""--device_spec_file: measured numbers replace the data sheet's, in the spec and in the dry run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from config.loading import ConfigError, parse_config
+from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec, spec_file_dict
+from execution.planning.dry_run import estimate, measure_rank
+
+TINY = ["--config", "tiny", "--device", "cpu"]
+
+
+def write_spec(tmp_path, **fields) -> str:
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps({"device_spec": fields, "measurements": {"ignored": 1}}))
+    return str(path)
+
+
+def test_file_fields_replace_the_data_sheet_and_flags_still_win(tmp_path):
+    measured = dict(
+        name="calibrated",
+        peak_tflops=500.0,
+        compute_efficiency=0.5,
+        h2d_gb_per_s=40.0,
+        matmul_tflops=[[8192, 2048, 2048, 250.0], [64, 64, 64, 1.5]],
+    )
+    path = write_spec(tmp_path, **measured)
+    config, _ = parse_config([*TINY, "--device_spec_file", path, "--host_link_gb_per_s", "33"])
+    spec = resolve_spec(config)
+    h100 = SPECS["h100_sxm"]
+    assert (spec.name, spec.peak_tflops, spec.compute_efficiency) == ("calibrated", 500.0, 0.5)
+    assert spec.h2d_gb_per_s == 40.0 and spec.host_link_gb_per_s == 33.0  # the flag on top
+    assert spec.memory_gb == h100.memory_gb and spec.intra_node_gb_per_s == h100.intra_node_gb_per_s
+    # The nearest measured shape in FLOPs answers; without a table, the data sheet's rate.
+    assert spec.matmul_rate(8000, 2048, 2048) == 250.0 and spec.matmul_rate(32, 64, 64) == 1.5
+    assert h100.matmul_rate(1, 1, 1) == pytest.approx(989.0 * 0.7)
+    # What a calibration writes reads back to the same spec.
+    again = write_spec(tmp_path, **spec_file_dict(spec))
+    assert read_spec_file(again, h100) == spec
+
+
+def test_a_missing_or_wrong_file_is_one_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        parse_config([*TINY, "--device_spec_file", str(tmp_path / "absent.json")])
+    with pytest.raises(ConfigError, match="unknown fields peak_tflop"):
+        read_spec_file(write_spec(tmp_path, peak_tflop=1.0), SPECS["h100_sxm"])
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="not a calibration file"):
+        read_spec_file(tmp_path / "bad.json", SPECS["h100_sxm"])
+
+
+def test_the_dry_run_estimates_with_the_measured_rate(tmp_path):
+    """Compute time is FLOPs at peak x efficiency: a file that halves the rate doubles it."""
+    config, _ = parse_config([*TINY, "--dry_run"])
+    sheet = resolve_spec(config)
+    path = write_spec(tmp_path, peak_tflops=sheet.peak_tflops / 2)
+    measured_config = dataclasses.replace(
+        config, planning=dataclasses.replace(config.planning, device_spec_file=path)
+    )
+    measured = resolve_spec(measured_config)
+    m = measure_rank(config, 0, sheet)
+    by_sheet, by_file = estimate(config, m, sheet), estimate(measured_config, m, measured)
+    expected = m.flops / (sheet.peak_tflops / 2 * 1e12 * sheet.compute_efficiency)
+    assert by_file["compute_s"] == pytest.approx(expected)
+    assert by_file["compute_s"] == pytest.approx(2 * by_sheet["compute_s"])
