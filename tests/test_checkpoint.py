@@ -90,7 +90,7 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     for step in (4, 5, 6):  # float32 on CPU, dropout on, the data order from the loader state
         assert got[step] == expected[step], (step, got[step], expected[step])
     # The resumed run removed the killed write and committed its own step 6.
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_3", "step_6"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "run.json", "step_3", "step_6"]
 
     # --eval_only on the saved step 6 reproduces the resumed run's evaluation after step 6.
     evaluate = ["--load", str(ckpt), "--output_dir", str(eval_dir)]
@@ -134,7 +134,7 @@ def saved(tmp_path_factory):
 
 def test_resume_in_process_matches_and_restores_state(saved):
     folder, config, engine, _ = saved
-    assert sorted(p.name for p in folder.iterdir()) == ["latest", "step_1", "step_2"]
+    assert sorted(p.name for p in folder.iterdir()) == ["latest", "run.json", "step_1", "step_2"]
     resumed = _engine(with_execution(config, placement="resident"))
     trainer = load_checkpoint(folder, resumed)
     assert trainer["step"] == 2 and trainer["loader"] == {"step": 2}
@@ -155,7 +155,7 @@ def test_keep_checkpoints_prunes_the_oldest(tmp_path):
     for step in (1, 2, 3):
         checkpointer.save(step, None)
     checkpointer.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_2", "step_3"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "run.json", "step_2", "step_3"]
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:

@@ -50,6 +50,7 @@ from execution.checkpoint.files import (
     step_folders,
     write_atomic,
 )
+from execution.checkpoint.ownership import check_save_folder, claim, new_run_id
 from execution.engine.phases import PhasedEngine
 
 
@@ -77,8 +78,11 @@ class Checkpointer:
         log: Callable[[str], None] = print,
         commit_delay: float = 0.0,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
+        run_id: str | None = None,
     ):
         self.directory = Path(directory)
+        # The run the folder belongs to (ownership module): a new one unless given.
+        self.run_id = run_id or new_run_id()
         self.engine = engine
         self.layout = engine.layout
         self.keep = keep
@@ -98,8 +102,9 @@ class Checkpointer:
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: concurrent.futures.Future | None = None
         if self.layout.is_main:
+            check_save_folder(self.directory, self.run_id)
             try:
-                self.directory.mkdir(parents=True, exist_ok=True)
+                claim(self.directory, self.run_id)
             except OSError as err:
                 raise ConfigError(
                     f"cannot create --save {self.directory}: {err.strerror}"
@@ -204,6 +209,7 @@ class Checkpointer:
         ex = config.execution
         return {
             "format": FORMAT,
+            "run_id": self.run_id,
             "step": step,
             "optimizer_steps": self.engine.optimizer_steps,
             "loss_scaling": config.training.loss_scaling,

@@ -24,8 +24,16 @@ from data.loader import (
     training_loader,
     validation_source,
 )
+from execution.checkpoint.files import read_trainer_state
 from execution.checkpoint.files import resolve as resolve_checkpoint
 from execution.checkpoint.load import load_checkpoint, load_hf_weights
+from execution.checkpoint.ownership import (
+    check_output_folder,
+    check_save_folder,
+    checkpoint_run_id,
+    claim,
+    new_run_id,
+)
 from execution.checkpoint.save import Checkpointer
 from execution.engine.phases import PhasedEngine
 from execution.engine.pipeline import bubble_fraction
@@ -91,16 +99,17 @@ def build(
     output_dir = Path(
         config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
     )
-    if layout.is_main and (output_dir / "metrics.jsonl").exists():
-        raise ConfigError(
-            f"{output_dir} already holds the metrics.jsonl of another run; "
-            "choose a new --output_dir (or leave it out for a fresh folder under runs/)"
-        )
     c = config.checkpoint
+    run_id = new_run_id()
     if c.load:  # a missing checkpoint is reported before minutes of set-up, not after
-        resolve_checkpoint(c.load)
+        folder = resolve_checkpoint(c.load)
+        run_id = checkpoint_run_id(folder, read_trainer_state(folder))  # the run it resumes
     elif c.hf_model and not Path(c.hf_model).is_dir():
         raise ConfigError(f"--hf_model {c.hf_model} is not a folder (a local HuggingFace GPT-2)")
+    if layout.is_main:  # another run's files are never written over (ownership module)
+        check_output_folder(output_dir, run_id)
+        if c.save and not c.eval_only:
+            check_save_folder(Path(c.save), run_id)
     # Planned before any output: a run that cannot fit says so and leaves nothing behind.
     plan, budget = plan_for_process(config, layout)
     if layout.is_main:
@@ -110,11 +119,16 @@ def build(
     checkpointer = None
     if c.save and not c.eval_only:  # before any output: a bad --save must not leave a run behind
         checkpointer = Checkpointer(
-            c.save, engine, c.keep_checkpoints, commit_delay=checkpoint_commit_delay
+            c.save,
+            engine,
+            c.keep_checkpoints,
+            commit_delay=checkpoint_commit_delay,
+            run_id=run_id,
         )
     tracker: Tracker = NullTracker()
     if layout.is_main:
-        tracker = _main_tracker(config, output_dir, max(config.training.steps, start_step))
+        total_steps = max(config.training.steps, start_step)
+        tracker = _main_tracker(config, output_dir, total_steps, run_id)
         files = config.data.input_files or [SAMPLE_DATA_GLOB]
         data = ("" if config.data.input_files else "shipped sample ") + ", ".join(files)
         buffers = sum(engine.buffer_bytes().values()) / 2**30
@@ -178,11 +192,14 @@ def _pipeline_line(config: PretrainingConfig, passes: int) -> str:
     )
 
 
-def _main_tracker(config: PretrainingConfig, output_dir: Path, total_steps: int) -> Tracker:
-    """The output folder with the run's ``config.yml``, and the trackers that write into it."""
+def _main_tracker(
+    config: PretrainingConfig, output_dir: Path, total_steps: int, run_id: str
+) -> Tracker:
+    """The output folder with the run's ``config.yml``, and the trackers that write into it
+    (a resumed run appends to its own ``metrics.jsonl``)."""
     run_config = config_to_dict(config)
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
+        claim(output_dir, run_id)
         (output_dir / "config.yml").write_text(yaml.safe_dump(run_config))
     except OSError as err:
         raise ConfigError(f"cannot write to --output_dir {output_dir}: {err.strerror}") from None

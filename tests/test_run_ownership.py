@@ -1,0 +1,56 @@
+"""A ``--save`` or ``--output_dir`` folder belongs to one run: a new run given another run's
+folder stops in one line (exit 2) and leaves every byte of it as it was; the run itself, resumed
+with ``--load``, writes there again and appends to its metrics.
+
+The reference is the folders' bytes before the refused commands.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.test_checkpoint import RUN_FLAGS, entry_point
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def _steps(output_dir: Path) -> list[int]:
+    rows = (json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines())
+    return [row["step"] for row in rows if "loss" in row]
+
+
+def test_another_runs_folders_are_refused_and_its_own_resume_appends(tmp_path):
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    first = entry_point(*RUN_FLAGS, "--steps", "1", "--save", str(ckpt), "--output_dir", str(out))
+    assert first.returncode == 0, first.stderr
+    before = _snapshot(tmp_path)
+    refused = {
+        # Would replace its step_1 and move its latest back; pruning would delete by step.
+        "save": (["--save", str(ckpt)], f"--save {ckpt} holds the checkpoints of another run"),
+        "prune": (["--save", str(ckpt), "--keep_checkpoints", "1"], "belongs to one run"),
+        "output": (["--output_dir", str(out)], f"{out} already holds the metrics.jsonl"),
+    }
+    for name, (flags, message) in refused.items():
+        fresh = tmp_path / f"fresh-{name}"
+        defaults = ["--output_dir", str(fresh), "--save", str(fresh / "ckpt")]
+        result = entry_point(*RUN_FLAGS, "--steps", "1", *defaults, *flags)
+        assert result.returncode == 2, (name, result.stderr)
+        assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+        assert _snapshot(tmp_path) == before, name
+        assert not fresh.exists(), name
+    # The run itself resumes, with the same flags each time, appending to its metrics.
+    resume = [*RUN_FLAGS, "--load", str(ckpt), "--save", str(ckpt), "--output_dir", str(out)]
+    for steps in ("2", "3"):
+        result = entry_point(*resume, "--steps", steps)
+        assert result.returncode == 0, result.stderr
+    assert _steps(out) == [1, 2, 3]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "latest",
+        "run.json",
+        "step_1",
+        "step_2",
+        "step_3",
+    ]
