@@ -1,0 +1,237 @@
+"""Measures the device constants the time model uses and writes them as a device spec file.
+
+    python benchmarks/calibrate.py --device cuda --output spec.json [--base h100_sxm]
+    python run_pretraining.py --config gpt3_1.3B --dry_run --device_spec_file spec.json
+
+Each measurement is one function of :data:`MEASUREMENTS` that returns plain numbers; they are
+all kept under ``measurements`` in the file, and :func:`spec_fields` turns them into the
+:class:`DeviceSpec` fields the dry run reads (``device_spec``). A later measurement (collective
+rates, say) is one more entry in both places.
+
+- matmul: TFLOPS of ``(m, k) @ (k, n)`` for square shapes and the GPT layer's own shapes (qkv,
+  attention output, both MLP matmuls) at a few hidden sizes, in bfloat16 on a GPU and float32 on
+  a CPU. ``compute_efficiency`` is the GPT shapes' FLOPs over their time, against the peak.
+- memory: device memory bandwidth from a large copy (bytes read + written per second).
+- host_link (CUDA only): pinned host-to-device and device-to-host copy rates.
+- launch: host time per small kernel, from a long run of tiny in-place adds.
+- host_memory: host memory bandwidth from a large host copy (what host AdamW runs at).
+
+On a CPU the "device" is the host: its measured best matmul rate stands in for the peak (no
+data sheet), and memory and host_link are host memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from execution.planning.device_specs import SPECS, spec_file_dict
+from utils.metrics import device_peak_tflops
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How large and how often: the real calibration, or ``--quick`` for tests."""
+
+    squares: tuple[int, ...]
+    hidden_sizes: tuple[int, ...]  # GPT layer shapes at these hidden sizes
+    tokens: int  # rows of the activations: micro-batch x sequence
+    copy_bytes: int  # device and host memory copies
+    link_bytes: int  # host<->device copies
+    launches: int
+    repeats: int
+
+
+FULL = {
+    "cuda": Sizes((4096, 8192), (2048, 4096), 8192, 2 * GiB, GiB, 2000, 10),
+    "cpu": Sizes((512, 1024), (256, 512), 1024, GiB // 4, GiB // 4, 2000, 3),
+}
+QUICK = Sizes((64, 128), (64,), 128, 16 * 2**20, 16 * 2**20, 100, 2)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn`` after one untimed call (allocation, kernel selection)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def matmul_shapes(sizes: Sizes) -> list[tuple[str, int, int, int]]:
+    """(kind, m, n, k): squares, then each GPT layer matmul of ``tokens`` rows."""
+    shapes = [("square", s, s, s) for s in sizes.squares]
+    for h in sizes.hidden_sizes:
+        t = sizes.tokens
+        shapes += [("qkv", t, 3 * h, h), ("attn_out", t, h, h)]
+        shapes += [("mlp_in", t, 4 * h, h), ("mlp_out", t, h, 4 * h)]
+    return shapes
+
+
+def measure_matmul(device: torch.device, sizes: Sizes) -> dict:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    for kind, m, n, k in matmul_shapes(sizes):
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        out = torch.empty(m, n, device=device, dtype=dtype)
+        seconds = _seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device, sizes.repeats)
+        rows.append({"kind": kind, "m": m, "n": n, "k": k, "seconds": seconds})
+        rows[-1]["tflops"] = 2 * m * n * k / seconds / 1e12
+        del a, b, out
+    return {"dtype": str(dtype).removeprefix("torch."), "shapes": rows}
+
+
+def measure_memory(device: torch.device, sizes: Sizes) -> dict:
+    """One large copy: it reads and writes every byte, so 2 x bytes over the time."""
+    src = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    seconds = _seconds(lambda: dst.copy_(src), device, sizes.repeats)
+    return {
+        "bytes": sizes.copy_bytes,
+        "seconds": seconds,
+        "gb_per_s": 2 * src.numel() / seconds / 1e9,
+    }
+
+
+def measure_host_link(device: torch.device, sizes: Sizes) -> dict:
+    """Pinned host <-> device copies, each direction alone (as the engine's copy stream runs
+    them); absent on a CPU, where there is no link."""
+    if device.type != "cuda":
+        return {}
+    host = torch.empty(sizes.link_bytes, dtype=torch.uint8).pin_memory()
+    on_device = torch.empty(sizes.link_bytes, dtype=torch.uint8, device=device)
+    h2d = _seconds(lambda: on_device.copy_(host, non_blocking=True), device, sizes.repeats)
+    d2h = _seconds(lambda: host.copy_(on_device, non_blocking=True), device, sizes.repeats)
+    n = sizes.link_bytes
+    return {"bytes": n, "h2d_gb_per_s": n / h2d / 1e9, "d2h_gb_per_s": n / d2h / 1e9}
+
+
+def measure_launch(device: torch.device, sizes: Sizes) -> dict:
+    """Host time per launch: many tiny kernels queued back to back, one sync at the end, so the
+    time is the launches' and not the kernels' (on a CPU, the dispatcher's per-op cost)."""
+    x = torch.zeros(1, device=device)
+
+    def launches() -> None:
+        for _ in range(sizes.launches):
+            x.add_(1.0)
+
+    seconds = _seconds(launches, device, sizes.repeats)
+    return {"launches": sizes.launches, "overhead_us": seconds / sizes.launches * 1e6}
+
+
+def measure_host_memory(device: torch.device, sizes: Sizes) -> dict:
+    return measure_memory(torch.device("cpu"), sizes)
+
+
+MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
+    "matmul": measure_matmul,
+    "memory": measure_memory,
+    "host_link": measure_host_link,
+    "launch": measure_launch,
+    "host_memory": measure_host_memory,
+}
+
+
+def _memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1] / GiB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+
+
+def spec_fields(measured: dict, device: torch.device) -> dict:
+    """The :class:`DeviceSpec` fields these measurements give (the rest stay the base's)."""
+    shapes = measured["matmul"]["shapes"]
+    best = max(s["tflops"] for s in shapes)
+    gpt = [s for s in shapes if s["kind"] != "square"]
+    gpt_rate = sum(2 * s["m"] * s["n"] * s["k"] for s in gpt) / sum(s["seconds"] for s in gpt)
+    peak = device_peak_tflops(device, 0.0) or best  # no data sheet (a CPU): the best measured
+    host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
+    host_bw = measured["host_memory"]["gb_per_s"]
+    link = measured["host_link"]
+    h2d, d2h = link.get("h2d_gb_per_s", host_bw), link.get("d2h_gb_per_s", host_bw)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return {
+        "name": f"calibrated {name}",
+        "peak_tflops": peak,
+        "compute_efficiency": min(1.0, gpt_rate / 1e12 / peak),
+        "memory_gb": _memory_gib(device),
+        "host_memory_gb": host_gb,
+        # The dry run has one host-link rate for both directions; the slower one bounds a phase
+        # that moves weights in and gradients out.
+        "host_link_gb_per_s": min(h2d, d2h),
+        "matmul_tflops": [[s["m"], s["n"], s["k"], s["tflops"]] for s in shapes],
+        "device_memory_gb_per_s": measured["memory"]["gb_per_s"],
+        "h2d_gb_per_s": h2d,
+        "d2h_gb_per_s": d2h,
+        "launch_overhead_us": measured["launch"]["overhead_us"],
+        "host_memory_gb_per_s": host_bw,
+    }
+
+
+def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
+    """Every measurement, and the device spec they give on top of ``base``."""
+    measured = {}
+    for name, measure in MEASUREMENTS.items():
+        started = time.perf_counter()
+        measured[name] = measure(device, sizes)
+        print(f"calibrate: {name} {time.perf_counter() - started:.1f} s", flush=True)
+    spec = dataclasses.replace(SPECS[base], **spec_fields(measured, device))
+    spec = dataclasses.replace(spec, matmul_tflops=tuple(map(tuple, spec.matmul_tflops)))
+    return {"device_spec": spec_file_dict(spec), "base": base, "measurements": measured}
+
+
+def summary(result: dict) -> str:
+    s = result["device_spec"]
+    return (
+        f"{s['name']}: peak {s['peak_tflops']:.3g} TFLOPS, GPT matmuls at "
+        f"{s['compute_efficiency']:.0%} of it; memory {s['device_memory_gb_per_s']:.0f} GB/s; "
+        f"H2D {s['h2d_gb_per_s']:.1f} GB/s, D2H {s['d2h_gb_per_s']:.1f} GB/s; launch "
+        f"{s['launch_overhead_us']:.1f} us; host memory {s['host_memory_gb_per_s']:.1f} GB/s"
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
+    parser.add_argument("--output", required=True, help="device spec file to write (JSON)")
+    base_help = "data-sheet entry whose fields the measurements do not cover (network, storage)"
+    parser.add_argument("--base", choices=sorted(SPECS), default="h100_sxm", help=base_help)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    sizes = QUICK if args.quick else FULL[device.type]
+    result = calibrate(device, sizes, args.base)
+    Path(args.output).write_text(json.dumps(result, indent=1))
+    print(summary(result))
+    print(f"written: {args.output} (use it with --device_spec_file)")
+    return result
+
+
+if __name__ == "__main__":
+    main()
