@@ -27,6 +27,7 @@ if __package__ in (None, ""):  # run as `python data/lengthen_records.py`
 
 from data.dataset import read_index
 from data.errors import DataError
+from data.script_checks import existing_folder, output_folder, positive
 from data.tfrecord_io import RoundRobinShards, decode_example, read_record
 from data.write_into_tfrecord import WindowCutter
 
@@ -56,7 +57,17 @@ def token_stream(folder: Path) -> Iterator[np.ndarray]:
 
 def lengthen(source: Path, output: Path, seq_length: int, num_shards: int) -> int:
     """Writes the stream of ``source`` as records of ``seq_length + 1`` ids; returns how many."""
-    metadata = json.loads((source / "metadata.json").read_text())
+    positive("--seq-length", seq_length)
+    positive("--num-shards", num_shards)
+    existing_folder("--input", source)
+    output_folder("--output", output, [source], "--input")
+    try:
+        metadata = json.loads((source / "metadata.json").read_text())
+    except (OSError, ValueError) as err:
+        raise DataError(f"{source}/metadata.json cannot be read: {err}") from None
+    old = sorted(output.glob("*.tfrecord")) if output.is_dir() else []
+    if old:  # a stale shard would be read beside the new ones by a '*.tfrecord' glob
+        raise DataError(f"--output {output} already holds {old[0].name}; give an empty folder")
     output.mkdir(parents=True, exist_ok=True)
     paths = [output / f"data_{i:04d}.tfrecord" for i in range(num_shards)]
     cutter = WindowCutter(seq_length + 1, seq_length)

@@ -34,6 +34,7 @@ if __package__ in (None, ""):  # run as `python data/wikipedia_preprocess.py`
 from data.errors import DataError
 from data.parallel import ordered_map, run_script
 from data.progress import Progress
+from data.script_checks import output_file, output_folder, positive
 
 OUTPUT_NAME = "wikicorpus_en_one_article_per_line.txt"
 _DOC_START = re.compile(r'^<doc id="[^"]*"[^>]*>\s*$')
@@ -174,10 +175,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     args = parser.parse_args(argv)
+    positive("--workers", args.workers)
+    if args.min_length < 0:
+        raise DataError(f"--min-length must be 0 or more, not {args.min_length}")
+    inputs = find_inputs(args.input_file_path)
     output = args.output_file_path
     if output.suffix != ".txt":
+        output_folder("--output-file-path", output)
         output = output / OUTPUT_NAME
-    preprocess(find_inputs(args.input_file_path), output, args.min_length, args.workers)
+    output_file("--output-file-path", output, map(Path, inputs), "--input-file-path")
+    preprocess(inputs, output, args.min_length, args.workers)
     return 0
 
 

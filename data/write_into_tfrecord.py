@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as `python data/write_into_tfrecord.py`
 from data.errors import DataError
 from data.parallel import ordered_map, run_script
 from data.progress import Progress
+from data.script_checks import output_folder, positive
 from data.tfrecord_io import RoundRobinShards, index_path_for
 from data.tokenizer import GPT2_EOT_TOKEN, TokenizerSpec, load_tokenizer
 
@@ -208,8 +209,11 @@ def write_tfrecords(
     Raises:
         DataError: bad options, existing shards, unreadable input, or too little text for a window.
     """
-    if seq_length < 1 or stride < 1 or num_shards < 1:
-        raise DataError("--seq-length, --stride and --num-shards must be positive")
+    for flag, value in (("--seq-length", seq_length), ("--stride", stride)):
+        positive(flag, value)
+    positive("--num-shards", num_shards)
+    positive("--workers", workers)
+    output_folder("--output-file-path", output_dir, map(Path, files), "--input-file-path")
     try:
         vocab_size = _init_worker(spec)
     except (ValueError, FileNotFoundError) as error:
