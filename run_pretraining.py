@@ -10,6 +10,7 @@ Every config field is a flag (``--help`` lists them); presets live in config/pre
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ from config.loading import ConfigError, parse_config
 from data.errors import DataError
 from execution.parallel.launch import setup_layout, teardown
 from execution.training.build import build
-from execution.training.loop import evaluate_only, train
+from execution.training.loop import Interrupted, evaluate_only, train
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,8 +54,20 @@ def plan_without_launching(config, preset: str) -> None:
 
 
 if __name__ == "__main__":
+    # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does.
+    stopped_by = {"signal": signal.SIGINT}
+
+    def _on_sigterm(signum, frame) -> None:
+        stopped_by["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         main()
     except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
         print(f"run_pretraining.py: error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
+        if int(os.environ.get("RANK", "0")) == 0:  # every rank of a job gets the signal
+            print(f"run_pretraining.py: {str(err) or 'interrupted'}", file=sys.stderr)
+        sys.exit(128 + stopped_by["signal"])

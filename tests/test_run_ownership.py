@@ -1,6 +1,7 @@
 """A ``--save`` or ``--output_dir`` folder belongs to one run: a new run given another run's
 folder stops in one line (exit 2) and leaves every byte of it as it was; the run itself, resumed
-with ``--load``, writes there again and appends to its metrics.
+with ``--load``, writes there again and appends to its metrics. An interrupted run says in one
+line where it stopped and how to resume.
 
 The reference is the folders' bytes before the refused commands.
 """
@@ -8,7 +9,11 @@ The reference is the folders' bytes before the refused commands.
 from __future__ import annotations
 
 import json
+import re
+import signal
 from pathlib import Path
+
+import pytest
 
 from tests.test_checkpoint import RUN_FLAGS, entry_point
 
@@ -54,3 +59,33 @@ def test_another_runs_folders_are_refused_and_its_own_resume_appends(tmp_path):
         "step_2",
         "step_3",
     ]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_path, stop):
+    """Ctrl-C or SIGTERM: one line naming the last step, the last complete checkpoint and how to
+    resume (exit 128 + signal, no traceback); the suggested command resumes into the same
+    folders."""
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    flags = [*RUN_FLAGS, "--steps", "100000", "--checkpoint_steps", "2"]
+    flags += ["--save", str(ckpt), "--output_dir", str(out)]
+    run = entry_point(*flags, popen=True)
+    for line in run.stdout:
+        if "checkpoint: saved step 2 " in line:
+            break
+    run.send_signal(stop)
+    rest, _ = run.communicate(timeout=120)
+    assert run.returncode == 128 + stop, rest
+    (last,) = [line for line in rest.splitlines() if "interrupted" in line]
+    match = re.fullmatch(
+        r"run_pretraining.py: interrupted at step (\d+); the last complete checkpoint is step "
+        r"(\d+) \((.*)\); resume with the same flags and --load (.*)",
+        last,
+    )
+    assert match, rest
+    assert "Traceback" not in rest
+    done, saved = int(match[1]), int(match[2])
+    assert saved >= 2 and done >= saved and match[3] == str(ckpt / f"step_{saved}")
+    resumed = entry_point(*flags, "--load", match[4], "--steps", str(saved + 1))
+    assert resumed.returncode == 0, resumed.stderr
+    assert _steps(out)[-1] == saved + 1

@@ -9,9 +9,29 @@ import time
 import torch
 
 from data.prefetch import PrefetchingLoader
+from execution.checkpoint.files import step_folders
 from execution.engine.optimizer import learning_rate
 from execution.training.build import Run
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM stopped training; the message is the one line a user needs (the last
+    step done, the last complete checkpoint and how to resume)."""
+
+
+def _interrupted_line(run: Run, done: int) -> str:
+    where = f"interrupted at step {done}"
+    if run.checkpointer is None:
+        return f"{where}; nothing was saved (no --save)"
+    steps = step_folders(run.checkpointer.directory)
+    if not steps:
+        return f"{where}; no checkpoint was completed in {run.checkpointer.directory}"
+    step, folder = steps[-1]
+    return (
+        f"{where}; the last complete checkpoint is step {step} ({folder}); resume with the same "
+        f"flags and --load {run.checkpointer.directory}"
+    )
 
 
 def train(run: Run) -> list[dict]:
@@ -24,6 +44,10 @@ def train(run: Run) -> list[dict]:
 
     Returns:
         The metrics logged for every training step.
+
+    Raises:
+        Interrupted: on Ctrl-C (or SIGTERM, raised as KeyboardInterrupt by the entry point),
+            once a checkpoint being written is complete.
     """
     config, engine, tracker = run.config, run.engine, run.tracker
     t = config.training
@@ -34,6 +58,7 @@ def train(run: Run) -> list[dict]:
     every = config.checkpoint.checkpoint_steps
     loader = PrefetchingLoader(run.loader, pin_memory=layout.device.type == "cuda")
     history = []
+    done = run.start_step
     try:
         for step in range(run.start_step, t.steps):
             lr = learning_rate(step, t.optimizer, config.tokens_per_step, t.steps)
@@ -72,11 +97,18 @@ def train(run: Run) -> list[dict]:
             if eval_every and ((step + 1) % eval_every == 0 or last):
                 loss = engine.evaluate(run.validation())
                 tracker.log({"step": step + 1, "eval_loss": loss})
+            done = step + 1
             if run.checkpointer is not None and ((every and (step + 1) % every == 0) or last):
                 run.checkpointer.save(step + 1, loader.state_dict())
+    except KeyboardInterrupt:
+        interrupted = True
+    else:
+        interrupted = False
     finally:
         loader.close()
-        run.close()  # waits for the last checkpoint
+        run.close()  # waits for the last checkpoint (one being written when interrupted too)
+    if interrupted:
+        raise Interrupted(_interrupted_line(run, done))
     return history
 
 
