@@ -68,15 +68,16 @@ COLUMNS = (  # key, header, format
 def format_table(rows: list[dict]) -> str:
     cells = [[h for _, h, _ in COLUMNS]]
     for row in rows:
-        if "skipped" in row:
-            cells.append([row["variant"], f"skipped: {row['skipped']}"])
+        if "skipped" in row or "error" in row:  # one line: why the row has no figures
+            why = f"skipped: {row['skipped']}" if "skipped" in row else row["error"]
+            cells.append([row["variant"], why])
             continue
         cells.append(["-" if row.get(k) is None else fmt.format(row[k]) for k, _, fmt in COLUMNS])
     full = [c for c in cells if len(c) == len(COLUMNS)]
     widths = [max(len(c[i]) for c in full) for i in range(len(COLUMNS))]
     lines = []
     for c in cells:
-        if len(c) == 2:  # a skipped row
+        if len(c) == 2:  # a skipped or failed row
             lines.append(f"{c[0]:<{widths[0]}}  {c[1]}")
             continue
         first = f"{c[0]:<{widths[0]}}"  # the variant, left-aligned; the figures right-aligned

@@ -2,23 +2,31 @@
 
     python benchmarks/bench_step.py --config tiny --steps 5 [any run_pretraining.py flag ...]
     python benchmarks/bench_step.py --config gpt3_1.3B --steps 5 --compare --json out.json
+    python benchmarks/bench_step.py --config gpt3_6.7B --rows streamed fsdp2 --json out.json
 
-Every variant trains on the same token batches (read once from the project's data loader, the
+Every variant trains on the same token batches (read from the project's data loader, the
 shipped sample data by default; data loading is not timed), from the same initial weights. The
 first ``--warmup`` steps are not timed; the table shows medians over ``--steps`` steps. On CUDA
 two more steps run under torch.profiler (one to warm it up, one recorded) for the host<->device
 copy rates and the share of the step with no kernel running (the profiler slows the recorded
-step a little; its figures are rates and shares, not times).
+step a little; its figures are rates and shares, not times); ``--no_profile`` skips them.
 
-Rows of ``--compare`` (tokens/s ratio to the first row):
+Each row runs in a process of its own, so that one row's out-of-memory error (or its pinned
+buffers and host memory) cannot take or skew the others: a row that fails is recorded as
+``error`` ("out of memory: ..."), the others still run, and ``--json`` is rewritten after every
+row. ``--in_process`` runs every row in this process instead (a same-process comparison, where
+memory allows).
 
-- our engine with each entry of :data:`OUR_VARIANTS` (extra flags for ``parse_config``);
+Rows (``--rows``; tokens/s ratio to the first row), :data:`VARIANTS`; ``--compare`` runs
+:data:`COMPARE`:
+
+- our engine with extra flags for ``parse_config``;
 - a plain PyTorch loop: the single-device :class:`modelling.gpt.GPT` resident on the device,
-  per-layer activation checkpointing, gradient accumulation over the same micro-batches,
-  ``clip_grad_norm_`` and ``torch.optim.AdamW`` (fused on CUDA) with the same hyper-parameters
-  and weight-decay grouping (none on biases and layer norms); autocast for 16-bit precisions;
+  per-layer activation checkpointing (none with ``--recompute none``), gradient accumulation
+  over the same micro-batches, ``clip_grad_norm_`` and ``torch.optim.AdamW`` (fused on CUDA)
+  with the same hyper-parameters and weight-decay grouping; autocast for 16-bit precisions;
 - PyTorch FSDP2 (``fully_shard`` per layer and at the root, ``CPUOffloadPolicy``) on a world of
-  one, CUDA only.
+  one, CUDA only (baselines.py).
 
 On a CPU, MFU, host<->device rates and GPU idle share are "-" (no known peak, no transfers), and
 "peak mem" is the process's peak resident set size while the variant ran.
@@ -32,49 +40,66 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import warnings
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
-from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from baselines import FSDP2_OFFLOAD, StepFn, fsdp2_offload, plain_loop_label, pytorch_loop
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 
 from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
-from execution.engine.buffers import DTYPES
 from execution.engine.optimizer import adamw_, adamw_threaded_, learning_rate
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
-from execution.parallel.sharding import shard_part
 from execution.planning.planner import planned_engine
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
-from modelling.layers import BlockSeeds, mix_seed
+from modelling.gpt import GPTShapes
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
 
-# Our engine's rows: the planner's choice, and the same run with the weights (and their AdamW
-# moments) forced to stream from host memory every phase.
-OUR_VARIANTS: dict[str, list[str]] = {
-    "ours (auto plan)": ["--placement", "auto"],
-    "ours, weights streamed": ["--weights_placement", "host"],
-    # The schedule before issue 16: every collective waited for, every layer recomputed.
-    "ours, no overlap, full recompute": ["--overlap_communication", "false", "--recompute", "full"],
-}
-PLAIN_LOOP = "pytorch loop (ckpt, AdamW)"
-FSDP2_OFFLOAD = "pytorch FSDP2 + CPU offload"
 
-StepFn = Callable[[int], float]  # runs step i on batch i, returns its mean loss
+@dataclass(frozen=True)
+class Variant:
+    """One row: whose step (``ours``, ``plain``, ``fsdp2``) with which extra flags."""
+
+    label: str
+    kind: str
+    flags: tuple[str, ...] = ()
+
+
+VARIANTS = {
+    "ours": Variant("ours", "ours"),
+    # The planner's choice, and the same run with the weights (and their AdamW moments) forced
+    # to stream from host memory every phase.
+    "auto": Variant("ours (auto plan)", "ours", ("--placement", "auto")),
+    "streamed": Variant("ours, weights streamed", "ours", ("--weights_placement", "host")),
+    # The schedule before issue 16: every collective waited for, every layer recomputed.
+    "no_overlap": Variant(
+        "ours, no overlap, full recompute",
+        "ours",
+        ("--overlap_communication", "false", "--recompute", "full"),
+    ),
+    "resident": Variant("ours, resident", "ours", ("--placement", "resident")),
+    "plain": Variant("pytorch loop", "plain"),  # labelled by plain_loop_label
+    "fsdp2": Variant(FSDP2_OFFLOAD, "fsdp2"),
+}
+COMPARE = ("auto", "streamed", "no_overlap", "plain", "fsdp2")
+FSDP2_NEEDS_CUDA = "needs CUDA (its offload moves state between host and GPU)"
+
+
+def row_label(key: str, config: PretrainingConfig) -> str:
+    return plain_loop_label(config) if VARIANTS[key].kind == "plain" else VARIANTS[key].label
 
 
 # ---------------------------------------------------------------------------- profiler
@@ -173,135 +198,6 @@ def our_engine(config: PretrainingConfig, device: torch.device, batches) -> Step
     return step
 
 
-class Checkpointed(nn.Module):
-    """A decoder block whose activations are recomputed in backward (torch.utils.checkpoint)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor, seeds: BlockSeeds | None = None) -> torch.Tensor:
-        return checkpoint(self.block, x, seeds, use_reentrant=False)
-
-
-def initial_model(config: PretrainingConfig) -> GPT:
-    """The single-device GPT with our engine's initial weights, each layer checkpointed."""
-    shapes = GPTShapes.from_config(config.model)
-    model = GPT(shapes)
-    seed, std = config.training.seed, config.model.init_std
-    for part, module in ((EMBEDDING, model.embedding), (HEAD, model.head)):
-        full = init_full_part(shapes, part, 0, seed, std)
-        module.load_state_dict(shard_part(part, full, shapes, 0, 0))
-    for n, layer in enumerate(model.layers):
-        full = init_full_part(shapes, LAYERS, n, seed, std)
-        layer.load_state_dict(shard_part(LAYERS, full, shapes, 0, 0))
-    model.layers = nn.ModuleList(Checkpointed(layer) for layer in model.layers)
-    return model
-
-
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """The project's grouping: decay matrices and embeddings (2-D), never biases or norms."""
-    params = list(model.parameters())
-    matrices = [p for p in params if p.dim() == 2]
-    others = [p for p in params if p.dim() != 2]
-    return [
-        {"params": matrices, "weight_decay": weight_decay},
-        {"params": others, "weight_decay": 0.0},
-    ]
-
-
-def _dropout_seeds(config: PretrainingConfig, step: int, micro: int):
-    """Dropout seeds per (step, micro-batch): the same dropout work as ours, not its masks."""
-    if config.model.dropout_prob == 0.0:
-        return {}
-    base = (config.training.seed, step, micro)
-    layers = [
-        BlockSeeds(*(mix_seed(*base, n, k) for k in range(3))) for n in range(config.model.layers)
-    ]
-    return {"embedding_seed": mix_seed(*base, -1), "layer_seeds": layers}
-
-
-def pytorch_loop(
-    config: PretrainingConfig,
-    device: torch.device,
-    batches,
-    model: nn.Module | None = None,
-    autocast: bool = True,
-    fused: bool | None = None,
-) -> StepFn:
-    """The textbook loop on ``model`` (default: :func:`initial_model` moved to ``device``).
-
-    ``autocast`` runs the forward under ``torch.autocast`` in the run's 16-bit precision (off
-    where the model casts its parameters itself, as FSDP2's mixed precision does). ``fused``
-    picks torch's fused AdamW; by default on CUDA only, so that on a CPU the baseline's update
-    is the textbook single-tensor one.
-    """
-    model = model if model is not None else initial_model(config).to(device)
-    t, o = config.training, config.training.optimizer
-    if fused is None:
-        fused = device.type == "cuda"
-    groups = _param_groups(model, o.weight_decay)
-    fused_only = {"fused": True} if fused else {}  # leaves torch's own default otherwise
-    optimizer = torch.optim.AdamW(
-        groups, lr=o.learning_rate, betas=(o.beta1, o.beta2), eps=o.eps, **fused_only
-    )
-    dtype, scale = DTYPES[t.precision], t.loss_scaling
-    autocast = autocast and dtype != torch.float32
-    clip = o.gradient_clipping if o.gradient_clipping > 0 else math.inf
-
-    def step(i: int) -> float:
-        tokens = batches[i].to(device, non_blocking=True)
-        for group in optimizer.param_groups:
-            group["lr"] = learning_rate(i, o, config.tokens_per_step, t.steps)
-        optimizer.zero_grad(set_to_none=True)
-        accumulation, total = tokens.shape[0], torch.zeros((), device=device)
-        for m in range(accumulation):
-            with torch.autocast(device.type, dtype, enabled=autocast):
-                loss = model(tokens[m, :, :-1], tokens[m, :, 1:], **_dropout_seeds(config, i, m))
-            (loss * (scale / accumulation)).backward()
-            total += loss.detach().float()
-        if scale != 1.0:
-            for p in model.parameters():
-                if p.grad is not None:
-                    p.grad.div_(scale)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        return total.item() / accumulation
-
-    return step
-
-
-def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> StepFn:
-    """FSDP2 on a world of one: each layer and the root sharded, parameters offloaded to host.
-
-    Parameters, gradients and AdamW state live in (pinned) host memory and the optimizer steps
-    on the CPU (fused AdamW), as FSDP2's ``CPUOffloadPolicy`` prescribes; with 16-bit precision the layers
-    compute in that dtype (``MixedPrecisionPolicy``), gradients are reduced in float32.
-    """
-    import torch.distributed as dist
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        fully_shard,
-    )
-
-    if not dist.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "store")  # a fresh file
-        dist.init_process_group(
-            "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=device
-        )
-    dtype = DTYPES[config.training.precision]
-    policy = {"offload_policy": CPUOffloadPolicy()}
-    if dtype != torch.float32:
-        policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    model = initial_model(config)
-    for layer in model.layers:
-        fully_shard(layer, **policy)
-    fully_shard(model, **policy)
-    # The update runs on the host copies; torch's fused CPU AdamW is the fastest it offers.
-    return pytorch_loop(config, device, batches, model, autocast=False, fused=True)
-
-
 # ---------------------------------------------------------------------------- measuring
 
 
@@ -312,16 +208,17 @@ class Run:
     device: torch.device
     steps: int
     warmup: int
+    profile: bool = True
 
 
-def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, run: Run) -> dict:
+def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     """Times ``run.steps`` steps after ``run.warmup`` untimed ones; memory; on CUDA, a profile."""
     device = run.device
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     reset_peak_memory(device)
-    step_fn = build()
+    step_fn: StepFn = build()
     times, losses = [], []
     for i in range(run.warmup + run.steps):
         _synchronize(device)
@@ -330,7 +227,8 @@ def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, 
         _synchronize(device)
         if i >= run.warmup:
             times.append(time.perf_counter() - started)
-    row = {"variant": label, "device": str(device), "step_s": statistics.median(times)}
+    row = {"variant": label, "device": str(device), "pid": os.getpid()}
+    row["step_s"] = statistics.median(times)
     row.update(first_loss=losses[0], last_loss=losses[-1])
     m = config.model
     rates = throughput(
@@ -344,7 +242,7 @@ def measure(label: str, build: Callable[[], StepFn], config: PretrainingConfig, 
     row.update(tokens_per_s=rates["tokens_per_sec"], tflops=rates["tflops"], mfu=rates["mfu"])
     row["peak_mem_GiB"] = peak_memory(device) / 2**30
     row["host_rss_GiB"] = (proc_status_bytes("VmRSS") or 0) / 2**30 or None
-    if device.type == "cuda":
+    if device.type == "cuda" and run.profile:
         row.update(profile_step(step_fn, run.warmup + run.steps, device))
     else:  # no copies to time and no kernels to count
         row.update(dict.fromkeys(("h2d_GBps", "d2h_GBps", "h2d_GB", "d2h_GB", "gpu_idle")))
@@ -356,41 +254,118 @@ def read_batches(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
     return [loader.next_batch() for _ in range(count)]
 
 
+def out_of_memory(err: BaseException) -> bool:
+    """CUDA's allocator error, or the CPU allocator's (a RuntimeError naming the failure)."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def one_line(err: BaseException, limit: int = 300) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return first[:limit]
+
+
+def measure_row(key: str, flags: list[str], run_args: argparse.Namespace) -> dict:
+    """Row ``key`` measured in this process; an out-of-memory error becomes the row's result."""
+    config, _ = parse_config([*flags, *VARIANTS[key].flags])
+    label = row_label(key, config)
+    device = select_device(config.execution.device, 0, 1)
+    kind = VARIANTS[key].kind
+    if kind == "fsdp2" and device.type != "cuda":
+        return {"variant": label, "skipped": FSDP2_NEEDS_CUDA}
+    run = Run(device, run_args.steps, run_args.warmup, not run_args.no_profile)
+    batches = read_batches(config, run.warmup + run.steps + 2)  # + 2: the profiled steps
+    build = {"ours": our_engine, "plain": pytorch_loop, "fsdp2": fsdp2_offload}[kind]
+    try:
+        return measure(label, lambda: build(config, device, batches), config, run)
+    except Exception as err:
+        if not out_of_memory(err):
+            raise
+        return {"variant": label, "device": str(device), "error": f"out of memory: {one_line(err)}"}
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_row(
+    key: str, flags: list[str], run_args: argparse.Namespace, timeout: float | None
+) -> dict:
+    """Row ``key`` measured by a fresh ``bench_step.py`` process; its failure is its result.
+
+    The process runs the row with ``--in_process`` and writes it to a file of its own. If it
+    dies before writing (killed by the kernel's OOM killer, a crash, ``timeout`` seconds
+    passed), the row says so in one line, with the last line the process printed.
+    """
+    config, _ = parse_config([*flags, *VARIANTS[key].flags])
+    label = row_label(key, config)
+    with tempfile.TemporaryDirectory(prefix="bench_row_") as tmp:
+        out = Path(tmp) / "row.json"
+        steps = ["--steps", str(run_args.steps), "--warmup", str(run_args.warmup)]
+        mode = ["--rows", key, "--in_process", "--adamw_elements", "0", "--json", str(out)]
+        command = [sys.executable, __file__, *mode, *steps, *flags]
+        if run_args.no_profile:
+            command.append("--no_profile")
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"variant": label, "error": f"timed out after {timeout:.0f} s"}
+        if done.returncode == 0 and out.exists():
+            return json.loads(out.read_text())[0]
+        print(done.stdout + done.stderr, file=sys.stderr)  # the whole story, for the log
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
+        if done.returncode < 0:
+            signal = -done.returncode
+            error = f"killed by signal {signal} (the OOM killer, if host memory ran out): {last}"
+        elif "out of memory" in last.lower():
+            error = f"out of memory: {last}"
+        else:
+            error = f"failed: exit code {done.returncode}: {last}"
+        return {"variant": label, "error": error}
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """tokens/s of every measured row against the first measured one."""
+    measured = [row for row in rows if "tokens_per_s" in row]
+    for row in measured:
+        row["ratio"] = row["tokens_per_s"] / measured[0]["tokens_per_s"]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny", help="preset of config/pretraining.yml")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
-    parser.add_argument("--compare", action="store_true", help="add the PyTorch baselines")
-    parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--compare", action="store_true", help=f"rows {' '.join(COMPARE)}")
+    parser.add_argument("--rows", nargs="+", choices=sorted(VARIANTS), help="rows to run")
+    parser.add_argument("--in_process", action="store_true", help="all rows in this process")
+    parser.add_argument("--row_timeout", type=float, help="seconds a row's process may take")
+    parser.add_argument("--no_profile", action="store_true", help="skip the profiled steps")
+    parser.add_argument("--json", help="also write the rows to this JSON file, row by row")
     adamw_help = "time host AdamW implementations on a flat vector this long (0 skips)"
     parser.add_argument("--adamw_elements", type=int, default=1 << 24, help=adamw_help)
     args, extra = parser.parse_known_args(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     flags = ["--config", args.config, *extra]
-    ours = OUR_VARIANTS if args.compare else {"ours": []}
+    keys = args.rows or (COMPARE if args.compare else ("ours",))
     base, _ = parse_config(flags)
-    device = select_device(base.execution.device, 0, 1)
-    batches = read_batches(base, args.warmup + args.steps + 2)  # + 2: the profiled steps
 
-    run = Run(device, args.steps, args.warmup)
-    rows = []
-    for label, variant_flags in ours.items():
-        config, _ = parse_config([*flags, *variant_flags])
-        rows.append(measure(label, lambda c=config: our_engine(c, device, batches), config, run))
-    if args.compare:
-        rows.append(measure(PLAIN_LOOP, lambda: pytorch_loop(base, device, batches), base, run))
-        if device.type == "cuda":
-            build = lambda: fsdp2_offload(base, device, batches)  # noqa: E731
-            rows.append(measure(FSDP2_OFFLOAD, build, base, run))
+    rows: list[dict] = []
+    for key in keys:
+        if args.in_process:
+            rows.append(measure_row(key, flags, args))
         else:
-            reason = "needs CUDA (its offload moves state between host and GPU)"
-            rows.append({"variant": FSDP2_OFFLOAD, "skipped": reason})
-    for row in rows:
-        if "tokens_per_s" in row:
-            row["ratio"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+            rows.append(run_row(key, flags, args, args.row_timeout))
+        add_ratios(rows)
+        if args.json:  # as it goes: a later row that kills this process loses only itself
+            Path(args.json).write_text(json.dumps(rows, indent=1))
 
+    device = next((row["device"] for row in rows if "device" in row), base.execution.device)
     print(
         f"preset {' '.join([args.config, *extra])} on {device}: {base.tokens_per_step:,} tokens "
         f"per step, {base.training.precision}, gradient accumulation "
@@ -399,8 +374,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(format_table(rows))
     if args.adamw_elements > 0:
         print(host_adamw_line(args.adamw_elements, base))
-    if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
     return rows
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import shlex
 import subprocess
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -32,26 +34,31 @@ NOTHING_RECORDED = {
 
 def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     out = tmp_path / "rows.json"
-    run = shlex.split("--config tiny --warmup 1 --steps 1 --compare --adamw_elements 300000")
-    command = [sys.executable, "benchmarks/bench_step.py", *run, "--json", str(out), *SMALL]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    # In one process, to keep the test short; test_an_out_of_memory_row_is_its_result and
+    # tests/test_gpu_first_run.py run rows in processes of their own.
+    run = "--config tiny --warmup 1 --steps 1 --compare --in_process --adamw_elements 300000"
+    command = [sys.executable, "benchmarks/bench_step.py", *shlex.split(run), "--json", str(out)]
+    result = subprocess.run(
+        [*command, *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     rows = {row["variant"]: row for row in json.loads(out.read_text())}
-    expected = [*bench_step.OUR_VARIANTS, bench_step.PLAIN_LOOP, bench_step.FSDP2_OFFLOAD]
+    ours_labels = [bench_step.VARIANTS[key].label for key in bench_step.COMPARE[:3]]
+    plain_label, fsdp2_label = "pytorch loop (ckpt, AdamW)", bench_step.FSDP2_OFFLOAD
+    expected = [*ours_labels, plain_label, fsdp2_label]
     assert list(rows) == expected
     table = result.stdout.splitlines()
     assert table[1].split()[:3] == ["variant", "step", "s"]
     for label in expected:
         assert any(line.startswith(label) for line in table[2:]), label
-    assert "needs CUDA" in rows[bench_step.FSDP2_OFFLOAD]["skipped"]
+    assert "needs CUDA" in rows[fsdp2_label]["skipped"]
     assert "host AdamW on 300,000 float32: adamw_ " in result.stdout
 
-    ours = rows[next(iter(bench_step.OUR_VARIANTS))]
-    plain = rows[bench_step.PLAIN_LOOP]
+    ours, plain = rows[ours_labels[0]], rows[plain_label]
     assert ours["ratio"] == 1.0 and plain["ratio"] == pytest.approx(
         plain["tokens_per_s"] / ours["tokens_per_s"]
     )
-    for label in [*bench_step.OUR_VARIANTS, bench_step.PLAIN_LOOP]:
+    for label in [*ours_labels, plain_label]:
         row = rows[label]
         assert row["step_s"] > 0 and row["tokens_per_s"] == pytest.approx(128 / row["step_s"])
         assert row["mfu"] is None and row["h2d_GBps"] is None and row["gpu_idle"] is None
@@ -61,6 +68,19 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
         assert row["first_loss"] == pytest.approx(ours["first_loss"], abs=1e-4)
         assert row["last_loss"] == pytest.approx(ours["last_loss"], abs=1e-3)
         assert row["last_loss"] < row["first_loss"]
+
+
+def test_an_out_of_memory_row_is_its_result_in_one_line():
+    """A plain loop whose embedding alone needs ~200 GB: its process records the allocator's
+    error as the row, and the caller gets the row instead of a crash."""
+    huge = ["--config", "tiny", "--device", "cpu", "--hidden_size", str(2**20), "--heads", "1"]
+    run_args = argparse.Namespace(steps=1, warmup=0, no_profile=True)
+    row = bench_step.run_row("plain", huge, run_args, timeout=120)
+    assert row["variant"] == "pytorch loop (ckpt, AdamW)"
+    assert row["error"].startswith("out of memory: ") and "\n" not in row["error"]
+    assert "tokens_per_s" not in row
+    assert bench_step.out_of_memory(torch.OutOfMemoryError("CUDA out of memory. Tried 2 GiB"))
+    assert not bench_step.out_of_memory(ValueError("out of memory"))
 
 
 def _copy(name: str, ts: float, dur: float, nbytes: int) -> dict:
