@@ -22,7 +22,14 @@ from execution.training.build import build
 from execution.training.loop import Interrupted, evaluate_only, train
 
 
-def main(argv: list[str] | None = None) -> None:
+class _Job:
+    """What the entry point knows of the job when something stops it."""
+
+    joined = False  # the ranks have joined: an error may now be one rank's own
+
+
+def main(argv: list[str] | None = None, job: _Job | None = None) -> None:
+    job = job or _Job()
     config, preset = parse_config(argv)
     if config.planning.dry_run or config.planning.plan_for:
         plan_without_launching(config, preset)
@@ -30,6 +37,7 @@ def main(argv: list[str] | None = None) -> None:
     # Test hook, read here only: seconds each save waits before its commit.
     commit_delay = float(os.environ.get("GPT3_TEST_CHECKPOINT_COMMIT_DELAY", "0"))
     layout, launch = setup_layout(config)
+    job.joined = layout.world.size > 1
     try:
         run = build(config, preset, layout, launch, checkpoint_commit_delay=commit_delay)
         if config.checkpoint.eval_only:
@@ -62,10 +70,16 @@ if __name__ == "__main__":
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_sigterm)
+    job = _Job()
     try:
-        main()
+        main(job=job)
     except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
-        print(f"run_pretraining.py: error: {err}", file=sys.stderr)
+        # Before the ranks join (flags, world size) every rank finds the same error: rank 0
+        # says it. After, an error may be one rank's own: it says which rank it is.
+        rank = int(os.environ.get("RANK", "0"))
+        if rank == 0 or job.joined:
+            where = f"rank {rank}: " if rank else ""
+            print(f"run_pretraining.py: error: {where}{err}", file=sys.stderr)
         sys.exit(2)
     except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
         if int(os.environ.get("RANK", "0")) == 0:  # every rank of a job gets the signal

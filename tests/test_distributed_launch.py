@@ -120,11 +120,15 @@ def test_world_size_mismatch_is_one_line_before_joining(launcher):
 
 
 def test_entry_point_reports_world_size_mismatch_in_one_line(tmp_path):
-    """What a user sees from each rank of ``torchrun --nproc_per_node 2 ... --data_parallel 4``."""
-    env = {**os.environ, **launcher_env("torchrun", 0, 2)}
+    """What a user sees from each rank of ``torchrun --nproc_per_node 2 ... --data_parallel 4``:
+    one line from rank 0; rank 1, which finds the same error, exits 2 without repeating it."""
     batch = ["--micro_batch_size", "2", "--global_batch_size", "8"]
     flags = ["--config", "tiny", "--data_parallel", "4", *batch]
     command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(tmp_path / "run")]
+    env = {**os.environ, **launcher_env("torchrun", 1, 2)}
+    other = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert (other.returncode, other.stderr) == (2, "")
+    env = {**os.environ, **launcher_env("torchrun", 0, 2)}
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
