@@ -8,23 +8,22 @@ from __future__ import annotations
 
 import argparse
 import copy
-import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
 
+from config.errors import ConfigError
 from config.schema import PretrainingConfig, leaf_fields
 from config.strict_yaml import load_strict
+from config.validation import validate
+
+__all__ = ["ConfigError", "config_to_dict", "load_presets", "one_line", "parse_config", "validate"]
 
 PRESETS_FILE = Path(__file__).with_name("pretraining.yml")
 DEFAULT_PRESET = "tiny"
 _BASE_KEY = "base"
-
-
-class ConfigError(ValueError):
-    """A preset, flag or combination of values that cannot be trained."""
 
 
 def load_presets(path: str | Path = PRESETS_FILE) -> dict[str, dict[str, Any]]:
@@ -228,219 +227,6 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[PretrainingConfig, 
         setattr(owner, f.name, _coerce(value, f, f"--{f.name}"))
     validate(config)
     return config, known.config
-
-
-def validate(config: PretrainingConfig) -> None:
-    """Checks that the sizes fit together; raises ConfigError naming the flags involved."""
-    m, t, o, d = config.model, config.training, config.training.optimizer, config.data
-    ex = config.execution
-
-    positive = {
-        "layers": m.layers,
-        "hidden_size": m.hidden_size,
-        "heads": m.heads,
-        "sequence_length": m.sequence_length,
-        "vocab_size": m.vocab_size,
-        "max_positional_length": m.max_positional_length,
-        "steps": t.steps,
-        "global_batch_size": t.global_batch_size,
-        "micro_batch_size": ex.micro_batch_size,
-        "data_parallel": ex.data_parallel,
-        "tensor_parallel_1": ex.tensor_parallel_1,
-        "tensor_parallel_2": ex.tensor_parallel_2,
-        "context_parallel": ex.context_parallel,
-        "pipeline_parallel": ex.pipeline_parallel,
-        "log_every": config.logging.log_every,
-    }
-    for name, value in positive.items():
-        if value < 1:
-            raise ConfigError(f"--{name} must be at least 1, got {value}")
-    non_negative = {
-        "warmup_tokens": o.warmup_tokens,
-        "decay_tokens": o.decay_tokens,
-        "weight_decay": o.weight_decay,
-        "gradient_clipping": o.gradient_clipping,
-        "eval_every": d.eval_every,
-        "eval_batches": d.eval_batches,
-        "peak_tflops": ex.peak_tflops,
-        "passes": ex.passes,
-        "device_memory_gb": ex.device_memory_gb,
-        "host_memory_gb": ex.host_memory_gb,
-        "plan_for": config.planning.plan_for,
-        "plan_workers": config.planning.plan_workers,
-        "host_link_gb_per_s": config.planning.host_link_gb_per_s,
-        "intra_node_gb_per_s": config.planning.intra_node_gb_per_s,
-        "inter_node_gb_per_s": config.planning.inter_node_gb_per_s,
-        "storage_gb_per_s": config.planning.storage_gb_per_s,
-        "devices_per_node": config.planning.devices_per_node,
-        "compute_efficiency": config.planning.compute_efficiency,
-        "checkpoint_steps": config.checkpoint.checkpoint_steps,
-        "keep_checkpoints": config.checkpoint.keep_checkpoints,
-    }
-    for name, value in non_negative.items():
-        if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
-            raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
-    for name, value in {"learning_rate": o.learning_rate, "eps": o.eps}.items():
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
-    if not (t.loss_scaling > 0 and math.isfinite(t.loss_scaling)):
-        raise ConfigError(f"--loss_scaling must be a finite number > 0, got {t.loss_scaling}")
-    if t.loss_scaling != 1.0 and t.precision != "float16":
-        raise ConfigError(
-            f"--loss_scaling {t.loss_scaling:g} only applies to --precision float16 "
-            f"(got {t.precision}); bfloat16 and float32 need no loss scaling"
-        )
-    ranges = {
-        "dropout_prob": (m.dropout_prob, 0.0, 1.0),
-        "beta1": (o.beta1, 0.0, 1.0),
-        "beta2": (o.beta2, 0.0, 1.0),
-        "validation_fraction": (d.validation_fraction, 0.0, 1.0),
-    }
-    for name, (value, low, high) in ranges.items():
-        if not low <= value < high:
-            raise ConfigError(f"--{name} must be in [{low:g}, {high:g}), got {value}")
-    if not 0.0 <= o.min_learning_rate_ratio <= 1.0:
-        raise ConfigError(
-            f"--min_learning_rate_ratio must be in [0, 1], got {o.min_learning_rate_ratio}"
-        )
-    for name, value in {"layer_norm_eps": m.layer_norm_eps, "init_std": m.init_std}.items():
-        if not (value > 0 and math.isfinite(value)):
-            raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
-    if not 0 <= t.seed < 2**32:
-        raise ConfigError(f"--seed must be in [0, 2^32), got {t.seed}")
-    int32_sizes = {
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "max_positional_length": m.max_positional_length,
-        "sequence_length": m.sequence_length,
-    }
-    for name, value in int32_sizes.items():
-        if value >= 2**31:
-            raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
-
-    if config.planning.compute_efficiency > 1:
-        raise ConfigError(
-            f"--compute_efficiency is a fraction of the peak, at most 1, got "
-            f"{config.planning.compute_efficiency}"
-        )
-    spec_file = config.planning.device_spec_file
-    if spec_file and not Path(spec_file).is_file():
-        raise ConfigError(f"--device_spec_file {spec_file}: no such file")
-    if config.planning.dry_run and config.planning.plan_for:
-        raise ConfigError("give either --dry_run or --plan_for N, not both")
-    if config.planning.dry_run or config.planning.plan_for:
-        ck = config.checkpoint
-        used = [f"--{n}" for n in ("load", "save", "hf_model", "eval_only") if getattr(ck, n)]
-        if used:
-            mode = "--dry_run" if config.planning.dry_run else "--plan_for"
-            reason = f"{mode} plans without training"
-            raise ConfigError(f"{reason}, so {' and '.join(used)} would do nothing; leave them out")
-    if d.validation_files and d.validation_fraction:
-        raise ConfigError("give either --validation_files or --validation_fraction, not both")
-    if d.validation_files and not d.eval_every:
-        raise ConfigError("--validation_files is only used with --eval_every N (N > 0)")
-
-    c = config.checkpoint
-    if c.load and c.hf_model:
-        raise ConfigError("give either --load (a checkpoint) or --hf_model (HuggingFace weights)")
-    if c.checkpoint_steps and not c.save:
-        raise ConfigError("--checkpoint_steps needs --save DIR, the folder to write them to")
-    if c.keep_checkpoints and not c.save:
-        raise ConfigError("--keep_checkpoints needs --save DIR, the folder to prune")
-    if c.eval_only and not (c.load or c.hf_model):
-        raise ConfigError("--eval_only evaluates saved weights: give --load CKPT or --hf_model DIR")
-    if c.eval_only and c.save:
-        raise ConfigError("--eval_only trains nothing, so there is nothing to --save")
-
-    if m.hidden_size % m.heads:
-        raise ConfigError(
-            f"--hidden_size {m.hidden_size} is not divisible by --heads {m.heads}; "
-            "pick sizes so that every head has the same width"
-        )
-    if m.sequence_length > m.max_positional_length:
-        raise ConfigError(
-            f"--sequence_length {m.sequence_length} exceeds --max_positional_length "
-            f"{m.max_positional_length}; the position embedding has no rows for later tokens"
-        )
-    per_step = ex.micro_batch_size * ex.data_parallel
-    if t.global_batch_size % per_step:
-        raise ConfigError(
-            f"--global_batch_size {t.global_batch_size} is not divisible by --micro_batch_size "
-            f"{ex.micro_batch_size} x --data_parallel {ex.data_parallel} = {per_step}"
-        )
-    if ex.passes > config.gradient_accumulation:
-        raise ConfigError(
-            f"--passes {ex.passes} exceeds the {config.gradient_accumulation} micro-batches each "
-            f"replica runs per step (--global_batch_size {t.global_batch_size} / "
-            f"(--micro_batch_size {ex.micro_batch_size} x --data_parallel {ex.data_parallel})); "
-            "each pass needs at least one micro-batch"
-        )
-    if m.heads % ex.tensor_parallel_1:
-        raise ConfigError(
-            f"--heads {m.heads} is not divisible by --tensor_parallel_1 {ex.tensor_parallel_1}; "
-            "each tensor_parallel_1 shard holds whole heads"
-        )
-    if m.hidden_size % ex.tensor_parallel_2:
-        raise ConfigError(
-            f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
-            f"{ex.tensor_parallel_2}"
-        )
-    _validate_pipeline(config)
-    cp = ex.context_parallel
-    if m.sequence_length % cp:
-        raise ConfigError(
-            f"--sequence_length {m.sequence_length} is not divisible by --context_parallel "
-            f"{cp}; every rank of a sequence holds an equal piece of it"
-        )
-    if (m.heads // ex.tensor_parallel_1) % cp:
-        raise ConfigError(
-            f"--heads {m.heads} / --tensor_parallel_1 {ex.tensor_parallel_1} = "
-            f"{m.heads // ex.tensor_parallel_1} heads per tensor_parallel_1 rank is not "
-            f"divisible by --context_parallel {cp}; attention gives each context rank an equal "
-            "share of them"
-        )
-    if cp > 1 and ex.recompute in ("selective", "none"):
-        # What a layer keeps is measured on a whole-sequence block; with the sequence split
-        # around attention's all-to-all the kept tensors differ, so it is not planned yet.
-        raise ConfigError(
-            f"--recompute {ex.recompute} with --context_parallel {cp} is not supported yet; use "
-            "--recompute full (or auto, which picks it for context-parallel layouts)"
-        )
-
-
-def _validate_pipeline(config: PretrainingConfig) -> None:
-    """One line for a pipeline that cannot split the decoder layers."""
-    m, ex = config.model, config.execution
-    stages = ex.pipeline_parallel
-    if stages > m.layers:
-        raise ConfigError(
-            f"--pipeline_parallel {stages} exceeds the {m.layers} decoder layers (--layers); "
-            "every stage needs at least one layer"
-        )
-    if not ex.pipeline_layers.strip():
-        return
-    try:
-        sizes = [int(n) for n in ex.pipeline_layers.split(",")]
-    except ValueError:
-        raise ConfigError(
-            f"--pipeline_layers {ex.pipeline_layers!r} must be comma-separated layer counts, "
-            "one per stage (e.g. 10,12,12,10)"
-        ) from None
-    if len(sizes) != stages:
-        raise ConfigError(
-            f"--pipeline_layers {ex.pipeline_layers} gives {len(sizes)} stage(s), but "
-            f"--pipeline_parallel is {stages}; give one layer count per stage"
-        )
-    if min(sizes) < 1:
-        raise ConfigError(
-            f"--pipeline_layers {ex.pipeline_layers} has a stage without layers; every stage "
-            "needs at least one"
-        )
-    if sum(sizes) != m.layers:
-        raise ConfigError(
-            f"--pipeline_layers {ex.pipeline_layers} sums to {sum(sizes)} layers, but --layers "
-            f"is {m.layers}; the stages must hold every decoder layer once"
-        )
 
 
 def config_to_dict(config: PretrainingConfig) -> dict[str, Any]:
