@@ -6,20 +6,22 @@ shard packed and padded to a multiple of the kind's RTS group, of which this ran
 1/group slice. Flat rows make a phase's load one copy and one all-gather, its gradient reduction
 one reduce-scatter, and the optimizer update a handful of vectorised ops.
 
-Each state lives in one :class:`Place`: host memory (pinned when computing on a GPU; a phase
-copies what it needs) or the compute device (used in place). The byte counts the planner works
-with come from the ``planned_nbytes`` functions here, which the constructors allocate by, so a
-plan can never disagree with what is allocated.
+Each state lives in one :class:`Place`: host memory (pinned when computing on a GPU, by a
+:class:`~execution.engine.host_memory.HostMemory` that pins no more than it is asked for; a
+phase copies what it needs) or the compute device (used in place). The byte counts the planner
+works with come from the ``planned_nbytes`` functions here, which the constructors allocate by,
+so a plan can never disagree with what is allocated.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from execution.engine.host_memory import HostMemory, host_memory_for
 from execution.parallel.sharding import KINDS, PLAN, shard_shapes
 from modelling.gpt import LAYERS, PARTS, GPTShapes
 
@@ -97,18 +99,26 @@ class Place:
 
     Attributes:
         device: The compute device, or the CPU for host memory.
-        pin: Page-locked host memory (when computing on a GPU), for asynchronous copies.
         remote: Host memory that phases copy from and store back to, even when the compute
             device is the CPU itself (so a CPU run measures and tests the same movement).
+        memory: How host memory is allocated: page-locked when computing on a GPU, for
+            asynchronous copies, and with no more bytes than asked for
+            (:mod:`execution.engine.host_memory`).
     """
 
     device: torch.device
-    pin: bool = False
     remote: bool = False
+    memory: HostMemory = field(default_factory=HostMemory)
+
+    @property
+    def pin(self) -> bool:
+        """Whether host memory here is page-locked."""
+        return self.device.type == "cpu" and self.memory.pinned
 
     @classmethod
-    def of(cls, where: str, compute: torch.device) -> Place:
-        """``device`` or ``host`` for a run computing on ``compute``.
+    def of(cls, where: str, compute: torch.device, memory: HostMemory | None = None) -> Place:
+        """``device`` or ``host`` for a run computing on ``compute``; ``memory``: how host
+        memory is allocated (default: :func:`~execution.engine.host_memory.host_memory_for`).
 
         On the meta device (a dry run) host state is meta too: nothing is allocated anywhere.
         """
@@ -116,7 +126,17 @@ class Place:
             return cls(compute, remote=where == "host")
         if where == "device":
             return cls(compute)
-        return cls(torch.device("cpu"), pin=compute.type == "cuda", remote=True)
+        return cls(torch.device("cpu"), True, memory or host_memory_for(compute))
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.memory.empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type == "cpu":
+            return self.memory.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=self.device)
 
 
 def rows_of(part: str, layers: int) -> int:
@@ -166,30 +186,17 @@ class PartBuffers:
         self.rows = rows
         self.places = places
         self.copy_dtype = copy_dtype
+        # Each tensor is allocated at its final size in its place (on a GPU machine, pinned
+        # without rounding): pinning afterwards would copy, doubling the peak.
         for state in PART_STATES:
-            place = places[state]
-            # Allocated pinned, not pinned afterwards: .pin_memory() would copy, doubling the peak.
-            setattr(
-                self,
-                state,
-                {
-                    kind: torch.zeros(
-                        rows,
-                        spec.shard,
-                        dtype=torch.float32,
-                        device=place.device,
-                        pin_memory=place.pin,
-                    )
-                    for kind, spec in specs.items()
-                },
-            )
+            shape = {kind: (rows, spec.shard) for kind, spec in specs.items()}
+            zeros = {kind: places[state].zeros(s, torch.float32) for kind, s in shape.items()}
+            setattr(self, state, zeros)
         self.weight_copies: dict[str, torch.Tensor] = {}
         if copy_dtype is not None:
-            place = places["weights"]
             for kind, spec in specs.items():
-                self.weight_copies[kind] = torch.zeros(
-                    rows, spec.shard, dtype=copy_dtype, device=place.device, pin_memory=place.pin
-                )
+                copies = places["weights"].zeros((rows, spec.shard), copy_dtype)
+                self.weight_copies[kind] = copies
 
     def nbytes(self) -> dict[str, int]:
         """Bytes held, per kind of state (for memory accounting), ``weight_copies`` included."""
@@ -276,24 +283,9 @@ class ActivationBuffers:
     def __init__(self, layout: ActivationLayout, place: Place):
         self.layout = layout
         a = layout
-        self.x = torch.empty(
-            (a.layers + 1, a.held, a.x_shard),
-            dtype=a.dtype,
-            device=place.device,
-            pin_memory=place.pin,
-        )
-        self.dx = torch.empty(
-            (2, a.entries, *a.tokens, a.hidden),
-            dtype=a.dtype,
-            device=place.device,
-            pin_memory=place.pin,
-        )
-        self.kept = torch.empty(
-            (a.layers, a.held, a.kept),
-            dtype=torch.uint8,
-            device=place.device,
-            pin_memory=place.pin,
-        )
+        self.x = place.empty((a.layers + 1, a.held, a.x_shard), a.dtype)
+        self.dx = place.empty((2, a.entries, *a.tokens, a.hidden), a.dtype)
+        self.kept = place.empty((a.layers, a.held, a.kept), torch.uint8)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.x, self.dx, self.kept))
