@@ -3,7 +3,10 @@
     python benchmarks/gpu_check.py [--steps 4]
 
 1. Phased (remote placement, host buffers) and resident placement give the same losses on the
-   GPU within a bfloat16 tolerance, and in float32 the GPU's losses match the CPU's.
+   GPU within a bfloat16 tolerance, and in float32 the GPU's losses match the CPU's. Each state
+   on the host alone gives resident's losses too: activations and gradients in float32 (where a
+   copy that runs late shows as a different loss), bfloat16 weight copies on the host within
+   the bfloat16 tolerance; two passes, so that every layer is loaded and stored twice a step.
 2. The NCCL path works for a world of one: a process group from a file:// store,
    ``ParallelLayout.build(1, 1, 1, device)``, a training step with the same loss as the
    single-process layout, and the collectives the engine uses (all-reduce, all-gather,
@@ -14,18 +17,22 @@
 
 Prints one line per check and a verdict; exits 1 if any check fails. Without CUDA it says so
 and exits 0 (nothing to check), so it can sit in scripts that also run on CPU machines.
+:func:`run_checks` runs the checks that need no GPU on a CPU too (gpu_first_run.py --device
+cpu), and skips the others.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import shlex
 import sys
 import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -94,15 +101,44 @@ def compare(a: list[float], b: list[float], tolerance: float) -> tuple[bool, str
 # ---------------------------------------------------------------------------- checks
 
 
+@functools.cache
+def resident_losses(flags: tuple[str, ...], device: torch.device, steps: int) -> list[float]:
+    """Every state on the device: the reference of the placement checks, run once per setting."""
+    config = small_config(*flags, "--placement", "resident")
+    return losses(config, ParallelLayout.single(device), batches_for(config, steps))
+
+
+def against_resident(
+    device: torch.device, steps: int, precision: str, flags: list[str], tolerance: float
+) -> tuple[bool, str]:
+    """Losses of the run with ``flags`` against the same run with every state resident."""
+    common = ["--precision", precision, "--device", device.type]
+    config = small_config(*common, *flags)
+    placed = losses(config, ParallelLayout.single(device), batches_for(config, steps))
+    resident = resident_losses((*SMALL, *common), device, steps)
+    ok, detail = compare(placed, resident, tolerance)
+    return ok, f"{detail}; {placed[0]:.4f} -> {placed[-1]:.4f}"
+
+
 def check_placements(device: torch.device, steps: int) -> tuple[bool, str]:
-    """Remote (phased, host buffers) vs resident, bfloat16, on the GPU."""
-    config = small_config("--precision", "bfloat16", "--device", "cuda")
-    batches = batches_for(config, steps)
-    remote = losses(config, ParallelLayout.single(device), batches)
-    config = small_config("--precision", "bfloat16", "--device", "cuda", "--placement", "resident")
-    resident = losses(config, ParallelLayout.single(device), batches)
-    ok, detail = compare(remote, resident, BF16_LOSS_TOLERANCE)
-    return ok, f"{detail}; remote {remote[0]:.4f} -> {remote[-1]:.4f}"
+    """Remote (phased, host buffers) vs resident, bfloat16."""
+    return against_resident(device, steps, "bfloat16", [], BF16_LOSS_TOLERANCE)
+
+
+def check_host_activations(device: torch.device, steps: int) -> tuple[bool, str]:
+    flags = ["--placement", "resident", "--activations_placement", "host", "--passes", "2"]
+    return against_resident(device, steps, "float32", flags, FP32_LOSS_TOLERANCE)
+
+
+def check_host_gradients(device: torch.device, steps: int) -> tuple[bool, str]:
+    flags = ["--placement", "resident", "--grads_placement", "host", "--passes", "2"]
+    return against_resident(device, steps, "float32", flags, FP32_LOSS_TOLERANCE)
+
+
+def check_bf16_host_weights(device: torch.device, steps: int) -> tuple[bool, str]:
+    """Weights on the host with their bfloat16 copies, which loads copy instead of masters."""
+    flags = ["--placement", "resident", "--weights_placement", "host", "--passes", "2"]
+    return against_resident(device, steps, "bfloat16", flags, BF16_LOSS_TOLERANCE)
 
 
 def check_gpu_matches_cpu(device: torch.device, steps: int) -> tuple[bool, str]:
@@ -176,13 +212,52 @@ def check_bench(device: torch.device, steps: int) -> tuple[bool, str]:
     )
 
 
-CHECKS: dict[str, Callable[[torch.device, int], tuple[bool, str]]] = {
-    "remote vs resident (bf16, GPU)": check_placements,
+Check = Callable[[torch.device, int], tuple[bool, str]]
+CHECKS: dict[str, Check] = {
+    "remote vs resident (bf16)": check_placements,
+    "host activations (float32)": check_host_activations,
+    "host gradients (float32)": check_host_gradients,
+    "bf16 host weights": check_bf16_host_weights,
     "GPU vs CPU (float32)": check_gpu_matches_cpu,
     "NCCL world of one": check_nccl_world_of_one,
     "pinned prefetch": check_pinned_prefetch,
     "bench_step --compare": check_bench,
 }
+# What a CPU cannot check: a second device to compare with, NCCL, pinned memory, FSDP2.
+CUDA_ONLY = ("GPU vs CPU (float32)", "NCCL world of one", "pinned prefetch", "bench_step --compare")
+
+
+def run_checks(device: torch.device, steps: int, extra_flags: Sequence[str] = ()) -> list[dict]:
+    """Runs every check ``device`` can run, printing one line each: name, ok, detail, seconds.
+
+    A crash is a failed check; the others still run. On a CPU, :data:`CUDA_ONLY` are skipped
+    (``ok`` None). ``extra_flags`` shrink (or change) every check's model further.
+    """
+    global SMALL
+    small, SMALL = SMALL, [*SMALL, *extra_flags]
+    try:
+        return _run_checks(device, steps)
+    finally:
+        SMALL = small
+
+
+def _run_checks(device: torch.device, steps: int) -> list[dict]:
+    results = []
+    for name, check in CHECKS.items():
+        started = time.perf_counter()
+        if device.type != "cuda" and name in CUDA_ONLY:
+            ok, detail = None, "skipped: needs CUDA"
+        else:
+            try:
+                ok, detail = check(device, steps)
+            except Exception as err:
+                traceback.print_exc()
+                ok, detail = False, f"{type(err).__name__}: {err}"
+        seconds = time.perf_counter() - started
+        verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
+        print(f"{verdict}  {name:<32} {detail} ({seconds:.0f} s)", flush=True)
+        results.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds})
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,15 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     name = torch.cuda.get_device_name(device)
     versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
     print(f"gpu_check on {name}, {versions}, NCCL {torch.cuda.nccl.version()}")
-    results = []
-    for name, check in CHECKS.items():
-        try:
-            ok, detail = check(device, args.steps)
-        except Exception as err:  # a crash is a failed check; the others still run
-            traceback.print_exc()
-            ok, detail = False, f"{type(err).__name__}: {err}"
-        results.append(ok)
-        print(f"{'PASS' if ok else 'FAIL'}  {name:<32} {detail}", flush=True)
+    results = [r["ok"] for r in run_checks(device, args.steps)]
     failed = results.count(False)
     total = len(results)
     verdict = f"{failed} of {total} checks FAILED" if failed else f"all {total} checks passed"
