@@ -161,8 +161,14 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
 
     if not dist.is_initialized():
         store = os.path.join(tempfile.mkdtemp(prefix="bench_step_"), "store")  # a fresh file
+        # Gloo for the host: with offload the gradients are host tensors, and clipping reduces
+        # their norm across the (one-rank) mesh.
         dist.init_process_group(
-            "nccl", init_method=f"file://{store}", rank=0, world_size=1, device_id=device
+            "cpu:gloo,cuda:nccl",
+            init_method=f"file://{store}",
+            rank=0,
+            world_size=1,
+            device_id=device,
         )
     dtype = DTYPES[config.training.precision]
     policy = {"offload_policy": CPUOffloadPolicy(), "reshard_after_forward": False}
