@@ -9,6 +9,9 @@ from pathlib import Path
 from config.errors import ConfigError
 from config.schema import PretrainingConfig
 
+# The most devices --plan_for plans for (2^20): more than any machine has.
+MOST_DEVICES = 1 << 20
+
 
 def validate(config: PretrainingConfig) -> None:
     """Checks that the sizes fit together; raises ConfigError naming the flags involved."""
@@ -98,6 +101,25 @@ def validate(config: PretrainingConfig) -> None:
         if value >= 2**31:
             raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
 
+    # Sizes and rates no machine has would make the plan search run without end or the time
+    # model divide by next to nothing: a typo, said so in one line.
+    bounded = {
+        "plan_for": (config.planning.plan_for, 1, MOST_DEVICES),
+        "peak_tflops": (ex.peak_tflops, 1e-3, 1e6),
+        "device_memory_gb": (ex.device_memory_gb, 1e-3, 1e6),
+        "host_memory_gb": (ex.host_memory_gb, 1e-3, 1e8),
+        "host_link_gb_per_s": (config.planning.host_link_gb_per_s, 1e-3, 1e5),
+        "intra_node_gb_per_s": (config.planning.intra_node_gb_per_s, 1e-3, 1e5),
+        "inter_node_gb_per_s": (config.planning.inter_node_gb_per_s, 1e-3, 1e5),
+        "storage_gb_per_s": (config.planning.storage_gb_per_s, 1e-3, 1e5),
+    }
+    for name, (value, least, most) in bounded.items():
+        if value and not least <= value <= most:  # 0: not given, the device spec's
+            raise ConfigError(
+                f"--{name} {_number(value)} is outside what any machine has ({_number(least)} to "
+                f"{_number(most)}); "
+                "check the number, or leave it out for the device spec's"
+            )
     if config.planning.compute_efficiency > 1:
         raise ConfigError(
             f"--compute_efficiency is a fraction of the peak, at most 1, got "
@@ -221,3 +243,7 @@ def _validate_pipeline(config: PretrainingConfig) -> None:
             f"--pipeline_layers {ex.pipeline_layers} sums to {sum(sizes)} layers, but --layers "
             f"is {m.layers}; the stages must hold every decoder layer once"
         )
+
+
+def _number(value: float) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)

@@ -197,6 +197,22 @@ def test_malformed_preset_files(tmp_path, text, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # Searching every divisor of 10**12 never ended.
+        (["--plan_for", str(10**12)], "--plan_for 1000000000000 is outside what any machine has"),
+        (["--storage_gb_per_s", "1e-300"], "--storage_gb_per_s 1e-300 is outside"),
+        (["--host_link_gb_per_s", "1e30"], "(0.001 to 100000)"),
+        (["--device_memory_gb", "1e9"], "--device_memory_gb 1e+09 is outside"),
+    ],
+)
+def test_sizes_and_rates_no_machine_has_are_one_line(flags, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", "tiny", *flags])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_inheritance_merges_nested_sections(tmp_path):
     path = tmp_path / "presets.yml"
     big = "big:\n  model: {layers: 8, hidden_size: 256, heads: 8}\n"
