@@ -33,7 +33,7 @@ from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.measure import Window, meta_step
-from execution.planning.memory import MemoryBudget
+from execution.planning.memory import MemoryBudget, spec_budget
 from execution.planning.planner import choose_or_least
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes
 from utils.metrics import flops_per_token
@@ -125,10 +125,6 @@ class RankMeasurement:
     # Per kind of phase, summed over its phases: (FLOPs, seconds of transfers that run behind
     # them, seconds of collectives they wait for); see :func:`phase_costs`.
     phases: dict[str, tuple[float, float, float]]
-
-
-def spec_budget(spec: DeviceSpec) -> MemoryBudget:
-    return MemoryBudget(int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB))
 
 
 def measure_planned_step(
@@ -233,7 +229,7 @@ def checkpoint_figures(
 
 def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
     """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits."""
-    budget = spec_budget(spec)
+    budget = spec_budget(config, spec)  # the rule a real run plans by
     plan, planned_fit = choose_or_least(config, budget, _mesh(config).coords(rank)["p"])
     with fake_job(rank, config.world_size):
         m = measure_planned_step(config, plan, spec)

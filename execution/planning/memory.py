@@ -43,6 +43,7 @@ from execution.engine.pipeline import Stage
 from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.engine.recompute import KeptBytes, kept_bytes
 from execution.parallel.sharding import rts_sizes
+from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
 
 # Host memory the planner leaves to the interpreter, torch and the data loader.
@@ -71,20 +72,47 @@ class MemoryBudget:
         return f"{self.device / GiB:,.1f} GiB of device memory and {host}"
 
 
-def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
-    """The memory this process may plan with: flags first, else what the machine has free.
+def plan_budget(
+    config: PretrainingConfig,
+    device_available: int | None,
+    host_available: int,
+    processes_per_node: int = 1,
+) -> MemoryBudget:
+    """The memory a process may plan with: the one rule of a real run, the dry run and
+    ``--plan_for`` (a plan one accepts, the others accept too).
 
-    Host memory is shared by the node's processes, so each gets its share of what is available.
+    ``--device_memory_gb`` and ``--host_memory_gb`` are taken as given. Otherwise the process
+    may use what is available less the headroom: of the device (None: the CPU is the device),
+    ``DEVICE_HEADROOM`` is left to the CUDA context and the caching allocator's
+    fragmentation; of the host, shared by the node's processes, each gets its share less
+    ``HOST_HEADROOM``.
+
+    Args:
+        device_available: Free device bytes (a real run measures them; a dry run takes the
+            spec's memory, what a process can allocate on an idle device).
+        host_available: Available host bytes of the node (a dry run: of one device's share).
+        processes_per_node: Processes sharing ``host_available``.
     """
     ex = config.execution
     host = ex.host_memory_gb * GiB
-    if not host:
-        host = (_host_memory_available() or 0) * (1 - HOST_HEADROOM) / processes_per_node
-    gpu = None
-    if device.type != "cpu":
-        gpu = ex.device_memory_gb * GiB
-        gpu = gpu or torch.cuda.mem_get_info(device)[0] * (1 - DEVICE_HEADROOM)
-    return MemoryBudget(None if gpu is None else int(gpu), int(host))
+    host = host or host_available * (1 - HOST_HEADROOM) / processes_per_node
+    device = None
+    if device_available is not None:
+        device = ex.device_memory_gb * GiB or device_available * (1 - DEVICE_HEADROOM)
+    return MemoryBudget(None if device is None else int(device), int(host))
+
+
+def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
+    """:func:`plan_budget` of what this machine has free."""
+    free = torch.cuda.mem_get_info(device)[0] if device.type != "cpu" else None
+    host = _host_memory_available() or 0
+    return plan_budget(config, free, host, processes_per_node)
+
+
+def spec_budget(config: PretrainingConfig, spec: DeviceSpec) -> MemoryBudget:
+    """:func:`plan_budget` of one idle device of ``spec`` and its share of host memory (the
+    dry run and ``--plan_for``)."""
+    return plan_budget(config, int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB))
 
 
 def _host_memory_available() -> int | None:

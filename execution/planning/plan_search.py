@@ -54,9 +54,9 @@ from execution.planning.dry_run import (
     estimate,
     fake_job,
     measure_planned_step,
-    spec_budget,
 )
 from execution.planning.measure import shrunk_config
+from execution.planning.memory import spec_budget
 from execution.planning.planner import candidate_plans, fastest_fitting, plans_fitting_every_stage
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
@@ -248,7 +248,7 @@ def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], int]
     passes, so each adds one measurement per stage shape), and the fastest kept."""
     rows, misfits = [], 0
     spec = resolve_spec(candidates[0])  # the planning flags, the same for every layout
-    budget = spec_budget(spec)
+    budget = spec_budget(candidates[0], spec)  # the rule a real run plans by
     for candidate in candidates:
         sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
         _, everywhere = plans_fitting_every_stage(
