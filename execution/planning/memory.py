@@ -263,7 +263,22 @@ def host_traffic(
     entries: int,
     kept: KeptBytes | None = None,
 ) -> int:
-    """Bytes a step moves between host and device under a placement (0 for all-device).
+    """Bytes a step moves between host and device under a placement (0 for all-device): the
+    sum of :func:`host_traffic_by_phase`."""
+    return sum(host_traffic_by_phase(rank, placement, passes, entries, kept).values())
+
+
+def host_traffic_by_phase(
+    rank: RankShape,
+    placement: Placement,
+    passes: int,
+    entries: int,
+    kept: KeptBytes | None = None,
+) -> dict[str, int]:
+    """Bytes a step moves between host and device, by the phases that move them: ``forward``
+    (embedding and decoder forward), ``backward`` (the head, decoder and embedding backward)
+    and ``optimizer``. A phase's copies hide behind its own compute only, so the planner
+    weighs each kind apart (as the dry run's estimate does).
 
     Counts exactly what :class:`execution.engine.state.StateStore` copies (a test holds the two
     together): per pass each part's weights are loaded for forward and backward (the word
@@ -272,9 +287,9 @@ def host_traffic(
     embedding's twice: the head's tied part and its own); host weights are updated on the
     host, in place, so only gradients kept on the device cross the link for the optimizer,
     while device weights read host gradients once; each micro-batch stores x at L + 1
-    boundaries and reads it 2L + 1 times (L + 1 when layers keep their activations: the
-    backward then does not read x), stores and reads dx at L + 1, and per layer stores and
-    reads back what the layer keeps.
+    boundaries and reads it 2L + 1 times (L in the forward; L + 1 in the backward, or only
+    the head's when layers keep their activations: the backward then does not read x),
+    stores and reads dx at L + 1, and per layer stores and reads back what the layer keeps.
     """
     specs, layers = rank.specs, rank.layers
     kept = kept or KeptBytes()
@@ -285,21 +300,22 @@ def host_traffic(
     total = sum(fp32(part) for part in PARTS)
     emb, lay, head = fp32("embedding"), fp32("layers"), fp32("head")
     copies = state_bytes(rank, entries, placement)["weight_copies"]
-    traffic = 0
+    forward = backward = optimizer = 0
     if placement.weights == "host":
-        loads = passes * (2 * lay + 3 * emb + head)
-        if copies:  # loads read the compute-dtype copies (refreshed on the host)
-            loads = loads * rank.dtype.itemsize // 4
-        traffic += loads
+        # Loads read the compute-dtype copies where kept (refreshed on the host).
+        scale = (rank.dtype.itemsize, 4) if copies else (1, 1)
+        forward += passes * (lay + emb) * scale[0] // scale[1]
+        backward += passes * (lay + 2 * emb + head) * scale[0] // scale[1]
     if placement.grads == "host":
-        traffic += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb
+        backward += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb
     if placement.weights != placement.grads:  # the optimizer brings the gradients to the update
-        traffic += total
+        optimizer += total
     if placement.activations == "host":
         layout = rank.activation_layout(entries)
-        x_moves = (3 if not kept.entry else 2) * layers + 2
-        per_micro = x_moves * layout.x_shard + 2 * (layers + 1) * layout.entry_numel
-        per_micro *= rank.dtype.itemsize
-        per_micro += layers * (kept.stored + kept.loaded)
-        traffic += per_micro * rank.gradient_accumulation
-    return traffic
+        size, micro = rank.dtype.itemsize, rank.gradient_accumulation
+        x_forward = (2 * layers + 1) * layout.x_shard * size + layers * kept.stored
+        x_backward = (1 if kept.entry else layers + 1) * layout.x_shard * size
+        dx = 2 * (layers + 1) * layout.entry_numel * size
+        forward += x_forward * micro
+        backward += (x_backward + dx + layers * kept.loaded) * micro
+    return {"forward": forward, "backward": backward, "optimizer": optimizer}
