@@ -240,7 +240,7 @@ def test_overlap_hides_data_parallel_traffic_in_the_estimate():
 
 
 @functools.cache
-def _search_four_devices() -> tuple[list[dict], int]:
+def _search_four_devices() -> tuple[list[dict], list[dict]]:
     """``--plan_for 4`` of a small model with 4 layers (pipelines of up to 4 stages), shared
     by the tests that read its rows."""
     return search(small_config("--layers", "4", "--global_batch_size", "8"), 4)
@@ -248,7 +248,7 @@ def _search_four_devices() -> tuple[list[dict], int]:
 
 def test_plan_for_ranks_layouts_that_fit_by_step_time():
     rows, misfits = _search_four_devices()
-    assert rows and misfits == 0
+    assert rows and not misfits
     times = [r["step_time_s"] for r in rows]
     assert times == sorted(times)
     executions = [r["config"].execution for r in rows]

@@ -11,7 +11,7 @@ from execution.planning import measure, plan_search, step_meter
 from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import fake_job, measure_planned_step
 from execution.planning.memory import MemoryBudget
-from execution.planning.plan_search import layouts, search
+from execution.planning.plan_search import layouts, print_layouts, search
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
 from tests.distributed import layout_flags
 from tests.distributed import small_config as distributed_config
@@ -108,7 +108,7 @@ def test_workers_find_the_rows_one_process_finds():
     measure._MEASURED.clear()
     config.planning.plan_workers = 1
     alone, misfits = search(config, 2)
-    assert misfits_by_two == misfits
+    assert [m["config"] for m in misfits_by_two] == [m["config"] for m in misfits]
     assert len(side_by_side) == len(alone) > 5
 
     def figures(row):
@@ -134,3 +134,16 @@ def test_layouts_spanning_nodes_only_when_asked():
     assert inner_sizes(layouts(config, 4)) == {1, 2}
     config.planning.plan_across_nodes = True
     assert inner_sizes(layouts(config, 4)) == {1, 2, 4}
+
+
+def test_plan_for_where_nothing_fits_says_what_the_nearest_layout_needs(capsys):
+    """No empty table: one line with the nearest layout's plan and memory, as --dry_run says."""
+    config = small_config("--layers", "1", "--global_batch_size", "4", "--hidden_size", "256")
+    config.planning.plan_for = 2
+    config.execution.device_memory_gb = config.execution.host_memory_gb = 0.001
+    print_layouts(config, "small")
+    out = capsys.readouterr().out
+    assert "0 layouts fit" in out and "step s" not in out  # no table header
+    (line,) = [x for x in out.splitlines() if x.startswith("nothing fits")]
+    assert "nothing fits on 2 devices: the nearest layout (dp " in line
+    assert "GiB of device and" in line and "which may use 0.0 GiB of device memory" in line

@@ -57,7 +57,12 @@ from execution.planning.dry_run import (
 )
 from execution.planning.measure import shrunk_config
 from execution.planning.memory import spec_budget
-from execution.planning.planner import candidate_plans, fastest_fitting, plans_fitting_every_stage
+from execution.planning.planner import (
+    candidate_plans,
+    fastest_fitting,
+    plans_fitting_every_stage,
+    shortfall,
+)
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -204,8 +209,9 @@ def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tup
     return nbytes, nbytes / (rate * 1e9)
 
 
-def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
-    """Layouts that fit, each with its plan and estimate, fastest first; and how many did not.
+def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], list[dict]]:
+    """Layouts that fit, each with its plan and estimate, fastest first; and those that do not,
+    each with its least-memory plan (``config``, ``plan``, ``shortfall`` in bytes).
 
     Layouts that share probes (:func:`_probe_group`) are measured together, and groups side by
     side in ``--plan_workers`` forked processes: measuring is single-threaded Python, so each
@@ -222,7 +228,9 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], int]:
         results = [_search_group(group) for group in groups.values()]
     rows = [row for group_rows, _ in results for row in group_rows]
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
-    return rows, sum(misfits for _, misfits in results)
+    misfits = [misfit for _, group_misfits in results for misfit in group_misfits]
+    misfits.sort(key=lambda m: m["shortfall"])
+    return rows, misfits
 
 
 def _probe_group(candidate: PretrainingConfig) -> tuple:
@@ -238,25 +246,25 @@ def _probe_group(candidate: PretrainingConfig) -> tuple:
     )
 
 
-def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], int]:
-    """The rows of the layouts of one probe group that fit, and how many do not.
+def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], list[dict]]:
+    """The rows of the layouts of one probe group that fit, and those that do not.
 
     A pipeline layout's passes trade its bubble against a data-parallel all-gather of every
     weight per pass, which the planner's quick ranking does not weigh as the estimate does:
     every pass count that fits is estimated under the planner's placement and recompute, and
     all on the device with full recompute (the probes do not depend on
     passes, so each adds one measurement per stage shape), and the fastest kept."""
-    rows, misfits = [], 0
+    rows, misfits = [], []
     spec = resolve_spec(candidates[0])  # the planning flags, the same for every layout
     budget = spec_budget(candidates[0], spec)  # the rule a real run plans by
     for candidate in candidates:
         sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
-        _, everywhere = plans_fitting_every_stage(
+        plans, everywhere = plans_fitting_every_stage(
             candidate, "cuda", budget, 0, sibling, fitting_only=True
         )
         plan = fastest_fitting(everywhere, budget)
         if plan is None:
-            misfits += 1
+            misfits.append(_misfit(candidate, plans, budget))
             continue
         options = [plan]
         if sibling is not None:
@@ -275,10 +283,17 @@ def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], int]
             ):
                 best = row
         if best is None:
-            misfits += 1
+            misfits.append(_misfit(candidate, options, budget))
             continue
         rows.append({**best, "checkpoint": checkpoint_figures(candidate, best["plan"], spec)})
     return rows, misfits
+
+
+def _misfit(candidate: PretrainingConfig, plans: list[MemoryPlan], budget) -> dict:
+    """A layout that does not fit, with its plan nearest to fitting (None: none measured)."""
+    least = min(plans, key=lambda p: shortfall(p, budget), default=None)
+    missing = shortfall(least, budget) if least is not None else float("inf")
+    return {"config": candidate, "plan": least, "shortfall": missing}
 
 
 # Micro-batch sizes of one layout whose step times are within this fraction of its fastest
@@ -347,7 +362,7 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
         f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
         f"x {config.model.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
-        f"micro-batch sizes), {misfits} do not; mbs: micro-batch sizes within "
+        f"micro-batch sizes), {len(misfits)} do not; mbs: micro-batch sizes within "
         f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
         f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
     )
@@ -357,7 +372,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
         f"{'ckpt GB':>9} {'save s':>7}"
     )
-    print(header)
+    if shown:
+        print(header)
     for row in shown:
         ex, plan = row["config"].execution, row["plan"]
         where = "/".join(vars(plan.placement).values())
@@ -390,6 +406,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             f"micro-batch x data_parallel --global_batch_size "
             f"{config.training.global_batch_size}"
         )
+    if not rows and misfits and misfits[0]["plan"] is not None:
+        print(_nearest_misfit_line(misfits[0], spec_budget(config, spec), devices))
     if rows:
         ex = rows[0]["config"].execution
         print(
@@ -398,3 +416,20 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             f"--tensor_parallel_1 {ex.tensor_parallel_1} --tensor_parallel_2 "
             f"{ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
         )
+
+
+def _nearest_misfit_line(misfit: dict, budget, devices: int) -> str:
+    """What the layout nearest to fitting needs, as ``--dry_run`` says it for one layout."""
+    ex, plan = misfit["config"].execution, misfit["plan"]
+    layout = (
+        f"dp {ex.data_parallel} x pp {ex.pipeline_parallel} x cp {ex.context_parallel} x tp1 "
+        f"{ex.tensor_parallel_1} x tp2 {ex.tensor_parallel_2}, micro-batch {ex.micro_batch_size}"
+    )
+    device, host = (plan.bytes_on(where)["total"] / GiB for where in ("device", "host"))
+    return (
+        f"nothing fits on {devices} devices: the nearest layout ({layout}; {plan.passes} "
+        f"pass(es), {plan.placement.describe()}, recompute {plan.recompute}) needs "
+        f"{device:,.1f} GiB of device and {host:,.1f} GiB of host memory per process, which may "
+        f"use {budget.describe()}; plan for more devices, or check --device_memory_gb and "
+        "--host_memory_gb"
+    )

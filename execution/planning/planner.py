@@ -236,7 +236,7 @@ def choose_plan(
     plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan
-    least = min(plans, key=lambda p: _shortfall(p, budget))
+    least = min(plans, key=lambda p: shortfall(p, budget))
     need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
     if budget.device is None:
         needed = f"{sum(need) / GiB:,.1f} GiB"
@@ -280,7 +280,7 @@ def choose_or_least(
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
 
 
-def _shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
+def shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
     device, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
     if budget.device is None:
         return device + host - budget.host
