@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from config.loading import parse_config
+from config.loading import ConfigError, parse_config
 from execution.engine.plan import GiB, Placement
 from execution.engine.recompute import attention_kernel
 from execution.planning import memory
@@ -102,3 +102,11 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
     streaming = step_seconds(config, rank, kernel, streamed)
     assert streaming == pytest.approx(by_hand, rel=1e-3)
     assert streaming > step_seconds(config, rank, kernel, plan)
+
+
+def test_device_memory_flag_on_a_cpu_run_is_one_line_not_ignored():
+    """On the CPU the device is the host: --device_memory_gb was silently ignored there."""
+    config = _h100("--device_memory_gb", "40")
+    with pytest.raises(ConfigError, match="--device_memory_gb 40 does not apply to a run on"):
+        measure_budget(config, torch.device("cpu"), 1)
+    assert measure_budget(_h100(), torch.device("cpu"), 1).device is None

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from config.errors import ConfigError
 from config.schema import PretrainingConfig
 from execution.engine.buffers import (
     DTYPES,
@@ -104,6 +105,13 @@ def plan_budget(
 
 def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
     """:func:`plan_budget` of what this machine has free."""
+    if device.type == "cpu" and config.execution.device_memory_gb:
+        # Not ignored in silence: on the CPU the device is the host, one pool.
+        raise ConfigError(
+            f"--device_memory_gb {config.execution.device_memory_gb:g} does not apply to a run "
+            "on the CPU, whose one memory pool --host_memory_gb sets; leave it out (it applies "
+            "on a GPU, and to --dry_run and --plan_for)"
+        )
     free = torch.cuda.mem_get_info(device)[0] if device.type != "cpu" else None
     host = _host_memory_available() or 0
     return plan_budget(config, free, host, processes_per_node)
