@@ -38,6 +38,14 @@ class ModelConfig:
     dropout_prob: float = field(
         default=0.1, metadata=_doc("Dropout on embeddings, attention probabilities and residuals.")
     )
+    dropout_parity: bool = field(
+        default=False,
+        metadata=_doc(
+            "Attention dropout drawn head by head from each head's global index, so every "
+            "layout draws the single process's masks (for layout-parity tests); written-out "
+            "attention with a [heads, seq, seq] tensor, not the fused kernel."
+        ),
+    )
     layer_norm_eps: float = field(default=1e-5, metadata=_doc("Layer-norm epsilon."))
     init_std: float = field(
         default=0.02,

@@ -47,6 +47,8 @@ class GPTShapes:
     layer_norm_eps: float
     tp1: int = 1
     tp2: int = 1
+    # Attention dropout per head from its global index (ModelConfig.dropout_parity).
+    dropout_parity: bool = False
 
     @classmethod
     def from_config(cls, model, tp1: int = 1, tp2: int = 1) -> GPTShapes:
@@ -61,6 +63,7 @@ class GPTShapes:
             layer_norm_eps=model.layer_norm_eps,
             tp1=tp1,
             tp2=tp2,
+            dropout_parity=model.dropout_parity,
         )
 
     @property
@@ -120,6 +123,7 @@ class GPT(nn.Module):
                 tp1,
                 tp2,
                 cp,
+                dropout_parity=s.dropout_parity,
             )
             for _ in range(s.layers)
         )

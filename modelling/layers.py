@@ -159,6 +159,7 @@ class Attention(nn.Module):
         tp1: Axis,
         tp2: Axis,
         cp: Axis = LOCAL,
+        dropout_parity: bool = False,
     ):
         super().__init__()
         width = local_heads * head_dim
@@ -167,6 +168,7 @@ class Attention(nn.Module):
         self.out = ParallelLinear(width, local_hidden, reduce_axis=tp1)
         self.local_heads, self.head_dim = local_heads, head_dim
         self.dropout_prob = dropout_prob
+        self.dropout_parity = dropout_parity
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
@@ -185,13 +187,45 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """softmax(q k^T / sqrt(d)) v, causal, with dropout on the probabilities: the part
         whose activations grow with the square of the sequence (what selective recompute
-        recomputes)."""
+        recomputes).
+
+        With dropout, the fused kernel draws one mask for the heads it is given, seeded by the
+        layer's attention seed and the global index of this shard's first head: the same draw
+        wherever this shard's heads are recomputed, but another layout's shards draw other
+        masks. ``dropout_parity`` draws each head's own mask instead (written out, slower), so
+        every layout draws the single process's masks.
+        """
         p = self.dropout_prob if seeds is not None else 0.0
         if not p:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
         # This tp1 shard's first head, then this cp group's: the global index of head 0 here.
         first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
-        return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
+        if self.dropout_parity:
+            return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
+        return fused_attention_with_dropout(q, k, v, p, mix_seed(seeds.attention, first))
+
+
+def fused_attention_with_dropout(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: int
+) -> torch.Tensor:
+    """Causal ``scaled_dot_product_attention`` with dropout ``p`` drawn from ``seed``.
+
+    SDPA draws its mask from the default generator of the tensors' device (the flash and
+    memory-efficient kernels on CUDA save the generator's position for their backward; the
+    CPU's math path saves the mask). Seeding that generator, and restoring it afterwards,
+    makes the mask a pure function of ``seed``: a layer recomputed in its backward phase draws
+    the forward's mask, and the global random stream does not move.
+    """
+    if q.is_meta:  # planning: the kernel's shapes and FLOPs, no generator to seed
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+    cuda = q.device.type == "cuda"
+    with torch.random.fork_rng(devices=[q.device] if cuda else [], device_type="cuda"):
+        if cuda:
+            with torch.cuda.device(q.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.default_generator.manual_seed(seed)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
 
 
 def _attention_with_head_masks(
@@ -246,10 +280,13 @@ class DecoderBlock(nn.Module):
         tp1: Axis,
         tp2: Axis,
         cp: Axis = LOCAL,
+        dropout_parity: bool = False,
     ):
         super().__init__()
         self.ln_1 = LayerNorm(local_hidden, tp2, eps)
-        self.attn = Attention(local_hidden, local_heads, head_dim, dropout_prob, tp1, tp2, cp)
+        self.attn = Attention(
+            local_hidden, local_heads, head_dim, dropout_prob, tp1, tp2, cp, dropout_parity
+        )
         self.ln_2 = LayerNorm(local_hidden, tp2, eps)
         self.mlp = FeedForward(local_hidden, local_ffn, tp1, tp2)
         self.dropout_prob = dropout_prob

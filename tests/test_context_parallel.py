@@ -52,9 +52,10 @@ SEQUENCE = 24  # pieces of 12, 8 and 6 tokens: every causal window crosses a pie
 
 def _attention(heads: int, dropout: float, cp) -> Attention:
     """An attention module of ``heads`` heads with fixed random weights (the same for every
-    rank and for the reference)."""
+    rank and for the reference). Attention dropout per head (``dropout_parity``): a cp rank
+    holds another group of heads than the whole sequence's attention."""
     hidden = heads * HEAD_DIM
-    module = Attention(hidden, heads, HEAD_DIM, dropout, LOCAL, LOCAL, cp)
+    module = Attention(hidden, heads, HEAD_DIM, dropout, LOCAL, LOCAL, cp, dropout_parity=True)
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in module.parameters():

@@ -48,7 +48,9 @@ META = torch.device("meta")
 
 def attention_kernel(device_type: str, dropout_prob: float) -> str:
     """The attention kernel ``scaled_dot_product_attention`` runs on a device, which decides
-    what it saves: ``flash`` on CUDA, ``cpu_flash`` on a CPU without dropout, else ``math``."""
+    what it saves: ``flash`` on CUDA (with dropout too: the fused kernel draws it), ``cpu_flash``
+    on a CPU without dropout, else ``math``. (``--dropout_parity`` writes attention with
+    dropout out instead of calling it: matmuls and a [heads, seq, seq] tensor anywhere.)"""
     if device_type == "cuda":
         return "flash"
     return "cpu_flash" if dropout_prob == 0.0 else "math"

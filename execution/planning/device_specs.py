@@ -37,6 +37,8 @@ class DeviceSpec:
         devices_per_node: Devices a node holds.
         storage_gb_per_s: Checkpoint write bandwidth per device (each rank writes its own files).
         compute_efficiency: Fraction of the peak that large bf16 matmuls reach.
+        attention_efficiency: Fraction of the peak that the fused attention kernel reaches,
+            forward and backward (0: as ``compute_efficiency``).
         The fields below are measured by ``benchmarks/calibrate.py`` (empty or 0 where only a
         data sheet is known).
         matmul_tflops: ``(m, n, k, TFLOPS)`` of the matmuls measured, in the run's 16-bit
@@ -65,6 +67,7 @@ class DeviceSpec:
     d2h_gb_per_s: float = 0.0
     launch_overhead_us: float = 0.0
     host_memory_gb_per_s: float = 0.0
+    attention_efficiency: float = 0.0
 
     def matmul_rate(self, m: int, n: int, k: int) -> float:
         """TFLOPS of ``(m, k) @ (k, n)``: the measured shape nearest in FLOPs (log scale), or the
@@ -83,10 +86,19 @@ class DeviceSpec:
 # Host memory: 128 GiB per device (a 1-2 TiB node of 8 GPUs). Storage: 2 GB/s per device, what
 # a node's local NVMe array (8 drives, about 16 GB/s of writes) or a parallel file system's share
 # gives 8 ranks writing at once; 1 GB/s for the older A100 nodes.
+# Attention: SDPA's flash backend is FlashAttention-2, which reaches about 35% of an H100's
+# peak (the FlashAttention-3 paper, Shah et al. 2024) and 50-70% of an A100's, forward and
+# backward (the FlashAttention-2 paper, Dao 2023); causal masking and dropout cost a little more.
 SPECS = {
-    "h100_sxm": DeviceSpec("h100_sxm", 989.0, 79.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0),
-    "h200": DeviceSpec("h200", 989.0, 139.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0),
-    "a100_80gb": DeviceSpec("a100_80gb", 312.0, 79.0, 128.0, 25.0, 300.0, 25.0, 8, 0.7, 1.0),
+    "h100_sxm": DeviceSpec(
+        "h100_sxm", 989.0, 79.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.35
+    ),
+    "h200": DeviceSpec(
+        "h200", 989.0, 139.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.35
+    ),
+    "a100_80gb": DeviceSpec(
+        "a100_80gb", 312.0, 79.0, 128.0, 25.0, 300.0, 25.0, 8, 0.7, 1.0, attention_efficiency=0.5
+    ),
 }
 
 

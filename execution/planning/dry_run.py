@@ -122,9 +122,8 @@ class RankMeasurement:
     comm_bytes: dict[str, int]  # per group, bytes this rank sends; plus host_link
     comm_seconds: dict[str, float]
     flops: int
-    # Per kind of phase, summed over its phases: (FLOPs, seconds of transfers that run behind
-    # them, seconds of collectives they wait for); see :func:`phase_costs`.
-    phases: dict[str, tuple[float, float, float]]
+    # Per kind of phase, summed over its phases: PHASE_COSTS (see :func:`phase_costs`).
+    phases: dict[str, tuple[float, float, float, float]]
 
 
 def measure_planned_step(
@@ -148,11 +147,16 @@ def measure_planned_step(
     )
 
 
+# What phase_costs gives per kind of phase, in order.
+PHASE_COSTS = ("flops", "overlappable_s", "critical_s", "attention_flops")
+
+
 def phase_costs(
     windows: list[Window], layout: ParallelLayout, spec: DeviceSpec
 ) -> dict[str, tuple[float, float, float]]:
-    """Per kind of phase, summed over its phases: FLOPs, seconds of overlappable transfers and
-    seconds of collectives on the critical path.
+    """Per kind of phase, summed over its phases: FLOPs, seconds of overlappable transfers,
+    seconds of collectives on the critical path, and the FLOPs of fused attention among the
+    first (priced at their own rate: :func:`compute_seconds`).
 
     Overlappable, behind a phase's compute: its host copies (prefetched), the async
     all-gathers started just before it (the next phase's weights) and the async reductions
@@ -179,12 +183,25 @@ def phase_costs(
             )
         overlappable = window.host_bytes / link + gathers + carried
         carried = reductions
-        sums = out.setdefault(window.kind, [0.0, 0.0, 0.0])
-        for index, value in enumerate((window.flops, overlappable, critical)):
+        sums = out.setdefault(window.kind, [0.0] * len(PHASE_COSTS))
+        costs = (window.flops, overlappable, critical, window.attention_flops)
+        for index, value in enumerate(costs):
             sums[index] += value
     if carried:  # reductions started in the last window: nothing is left to hide them
-        out.setdefault("optimizer", [0.0, 0.0, 0.0])[2] += carried
+        out.setdefault("optimizer", [0.0] * len(PHASE_COSTS))[2] += carried
     return {kind: tuple(sums) for kind, sums in out.items()}
+
+
+def compute_seconds(flops: float, attention_flops: float, spec: DeviceSpec) -> float:
+    """Seconds of ``flops``, of which ``attention_flops`` ran in fused attention kernels: those
+    at ``spec.attention_efficiency`` of the peak (FlashAttention-2, what SDPA's flash backend
+    runs, reaches about 35% of an H100's; with dropout a little less), the rest at the matmul
+    rate. Attention is then no longer priced as if it ran at large-matmul speed."""
+    peak = spec.peak_tflops * 1e12
+    attention_rate = peak * (spec.attention_efficiency or spec.compute_efficiency)
+    return (flops - attention_flops) / (peak * spec.compute_efficiency) + (
+        attention_flops / attention_rate
+    )
 
 
 def checkpoint_figures(
@@ -298,17 +315,17 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
     same formula over the kind's sums. Communication that fits behind compute is reported as
     hidden, the rest (and the critical path) as exposed.
     """
-    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
-    step = hidden = 0.0
+    step = hidden = compute_total = 0.0
     # A pipeline stage's P passes take P + S - 1 pass-times: it idles for the bubble.
     stages, passes = config.execution.pipeline_parallel, m.plan.passes
     bubble = (passes + stages - 1) / passes
-    for kind, (flops, overlappable, critical) in m.phases.items():
-        compute = flops / rate
+    for kind, (flops, overlappable, critical, attention) in m.phases.items():
+        compute = compute_seconds(flops, attention, spec)
         scale = 1.0 if kind == "optimizer" else bubble
         step += (max(compute, overlappable) + critical) * scale
         hidden += min(compute, overlappable)
-    compute = m.flops / rate
+        compute_total += compute
+    compute = compute_total
     model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     return {

@@ -41,6 +41,7 @@ class Window:
     Attributes:
         kind: The phase's kind (:mod:`execution.engine.schedule`) or ``optimizer``.
         flops: Floating-point operations executed.
+        attention_flops: The part of them the fused attention kernels ran.
         host_bytes: Bytes copied over the host link.
         sync_bytes: Per axis and op, payload bytes of the collectives waited for where issued.
         async_bytes: Per axis and op, payload bytes of the collectives issued asynchronously.
@@ -49,6 +50,7 @@ class Window:
     kind: str
     flops: int = 0
     host_bytes: int = 0
+    attention_flops: int = 0
     sync_bytes: dict[str, Counter] = field(default_factory=dict)
     async_bytes: dict[str, Counter] = field(default_factory=dict)
 
@@ -70,6 +72,7 @@ class PhaseRecorder:
             store.host_to_device + store.device_to_host,
             {a.name: Counter(a.payload_bytes) for a in axes},
             {a.name: Counter(a.async_bytes) for a in axes},
+            self.meter.attention_flops,
         )
 
     def _close(self) -> None:
@@ -82,7 +85,16 @@ class PhaseRecorder:
                 {a: now[3][a] - self._last[3][a] for a in now[3]},
             )
             sync = {a: payload[a] - asynchronous[a] for a in payload}
-            self.windows.append(Window(self._kind, flops, host, sync, asynchronous))
+            attention = now[4] - self._last[4]
+            window = Window(
+                kind=self._kind,
+                flops=flops,
+                host_bytes=host,
+                attention_flops=attention,
+                sync_bytes=sync,
+                async_bytes=asynchronous,
+            )
+            self.windows.append(window)
         self._last = now
 
     def start(self, phase: Phase | None) -> None:

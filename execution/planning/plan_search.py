@@ -49,6 +49,7 @@ from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.parallel.launch import usable_cores
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
+    PHASE_COSTS,
     RankMeasurement,
     checkpoint_figures,
     estimate,
@@ -99,13 +100,14 @@ def extrapolated_step(
         seconds[group] = nbytes * rate
     flops = totals.pop("flops")
     kinds = sorted({kind for sample in samples for kind in sample.phases})
+    width = len(PHASE_COSTS)
     per_sample = [
-        [v for kind in kinds for v in sample.phases.get(kind, (0.0, 0.0, 0.0))]
-        for sample in samples
+        [v for kind in kinds for v in sample.phases.get(kind, (0.0,) * width)] for sample in samples
     ]
     sums = full @ np.linalg.solve(matrix, np.array(per_sample, dtype=np.float64))
     phases = {
-        kind: tuple(float(v) for v in sums[3 * i : 3 * i + 3]) for i, kind in enumerate(kinds)
+        kind: tuple(float(v) for v in sums[width * i : width * (i + 1)])
+        for i, kind in enumerate(kinds)
     }
     return flops, totals, seconds, working_set, phases
 
@@ -341,7 +343,7 @@ def _estimated_row(
     plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
     if candidate.execution.pipeline_parallel > 1:
         comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
-        phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"])}
+        phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"], 0.0)}
     measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
     return {
         "config": candidate,

@@ -24,6 +24,28 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 
+def _attention_kernels() -> frozenset:
+    """The fused attention ops, forward and backward, of every backend this torch has."""
+    names = (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_cudnn_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_flash_attention_forward",
+        "_flash_attention_backward",
+        "_efficient_attention_forward",
+        "_efficient_attention_backward",
+    )
+    return frozenset(getattr(torch.ops.aten, n) for n in names if hasattr(torch.ops.aten, n))
+
+
+ATTENTION_KERNELS = _attention_kernels()
+
+
 class StepMeter(TorchDispatchMode):
     """Tracks live and peak bytes of storages created inside the ``with`` block, and FLOPs.
 
@@ -31,6 +53,9 @@ class StepMeter(TorchDispatchMode):
         live: Bytes of counted storages still alive.
         peak: Largest ``live`` seen.
         flops: Floating-point operations of the matmuls and attention kernels that ran.
+        attention_flops: The part of ``flops`` the fused attention kernels ran (they reach
+            a lower share of the peak than matmuls; the written-out attention of
+            ``--dropout_parity`` runs as matmuls and counts as such).
     """
 
     def __init__(self):
@@ -38,6 +63,7 @@ class StepMeter(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.flops = 0
+        self.attention_flops = 0
         # id of each counted storage object (torch keeps one Python object per live storage,
         # and the finaliser drops the id when it dies, before the id can be reused).
         self._counted: dict[int, int] = {}
@@ -48,15 +74,16 @@ class StepMeter(TorchDispatchMode):
         recorded = _META_RESULTS.get(key)
         if recorded is not None:
             out, flops = recorded.replay()
-            self.flops += flops
         else:
             out = func(*args, **kwargs)
             flops = 0
             count_flops = flop_registry.get(func._overloadpacket)
             if count_flops is not None:
                 flops = count_flops(*args, **kwargs, out_val=out)
-                self.flops += flops
             _META_RESULTS.record(key, args, kwargs, out, flops)
+        self.flops += flops
+        if flops and func._overloadpacket in ATTENTION_KERNELS:
+            self.attention_flops += flops
         inputs = None
         for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
             storage = t.untyped_storage()

@@ -1,0 +1,105 @@
+"""Attention with dropout on the fused kernel: its mask is a pure function of the seed, drops
+about p of the probabilities and scales the rest by 1 / (1 - p), leaves the global random
+stream alone, and is what a recomputing backward draws again. The written-out per-head path
+(``--dropout_parity``) is the one every layout draws alike.
+
+References: a hand computation (uniform probabilities and one-hot values expose each mask
+entry in the output), and the single process's engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelling.layers import _attention_with_head_masks, fused_attention_with_dropout, mix_seed
+
+P = 0.25
+
+
+def _exposed_mask(seed: int, heads: int = 4, seq: int = 64) -> torch.Tensor:
+    """The keep mask the fused kernel drew: with q = k = 0 every query attends uniformly to
+    its causal prefix, and with v the identity, output[i, j] = keep[i, j] / ((1 - p)(i + 1))."""
+    q = k = torch.zeros(1, heads, seq, seq)
+    v = torch.eye(seq).expand(1, heads, seq, seq)
+    out = fused_attention_with_dropout(q, k, v, P, seed)
+    prefix = torch.arange(1, seq + 1, dtype=torch.float32).view(seq, 1)
+    return out * prefix * (1 - P)
+
+
+def test_fused_mask_is_inverted_dropout_on_the_probabilities_and_a_function_of_the_seed():
+    state = torch.get_rng_state()
+    keep = _exposed_mask(seed=7)
+    assert torch.equal(torch.get_rng_state(), state), "the global random stream moved"
+    causal = torch.ones(64, 64, dtype=torch.bool).tril().expand_as(keep)
+    # Every kept probability is scaled by 1 / (1 - p), every other one is 0: no third value.
+    assert torch.allclose(keep[causal], keep[causal].round(), atol=1e-5)
+    assert set(keep[causal].round().unique().tolist()) == {0.0, 1.0}
+    assert torch.all(keep[~causal].abs() < 1e-6), "a masked-out future position leaked"
+    dropped = 1 - keep[causal].round().mean().item()
+    assert abs(dropped - P) < 0.02, dropped  # 8320 draws: 4.7 standard deviations
+    assert torch.equal(_exposed_mask(seed=7), keep)  # what a recompute draws
+    assert not torch.equal(_exposed_mask(seed=8), keep)
+
+
+def test_fused_dropout_backward_matches_the_same_masks_written_out():
+    """The gradient through the fused kernel equals the gradient of softmax-dropout-matmul
+    written out with the mask it drew (recovered as above)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in "qkv")
+    seed = mix_seed(3, 0)
+    out = fused_attention_with_dropout(q, k, v, P, seed)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    keep = _exposed_mask(seed, heads=2, seq=16).round().to(torch.float64)
+    scores = (q @ k.transpose(-2, -1)) / 8**0.5
+    causal = torch.ones(16, 16, dtype=torch.bool).tril()
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    written = (probs * keep / (1 - P)) @ v
+    torch.testing.assert_close(out, written)
+    expected = torch.autograd.grad(written.square().sum(), (q, k, v))
+    for got, want in zip(grads, expected, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_parity_path_draws_each_heads_mask_from_its_global_index():
+    """Two shards of two heads each draw what one process drawing four heads draws; the fused
+    kernel's shards do not (its mask follows the heads it is given)."""
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 4, 8, 4) for _ in "qkv")
+    whole = _attention_with_head_masks(q, k, v, P, seed=5, first_head=0)
+    halves = [
+        _attention_with_head_masks(q[:, h : h + 2], k[:, h : h + 2], v[:, h : h + 2], P, 5, h)
+        for h in (0, 2)
+    ]
+    assert torch.equal(torch.cat(halves, dim=1), whole)
+    fused = fused_attention_with_dropout(q, k, v, P, mix_seed(5, 0))
+    fused_halves = [
+        fused_attention_with_dropout(q[:, h : h + 2], k[:, h : h + 2], v[:, h : h + 2], P, 5)
+        for h in (0, 2)
+    ]
+    assert not torch.equal(torch.cat(fused_halves, dim=1), fused)
+
+
+def test_the_time_model_prices_fused_attention_at_its_own_rate():
+    """The step meter counts the fused kernel's FLOPs (forward and backward) apart, at the
+    flop counter's formula, and the dry run prices them at the spec's attention rate: on an
+    H100, 35% of the peak against 70% for matmuls."""
+    from execution.engine.recompute import attention_on_meta
+    from execution.planning.device_specs import SPECS
+    from execution.planning.dry_run import compute_seconds
+    from execution.planning.step_meter import StepMeter
+
+    b, h, s, d = 2, 4, 256, 64
+    q, k, v = (torch.empty(b, h, s, d, device="meta", requires_grad=True) for _ in "qkv")
+    with attention_on_meta("flash"), StepMeter() as meter:
+        out = fused_attention_with_dropout(q, k, v, P, seed=1)
+        torch.autograd.grad(out.sum(), (q, k, v))
+    # Forward 2 matmuls of b h s s d multiply-adds; backward 2.5 times that (torch's formulas,
+    # the causal mask not discounted).
+    forward = 2 * (2 * b * h * s * s * d)
+    assert meter.attention_flops == meter.flops == forward + 5 * forward // 2
+    spec = SPECS["h100_sxm"]
+    matmul = 1e12  # FLOPs of other work beside it
+    seconds = compute_seconds(matmul + meter.flops, meter.attention_flops, spec)
+    by_hand = matmul / (989e12 * 0.7) + meter.flops / (989e12 * 0.35)
+    assert seconds == pytest.approx(by_hand, rel=1e-12)
