@@ -17,7 +17,7 @@ from pathlib import Path
 
 from config.loading import ConfigError, parse_config
 from data.errors import DataError
-from execution.parallel.launch import setup_layout, teardown
+from execution.parallel.launch import read_launch_environment, setup_layout, teardown
 from execution.training.build import build
 from execution.training.loop import Interrupted, evaluate_only, train
 
@@ -34,12 +34,10 @@ def main(argv: list[str] | None = None, job: _Job | None = None) -> None:
     if config.planning.dry_run or config.planning.plan_for:
         plan_without_launching(config, preset)
         return
-    # Test hook, read here only: seconds each save waits before its commit.
-    commit_delay = float(os.environ.get("GPT3_TEST_CHECKPOINT_COMMIT_DELAY", "0"))
     layout, launch = setup_layout(config)
     job.joined = layout.world.size > 1
     try:
-        run = build(config, preset, layout, launch, checkpoint_commit_delay=commit_delay)
+        run = build(config, preset, layout, launch)
         if config.checkpoint.eval_only:
             evaluate_only(run)
         else:
@@ -61,6 +59,14 @@ def plan_without_launching(config, preset: str) -> None:
     dry_run(config, Path(config.logging.output_dir or default))
 
 
+def _rank() -> int:
+    """This process's rank in its job, from any launcher's variables (0 alone)."""
+    try:
+        return read_launch_environment(os.environ).rank
+    except ConfigError:  # inconsistent launcher variables: said by setup_layout already
+        return 0
+
+
 if __name__ == "__main__":
     # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does.
     stopped_by = {"signal": signal.SIGINT}
@@ -76,12 +82,12 @@ if __name__ == "__main__":
     except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
         # Before the ranks join (flags, world size) every rank finds the same error: rank 0
         # says it. After, an error may be one rank's own: it says which rank it is.
-        rank = int(os.environ.get("RANK", "0"))
+        rank = _rank()
         if rank == 0 or job.joined:
             where = f"rank {rank}: " if rank else ""
             print(f"run_pretraining.py: error: {where}{err}", file=sys.stderr)
         sys.exit(2)
     except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
-        if int(os.environ.get("RANK", "0")) == 0:  # every rank of a job gets the signal
+        if _rank() == 0:  # every rank of a job gets the signal
             print(f"run_pretraining.py: {str(err) or 'interrupted'}", file=sys.stderr)
         sys.exit(128 + stopped_by["signal"])

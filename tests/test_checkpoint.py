@@ -65,8 +65,8 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     ckpt = tmp_path / "ckpt"
     killed_dir, resumed_dir, eval_dir = tmp_path / "killed", tmp_path / "resumed", tmp_path / "eval"
     save = ["--checkpoint_steps", "3", "--save", str(ckpt), "--output_dir", str(killed_dir)]
-    delay = {"GPT3_TEST_CHECKPOINT_COMMIT_DELAY": "2"}
-    killed = entry_point(*RUN_FLAGS, *save, popen=True, env=delay)
+    delay = ["--checkpoint_commit_delay", "2"]
+    killed = entry_point(*RUN_FLAGS, *save, *delay, popen=True)
     deadline = time.monotonic() + 240
     while not ((ckpt / "step_3").is_dir() and (ckpt / "step_6.tmp" / ".metadata").exists()):
         assert killed.poll() is None, killed.stdout.read()

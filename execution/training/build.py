@@ -80,7 +80,6 @@ def build(
     preset: str,
     layout: ParallelLayout,
     launch: LaunchInfo,
-    checkpoint_commit_delay: float = 0.0,
 ) -> Run:
     """Builds this rank's run; every rank of the job calls it.
 
@@ -89,7 +88,6 @@ def build(
         preset: The preset's name (for the default output folder).
         layout: This rank's parallel geometry.
         launch: How the job was launched (reported at start-up).
-        checkpoint_commit_delay: Test hook: seconds each save waits before its commit.
 
     Raises:
         ConfigError, DataError: the user's input cannot run (one line each).
@@ -122,7 +120,7 @@ def build(
             c.save,
             engine,
             c.keep_checkpoints,
-            commit_delay=checkpoint_commit_delay,
+            commit_delay=c.checkpoint_commit_delay,
             run_id=run_id,
         )
     tracker: Tracker = NullTracker()
