@@ -49,6 +49,7 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
+from execution.engine.streams import side_streams
 from execution.parallel.mesh import ParallelLayout
 from modelling.gpt import LAYERS, PARTS
 from modelling.parallel import Axis
@@ -76,10 +77,12 @@ class StateStore:
         activations: ActivationLayout,
         rows: dict[str, int] | None = None,
         first_layer: int = 0,
+        late_streams: bool = False,
     ):
         """``rows``: buffer rows of each part (default: every part, ``layers`` decoder layers);
         a pipeline stage holds some parts only. ``first_layer``: the global index of its first
-        decoder layer."""
+        decoder layer. ``late_streams``: on a CPU, side-stream work completes only when
+        waited for (:class:`~execution.engine.streams.LateStream`, the tests' stand-in)."""
         self.specs = specs
         self.first_layer = first_layer
         self.rts = rts
@@ -101,11 +104,8 @@ class StateStore:
         # the async RTS all-gathers of the shards per kind or None).
         self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object, dict | None]] = {}
         self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
-        # CUDA only: a stream for loads issued ahead and one for activation stores to host.
-        self._copy_stream = self._store_stream = None
-        if self.device.type == "cuda":
-            self._copy_stream = torch.cuda.Stream(device=self.device)
-            self._store_stream = torch.cuda.Stream(device=self.device)
+        # A side stream for loads issued ahead and one for activation stores to host.
+        self.loads, self.stores = side_streams(self.device, late_streams)
         # Activation stores in flight on the store stream: buffer entry -> event of its copy.
         self._stores: dict[tuple, object] = {}
 
@@ -142,20 +142,33 @@ class StateStore:
         already waiting to be loaded is not loaded twice.
         """
         key = (part, row, dtype)
-        if key in self._prefetched or not (gather or self.places["weights"].remote):
+        place = self.places["weights"]
+        if key in self._prefetched or not (gather or place.remote):
             return
-        if self._copy_stream is None:
-            shards = self._weight_shards(part, row, dtype)
-            self._prefetched[key] = (shards, None, self._start_gathers(part, shards, gather))
-            return
-        # After the compute stream's work so far (for device weights, the optimizer's updates).
-        self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._copy_stream):
-            shards = self._weight_shards(part, row, dtype)
-            # Issued from the copy stream, so the collective waits for these copies only.
+        buffers = self.parts[part]
+        stored = buffers.weight_copies if dtype == self.copy_dtype else buffers.weights
+        sources = {kind: t[row] for kind, t in stored.items()}
+        if place.remote or any(t.dtype != dtype for t in sources.values()):
+            with self.loads.allocating():  # on CUDA, memory of the copy stream
+                shards = {
+                    kind: torch.empty(t.shape, dtype=dtype, device=self.device)
+                    for kind, t in sources.items()
+                }
+            if place.remote:
+                self.host_to_device += sum(t.numel() * t.element_size() for t in sources.values())
+
+            def copy() -> None:
+                for kind, t in sources.items():
+                    shards[kind].copy_(t, non_blocking=True)
+
+            # After the compute stream's work so far (for device weights, the optimizer's
+            # updates); the load waits for it.
+            ready = self.loads.submit(copy, list(shards.values()))
+        else:  # used in place: nothing to copy
+            shards, ready = sources, None
+        # Issued on the copy stream, so the collective runs after these copies only.
+        with self.loads.issue():
             gathers = self._start_gathers(part, shards, gather)
-            ready = torch.cuda.Event()
-            ready.record(self._copy_stream)
         self._prefetched[key] = (shards, ready, gathers)
 
     def _start_gathers(self, part: str, shards: dict[str, torch.Tensor], gather: bool):
@@ -190,18 +203,15 @@ class StateStore:
             self.prefetch_hits += 1
             shards, ready, gathers = prefetched
             if ready is not None:
-                compute = torch.cuda.current_stream(self.device)
-                compute.wait_event(ready)
-                for shard in shards.values():
-                    shard.record_stream(compute)
+                self.loads.wait(ready, list(shards.values()))
         vectors = {}
         for kind in self.specs[part]:
             if gathers is None:
                 full = self.rts[kind].all_gather(shards[kind])
             else:  # started a phase ago; on CUDA the compute stream now waits for it
                 full = gathers[kind].wait()
-                if prefetched[1] is not None and full is not shards[kind]:
-                    full.record_stream(torch.cuda.current_stream(self.device))
+                if full is not shards[kind]:  # made on the copy stream
+                    self.loads.wait(None, [full])
             vectors[kind] = full
         return vectors
 
@@ -358,22 +368,21 @@ class StateStore:
         until the copy is done (``record_stream``).
         """
         place = self.places["activations"]
-        if self._store_stream is None or not place.remote:
+        if not place.remote:
             self._store(target, value, place)  # in stream order, nothing to wait for
             return
-        self._store_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._store_stream):
-            self._store(target, value, place)
-            stored = torch.cuda.Event()
-            stored.record(self._store_stream)
-        value.record_stream(self._store_stream)
-        self._stores[key] = stored
+        self.device_to_host += target.numel() * target.element_size()
+
+        def copy() -> None:
+            target.copy_(value, non_blocking=True)
+
+        self._stores[key] = self.stores.submit(copy, [target], inputs=[value])
 
     def _load_activation(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
         """Loads an activation entry once its store (if still in flight) has completed."""
         stored = self._stores.pop(key, None)
         if stored is not None:  # later loads of the entry follow this wait in stream order
-            torch.cuda.current_stream(self.device).wait_event(stored)
+            self.stores.wait(stored)
         return self._load(source, self.places["activations"])
 
     # ------------------------------------------------------------------ accounting

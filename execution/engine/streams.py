@@ -1,0 +1,139 @@
+"""Side streams: copies that run beside the compute, ordered only by the waits the engine makes.
+
+On CUDA the state store issues host<->device copies on two side streams (loads ahead of their
+phase, activation stores behind it) and orders them against the compute stream with events.
+A missing wait there is a race that a GPU may or may not show. On a CPU every copy happens at
+once, in program order, so no test could catch it. :class:`LateStream` is the CPU stand-in that
+applies the GPU's rule strictly: work submitted to a side stream runs only when something waits
+for it (or for work queued after it), and until then its outputs hold NaN. A run whose waits
+are all in place computes the eager run's numbers bit for bit; a missing wait reads NaN.
+
+Each implementation has the same operations:
+
+- ``submit(work, outputs, inputs)``: queue ``work`` (a function that fills ``outputs`` from
+  ``inputs``) behind everything the compute stream issued so far; returns an event.
+- ``wait(event, tensors)``: the compute stream waits for ``event`` (and ``tensors``, made on the
+  side stream, are marked as in use there for the caching allocator).
+- ``issue()``: a context in which a collective is issued on the side stream, so that it runs
+  after the stream's copies (NCCL enqueues it there; gloo reads its input at once, so the late
+  stream runs what is queued first); ``allocating()``, a context whose allocations belong to
+  the side stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+Work = Callable[[], None]
+
+
+class EagerStream:
+    """A CPU (or meta) device: work runs when submitted, in program order."""
+
+    def submit(self, work: Work, outputs: Sequence[torch.Tensor] = (), inputs=()) -> None:
+        work()
+
+    def wait(self, event, tensors: Sequence[torch.Tensor] = ()) -> None:
+        pass
+
+    def issue(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def allocating(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class CudaStream:
+    """A CUDA side stream of ``device``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def submit(self, work: Work, outputs: Sequence[torch.Tensor] = (), inputs=()):
+        # After the compute stream's work so far (what made the inputs; earlier reads of the
+        # outputs' memory).
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            work()
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        for t in inputs:  # the compute stream's memory, read here: not reused until done
+            t.record_stream(self.stream)
+        return done
+
+    def wait(self, event, tensors: Sequence[torch.Tensor] = ()) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        if event is not None:
+            compute.wait_event(event)
+        for t in tensors:  # memory made on the side stream, now read by the compute stream
+            t.record_stream(compute)
+
+    def issue(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.stream)
+
+    def allocating(self) -> contextlib.AbstractContextManager:
+        """Allocations of the side stream (the compute stream marks them when it reads)."""
+        return torch.cuda.stream(self.stream)
+
+
+class _LateEvent:
+    __slots__ = ("done",)
+
+    def __init__(self):
+        self.done = False
+
+
+class LateStream:
+    """The CPU stand-in of a side stream whose work completes late (module docstring)."""
+
+    def __init__(self, role: str = ""):
+        self.role = role  # "loads" or "stores", for messages and tests
+        self._queue: list[tuple[_LateEvent, Work]] = []
+        self.waits = 0  # waits that ran queued work (tests check the stand-in is exercised)
+
+    def submit(self, work: Work, outputs: Sequence[torch.Tensor] = (), inputs=()) -> _LateEvent:
+        for t in outputs:
+            if t.is_floating_point():
+                t.fill_(float("nan"))  # what a read before the copy completes would see
+        event = _LateEvent()
+        self._queue.append((event, work))
+        return event
+
+    def wait(self, event: _LateEvent | None, tensors: Sequence[torch.Tensor] = ()) -> None:
+        if event is None or event.done:
+            return
+        self.waits += 1
+        while not event.done:  # in stream order: what was queued before it runs first
+            queued, work = self._queue.pop(0)
+            work()
+            queued.done = True
+
+    @contextlib.contextmanager
+    def issue(self) -> Iterator[None]:
+        self.finish()  # the collective reads its input as it is issued
+        yield
+
+    def allocating(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Runs everything queued (a device synchronise)."""
+        if self._queue:
+            self.wait(self._queue[-1][0])
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+
+def side_streams(device: torch.device, late: bool = False):
+    """Two side streams (loads, stores) for ``device``: CUDA streams on a GPU; on a CPU, eager
+    ones, or with ``late`` the stand-in whose work completes only when waited for."""
+    if device.type == "cuda":
+        return CudaStream(device), CudaStream(device)
+    if late:
+        return LateStream("loads"), LateStream("stores")
+    return EagerStream(), EagerStream()
