@@ -64,9 +64,17 @@ class PhasedEngine:
         config: Validated run configuration.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
         plan: Passes and placements (:mod:`execution.planning` chooses them).
+        late_streams: On a CPU, copies on the side streams complete only when waited for
+            (:class:`~execution.engine.streams.LateStream`: tests of the GPU's ordering).
     """
 
-    def __init__(self, config: PretrainingConfig, layout: ParallelLayout, plan: MemoryPlan):
+    def __init__(
+        self,
+        config: PretrainingConfig,
+        layout: ParallelLayout,
+        plan: MemoryPlan,
+        late_streams: bool = False,
+    ):
         self.config = config
         self.layout = layout
         self.device = layout.device
@@ -109,6 +117,7 @@ class PhasedEngine:
             activations,
             rows,
             self.stage.first_layer,
+            late_streams=late_streams,
         )
         self.link = pipeline.Link(layout.pp, self.stage, activations, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
@@ -285,7 +294,8 @@ class PhasedEngine:
             # Every micro-batch's loss is 1/GA of the step's (whatever the passes), and each
             # sequence piece's mean loss 1/cp of its micro-batch's.
             pieces = batch.micro_batches * self.layout.cp.size
-            scale = torch.tensor(self.config.training.loss_scaling / pieces, device=self.device)
+            # Filled on the device: a tensor of host data would be a blocking copy (a sync).
+            scale = torch.full((), self.config.training.loss_scaling / pieces, device=self.device)
         for m, e in self._entries(phase):
             x = self.state.fetch_x(L, e)
             with torch.set_grad_enabled(backward):
