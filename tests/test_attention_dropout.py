@@ -4,7 +4,7 @@ stream alone, and is what a recomputing backward draws again. The written-out pe
 (``--dropout_parity``) is the one every layout draws alike.
 
 References: a hand computation (uniform probabilities and one-hot values expose each mask
-entry in the output), and the single process's engine.
+entry in the output), and the same engine recomputing in full.
 """
 
 from __future__ import annotations
@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from execution.checkpoint.logical import full_state
+from execution.engine.phases import PhasedEngine
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import planned_engine
+from modelling.gpt import LAYERS
 from modelling.layers import _attention_with_head_masks, fused_attention_with_dropout, mix_seed
+from tests.distributed import CPU, global_batches, replica_batch
+from tests.reference import small_config
 
 P = 0.25
 
@@ -103,3 +110,45 @@ def test_the_time_model_prices_fused_attention_at_its_own_rate():
     seconds = compute_seconds(matmul + meter.flops, meter.attention_flops, spec)
     by_hand = matmul / (989e12 * 0.7) + meter.flops / (989e12 * 0.35)
     assert seconds == pytest.approx(by_hand, rel=1e-12)
+
+
+def _train(*flags: str, steps: int = 2) -> tuple[PhasedEngine, list[float], dict]:
+    config = small_config("--passes", "2", *flags)
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    batches = global_batches(config, steps)
+    losses = [
+        engine.train_step(replica_batch(config, batches[s], 0), s, 2e-3).loss for s in range(steps)
+    ]
+    return engine, losses, {**full_state(engine), **full_state(engine, "grads")}
+
+
+def test_recompute_modes_draw_the_fused_masks_alike():
+    """Without --dropout_parity the fused kernel draws attention dropout, and a layer
+    recomputed in full, its attention core recomputed (selective) or nothing recomputed
+    (none) give the same losses, weights and gradients, bit for bit, over 2 steps of 2
+    passes: the recompute draws the forward's masks. Dropout is on (the losses differ from a
+    dropout-free run's)."""
+    runs = {}
+    for mode in ("full", "selective", "none"):
+        engine, losses, state = _train("--dropout_prob", "0.1", "--recompute", mode)
+        assert engine.plan.recompute == mode
+        assert not engine.templates[LAYERS].attn.dropout_parity
+        runs[mode] = losses, state
+    full_losses, full_state_ = runs["full"]
+    for mode in ("selective", "none"):
+        losses, state = runs[mode]
+        assert losses == full_losses, mode
+        for name, value in full_state_.items():
+            assert torch.equal(state[name], value), (mode, name)
+    assert _train("--dropout_prob", "0", steps=1)[1][0] != full_losses[0]
+
+
+def test_dropout_parity_is_a_flag_that_reaches_the_attention():
+    """``--dropout_parity true`` builds attention that draws each head's mask from its global
+    index (the layout-parity path); the default is the fused kernel."""
+    flags = ("--dropout_prob", "0.1", "--placement", "resident")
+    for given, want in (((), False), (("--dropout_parity", "true"), True)):
+        config = small_config(*flags, *given)
+        assert config.model.dropout_parity is want
+        engine = planned_engine(config, ParallelLayout.single(CPU))
+        assert engine.templates[LAYERS].attn.dropout_parity is want

@@ -165,7 +165,10 @@ class _Packer:
             self.overflow += nbytes
             packed = ("kept", t)
         else:
-            region = self.entry[start : start + nbytes].view(t.dtype).view(t.shape)
+            # In t's order of dimensions: a recompute then runs its ops on the layouts the
+            # forward saw (a contiguous q turns q @ k^T into another kernel, rounded otherwise).
+            region = self.entry[start : start + nbytes].view(t.dtype)
+            region = region.as_strided(t.shape, _dense_strides(t))
             self.store(region, t)
             packed = ("region", region)
         self.used, self.copied = end, self.copied + nbytes
@@ -176,6 +179,16 @@ class _Packer:
     def close(self) -> None:
         self._seen.clear()
         self._alive.clear()
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
+    """Strides of a dense tensor of ``t``'s shape with its dimensions in ``t``'s stride order
+    (what ``torch.empty_like`` keeps)."""
+    strides, step = [0] * t.dim(), 1
+    for dim in sorted(range(t.dim()), key=lambda d: (t.stride(d), t.size(d))):
+        strides[dim] = step
+        step *= t.size(dim)
+    return tuple(strides)
 
 
 def _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks) -> tuple:
