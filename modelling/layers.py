@@ -12,15 +12,19 @@ Context parallelism (axis ``cp``): outside attention a rank holds piece ``cp.ran
 ``cp.size`` equal pieces of every sequence (dim 1). Attention swaps the sequence split for a
 head split with an all-to-all and back (DeepSpeed-Ulysses, :func:`sequence_to_heads`).
 
-Every layout draws the single process's dropout masks: a residual or embedding mask is drawn
-for the whole ``[B, S, h]`` tensor and each rank keeps its piece of the sequence (cp) and block
-of the hidden size (tp2); an attention-probability mask is drawn head by head, from a seed of
-the head's global index, so a tp1 shard or a cp head group draws exactly its heads' masks.
+A residual or embedding dropout mask is the single process's in every layout: it is drawn for
+the whole ``[B, S, h]`` tensor and each rank keeps its piece of the sequence (cp) and block of
+the hidden size (tp2). Attention-probability dropout is drawn by the fused kernel, seeded by the
+global index of the shard's first head: the same on every tp2 replica and in every recompute,
+but another layout's shards draw other masks. ``dropout_parity`` draws each head's mask from its
+own global index instead (written out, with a ``[B, heads, S, S]`` tensor), so that a tp1 shard
+or a cp head group draws exactly the single process's masks: for the layout-parity tests.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -170,6 +174,10 @@ class Attention(nn.Module):
         self.dropout_prob = dropout_prob
         self.dropout_parity = dropout_parity
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
+        # What runs SDPA (None: F.scaled_dot_product_attention). Planning gives this module the
+        # op a device's kernel runs on meta tensors, where SDPA itself would take the math path
+        # (execution/engine/recompute.py: attention_on_meta), and no other module sees it.
+        self.sdpa: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
@@ -196,19 +204,25 @@ class Attention(nn.Module):
         every layout draws the single process's masks.
         """
         p = self.dropout_prob if seeds is not None else 0.0
+        sdpa = self.sdpa or F.scaled_dot_product_attention
         if not p:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return sdpa(q, k, v, is_causal=True)
         # This tp1 shard's first head, then this cp group's: the global index of head 0 here.
         first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
         if self.dropout_parity:
             return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
-        return fused_attention_with_dropout(q, k, v, p, mix_seed(seeds.attention, first))
+        return fused_attention_with_dropout(q, k, v, p, mix_seed(seeds.attention, first), sdpa)
 
 
 def fused_attention_with_dropout(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: int
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    p: float,
+    seed: int,
+    sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention,
 ) -> torch.Tensor:
-    """Causal ``scaled_dot_product_attention`` with dropout ``p`` drawn from ``seed``.
+    """Causal ``scaled_dot_product_attention`` (``sdpa``) with dropout ``p`` drawn from ``seed``.
 
     SDPA draws its mask from the default generator of the tensors' device (the flash and
     memory-efficient kernels on CUDA save the generator's position for their backward; the
@@ -217,7 +231,7 @@ def fused_attention_with_dropout(
     the forward's mask, and the global random stream does not move.
     """
     if q.is_meta:  # planning: the kernel's shapes and FLOPs, no generator to seed
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return sdpa(q, k, v, dropout_p=p, is_causal=True)
     cuda = q.device.type == "cuda"
     with torch.random.fork_rng(devices=[q.device] if cuda else [], device_type="cuda"):
         if cuda:
@@ -225,7 +239,7 @@ def fused_attention_with_dropout(
                 torch.cuda.manual_seed(seed)
         else:
             torch.default_generator.manual_seed(seed)
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        return sdpa(q, k, v, dropout_p=p, is_causal=True)
 
 
 def _attention_with_head_masks(

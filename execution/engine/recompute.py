@@ -38,7 +38,7 @@ from execution.engine.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import KINDS
 from modelling.gpt import GPT, LAYERS, GPTShapes
-from modelling.layers import BlockSeeds
+from modelling.layers import Attention, BlockSeeds
 
 MODES = ("full", "selective", "none")
 # Each kept tensor starts on this many bytes, so any dtype can view its region.
@@ -57,33 +57,39 @@ def attention_kernel(device_type: str, dropout_prob: float) -> str:
 
 
 @contextlib.contextmanager
-def attention_on_meta(kernel: str) -> Iterator[None]:
-    """Runs attention on meta tensors as ``kernel`` would (the meta device takes the math
-    path), so that outputs, saved tensors and FLOPs are the device kernel's.
+def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
+    """Runs the attention of ``modules`` on meta tensors as ``kernel`` would (the meta device
+    takes the math path), so that outputs, saved tensors and FLOPs are the device kernel's.
 
-    It replaces ``F.scaled_dot_product_attention`` for every thread, not a thread-local mode:
-    autograd runs a meta backward, and a selective recompute inside it, on its own thread.
-    Real tensors go to the original function.
+    Each :class:`~modelling.layers.Attention` among them is given the kernel's op for the
+    block (its ``sdpa``), so nothing else in the process sees it: not another model, and not
+    ``F.scaled_dot_product_attention`` (which a patch would change for every thread). Being
+    the module's, it holds on the threads autograd runs a meta backward, and a selective
+    recompute inside it, on. Real tensors go to ``F.scaled_dot_product_attention``.
     """
     op = {
         "flash": torch.ops.aten._scaled_dot_product_flash_attention,
         "cpu_flash": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
     }.get(kernel)
-    original = F.scaled_dot_product_attention
+    attentions = [m for module in modules for m in module.modules() if isinstance(m, Attention)]
     if op is None:
         yield
         return
 
     def attention(q, k, v, *args, dropout_p=0.0, is_causal=False, **kwargs):
         if not q.is_meta or args or kwargs:
-            return original(q, k, v, *args, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+            sdpa = F.scaled_dot_product_attention
+            return sdpa(q, k, v, *args, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
         return op(q, k, v, dropout_p, is_causal)[0]
 
-    F.scaled_dot_product_attention = attention
+    before = [m.sdpa for m in attentions]
+    for m in attentions:
+        m.sdpa = attention
     try:
         yield
     finally:
-        F.scaled_dot_product_attention = original
+        for m, sdpa in zip(attentions, before, strict=True):
+            m.sdpa = sdpa
 
 
 def prepare_block(block: torch.nn.Module, mode: str) -> None:
@@ -324,7 +330,7 @@ def kept_layer_on_meta(
         return packed[1]
 
     sinks = collections.defaultdict(lambda: lambda grad: None)
-    with attention_on_meta(kernel):
+    with attention_on_meta(kernel, block):
         _, handle = _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks)
         torch.autograd.backward(handle, torch.empty_like(x))
     return KeptBytes(packer.used, packer.copied, loaded)

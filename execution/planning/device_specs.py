@@ -38,7 +38,8 @@ class DeviceSpec:
         storage_gb_per_s: Checkpoint write bandwidth per device (each rank writes its own files).
         compute_efficiency: Fraction of the peak that large bf16 matmuls reach.
         attention_efficiency: Fraction of the peak that the fused attention kernel reaches,
-            forward and backward (0: as ``compute_efficiency``).
+            forward and backward, on the FLOPs it executes (a causal kernel half the square;
+            0: as ``compute_efficiency``).
         The fields below are measured by ``benchmarks/calibrate.py`` (empty or 0 where only a
         data sheet is known).
         matmul_tflops: ``(m, n, k, TFLOPS)`` of the matmuls measured, in the run's 16-bit
@@ -86,15 +87,19 @@ class DeviceSpec:
 # Host memory: 128 GiB per device (a 1-2 TiB node of 8 GPUs). Storage: 2 GB/s per device, what
 # a node's local NVMe array (8 drives, about 16 GB/s of writes) or a parallel file system's share
 # gives 8 ranks writing at once; 1 GB/s for the older A100 nodes.
-# Attention: SDPA's flash backend is FlashAttention-2, which reaches about 35% of an H100's
-# peak (the FlashAttention-3 paper, Shah et al. 2024) and 50-70% of an A100's, forward and
-# backward (the FlashAttention-2 paper, Dao 2023); causal masking and dropout cost a little more.
+# Attention, forward and backward, on the FLOPs a causal kernel executes (half the square, as
+# FlashAttention's benchmarks count them): SDPA's flash backend is FlashAttention-2. On an H100
+# at head dim 128, causal, bf16, it runs 284 TFLOPS forward and 287 backward at sequence 8192
+# (flash-attention PR #1791, hopper/benchmark_attn.py), 29% of the peak, and about 35% at best
+# (the FlashAttention-3 paper, Shah et al. 2024); sequence 2048 and the in-kernel dropout draw
+# cost more: 25%, which is 50% of the peak on torch's whole-square count. On an A100 it reaches
+# 50-73% (the FlashAttention-2 paper, Dao 2023): 50%.
 SPECS = {
     "h100_sxm": DeviceSpec(
-        "h100_sxm", 989.0, 79.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.35
+        "h100_sxm", 989.0, 79.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.25
     ),
     "h200": DeviceSpec(
-        "h200", 989.0, 139.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.35
+        "h200", 989.0, 139.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.25
     ),
     "a100_80gb": DeviceSpec(
         "a100_80gb", 312.0, 79.0, 128.0, 25.0, 300.0, 25.0, 8, 0.7, 1.0, attention_efficiency=0.5

@@ -141,7 +141,7 @@ def meta_step(
     engine = PhasedEngine(config, layout, plan)
     shape = (config.gradient_accumulation, ex.micro_batch_size, config.model.sequence_length + 1)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
-    with attention_on_meta(kernel), StepMeter() as meter:
+    with attention_on_meta(kernel, *engine.templates.values()), StepMeter() as meter:
         recorder = PhaseRecorder(meter, engine)
         engine.on_phase = recorder.start
         engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
@@ -227,6 +227,7 @@ def _layer_recompute_flops(s, micro_batch, sequence, dtype, recompute, kernel) -
         return flops[0] - flops[1]
     x = torch.empty(micro_batch, sequence, s.hidden // s.tp2, dtype=dtype, device="meta")
     seeds = BlockSeeds(1, 2, 3) if s.dropout_prob else None
-    with attention_on_meta(kernel), StepMeter() as meter, torch.no_grad():
-        meta_block(s)(x, seeds)
+    block = meta_block(s)
+    with attention_on_meta(kernel, block), StepMeter() as meter, torch.no_grad():
+        block(x, seeds)
     return meter.flops

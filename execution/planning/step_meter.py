@@ -1,7 +1,8 @@
 """What a piece of code allocates and computes: the engine's own working-set and FLOP accounting.
 
 A dispatch mode sees the output of every aten op; each new storage is counted until it is freed,
-and matmuls and attention kernels add their FLOPs (torch's own flop formulas).
+and matmuls and attention kernels add their FLOPs (torch's own flop formulas; a causal fused
+attention kernel half of its formula, what it executes).
 It works the same on real tensors (measure a CPU run) and on meta tensors (the dry run), so a
 dry run's working set is what the same step allocates, not a formula. Buffers allocated before
 the mode starts are not counted; what the caller keeps afterwards still counts as live.
@@ -46,13 +47,26 @@ def _attention_kernels() -> frozenset:
 ATTENTION_KERNELS = _attention_kernels()
 
 
+def _is_causal(func, args: tuple, kwargs: dict) -> bool:
+    """Whether a fused attention op was called causal (its ``is_causal`` argument)."""
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.name == "is_causal":
+            if argument.name in kwargs:
+                return bool(kwargs[argument.name])
+            return bool(args[index]) if index < len(args) else bool(argument.default_value)
+    return False
+
+
 class StepMeter(TorchDispatchMode):
     """Tracks live and peak bytes of storages created inside the ``with`` block, and FLOPs.
 
     Attributes:
         live: Bytes of counted storages still alive.
         peak: Largest ``live`` seen.
-        flops: Floating-point operations of the matmuls and attention kernels that ran.
+        flops: Floating-point operations of the matmuls and attention kernels that ran. A
+            causal fused kernel counts half of torch's formula, which counts the whole
+            ``[S, S]`` square: the kernel skips the blocks above the diagonal (as
+            FlashAttention's benchmarks count it, whose rates ``DeviceSpec`` takes).
         attention_flops: The part of ``flops`` the fused attention kernels ran (they reach
             a lower share of the peak than matmuls; the written-out attention of
             ``--dropout_parity`` runs as matmuls and counts as such).
@@ -80,6 +94,8 @@ class StepMeter(TorchDispatchMode):
             count_flops = flop_registry.get(func._overloadpacket)
             if count_flops is not None:
                 flops = count_flops(*args, **kwargs, out_val=out)
+                if func._overloadpacket in ATTENTION_KERNELS and _is_causal(func, args, kwargs):
+                    flops //= 2  # torch counts the whole square; the kernel skips the future
             _META_RESULTS.record(key, args, kwargs, out, flops)
         self.flops += flops
         if flops and func._overloadpacket in ATTENTION_KERNELS:
