@@ -63,7 +63,7 @@ def _rank(rank: int, world: int, flags: list[str], folder: str) -> None:
                             timeout=timeout)  # fmt: skip
     config, _ = parse_config(flags)
     engine = planned_engine(config, ParallelLayout.build(world, 1, 1, CPU))
-    checkpointer = Checkpointer(Path(folder, "ckpt"), engine, log=lambda _: None)
+    checkpointer = Checkpointer(Path(folder, "ckpt"), engine, config, log=lambda _: None)
     share = item_bytes(held_items(engine))
 
     gc.collect()
@@ -73,8 +73,7 @@ def _rank(rank: int, world: int, flags: list[str], folder: str) -> None:
     checkpointer.save(1, None)
     held = time.perf_counter() - started
     fenced = time.perf_counter()
-    for wait in engine.before_update:  # what the next optimizer update does first
-        wait()
+    checkpointer.wait_for_host_reads()  # what the next optimizer update does first
     fence = time.perf_counter() - fenced
     checkpointer.close()
     save_s, save_extra = time.perf_counter() - started, _extra_memory_since(base)

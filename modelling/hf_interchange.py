@@ -169,14 +169,15 @@ class HFWeights:
             )
 
     def check_shape(self, model) -> None:
-        """Raises a one-line ConfigError when the HF model differs from ``model`` (ModelConfig)."""
+        """Raises a one-line ConfigError when the HF model differs from ``model`` (the run's
+        :class:`~modelling.gpt.GPTShapes`), naming the flag to change."""
         c = self.config
         pairs = {
             "n_layer": ("layers", model.layers),
-            "n_embd": ("hidden_size", model.hidden_size),
+            "n_embd": ("hidden_size", model.hidden),
             "n_head": ("heads", model.heads),
-            "vocab_size": ("vocab_size", model.vocab_size),
-            "n_positions": ("max_positional_length", model.max_positional_length),
+            "vocab_size": ("vocab_size", model.vocab),
+            "n_positions": ("max_positional_length", model.positions),
         }
         for key, (flag, ours) in pairs.items():
             if c.get(key) != ours:

@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.logical import full_state
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from tests.reference import small_config as reference_small_config
@@ -223,6 +223,13 @@ def replica_batch(config: PretrainingConfig, batch: torch.Tensor, dp_rank: int) 
     return batch[dp_rank * rows : (dp_rank + 1) * rows].reshape(-1, mbs, batch.shape[-1])
 
 
+def engine_batch(engine: PhasedEngine, batch: torch.Tensor, dp_rank: int) -> torch.Tensor:
+    """:func:`replica_batch` for the run an engine's plan describes."""
+    mbs, plan = engine.plan.micro_batch_size, engine.plan
+    rows = plan.gradient_accumulation * mbs
+    return batch[dp_rank * rows : (dp_rank + 1) * rows].reshape(-1, mbs, batch.shape[-1])
+
+
 def learning_rates(steps: int) -> list[float]:
     """A rising learning rate so each step's update has a different size."""
     return [2e-3 * (step + 1) for step in range(steps)]
@@ -232,7 +239,7 @@ def train_steps(engine: PhasedEngine, batches: torch.Tensor, dp_rank: int) -> li
     """Runs one step per global batch; returns loss and grad norm of each (every rank)."""
     out = []
     for step, lr in enumerate(learning_rates(len(batches))):
-        result = engine.train_step(replica_batch(engine.config, batches[step], dp_rank), step, lr)
+        result = engine.train_step(engine_batch(engine, batches[step], dp_rank), step, lr)
         assert not result.skipped
         out.append({"loss": result.loss, "grad_norm": result.grad_norm})
     return out

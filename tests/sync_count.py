@@ -48,14 +48,13 @@ def _is_sync(func, args, kwargs) -> bool:
 class SyncCounter(TorchFunctionMode):
     """Counts syncs by call name; ``in_loop`` holds those inside a phase loop."""
 
-    def __init__(self, engine):
+    def __init__(self):
         super().__init__()
         self.total: collections.Counter = collections.Counter()
         self.in_loop: collections.Counter = collections.Counter()
         self._inside = False
-        engine.on_phase = self._on_phase
 
-    def _on_phase(self, phase) -> None:
+    def on_phase(self, phase) -> None:
         self._inside = phase is not None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

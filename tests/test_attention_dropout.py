@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from execution.checkpoint.logical import full_state
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from execution.engine.recompute import attention_on_meta
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
@@ -148,7 +148,7 @@ def test_recompute_modes_draw_the_fused_masks_alike():
     runs = {}
     for mode in ("full", "selective", "none"):
         engine, losses, state = _train("--dropout_prob", "0.1", "--recompute", mode)
-        assert engine.plan.recompute == mode
+        assert engine.memory.recompute == mode
         assert not engine.templates[LAYERS].attn.dropout_parity
         runs[mode] = losses, state
     full_losses, full_state_ = runs["full"]

@@ -27,9 +27,9 @@ from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from tests.distributed import (
     CPU,
+    engine_batch,
     global_batches,
     learning_rates,
-    replica_batch,
     small_config,
     with_execution,
 )
@@ -109,9 +109,9 @@ def _engine(config):
     return planned_engine(config, ParallelLayout.single(CPU))
 
 
-def _train(engine, batches, steps):
+def _train(engine, batches, steps, hooks=None):
     return [
-        engine.train_step(replica_batch(engine.config, batches[s], 0), s, learning_rates(6)[s]).loss
+        engine.train_step(engine_batch(engine, batches[s], 0), s, learning_rates(6)[s], hooks).loss
         for s in steps
     ]
 
@@ -123,9 +123,9 @@ def saved(tmp_path_factory):
     config = small_config()
     engine = _engine(config)
     batches = global_batches(config, 3)
-    checkpointer = Checkpointer(folder, engine, keep=2, log=lambda _: None)
+    checkpointer = Checkpointer(folder, engine, config, keep=2, log=lambda _: None)
     for step in range(2):
-        _train(engine, batches, [step])
+        _train(engine, batches, [step], checkpointer.hooks)
         checkpointer.save(step + 1, {"step": step + 1})
     checkpointer.save(2, {"step": 2})  # the same step again replaces it
     checkpointer.close()
@@ -150,8 +150,8 @@ def test_resume_in_process_matches_and_restores_state(saved):
 
 
 def test_keep_checkpoints_prunes_the_oldest(tmp_path):
-    engine = _engine(small_config("--layers", "1"))
-    checkpointer = Checkpointer(tmp_path, engine, keep=2, log=lambda _: None)
+    config = small_config("--layers", "1")
+    checkpointer = Checkpointer(tmp_path, _engine(config), config, keep=2, log=lambda _: None)
     for step in (1, 2, 3):
         checkpointer.save(step, None)
     checkpointer.close()

@@ -30,10 +30,10 @@ from tests.distributed import (
     CPU,
     FLOAT32_TOLERANCE,
     assert_states_close,
+    engine_batch,
     global_batches,
     layout_flags,
     learning_rates,
-    replica_batch,
     run_ranks,
     single_process_run,
     small_config,
@@ -124,7 +124,7 @@ class _Sink:
 def _save(config, batches, folder):
     engine = planned_engine(config, world_layout(config))
     steps = train_steps(engine, batches[: STEPS - 1], engine.layout.dp.rank)
-    checkpointer = Checkpointer(folder, engine, log=lambda _: None)
+    checkpointer = Checkpointer(folder, engine, config, log=lambda _: None)
     before = {axis.name: sum(axis.calls.values()) for axis in engine.layout.axes()}
     with _CollectiveSpy() as spy:
         checkpointer.save(STEPS - 1, None)
@@ -147,7 +147,7 @@ def _resume(config, batches, folder, layout=None):
 
 
 def _next_step(engine, batches, step):
-    batch = replica_batch(engine.config, batches[step], engine.layout.dp.rank)
+    batch = engine_batch(engine, batches[step], engine.layout.dp.rank)
     result = engine.train_step(batch, step, learning_rates(STEPS)[step])
     return {"step": step, "loss": result.loss, "weights": full_state(engine, "weights")}
 
@@ -284,8 +284,9 @@ def test_a_load_needs_little_more_memory_than_the_rank_s_share(tmp_path):
     mark reset before the load) stays under 1.5x its share. Reading a decoder layer's three
     states whole, as a load that assembles logical tensors does, would take 2x the share."""
     flags = ["--layers", "4", "--hidden_size", "512", "--heads", "8"]
-    engine = planned_engine(small_config(*flags), ParallelLayout.single(CPU))
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, log=lambda _: None)
+    saved = small_config(*flags)
+    engine = planned_engine(saved, ParallelLayout.single(CPU))
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, saved, log=lambda _: None)
     checkpointer.save(1, None)
     checkpointer.close()
     config = small_config(*flags, *layout_flags(2, 2, 2))

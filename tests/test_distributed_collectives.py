@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from execution.engine.gradients import start_reduction
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import KINDS, MATRIX, TP1_VECTOR, TP2_VECTOR, shard_part
 from execution.planning.planner import planned_engine
@@ -262,7 +263,12 @@ def _rts_rank() -> dict:
             for kind, spec in engine.specs[part].items()
         }
         # Started as the overlapped schedule starts them, then waited for.
-        reduced[part] = {kind: wait() for kind, wait in engine._start_reduction(acc).items()}
+        reduced[part] = {
+            kind: wait()
+            for kind, wait in start_reduction(
+                acc, engine.rts, layout.dp_cp, layout.dp.size, True
+            ).items()
+        }
     primitives = {}
     for axis in layout.axes():
         x = randn(6, seed=layout.rank)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from execution.planning.planner import planned_engine
 from tests.distributed import (
     FLOAT32_TOLERANCE,

@@ -202,13 +202,16 @@ def _dropout_rank(config) -> dict:
     )
     batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
     result = engine.train_step(batch, 0, 1e-3)
-    entries = range(engine.plan.micro_batches_per_pass)
+    entries = range(engine.memory.micro_batches_per_pass)
     boundaries = range(config.model.layers + 1)
     return {
         "loss": result.loss,
         # x as the layers see it (each tp1 rank stores a slice; fetching gathers them)
         "x": torch.stack(
-            [torch.stack([engine.state.fetch_x(n, e) for e in entries]) for n in boundaries]
+            [
+                torch.stack([engine.state.activations.fetch_x(n, e) for e in entries])
+                for n in boundaries
+            ]
         ),
         "dx": engine.state.activations.dx.clone(),
         "attention": torch.stack(attention_outputs),

@@ -70,7 +70,7 @@ def test_sampling_filters():
 def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     config = small_config("--vocab_size", "50257", "--layers", "1")
     engine = planned_engine(config, ParallelLayout.single(CPU))
-    checkpointer = Checkpointer(tmp_path, engine, log=lambda _: None)
+    checkpointer = Checkpointer(tmp_path, engine, config, log=lambda _: None)
     checkpointer.save(0, None)
     checkpointer.close()
     flags = shlex.split('--prompt "Hello world" --temperature 0 --max_new_tokens 6 --device cpu')

@@ -39,7 +39,7 @@ def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
     batches = global_batches(config, 2)
     for step in range(2):  # trained: biases and norms are no longer 0 and 1
         engine.train_step(replica_batch(config, batches[step], 0), step, 1e-2)
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, log=lambda _: None)
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
     checkpointer.save(2, None)
     checkpointer.close()
     convert_checkpoint.main(["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")])

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
+from execution.engine.plan import engine_plan
 from execution.engine.streams import LateStream
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
@@ -40,7 +41,7 @@ def _config(weights: str, activations: str, recompute: str, overlap: bool, passe
 def _train(config, late: bool) -> tuple[list[float], PhasedEngine]:
     layout = ParallelLayout.single(CPU)
     plan, _ = plan_for_process(config, layout)
-    engine = PhasedEngine(config, layout, plan, late_streams=late)
+    engine = PhasedEngine(engine_plan(config, plan), layout, late_streams=late)
     batches = global_batches(config, STEPS)
     losses = [
         engine.train_step(replica_batch(config, batches[s], 0), s, 1e-3).loss for s in range(STEPS)

@@ -49,7 +49,7 @@ def _train(config, layout: ParallelLayout) -> dict:
         "norms": [r.grad_norm for r in results],
         "buffers": buffers,
         "async": sum(sum(a.async_bytes.values()) for a in layout.axes()),
-        "recompute": engine.plan.recompute,
+        "recompute": engine.memory.recompute,
     }
 
 
@@ -177,12 +177,12 @@ def test_host_weights_are_updated_on_the_host_by_the_threaded_adamw(monkeypatch)
     """Weights (with their moments) on the host, gradients on the device: every row is
     updated by the threaded host AdamW, the optimizer copies nothing to the device and only
     the gradients to the host, and the steps are bitwise those of an all-device run."""
-    from execution.engine import phases
+    from execution.engine import optimizer
 
     calls = []
-    threaded = phases.adamw_threaded_
+    threaded = optimizer.adamw_threaded_
     monkeypatch.setattr(
-        phases, "adamw_threaded_", lambda *a, **k: calls.append(a[0].device) or threaded(*a, **k)
+        optimizer, "adamw_threaded_", lambda *a, **k: calls.append(a[0].device) or threaded(*a, **k)
     )
     flags = [*FLAGS, "--grads_placement", "device", "--activations_placement", "device"]
     host = small_config(*flags, "--weights_placement", "host")
@@ -194,7 +194,7 @@ def test_host_weights_are_updated_on_the_host_by_the_threaded_adamw(monkeypatch)
     assert engine.optimizer_steps == 1 and len(calls) == rows
     assert all(device.type == "cpu" for device in calls)
     engine.state.host_to_device = engine.state.device_to_host = 0
-    engine._optimizer_phases(1e-3, 1.0)
+    engine.optimizer.update(1e-3, 1.0)
     grads = sum(t.numel() * 4 for b in engine.state.parts.values() for t in b.grads.values())
     assert (engine.state.host_to_device, engine.state.device_to_host) == (0, grads)
 

@@ -49,7 +49,7 @@ def train(config, layout: ParallelLayout | None = None, steps: int = STEPS) -> d
         "grads": full_state(engine, "grads"),
         "weights": full_state(engine, "weights"),
         "exp_avg_sq": full_state(engine, "exp_avg_sq"),
-        "plan": (engine.plan.passes, engine.plan.placement),
+        "plan": (engine.memory.passes, engine.memory.placement),
     }
 
 
@@ -250,10 +250,10 @@ def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
         flags = [*run, *layout_flags(dp, tp1, tp2), "--recompute", recompute]
         config = small_config(*flags)
         engine = planned_engine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
-        assert engine.plan.recompute == recompute
+        assert engine.memory.recompute == recompute
         allocated = engine.buffer_bytes()
         rank = RankShape.from_config(config)
-        plan = engine.plan
+        plan = engine.memory
         predicted = state_bytes(rank, plan.micro_batches_per_pass, plan.placement, plan.kept)
         assert allocated == predicted == plan.state_bytes
         want_copies = allocated["weights"] // 2 if weights == "host" else 0
@@ -373,7 +373,7 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
     assert all(e[0] == "compute" for e in waits)
     assert sum(e[2] == "copy" for e in waits) == state.prefetch_hits
     # x: L + 1 boundaries per pass, dx: L + 1 stored per pass; all read back after a wait
-    layers, entries = config.model.layers, engine.plan.micro_batches_per_pass
+    layers, entries = config.model.layers, engine.memory.micro_batches_per_pass
     stores = 2 * 2 * (layers + 1) * entries
     assert log.count(("store", "store", 1)) == stores
     assert sum(e[2] == "store" for e in waits) == stores

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import shlex
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
+from execution.engine.step import dropout_seeds
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from tests.reference import (
@@ -36,6 +38,7 @@ def random_tokens(config, steps: int, seed: int = 0) -> torch.Tensor:
 
 def assert_matches_reference(config, steps: int = 2, seeds: bool = False) -> None:
     engine = planned_engine(config, ParallelLayout.single(CPU))
+    seeds_of = functools.partial(dropout_seeds, engine.plan, 0)  # one replica
     model = reference_model(config)
     optimizer = reference_optimizer(model, config)
     tokens = random_tokens(config, steps)
@@ -46,8 +49,8 @@ def assert_matches_reference(config, steps: int = 2, seeds: bool = False) -> Non
         if seeds:
 
             def seed_fn(m, step=step):
-                layer_seeds = [engine._seeds(step, n, m) for n in range(config.model.layers)]
-                return (engine._embedding_seed(step, m), layer_seeds)
+                layer_seeds = [seeds_of(step, n, m) for n in range(config.model.layers)]
+                return (seeds_of(step, -1, m).attention_residual, layer_seeds)
 
         result = engine.train_step(tokens[step], step, lr)
         loss, grads, norm = reference_step(model, optimizer, tokens[step], lr, clip, seed_fn)
@@ -179,9 +182,9 @@ def test_dropout_seeds_differ_across_steps_layers_and_micro_batches():
     recomputation test above but train with correlated dropout."""
     engine = planned_engine(small_config("--dropout_prob", "0.1"), ParallelLayout.single(CPU))
     keys = itertools.product(range(3), range(-1, 2), range(4))  # (step, layer, micro-batch)
-    seeds = [engine._seeds(step, layer, micro) for step, layer, micro in keys]
+    seeds = [dropout_seeds(engine.plan, 0, step, layer, micro) for step, layer, micro in keys]
     flat = [s for block in seeds for s in block]
     assert len(set(flat)) == len(flat)
-    assert engine._seeds(None, 0, 0) is None  # evaluation: no dropout
+    assert dropout_seeds(engine.plan, 0, None, 0, 0) is None  # evaluation: no dropout
     dropout_free = planned_engine(small_config(), ParallelLayout.single(CPU))
-    assert dropout_free._seeds(0, 0, 0) is None
+    assert dropout_seeds(dropout_free.plan, 0, 0, 0, 0) is None

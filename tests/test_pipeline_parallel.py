@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
-from execution.engine.pipeline import Stage, bubble_fraction, training_phases
+from execution.engine.pipeline import bubble_fraction
+from execution.engine.schedule import Stage, training_phases
 from execution.parallel.mesh import MeshShape
 from execution.planning.planner import planned_engine
 from tests.distributed import (
@@ -282,7 +283,7 @@ def _save_rank(config, batches, folder) -> None:
     layout = world_layout(config)
     engine = planned_engine(config, layout)
     train_steps(engine, batches, layout.dp.rank)
-    saver = Checkpointer(str(folder), engine, 0)
+    saver = Checkpointer(str(folder), engine, config, 0)
     saver.save(len(batches), None)
     saver.close()
 

@@ -137,7 +137,8 @@ def test_host_traffic_is_what_the_engine_copies(passes):
 
     import torch
 
-    from execution.engine.phases import PhasedEngine
+    from execution.engine.engine import PhasedEngine
+    from execution.engine.plan import engine_plan
     from execution.parallel.mesh import ParallelLayout
 
     run = shlex.split(
@@ -150,7 +151,7 @@ def test_host_traffic_is_what_the_engine_copies(passes):
             placement += [f"--{state}_placement", place]
         config = small_config(*run, *placement)
         plan = candidate_plans(config, "cuda")[0]
-        engine = PhasedEngine(config, ParallelLayout.shapes_only(1, 2, 1), plan)
+        engine = PhasedEngine(engine_plan(config, plan), ParallelLayout.shapes_only(1, 2, 1))
         shape = (6, 2, config.model.sequence_length + 1)
         tokens = torch.zeros(shape, dtype=torch.long, device="meta")
         engine.train_step(tokens, 0, 1e-3)

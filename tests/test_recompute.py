@@ -63,7 +63,7 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
     for mode in MODES:
         config = small_config(*FLAGS, "--placement", placement, "--recompute", mode)
         runs[mode] = run = _train(config)
-        engine, plan = run["engine"], run["engine"].plan
+        engine, plan = run["engine"], run["engine"].memory
         assert plan.recompute == mode
         assert engine.buffer_bytes() == plan.state_bytes
         if mode != "full":
@@ -83,13 +83,13 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
         for state in ("grads", "weights", "exp_avg_sq"):
             assert_states_close(run[state], reference[state], TOLERANCE, f"{mode} {state}")
     # The backward recomputes the layer (full), its attention core (selective) or nothing.
-    rank = RankShape.from_config(runs["full"]["engine"].config)
+    rank = RankShape.from_config(small_config(*FLAGS, "--placement", placement))
     layers, micro_batches = rank.shapes.layers, rank.gradient_accumulation
     for mode in ("full", "selective"):
         extra = runs[mode]["flops"] - runs["none"]["flops"]
         assert extra == layers * micro_batches * recompute_flops(rank, mode, "math") > 0
     assert runs["full"]["flops"] > runs["selective"]["flops"] > runs["none"]["flops"]
-    kept = {mode: runs[mode]["engine"].plan.kept for mode in MODES}
+    kept = {mode: runs[mode]["engine"].memory.kept for mode in MODES}
     assert kept["full"] == 0 < kept["selective"] < kept["none"]
 
 

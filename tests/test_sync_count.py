@@ -3,8 +3,12 @@ inside the phase loop, and as many per step whatever the micro-batches and passe
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
+from execution.engine.bodies import BODIES
+from execution.engine.engine import StepHooks
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from tests.distributed import CPU, global_batches, replica_batch
@@ -22,11 +26,11 @@ def _counted_step(*flags: str, bug=None) -> SyncCounter:
     config = small_config("--dropout_prob", "0.1", "--micro_batch_size", "1", *flags)
     engine = planned_engine(config, ParallelLayout.single(CPU))
     if bug is not None:
-        bug(engine)
+        bug()
     batch = replica_batch(config, global_batches(config, 1)[0], 0)
-    counter = SyncCounter(engine)
+    counter = SyncCounter()
     with counter:
-        engine.train_step(batch, 0, 1e-3)
+        engine.train_step(batch, 0, 1e-3, StepHooks(on_phase=counter.on_phase))
     return counter
 
 
@@ -43,18 +47,24 @@ def test_no_sync_in_the_phase_loop_and_as_many_per_step_at_any_batch_or_passes(p
     assert counts[0]["item"] == 3
 
 
-def test_a_sync_inside_a_phase_is_caught():
+def test_a_sync_inside_a_phase_is_caught(monkeypatch):
     """A phase body that reads a value on the host (a bug on a GPU: the host stalls there
     every micro-batch) is counted inside the loop, once per layer forward and pass."""
 
-    def read_in_forward(engine):
-        body = engine._bodies["layer_forward"]
+    def read_in_forward(monkeypatch):
+        body = BODIES["layer_forward"]
 
-        def forward_reading_a_value(phase, batch):
-            batch.ids.sum().item()
-            body(phase, batch)
+        def forward_reading_a_value(step, phase):
+            step.batch.ids.sum().item()
+            body(step, phase)
 
-        engine._bodies["layer_forward"] = forward_reading_a_value
+        monkeypatch.setitem(BODIES, "layer_forward", forward_reading_a_value)
 
-    counter = _counted_step("--global_batch_size", "4", "--passes", "2", bug=read_in_forward)
+    counter = _counted_step(
+        "--global_batch_size",
+        "4",
+        "--passes",
+        "2",
+        bug=functools.partial(read_in_forward, monkeypatch),
+    )
     assert counter.in_loop["item"] == 2 * 2  # 2 layers x 2 passes

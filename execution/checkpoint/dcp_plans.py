@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, Chunk, held_chunks
 from execution.checkpoint.files import SAVED_STATES
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from modelling.gpt import EMBEDDING, logical_shapes, qualified_name
 
 

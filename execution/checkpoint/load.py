@@ -29,7 +29,7 @@ from execution.checkpoint.files import (
     verify,
 )
 from execution.checkpoint.logical import write_part_state
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from modelling.gpt import part_inits, qualified_name
 from modelling.hf_interchange import HFWeights, hf_name
 
@@ -176,7 +176,7 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
         ConfigError: unreadable files, or a model shape that differs from the run's flags.
     """
     hf = HFWeights(folder)
-    hf.check_shape(engine.config.model)
+    hf.check_shape(engine.plan.model)
     for part, row in engine.state.part_rows():
         full = {}
         for name, init in part_inits(engine.shapes, part).items():

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from execution.parallel.sharding import shard_part, unshard_part
 from modelling.gpt import qualified_name
 
@@ -68,5 +68,5 @@ def full_state(engine: PhasedEngine, state: str = "weights") -> dict[str, torch.
         for name, t in read_part_state(engine, part, row, state).items():
             out[qualified_name(part, layer, name)] = t
     if state == "grads":
-        out = {k: v / engine.config.training.loss_scaling for k, v in out.items()}
+        out = {k: v / engine.plan.loss_scaling for k, v in out.items()}
     return out

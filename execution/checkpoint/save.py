@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError, config_to_dict
+from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES
 from execution.checkpoint.files import (
     FORMAT,
@@ -51,7 +52,7 @@ from execution.checkpoint.files import (
     write_atomic,
 )
 from execution.checkpoint.ownership import check_save_folder, claim, new_run_id
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine, StepHooks
 
 
 class Checkpointer:
@@ -59,7 +60,8 @@ class Checkpointer:
 
     Args:
         directory: The save folder.
-        engine: This rank's engine (its config and layout are used).
+        engine: This rank's engine (its layout and buffers are used).
+        config: The run's config (written into every checkpoint, so a resume can check it).
         keep: Keep only the newest ``keep`` checkpoints (0 keeps all).
         log: Where rank 0's messages go.
         commit_delay: Test hook: seconds to wait after writing, before the commit.
@@ -74,6 +76,7 @@ class Checkpointer:
         self,
         directory: str | Path,
         engine: PhasedEngine,
+        config: PretrainingConfig,
         keep: int = 0,
         log: Callable[[str], None] = print,
         commit_delay: float = 0.0,
@@ -84,6 +87,7 @@ class Checkpointer:
         # The run the folder belongs to (ownership module): a new one unless given.
         self.run_id = run_id or new_run_id()
         self.engine = engine
+        self.config = config
         self.layout = engine.layout
         self.keep = keep
         self.log = log if self.layout.is_main else (lambda _: None)
@@ -94,8 +98,6 @@ class Checkpointer:
         self._host_read: threading.Event | None = None  # set once host chunks are copied out
         self._bounce: list[torch.Tensor] | None = None  # pinned, for copies off a GPU
         self._copy_stream = None
-        # Optimizer updates change the host buffers a save in flight is reading.
-        engine.before_update.append(self._wait_for_host_reads)
         # The background writes talk over their own gloo group, never the training's groups.
         distributed = dist.is_available() and dist.is_initialized()
         self.group = dist.new_group(backend="gloo") if distributed else None
@@ -145,7 +147,7 @@ class Checkpointer:
         """The ``[rows, shard]`` tensor each saved (state, part, kind) is written from.
 
         Host-placed buffers are written from as they are (the optimizer waits for the write,
-        see :meth:`_wait_for_host_reads`); buffers on the compute device are copied off now,
+        see :meth:`wait_for_host_reads`); buffers on the compute device are copied off now,
         since the training loop updates them in place and a GPU's memory is not the writer's.
         """
         place = self.engine.state.places["weights"]
@@ -187,7 +189,13 @@ class Checkpointer:
             drain(slot)
         return out
 
-    def _wait_for_host_reads(self) -> None:
+    @property
+    def hooks(self) -> StepHooks:
+        """What a training step runs for this checkpointer: optimizer updates change the host
+        buffers a save in flight is reading, so each waits for those reads first."""
+        return StepHooks(before_update=[self.wait_for_host_reads])
+
+    def wait_for_host_reads(self) -> None:
         """Before an optimizer update: the save in flight has copied out every host chunk."""
         if self._host_read is not None:
             waited = time.perf_counter()
@@ -205,7 +213,7 @@ class Checkpointer:
         return state
 
     def _trainer_state(self, step: int, loader_state: dict | None) -> dict[str, Any]:
-        config = self.engine.config
+        config = self.config
         ex = config.execution
         return {
             "format": FORMAT,
@@ -216,7 +224,7 @@ class Checkpointer:
             "learning_rate_position": {"step": step, "total_steps": config.training.steps},
             "loader": loader_state,
             "saved_layout": [ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2],
-            "saved_placement": f"{self.engine.plan.passes} pass(es), {self.engine.plan.placement.describe()}",
+            "saved_placement": f"{self.engine.memory.passes} pass(es), {self.engine.memory.placement.describe()}",
             "config": config_to_dict(config),
         }
 

@@ -1,13 +1,27 @@
-"""AdamW on flat shards, global-norm clipping and the learning-rate schedule."""
+"""AdamW on flat shards, global-norm clipping, the learning-rate schedule, and the driver that
+updates every shard a rank holds (:class:`AdamWDriver`)."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import math
-from concurrent.futures import Executor
+from collections.abc import Callable, Iterator
+from concurrent.futures import Executor, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from config.schema import OptimizerConfig
+from execution.parallel.sharding import DECAYED_KINDS
+
+if TYPE_CHECKING:
+    from config.schema import OptimizerConfig
+    from execution.engine.state import StateStore
+
+# Elements per chunk of a host AdamW update: 64 Ki float32 (256 KiB per tensor) stay in cache.
+HOST_CHUNK_ELEMENTS = 1 << 16
 
 
 def learning_rate(step: int, optim: OptimizerConfig, tokens_per_step: int, total_steps: int):
@@ -113,3 +127,81 @@ def adamw_threaded_(
     futures = [pool.submit(run, start) for start in range(0, weight.numel(), chunk_elements)]
     for future in futures:
         future.result()  # re-raises a worker's error here
+
+
+class AdamWDriver:
+    """AdamW on every part's shards of one rank, one row of one kind at a time.
+
+    Device-placed weights are updated on the device. Host-placed ones are updated where they
+    live, by the host's cores (:func:`adamw_threaded_`, bitwise :func:`adamw_`): weights and
+    moments never cross the host link, only gradients kept on the device do.
+
+    Args:
+        state: The rank's buffers.
+        optim: Betas, epsilon and weight decay.
+        host_threads: Threads for host updates (this process's share of the node's cores).
+    """
+
+    def __init__(self, state: StateStore, optim: OptimizerConfig, host_threads: int):
+        self.state, self.optim, self.host_threads = state, optim, max(1, host_threads)
+        self.steps = 0  # updates applied (AdamW's bias correction counts them)
+
+    def update(self, lr: float, grad_scale: float) -> None:
+        """One update of every shard with the step's gradients times ``grad_scale``."""
+        self.steps += 1
+        hyper = {"step": self.steps, "lr": lr, "optim": self.optim, "grad_scale": grad_scale}
+        state = self.state
+        on_host = state.places["weights"].remote
+        with self._pool() if on_host else contextlib.nullcontext() as pool:
+            for part, row in state.part_rows():
+                for kind in state.specs[part]:
+                    decay = kind in DECAYED_KINDS
+                    if not on_host:
+                        w, g, m, v = state.load_optimizer_row(part, kind, row)
+                        adamw_(w, g, m, v, weight_decay=decay, **hyper)
+                        continue
+                    tensors = state.host_optimizer_row(part, kind, row)
+                    # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
+                    chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
+                    adamw_threaded_(
+                        *tensors,
+                        pool=pool,
+                        chunk_elements=max(chunk, 1),
+                        weight_decay=decay,
+                        **hyper,
+                    )
+                    state.refresh_weight_copy(part, kind, row)
+
+    @contextlib.contextmanager
+    def _pool(self) -> Iterator[Executor]:
+        with host_pool(self.host_threads) as pool:
+            yield pool
+
+
+def host_pool(threads: int) -> ThreadPoolExecutor:
+    """Threads for host updates, each running torch's ops on itself alone.
+
+    Torch parallelises an elementwise op over an OpenMP team once it is large enough (32 Ki
+    elements; 2 Ki for sqrt's vector kernel), and a thread that is not OpenMP's own starts
+    with the process's default team size, the core count. Every pool thread would then open a
+    team of its own: up to cores x cores threads on the host. The pool already spreads the
+    chunks over the cores, so each of its threads sets its own OpenMP team size to one
+    (``omp_set_num_threads`` acts on the calling thread only; the main thread keeps its team).
+    """
+    set_team_size = _openmp_team_setter()
+    initializer = None if set_team_size is None else functools.partial(set_team_size, 1)
+    return ThreadPoolExecutor(threads, thread_name_prefix="host-adamw", initializer=initializer)
+
+
+@functools.cache
+def _openmp_team_setter() -> Callable[[int], None] | None:
+    """``omp_set_num_threads`` of the OpenMP runtime torch ships and loaded (GNU's libgomp on
+    Linux, LLVM's libomp elsewhere), or None where torch has none (a build without OpenMP)."""
+    libraries = Path(torch.__file__).parent / "lib"
+    for pattern in ("libgomp*.so*", "libomp*", "libiomp*"):
+        for library in sorted(libraries.glob(pattern)):
+            try:
+                return ctypes.CDLL(str(library)).omp_set_num_threads
+            except (OSError, AttributeError):
+                continue
+    return None

@@ -1,13 +1,23 @@
-"""The plan an engine runs by: passes per step and where each state lives.
+"""The plan an engine runs by: the model's shapes, the schedule's settings, passes per step and
+where each state lives.
 
-The engine requires one; :mod:`execution.planning` makes it (the planner chooses the fastest
-that fits, the dry run measures it). The byte figures a plan carries are the planner's, for
-reporting: the engine allocates its buffers from its own formulas, which the planner reads.
+The engine requires one (:class:`EnginePlan`) and reads nothing else: no config.
+:mod:`execution.planning` makes it (the planner chooses the passes and places that fit and run
+fastest, the dry run measures them); :func:`engine_plan` joins the run's settings to them. The
+byte figures a :class:`MemoryPlan` carries are the planner's, for reporting: the engine
+allocates its buffers from its own formulas, which the planner reads.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from modelling.gpt import GPTShapes
+
+if TYPE_CHECKING:  # the config is read once, by engine_plan; the engine never sees it
+    from config.schema import OptimizerConfig, PretrainingConfig
 
 # The states a plan places, each on the compute device or in host memory.
 PLACED_STATES = ("weights", "grads", "activations")
@@ -29,7 +39,7 @@ class Placement:
         return ", ".join(f"{s} on {getattr(self, s)}" for s in PLACED_STATES)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemoryPlan:
     """A schedule and placement with the bytes it needs on this rank.
 
@@ -88,3 +98,76 @@ class MemoryPlan:
             f"(host<->device {self.traffic / GiB:.2f} GiB per step)"
         )
         return "\n".join(rows)
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnginePlan:
+    """How one rank executes a step: everything :class:`~execution.engine.engine.PhasedEngine`
+    reads.
+
+    Attributes:
+        model: The whole model's shapes (``tp1 = tp2 = 1``; the engine shards them for its
+            layout).
+        sequence_length: Tokens per sequence.
+        micro_batch_size: Sequences per micro-batch.
+        gradient_accumulation: Micro-batches each data-parallel replica runs per step.
+        stage_layers: Decoder layers of each pipeline stage (one entry without a pipeline).
+        precision: Compute dtype name (``float32``, ``bfloat16``, ``float16``).
+        prefetch: Load the next phase's weights while this phase computes.
+        overlap_communication: Also start the next phase's all-gather and finish this phase's
+            gradient reduction behind the next phase's compute.
+        seed: Seeds the weights and dropout.
+        init_std: Std of the weight initialisation.
+        loss_scaling: Factor the loss is multiplied by before the backward.
+        optimizer: AdamW's hyper-parameters and the clipping norm.
+        memory: Passes, placement and recompute (the planner's choice).
+    """
+
+    model: GPTShapes
+    sequence_length: int
+    micro_batch_size: int
+    gradient_accumulation: int
+    stage_layers: tuple[int, ...]
+    precision: str
+    prefetch: bool
+    overlap_communication: bool
+    seed: int
+    init_std: float
+    loss_scaling: float
+    optimizer: OptimizerConfig
+    memory: MemoryPlan
+
+    def shrunk(self, layers: int, micro_batches: int, passes: int) -> EnginePlan:
+        """The same shards and phases with fewer layers (one stage) and micro-batches, and
+        fixed passes: a step to measure quickly."""
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, layers=layers),
+            gradient_accumulation=micro_batches,
+            stage_layers=(layers,),
+            memory=dataclasses.replace(
+                self.memory,
+                passes=passes,
+                micro_batches_per_pass=-(-micro_batches // passes),
+            ),
+        )
+
+
+def engine_plan(config: PretrainingConfig, memory: MemoryPlan) -> EnginePlan:
+    """The plan of a run: its settings joined to the planner's passes and placement."""
+    ex, training = config.execution, config.training
+    return EnginePlan(
+        model=GPTShapes.from_config(config.model),
+        sequence_length=config.model.sequence_length,
+        micro_batch_size=ex.micro_batch_size,
+        gradient_accumulation=config.gradient_accumulation,
+        stage_layers=tuple(config.stage_layers),
+        precision=training.precision,
+        prefetch=ex.prefetch,
+        overlap_communication=ex.overlap_communication,
+        seed=training.seed,
+        init_std=config.model.init_std,
+        loss_scaling=training.loss_scaling,
+        optimizer=training.optimizer,
+        memory=memory,
+    )

@@ -251,14 +251,15 @@ class KeptLayers:
         self.largest = max(self.largest, packer.used)
         return y
 
-    def backward(self, layer, entry, flats, dy, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    def backward(self, layer, entry, flats, dy, grads) -> torch.Tensor:
         """Backpropagates ``dy`` through the kept graph: adds the weights' gradients to
-        ``grads`` (views of the accumulators) and returns the gradient of the layer's input."""
+        ``grads`` (:class:`~execution.engine.gradients.Accumulators`) and returns the gradient
+        of the layer's input."""
         handle = self._graphs.pop((layer, entry))
         dx: list[torch.Tensor] = []
         self._flats = flats
         self._sinks.clear()
-        self._sinks.update({name: view.add_ for name, view in grads.items()})
+        self._sinks.update({name: functools.partial(grads.add_one, name) for name in grads.views})
         self._sinks["x"] = dx.append
         try:
             torch.autograd.backward(handle, dy)

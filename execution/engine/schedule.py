@@ -1,7 +1,7 @@
 """The schedule of a step: which phases run, in which order, over which micro-batches.
 
 A training step walks the model in one or more *passes*, each over a disjoint, contiguous group
-of this replica's micro-batches (DESIGN.md section 6):
+of this replica's micro-batches (docs/design.md, "The phase sequence"):
 
     embedding forward, layer 0 .. L-1 forward, head forward + backward,
     layer L-1 .. 0 backward, embedding backward
@@ -9,20 +9,65 @@ of this replica's micro-batches (DESIGN.md section 6):
 Gradients accumulate across passes; the global norm, clipping and the optimizer follow the last
 pass. One pass loads each layer once per step (least weight traffic, most activation memory);
 as many passes as micro-batches streams the layers per micro-batch.
+
+With a pipeline the decoder layers split into S contiguous stages (:class:`Stage`): stage 0
+also holds the embedding, stage S - 1 the head (and a copy of the word embedding tied to it).
+Phased execution stays inside a stage, so the passes of a step are the pipeline's chunks, run
+one forward, one backward: stage s starts ``S - 1 - s`` forwards before its first backward and
+holds at most ``min(S - s, P)`` passes of activations at once. Boundary activations cross
+between stages in *move* phases (:mod:`execution.engine.pipeline` runs them). One generator,
+:func:`training_phases`, serves every layout: with one stage it gives the list above, pass
+after pass.
+
+:data:`KINDS` is the one table of phase kinds: what each loads, and whether it moves
+activations between stages rather than computing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
-from modelling import gpt
+from modelling.gpt import EMBEDDING, HEAD, LAYERS
 
 EMBEDDING_FORWARD = "embedding_forward"
 LAYER_FORWARD = "layer_forward"
-HEAD = "head"  # forward, plus backward when training
+HEAD_PHASE = "head"  # forward, plus backward when training
 LAYER_BACKWARD = "layer_backward"
 EMBEDDING_BACKWARD = "embedding_backward"
+# x arrives from the previous stage before a pass's forward and leaves for the next after it;
+# dx arrives from the next stage before the backward and leaves for the previous after it.
+RECEIVE_X = "receive_x"
+SEND_X = "send_x"
+RECEIVE_DX = "receive_dx"
+SEND_DX = "send_dx"
+
+
+@dataclass(frozen=True)
+class PhaseKind:
+    """What a kind of phase does, as far as scheduling and prefetch need to know.
+
+    Attributes:
+        loads: The parts whose weights it loads (a layer phase loads its own decoder layer;
+            the head also loads the word embedding, tied to its output projection).
+        move: It moves boundary activations between pipeline stages and computes nothing.
+    """
+
+    loads: tuple[str, ...] = ()
+    move: bool = False
+
+
+KINDS: dict[str, PhaseKind] = {
+    EMBEDDING_FORWARD: PhaseKind(loads=(EMBEDDING,)),
+    LAYER_FORWARD: PhaseKind(loads=(LAYERS,)),
+    HEAD_PHASE: PhaseKind(loads=(HEAD, EMBEDDING)),
+    LAYER_BACKWARD: PhaseKind(loads=(LAYERS,)),
+    EMBEDDING_BACKWARD: PhaseKind(loads=(EMBEDDING,)),
+    RECEIVE_X: PhaseKind(move=True),
+    SEND_X: PhaseKind(move=True),
+    RECEIVE_DX: PhaseKind(move=True),
+    SEND_DX: PhaseKind(move=True),
+}
+MOVES = tuple(kind for kind, what in KINDS.items() if what.move)
 
 
 @dataclass(frozen=True)
@@ -30,8 +75,8 @@ class Phase:
     """One phase: a part (``layer`` for decoder phases) run over a group of micro-batches.
 
     Attributes:
-        kind: One of the phase names above.
-        layer: Decoder layer index for layer phases, else 0.
+        kind: A key of :data:`KINDS`.
+        layer: This stage's decoder layer index for layer phases, else 0.
         micro_batches: Indices into this replica's micro-batches of the step.
         first_pass: Gradients of this phase start the step's accumulation.
         last_pass: Gradients of this phase complete it (they count towards the global norm).
@@ -48,24 +93,52 @@ class Phase:
 
 
 def weights_loaded(phase: Phase) -> list[tuple[str, int]]:
-    """The (part, row) whose weights a phase loads, so they can be fetched a phase ahead.
+    """The (part, row) whose weights a phase loads, so they can be fetched a phase ahead."""
+    return [(part, phase.layer if part == LAYERS else 0) for part in KINDS[phase.kind].loads]
 
-    The head also loads the word embedding, tied to its output projection; the pipeline's
-    point-to-point moves load none.
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its place in the pipeline and the decoder layers it holds.
+
+    Attributes:
+        index, count: This stage and the number of stages (1 without a pipeline).
+        first_layer: Global index of its first decoder layer (its buffer row 0).
+        layers: Decoder layers it holds.
     """
-    if phase.kind not in (
-        EMBEDDING_FORWARD,
-        LAYER_FORWARD,
-        HEAD,
-        LAYER_BACKWARD,
-        EMBEDDING_BACKWARD,
-    ):
-        return []
-    if phase.kind in (LAYER_FORWARD, LAYER_BACKWARD):
-        return [(gpt.LAYERS, phase.layer)]
-    if phase.kind == HEAD:
-        return [(gpt.HEAD, 0), (gpt.EMBEDDING, 0)]
-    return [(gpt.EMBEDDING, 0)]
+
+    index: int
+    count: int
+    first_layer: int
+    layers: int
+
+    @classmethod
+    def of(cls, stage_layers: tuple[int, ...], index: int) -> Stage:
+        """Stage ``index`` of a pipeline whose stages hold ``stage_layers`` layers each."""
+        first = sum(stage_layers[:index])
+        return cls(index, len(stage_layers), first, stage_layers[index])
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.count - 1
+
+    def rows(self, part: str) -> int:
+        """Buffer rows of ``part`` this stage holds: its layers, the embedding on the first
+        and the last stage (tied to the head), the head on the last, else none."""
+        if part == LAYERS:
+            return self.layers
+        if part == EMBEDDING:
+            return int(self.is_first or self.is_last)
+        assert part == HEAD, part
+        return int(self.is_last)
+
+    def in_flight(self, passes: int) -> int:
+        """Passes whose activations this stage holds at once in one-forward-one-backward."""
+        return min(self.count - self.index, passes)
 
 
 def pass_groups(micro_batches: int, passes: int) -> list[range]:
@@ -80,21 +153,53 @@ def pass_groups(micro_batches: int, passes: int) -> list[range]:
     return groups
 
 
-def forward_phases(layers: int, group: range) -> Iterator[Phase]:
-    """Embedding and every decoder layer forward over one group of micro-batches."""
-    yield Phase(EMBEDDING_FORWARD, 0, group)
-    for n in range(layers):
-        yield Phase(LAYER_FORWARD, n, group)
+def _forward(stage: Stage, group: range, index: int, evaluation: bool = False) -> list[Phase]:
+    """One pass's forward through a stage: in from the embedding or the previous stage,
+    every layer, out to the next stage (or, when evaluating, the head's loss)."""
+    first_kind = EMBEDDING_FORWARD if stage.is_first else RECEIVE_X
+    phases = [Phase(first_kind, 0, group, pass_index=index)]
+    phases += [Phase(LAYER_FORWARD, n, group, pass_index=index) for n in range(stage.layers)]
+    if not stage.is_last:
+        phases.append(Phase(SEND_X, 0, group, pass_index=index))
+    elif evaluation:
+        phases.append(Phase(HEAD_PHASE, 0, group, pass_index=index))
+    return phases
 
 
-def training_phases(layers: int, micro_batches: int, passes: int) -> Iterator[Phase]:
-    """Every phase of one training step up to (not including) the optimizer, in order."""
+def _backward(stage: Stage, group: range, index: int, passes: int) -> list[Phase]:
+    """One pass's backward through a stage: the head (forward and backward) or dx from the
+    next stage, every layer in reverse, then the embedding or dx out to the previous stage."""
+    first, last = index == 0, index == passes - 1
+    flags = {"first_pass": first, "last_pass": last, "pass_index": index}
+    phases = [Phase(HEAD_PHASE if stage.is_last else RECEIVE_DX, 0, group, **flags)]
+    phases += [Phase(LAYER_BACKWARD, n, group, **flags) for n in reversed(range(stage.layers))]
+    if stage.is_first:
+        # On the last stage too (one stage), the head's tied gradient already started the sum.
+        flags["first_pass"] = first and not stage.is_last
+        phases.append(Phase(EMBEDDING_BACKWARD, 0, group, **flags))
+    else:
+        phases.append(Phase(SEND_DX, 0, group, **flags))
+    return phases
+
+
+def training_phases(stage: Stage, micro_batches: int, passes: int) -> list[Phase]:
+    """Every phase of one stage's training step up to the optimizer, one forward, one
+    backward over passes after ``S - 1 - s`` forwards of warm-up (none with one stage)."""
     groups = pass_groups(micro_batches, passes)
-    for index, group in enumerate(groups):
-        first, last = index == 0, index == len(groups) - 1
-        yield from forward_phases(layers, group)
-        yield Phase(HEAD, 0, group, first, last)
-        for n in reversed(range(layers)):
-            yield Phase(LAYER_BACKWARD, n, group, first, last)
-        # The head's tied word-embedding gradient has already started the embedding's sum.
-        yield Phase(EMBEDDING_BACKWARD, 0, group, first_pass=False, last_pass=last)
+    warmup = min(stage.count - 1 - stage.index, passes)
+    order = [("F", p) for p in range(warmup)]
+    for p in range(passes - warmup):
+        order += [("F", warmup + p), ("B", p)]
+    order += [("B", p) for p in range(passes - warmup, passes)]
+    phases = []
+    for direction, p in order:
+        if direction == "F":
+            phases += _forward(stage, groups[p], p)
+        else:
+            phases += _backward(stage, groups[p], p, passes)
+    return phases
+
+
+def evaluation_phases(stage: Stage, group: range, index: int) -> list[Phase]:
+    """One evaluation chunk's forward through this stage (the head's loss on the last)."""
+    return _forward(stage, group, index, evaluation=True)

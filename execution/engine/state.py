@@ -1,6 +1,6 @@
 """Movement of state: every load to the compute device and every store back to a buffer.
 
-The phase bodies (:mod:`execution.engine.phases`) only ever see device tensors; this module knows
+The phase bodies (:mod:`execution.engine.bodies`) only ever see device tensors; this module knows
 where each state lives (:class:`~execution.engine.buffers.Place`) and what a load costs there. A load
 from host memory is a real copy; state held on the device is used in place. The RTS all-gather
 of weights and the tp1 all-gather of the (tp1-sharded) activations x also happen here, so a
@@ -24,13 +24,12 @@ issues its collectives in the same order, since every rank runs the same schedul
 prefetches the next phase's parts just before running the current phase, so at most two
 phases' weights (two layers) are on the device: the running phase's and the next one's.
 
-Activation stores to host memory run on a second side stream on CUDA, so the copy of one
-micro-batch's output overlaps the next one's compute; each buffer entry's event orders its next
-load after its store (:meth:`StateStore._store_activation`). Gradient stores, and the tensors
-layers keep for their backward (:mod:`execution.engine.recompute`), stay on the compute stream,
-which reads them back in stream order. Host weights are updated by the host itself, after the
-step's norm has synchronised the device. On a CPU or meta device there are no streams:
-prefetch is the same copy, one phase early, and stores happen in program order.
+Activations, and the tensors layers keep for their backward, are stored to host memory on a
+second side stream (:class:`~execution.engine.moves.ActivationStore`, ``state.activations``).
+Gradient stores stay on the compute stream, which reads them back in stream order. Host
+weights are updated by the host itself, after the step's norm has synchronised the device. On
+a CPU or meta device there are no streams: prefetch is the same copy, one phase early, and
+stores happen in program order.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ from execution.engine.buffers import (
     GRAD_STATES,
     PART_STATES,
     WEIGHT_STATES,
-    ActivationBuffers,
     ActivationLayout,
     FlatSpec,
     PartBuffers,
@@ -49,6 +47,7 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
+from execution.engine.moves import ActivationStore, Mover, Traffic
 from execution.engine.streams import side_streams
 from execution.parallel.mesh import ParallelLayout
 from modelling.gpt import LAYERS, PARTS
@@ -87,7 +86,6 @@ class StateStore:
         self.first_layer = first_layer
         self.rts = rts
         self.device = layout.device
-        self.tp1 = layout.tp1
         self.places = places
         by_state = {s: places["weights"] for s in WEIGHT_STATES}
         by_state.update({s: places["grads"] for s in GRAD_STATES})
@@ -96,32 +94,34 @@ class StateStore:
         self.parts = {
             part: PartBuffers(specs[part], rows[part], by_state, self.copy_dtype) for part in PARTS
         }
-        self.activations = ActivationBuffers(activations, places["activations"])
         # Bytes copied over the host link, by direction (the dry run reports them).
-        self.host_to_device = 0
-        self.device_to_host = 0
+        self.traffic = Traffic()
+        self.mover = Mover(self.device, self.traffic)
         # Loads issued ahead: (part, row, dtype) -> (device shards per kind, CUDA event or None,
         # the async RTS all-gathers of the shards per kind or None).
         self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object, dict | None]] = {}
         self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
         # A side stream for loads issued ahead and one for activation stores to host.
         self.loads, self.stores = side_streams(self.device, late_streams)
-        # Activation stores in flight on the store stream: buffer entry -> event of its copy.
-        self._stores: dict[tuple, object] = {}
+        self.activations = ActivationStore(
+            activations, places["activations"], layout.tp1, self.mover, self.stores
+        )
 
-    # ------------------------------------------------------------------ generic moves
+    @property
+    def host_to_device(self) -> int:
+        return self.traffic.host_to_device
 
-    def _load(self, t: torch.Tensor, place: Place, dtype: torch.dtype | None = None):
-        """A device tensor of a buffer: a real copy from the host, the buffer itself otherwise
-        (a dtype conversion still makes a new tensor)."""
-        if place.remote:
-            self.host_to_device += t.numel() * t.element_size()
-        return t.to(self.device, dtype, non_blocking=True, copy=place.remote)
+    @host_to_device.setter
+    def host_to_device(self, nbytes: int) -> None:
+        self.traffic.host_to_device = nbytes
 
-    def _store(self, target: torch.Tensor, value: torch.Tensor, place: Place) -> None:
-        if place.remote:
-            self.device_to_host += target.numel() * target.element_size()
-        target.copy_(value, non_blocking=True)
+    @property
+    def device_to_host(self) -> int:
+        return self.traffic.device_to_host
+
+    @device_to_host.setter
+    def device_to_host(self, nbytes: int) -> None:
+        self.traffic.device_to_host = nbytes
 
     # ------------------------------------------------------------------ weights
 
@@ -130,8 +130,10 @@ class StateStore:
         from the compute-dtype copies where kept, else cast from the float32 masters."""
         buffers, place = self.parts[part], self.places["weights"]
         if dtype == self.copy_dtype:
-            return {kind: self._load(t[row], place) for kind, t in buffers.weight_copies.items()}
-        return {kind: self._load(t[row], place, dtype) for kind, t in buffers.weights.items()}
+            return {
+                kind: self.mover.load(t[row], place) for kind, t in buffers.weight_copies.items()
+            }
+        return {kind: self.mover.load(t[row], place, dtype) for kind, t in buffers.weights.items()}
 
     def prefetch_weights(self, part: str, row: int, dtype: torch.dtype, gather: bool) -> None:
         """Starts loading a part's weights for the next :meth:`load_weights` of it.
@@ -260,11 +262,30 @@ class StateStore:
         out = {}
         for kind, shard in shards.items():
             stored = self.parts[part].grads[kind][row]
+            if not place.remote:  # in place: no new tensor per pass
+                if first:
+                    stored.copy_(shard)
+                else:
+                    stored.add_(shard)
+                out[kind] = stored
+                continue
             if not first:
-                shard = self._load(stored, place) + shard
-            self._store(stored, shard, place)
+                shard = self.mover.load(stored, place) + shard
+            self.mover.store(stored, shard, place)
             out[kind] = shard
         return out
+
+    def all_reduce_grads(self, part: str, row: int, axis: Axis) -> list[torch.Tensor]:
+        """Sums one row of a part's gradients over ``axis``, in place (the word embedding
+        tied across the first and last pipeline stage); returns the sums on the device."""
+        place = self.places["grads"]
+        summed = []
+        for kind in self.specs[part]:
+            stored = self.parts[part].grads[kind][row]
+            total = axis.all_reduce_(self.mover.load(stored, place).clone())
+            self.mover.store(stored, total, place)
+            summed.append(total)
+        return summed
 
     # ------------------------------------------------------------------ optimizer state
 
@@ -274,7 +295,8 @@ class StateStore:
         :meth:`host_optimizer_row`)."""
         buffers = self.parts[part]
         return [
-            self._load(getattr(buffers, s)[kind][row], self.places[_group(s)]) for s in PART_STATES
+            self.mover.load(getattr(buffers, s)[kind][row], self.places[_group(s)])
+            for s in PART_STATES
         ]
 
     def host_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
@@ -300,90 +322,6 @@ class StateStore:
         buffers = self.parts[part]
         if buffers.weight_copies:
             buffers.weight_copies[kind][row].copy_(buffers.weights[kind][row])
-
-    # ------------------------------------------------------------------ activations
-
-    def store_x(self, boundary: int, entry: int, y: torch.Tensor) -> None:
-        """Stores this rank's tp1 slice of the residual stream at a layer boundary."""
-        layout = self.activations.layout
-        flat = y.reshape(-1)
-        if self.tp1.size > 1:
-            padded = torch.nn.functional.pad(
-                flat, (0, layout.x_shard * self.tp1.size - flat.numel())
-            )
-            flat = padded.view(self.tp1.size, -1)[self.tp1.rank]
-        self._store_activation(("x", boundary, entry), self.activations.x[boundary, entry], flat)
-
-    def fetch_x(self, boundary: int, entry: int) -> torch.Tensor:
-        """The whole local residual stream ``[micro_batch, seq, h/tp2]`` at a layer boundary."""
-        layout = self.activations.layout
-        shard = self._load_activation(("x", boundary, entry), self.activations.x[boundary, entry])
-        full = self.tp1.all_gather(shard)[: layout.entry_numel]
-        return full.view(*layout.tokens, layout.hidden).detach()
-
-    def store_dx(self, boundary: int, entry: int, dx: torch.Tensor) -> None:
-        """Stores the gradient at a layer boundary (rows alternate: only two are ever live;
-        one pass's entries, as one backward runs at a time)."""
-        row, entry = boundary % 2, entry % self.activations.layout.entries
-        self._store_activation(("dx", row, entry), self.activations.dx[row, entry], dx)
-
-    def fetch_dx(self, boundary: int, entry: int) -> torch.Tensor:
-        row, entry = boundary % 2, entry % self.activations.layout.entries
-        return self._load_activation(("dx", row, entry), self.activations.dx[row, entry])
-
-    def x_slices(self, boundary: int, entries: range) -> torch.Tensor:
-        """This rank's tp1 slices of x at a boundary for consecutive entries, on the device:
-        what a pipeline stage sends to the next."""
-        rows = [
-            self._load_activation(("x", boundary, e), self.activations.x[boundary, e])
-            for e in entries
-        ]
-        return torch.stack(rows)
-
-    def put_x_slices(self, boundary: int, entries: range, slices: torch.Tensor) -> None:
-        """Stores tp1 slices of x received from the previous stage (inverse of
-        :meth:`x_slices`)."""
-        for e, flat in zip(entries, slices, strict=True):
-            self._store_activation(("x", boundary, e), self.activations.x[boundary, e], flat)
-
-    def dx_entries(self, boundary: int, entries: range) -> torch.Tensor:
-        """The gradients at a boundary for consecutive entries, on the device."""
-        return torch.stack([self.fetch_dx(boundary, e) for e in entries])
-
-    def store_kept(self, target: torch.Tensor, value: torch.Tensor) -> None:
-        """Copies a tensor a layer keeps for its backward into its region of the buffers (on
-        the compute stream, which reads it back in order)."""
-        self._store(target, value, self.places["activations"])
-
-    def load_kept(self, source: torch.Tensor) -> torch.Tensor:
-        """A kept tensor on the device: a copy from the host, else the region itself."""
-        return self._load(source, self.places["activations"])
-
-    def _store_activation(self, key: tuple, target: torch.Tensor, value: torch.Tensor) -> None:
-        """Stores an activation entry; to host memory on CUDA, on the store stream.
-
-        The store stream first waits for the compute stream (the kernels that made ``value``,
-        and earlier reads of this entry, which x and the two dx rows reuse), records an event
-        that the entry's next load waits for, and keeps ``value``'s memory from being reused
-        until the copy is done (``record_stream``).
-        """
-        place = self.places["activations"]
-        if not place.remote:
-            self._store(target, value, place)  # in stream order, nothing to wait for
-            return
-        self.device_to_host += target.numel() * target.element_size()
-
-        def copy() -> None:
-            target.copy_(value, non_blocking=True)
-
-        self._stores[key] = self.stores.submit(copy, [target], inputs=[value])
-
-    def _load_activation(self, key: tuple, source: torch.Tensor) -> torch.Tensor:
-        """Loads an activation entry once its store (if still in flight) has completed."""
-        stored = self._stores.pop(key, None)
-        if stored is not None:  # later loads of the entry follow this wait in stream order
-            self.stores.wait(stored)
-        return self._load(source, self.places["activations"])
 
     # ------------------------------------------------------------------ accounting
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.buffers import WEIGHT_STATES, flat_specs
-from execution.engine.pipeline import Stage
-from execution.engine.plan import GiB, MemoryPlan
+from execution.engine.plan import GiB, MemoryPlan, engine_plan
+from execution.engine.schedule import Stage
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
@@ -133,7 +133,7 @@ def measure_planned_step(
     ex = config.execution
     mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
     layout = ParallelLayout.build(*mesh, META, cp=ex.context_parallel, pp=ex.pipeline_parallel)
-    step = meta_step(config, plan, layout)
+    step = meta_step(engine_plan(config, plan), layout)
     comm, seconds = {}, {}
     for axis in layout.axes():
         comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)

@@ -11,6 +11,7 @@ extrapolates.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections import Counter
 from dataclasses import dataclass, field
@@ -18,8 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from config.schema import PretrainingConfig
-from execution.engine.phases import PhasedEngine
-from execution.engine.plan import MemoryPlan, Placement
+from execution.engine.engine import PhasedEngine, StepHooks
+from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
 from execution.engine.recompute import (
     attention_kernel,
     attention_on_meta,
@@ -125,26 +126,22 @@ class StepMeasurement:
     windows: list[Window] = field(default_factory=list)
 
 
-def meta_step(
-    config: PretrainingConfig, plan: MemoryPlan, layout: ParallelLayout, kernel: str = "flash"
-) -> StepMeasurement:
-    """Builds the engine of ``config`` on ``layout`` (meta) and measures one training step.
+def meta_step(plan: EnginePlan, layout: ParallelLayout, kernel: str = "flash") -> StepMeasurement:
+    """Builds the engine of ``plan`` on ``layout`` (meta) and measures one training step.
 
     Args:
-        config: The run, or a shrunk copy of it (:func:`shrunk_config`).
-        plan: Passes and placements to run by.
+        plan: The rank's plan, or a shrunk copy of it (:meth:`EnginePlan.shrunk`).
         layout: A meta layout: ``ParallelLayout.shapes_only`` or one built on a fake job.
         kernel: The attention kernel to run as (:func:`attention_kernel`; a GPU's by
             default).
     """
-    ex = config.execution
-    engine = PhasedEngine(config, layout, plan)
-    shape = (config.gradient_accumulation, ex.micro_batch_size, config.model.sequence_length + 1)
+    engine = PhasedEngine(plan, layout)
+    shape = (plan.gradient_accumulation, plan.micro_batch_size, plan.sequence_length + 1)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
     with attention_on_meta(kernel, *engine.templates.values()), StepMeter() as meter:
         recorder = PhaseRecorder(meter, engine)
-        engine.on_phase = recorder.start
-        engine.train_step(tokens, step=0, lr=config.training.optimizer.learning_rate)
+        hooks = StepHooks(on_phase=recorder.start)
+        engine.train_step(tokens, step=0, lr=plan.optimizer.learning_rate, hooks=hooks)
         recorder.finish()
     return StepMeasurement(engine, meter.peak, meter.flops, recorder.windows)
 
@@ -186,17 +183,34 @@ def measured_working_set(
     """
     ex = config.execution
     kernel = attention_kernel(device_type, config.model.dropout_prob)
-    small = shrunk_config(config, layers=min(3, config.model.layers), micro_batches=2, passes=2)
-    rank = RankShape.from_config(small)
+    layers = min(3, config.model.layers)
+    whole = RankShape.from_config(config)
     # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
+    rank = dataclasses.replace(
+        whole,
+        shapes=dataclasses.replace(whole.shapes, layers=layers),
+        gradient_accumulation=2,
+        stage=None,  # one stage of a pipeline runs a subset of the whole model's phases
+    )
     key = (rank, kernel, ex.prefetch, ex.overlap_communication, recompute)
     if key not in _MEASURED:
         host = Placement("host", "host", "host")
         kept = rank.kept(recompute, kernel).entry
-        plan = MemoryPlan(2, 1, host, {}, 0, 0, False, recompute, kept)
+        memory = MemoryPlan(
+            passes=2,
+            micro_batches_per_pass=1,
+            placement=host,
+            state_bytes={},
+            working_set=0,
+            traffic=0,
+            shared_memory=False,
+            recompute=recompute,
+            kept=kept,
+        )
+        plan = engine_plan(config, memory).shrunk(layers, micro_batches=2, passes=2)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
         layout = ParallelLayout.shapes_only(*mesh, cp=ex.context_parallel)
-        _MEASURED[key] = meta_step(small, plan, layout, kernel).working_set
+        _MEASURED[key] = meta_step(plan, layout, kernel).working_set
     return _MEASURED[key]
 
 

@@ -40,9 +40,9 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
-from execution.engine.pipeline import Stage
 from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.engine.recompute import KeptBytes, kept_bytes
+from execution.engine.schedule import Stage
 from execution.parallel.sharding import rts_sizes
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes

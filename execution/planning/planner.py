@@ -16,9 +16,16 @@ import math
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from execution.engine.pipeline import deciding_stages
-from execution.engine.plan import PLACED_STATES, PLACES, GiB, MemoryPlan, Placement
+from execution.engine.plan import (
+    PLACED_STATES,
+    PLACES,
+    GiB,
+    MemoryPlan,
+    Placement,
+    engine_plan,
+)
 from execution.engine.recompute import MODES, attention_kernel
 from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.planning.device_specs import resolve_spec
@@ -96,7 +103,17 @@ def candidate_plans(
             traffic = 0 if shared else host_traffic(rank, placement, passes, entries, kept)
             state = state_bytes(rank, entries, placement, kept.entry, passes)
             mode_plans.append(
-                MemoryPlan(passes, entries, placement, state, 0, traffic, shared, mode, kept.entry)
+                MemoryPlan(
+                    passes=passes,
+                    micro_batches_per_pass=entries,
+                    placement=placement,
+                    state_bytes=state,
+                    working_set=0,
+                    traffic=traffic,
+                    shared_memory=shared,
+                    recompute=mode,
+                    kept=kept.entry,
+                )
             )
         measure = not estimate_working_set and (
             budget is None or any(budget.fits(plan) for plan in mode_plans)
@@ -264,7 +281,7 @@ def plan_for_process(
 def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
     """This rank's engine under the plan :func:`plan_for_process` chooses."""
     plan, _ = plan_for_process(config, layout)
-    return PhasedEngine(config, layout, plan)
+    return PhasedEngine(engine_plan(config, plan), layout)
 
 
 def choose_or_least(

@@ -35,8 +35,9 @@ from execution.checkpoint.ownership import (
     new_run_id,
 )
 from execution.checkpoint.save import Checkpointer
-from execution.engine.phases import PhasedEngine
+from execution.engine.engine import PhasedEngine
 from execution.engine.pipeline import bubble_fraction
+from execution.engine.plan import engine_plan
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
@@ -112,13 +113,14 @@ def build(
     plan, budget = plan_for_process(config, layout)
     if layout.is_main:
         print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
-    engine = PhasedEngine(config, layout, plan)
+    engine = PhasedEngine(engine_plan(config, plan), layout)
     start_step, restored = _restore(config, engine, loader)
     checkpointer = None
     if c.save and not c.eval_only:  # before any output: a bad --save must not leave a run behind
         checkpointer = Checkpointer(
             c.save,
             engine,
+            config,
             c.keep_checkpoints,
             commit_delay=c.checkpoint_commit_delay,
             run_id=run_id,

@@ -59,6 +59,7 @@ def train(run: Run) -> list[dict]:
     loader = PrefetchingLoader(run.loader, pin_memory=layout.device.type == "cuda")
     history = []
     done = run.start_step
+    hooks = run.checkpointer.hooks if run.checkpointer is not None else None
     try:
         for step in range(run.start_step, t.steps):
             lr = learning_rate(step, t.optimizer, config.tokens_per_step, t.steps)
@@ -67,7 +68,7 @@ def train(run: Run) -> list[dict]:
             data_seconds = time.perf_counter() - waited
             _synchronize(layout.device)
             started = time.perf_counter()
-            result = engine.train_step(batch, step, lr)
+            result = engine.train_step(batch, step, lr, hooks)
             _synchronize(layout.device)
             seconds = time.perf_counter() - started
             metrics = {

@@ -1,0 +1,121 @@
+"""What each phase computes: functions of (step, phase), one per kind of
+:data:`execution.engine.schedule.KINDS`, gathered in :data:`BODIES`.
+
+A body loads its part's weights once and runs the part for every micro-batch of its pass; the
+layers never know they are phased (one stateless template block is bound to each layer's
+weights in turn with ``functional_call``). Each micro-batch's temporaries (its input copy,
+output, gradients) are dropped before the next micro-batch runs: a loop variable would hold
+them through the next one's compute (a whole layer's weight gradients in the backward), and
+the working set, which the planner measures at one micro-batch per pass, would grow once a
+pass holds two.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.func import functional_call
+
+from execution.engine import pipeline, schedule
+from execution.engine.head import head
+from execution.engine.schedule import Phase
+from execution.engine.step import Step
+from modelling.gpt import EMBEDDING, LAYERS
+
+
+@torch.no_grad()
+def embedding_forward(step: Step, phase: Phase) -> None:
+    engine, batch = step.engine, step.batch
+    weights = engine.state.load_weights(EMBEDDING, 0, engine.dtype)
+    for m, e in step.entries(phase):
+        y = functional_call(
+            engine.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
+        )
+        engine.state.activations.store_x(0, e, y)
+        del y  # not held through the next micro-batch (module docstring)
+
+
+@torch.no_grad()
+def layer_forward(step: Step, phase: Phase) -> None:
+    engine, n, state = step.engine, phase.layer, step.engine.state
+    if step.batch.training and engine.kept is not None:  # keep the graph for the backward
+        vectors = state.load_weight_vectors(LAYERS, n, engine.dtype)
+        for m, e in step.entries(phase):
+            x, seeds = state.activations.fetch_x(n, e), step.layer_seeds(n, m)
+            state.activations.store_x(n + 1, e, engine.kept.forward(n, e, vectors, x, seeds))
+            del x
+        return
+    weights = state.load_weights(LAYERS, n, engine.dtype)
+    for m, e in step.entries(phase):
+        x = state.activations.fetch_x(n, e)
+        y = functional_call(engine.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
+        state.activations.store_x(n + 1, e, y)
+        del x, y
+
+
+def layer_backward(step: Step, phase: Phase) -> None:
+    """Recompute layer n for each micro-batch (what ``--recompute`` did not keep),
+    backpropagate, reduce its grads."""
+    engine, n, state = step.engine, phase.layer, step.engine.state
+    acc = step.accumulators(LAYERS)
+    if engine.kept is not None:
+        vectors = state.load_weight_vectors(LAYERS, n, engine.dtype)
+        for _, e in step.entries(phase):
+            dx = engine.kept.backward(n, e, vectors, state.activations.fetch_dx(n + 1, e), acc)
+            state.activations.store_dx(n, e, dx)
+            del dx
+        step.finish_grads(acc, n, phase)
+        return
+    weights = state.load_weights(LAYERS, n, engine.dtype)
+    weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
+    for m, e in step.entries(phase):
+        x = state.activations.fetch_x(n, e).requires_grad_()
+        with torch.enable_grad():
+            y = functional_call(engine.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
+        dx, *grads = torch.autograd.grad(
+            y, [x, *weights.values()], state.activations.fetch_dx(n + 1, e)
+        )
+        state.activations.store_dx(n, e, dx)
+        acc.add(weights, grads)
+        del x, y, dx, grads
+    step.finish_grads(acc, n, phase)
+
+
+def embedding_backward(step: Step, phase: Phase) -> None:
+    """Embedding grads, added to the tied grad the head phase left in the step's gradients."""
+    engine, batch = step.engine, step.batch
+    weights = engine.state.load_weights(EMBEDDING, 0, engine.dtype)
+    weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
+    acc = step.accumulators(EMBEDDING)
+    for m, e in step.entries(phase):
+        with torch.enable_grad():
+            y = functional_call(
+                engine.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
+            )
+        grads = torch.autograd.grad(
+            y, list(weights.values()), engine.state.activations.fetch_dx(0, e)
+        )
+        acc.add(weights, grads)
+        del y, grads
+    # With a pipeline the last stage holds the head's tied part: the sum is complete, and
+    # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
+    step.finish_grads(acc, 0, phase, norm=engine.layout.embedding.size == 1)
+
+
+def move(step: Step, phase: Phase) -> None:
+    """A pipeline stage's boundary activations (or their gradients) in or out."""
+    entries = [e for _, e in step.entries(phase)]
+    engine = step.engine
+    pipeline.move(engine.link, engine.state, phase, range(entries[0], entries[-1] + 1))
+
+
+BODIES: dict[str, Callable[[Step, Phase], None]] = {
+    schedule.EMBEDDING_FORWARD: embedding_forward,
+    schedule.LAYER_FORWARD: layer_forward,
+    schedule.HEAD_PHASE: head,
+    schedule.LAYER_BACKWARD: layer_backward,
+    schedule.EMBEDDING_BACKWARD: embedding_backward,
+    **dict.fromkeys(schedule.MOVES, move),
+}
+assert BODIES.keys() == schedule.KINDS.keys(), "a body for every kind of phase"

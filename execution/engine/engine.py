@@ -1,0 +1,280 @@
+"""The phased training step (docs/design.md, "The phase sequence"): the engine of one rank.
+
+Four concerns, four places:
+
+- *which* phases run, in which order, over which micro-batches: :mod:`execution.engine.schedule`
+  (one or more passes over the step's micro-batches, one stage of a pipeline);
+- *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.engine.state`,
+  placed by the plan the engine is given (:class:`~execution.engine.plan.EnginePlan`);
+- *what* each phase computes: :mod:`execution.engine.bodies` and :mod:`execution.engine.head`,
+  functions of the step (:class:`~execution.engine.step.Step`) and the phase;
+- the update: :class:`~execution.engine.optimizer.AdamWDriver`.
+
+The engine holds what lives as long as the rank does (buffers, templates, the pipeline link)
+and drives a step: it runs the schedule's phases, reduces the norm, clips and updates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from execution.engine import pipeline, schedule
+from execution.engine.bodies import BODIES
+from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
+from execution.engine.optimizer import AdamWDriver, clip_coefficient
+from execution.engine.plan import PLACED_STATES, EnginePlan
+from execution.engine.recompute import KeptLayers, prepare_block
+from execution.engine.schedule import Phase, Stage
+from execution.engine.state import StateStore
+from execution.engine.step import Batch, Step
+from execution.parallel.launch import usable_cores
+from execution.parallel.mesh import ParallelLayout
+from execution.parallel.sharding import init_part_shard, rts_axes
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports."""
+
+    loss: float
+    grad_norm: float
+    skipped: bool  # the gradients were not finite, so no weight changed
+
+
+@dataclass
+class StepHooks:
+    """What a caller runs inside a step, passed to :meth:`PhasedEngine.train_step`.
+
+    Attributes:
+        on_phase: Called with each phase just before it starts (and its next phase's
+            prefetch), and with None after the last (the dry run measures per phase).
+        before_update: Called before the optimizer changes the buffers (a checkpoint writing
+            from host buffers waits there until it has read them).
+    """
+
+    on_phase: Callable[[Phase | None], None] | None = None
+    before_update: list[Callable[[], None]] = field(default_factory=list)
+
+
+class PhasedEngine:
+    """Owns the buffers of one rank and runs training and evaluation steps phase by phase.
+
+    Args:
+        plan: How this rank executes (:func:`~execution.engine.plan.engine_plan`); the
+            engine reads nothing else.
+        layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
+        late_streams: On a CPU, copies on the side streams complete only when waited for
+            (:class:`~execution.engine.streams.LateStream`: tests of the GPU's ordering).
+    """
+
+    def __init__(self, plan: EnginePlan, layout: ParallelLayout, late_streams: bool = False):
+        self.plan = plan
+        self.memory = plan.memory
+        self.layout = layout
+        self.device = layout.device
+        self.shapes = dataclasses.replace(plan.model, tp1=layout.tp1.size, tp2=layout.tp2.size)
+        self.dtype = DTYPES[plan.precision]
+        with torch.device("meta"):  # one block serves every layer
+            template = GPT(
+                dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2, layout.cp
+            )
+        # Stateless templates: weights are bound per call with functional_call.
+        self.templates = {
+            EMBEDDING: template.embedding,
+            LAYERS: template.layers[0],
+            HEAD: template.head,
+        }
+        self.rts = rts_axes(layout)
+        self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
+        # This rank's pipeline stage: its layers, and the passes it holds at once.
+        self.stage = Stage.of(plan.stage_layers, layout.pp.rank)
+        self.state = self._buffers(late_streams)
+        self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
+        # What the layers keep for their backward (None: they recompute it in full).
+        self.kept: KeptLayers | None = None
+        if self.memory.recompute != "full":
+            block = self.templates[LAYERS]
+            prepare_block(block, self.memory.recompute)
+            acts = self.state.activations
+            self.kept = KeptLayers(
+                block, self.specs[LAYERS], acts.kept, acts.store_kept, acts.load_kept
+            )
+        host_threads = usable_cores() // max(layout.local_world_size, 1)
+        self.optimizer = AdamWDriver(self.state, plan.optimizer, host_threads)
+        if self.device.type != "meta":  # a dry run draws no weights
+            self._initialise_weights()
+
+    def _buffers(self, late_streams: bool) -> StateStore:
+        """This rank's buffers, placed by the plan, sized for its stage."""
+        plan, memory = self.plan, self.memory
+        places = {s: Place.of(getattr(memory.placement, s), self.device) for s in PLACED_STATES}
+        activations = ActivationLayout.of(
+            dataclasses.replace(self.shapes, layers=self.stage.layers),
+            memory.micro_batches_per_pass,
+            plan.micro_batch_size,
+            plan.sequence_length // self.layout.cp.size,  # this rank's piece
+            self.dtype,
+            kept=memory.kept,
+            in_flight=self.stage.in_flight(memory.passes),
+        )
+        return StateStore(
+            self.specs,
+            self.stage.layers,
+            self.rts,
+            self.layout,
+            places,
+            activations,
+            {part: self.stage.rows(part) for part in PARTS},
+            self.stage.first_layer,
+            late_streams=late_streams,
+        )
+
+    def _initialise_weights(self) -> None:
+        """Draws only this rank's tensor-parallel shard of each part, keeps its RTS slice.
+
+        The shard holds the same numbers as a slice of the full part (per-tile seeds), so every
+        layout starts identically while no rank draws or holds a whole part.
+        """
+        i, j = self.layout.tp1.rank, self.layout.tp2.rank
+        for part, row in self.state.part_rows():
+            layer = self.state.logical_row(part, row)
+            local = init_part_shard(
+                self.shapes, part, layer, self.plan.seed, self.plan.init_std, i, j
+            )
+            self.state.write_shard(part, row, "weights", local)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Updates applied so far (a checkpoint saves and restores it)."""
+        return self.optimizer.steps
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, steps: int) -> None:
+        self.optimizer.steps = steps
+
+    # ----------------------------------------------------------------- steps
+
+    def train_step(
+        self, tokens: torch.Tensor, step: int, lr: float, hooks: StepHooks | None = None
+    ) -> StepResult:
+        """One optimizer step on this rank's micro-batches.
+
+        Args:
+            tokens: int64 ``[gradient_accumulation, micro_batch, sequence_length + 1]``.
+            step: 0-based step index (seeds dropout).
+            lr: Learning rate for this step.
+            hooks: What the caller runs inside the step (:class:`StepHooks`).
+        """
+        hooks = hooks or StepHooks()
+        plan = self.plan
+        expected = (plan.gradient_accumulation, plan.micro_batch_size, plan.sequence_length + 1)
+        assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
+        if self.kept is not None:
+            self.kept.drop()  # none left by a step that raised half-way
+        run = Step(self, Batch.of(tokens.to(self.device, non_blocking=True), step, self.layout.cp))
+        phases = schedule.training_phases(
+            self.stage, plan.gradient_accumulation, self.memory.passes
+        )
+        self._run_phases(phases, run, hooks.on_phase)
+        if self.layout.embedding.size > 1:
+            tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
+            if self.stage.is_first:  # counted once, by the first stage
+                run.count_in_norm(tied)
+
+        scale = plan.loss_scaling
+        grad_norm = math.sqrt(_read(self.layout.world.all_reduce_(run.grad_sumsq))) / scale
+        losses = run.batch.losses  # the last stage's (the head's)
+        total = torch.stack(losses).float().sum() if losses else torch.zeros((), device=self.device)
+        loss = self._mean_over_replicas(total, len(losses))
+        if not math.isfinite(grad_norm):
+            return StepResult(loss, grad_norm, skipped=True)
+        clip = clip_coefficient(grad_norm, plan.optimizer.gradient_clipping)
+        for wait in hooks.before_update:
+            wait()
+        self.optimizer.update(lr, grad_scale=clip / scale)
+        return StepResult(loss, grad_norm, skipped=False)
+
+    @torch.no_grad()
+    def evaluate(self, batches) -> float:
+        """Mean loss (no dropout, no update) over batches of ``[micro_batch, seq + 1]``.
+
+        Runs the forward phases and the head over as many micro-batches at a time as one pass
+        holds. Collective: every rank must call it. Replicas use as many batches as the one
+        with the fewest, since each phase's weight all-gather needs every replica.
+        """
+        batches = list(batches)
+        count_tensor = torch.tensor(len(batches), device=self.device)
+        batches = batches[: int(self.layout.dp.all_reduce_(count_tensor, op="min"))]
+        per_pass = self.memory.micro_batches_per_pass
+        losses: list[torch.Tensor] = []
+        for index, start in enumerate(range(0, len(batches), per_pass)):
+            tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
+            run = Step(self, Batch.of(tokens, None, self.layout.cp))
+            group = range(len(tokens))
+            self._run_phases(schedule.evaluation_phases(self.stage, group, index), run)
+            losses.extend(run.batch.losses)
+        total = (
+            torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)
+        )
+        return self._mean_over_replicas(total, len(losses))
+
+    def _run_phases(
+        self,
+        phases: list[Phase],
+        run: Step,
+        on_phase: Callable[[Phase | None], None] | None = None,
+    ) -> None:
+        """Runs each phase's body; with ``--prefetch`` or ``--overlap_communication``, first
+        starts loading the next phase's weights, so that their copy (and with overlap, their
+        all-gather) runs behind this phase's compute."""
+        plan = self.plan
+        overlap = plan.overlap_communication
+        self.state.drop_prefetched()  # none left by a step that raised half-way
+        self.link.start(phases)
+        # The next phase that loads weights (a pipeline's moves load none).
+        loading = [n for n, phase in enumerate(phases) if schedule.weights_loaded(phase)]
+        following = dict(zip(loading, [*loading[1:], None], strict=True))
+        for n, phase in enumerate(phases):
+            if on_phase is not None:
+                on_phase(phase)
+            ahead = following.get(n, loading[0] if n < loading[0] else None)
+            if (plan.prefetch or overlap) and ahead is not None and n < ahead:
+                for part, row in schedule.weights_loaded(phases[ahead]):
+                    self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
+            BODIES[phase.kind](run, phase)
+        run.in_flight.finish()  # the norm and the optimizer read every gradient
+        self.link.finish()  # every boundary activation sent has arrived
+        if on_phase is not None:
+            on_phase(None)
+        # Every prefetch is used by the phase it was issued for; none may outlive the schedule
+        # (the optimizer is about to change the weights it copied).
+        unused = self.state.drop_prefetched()
+        assert unused == 0, f"{unused} prefetched part(s) never loaded"
+
+    def _mean_over_replicas(self, total: torch.Tensor, count: int) -> float:
+        """Mean of per-micro-batch losses over data replicas and sequence pieces (all pieces
+        have the same number of tokens, so the mean of their means is the whole mean)."""
+        both = torch.stack(
+            [total.double(), torch.tensor(float(count), device=self.device).double()]
+        )
+        both = self.layout.dp_cp.all_reduce_(both)
+        both = self.layout.pp.all_reduce_(both)  # from the last stage (others add zeros)
+        total_all, count_all = _read(both[0]), _read(both[1])
+        return total_all / count_all if count_all else float("nan")
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
+        activations."""
+        return self.state.nbytes()
+
+
+def _read(scalar: torch.Tensor) -> float:
+    """A scalar's value; a meta tensor (dry run) has none and reads as 0, so a dry-run step
+    runs its optimizer phases as a real one would."""
+    return 0.0 if scalar.is_meta else scalar.item()

@@ -1,0 +1,139 @@
+"""What lives for one step (or one evaluation chunk) and is gone after it.
+
+:class:`Step` holds the step's tokens, the losses its head emits, the gradient reductions in
+flight and the running sum of squares for the global norm. The phase bodies
+(:mod:`execution.engine.bodies`, :mod:`execution.engine.head`) are functions of a step and a
+phase; the engine (:mod:`execution.engine.engine`) makes a fresh step for every call, so
+nothing of one step can leak into the next, and no method of the engine works only half-way
+through one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from execution.engine.gradients import AccumulatorPool, Accumulators, InFlight, start_reduction
+from execution.engine.schedule import Phase
+from modelling.layers import BlockSeeds, mix_seed
+
+if TYPE_CHECKING:
+    from execution.engine.engine import PhasedEngine
+    from execution.engine.plan import EnginePlan
+
+
+@dataclass
+class Batch:
+    """The tokens a step (or an evaluation chunk) works on, and the losses its head emits."""
+
+    ids: torch.Tensor  # [micro_batches, micro_batch, seq]
+    labels: torch.Tensor
+    step: int | None  # None: evaluation (no dropout, no backward)
+    losses: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, tokens: torch.Tensor, step: int | None, cp) -> Batch:
+        """Inputs and labels of ``tokens`` (``[..., seq + 1]``), cut to sequence piece
+        ``cp.rank`` of ``cp.size``: the tokens this rank holds outside attention."""
+        ids, labels = tokens[..., :-1], tokens[..., 1:]
+        if cp.size > 1:
+            piece = ids.shape[-1] // cp.size
+            ids, labels = (t.narrow(-1, cp.rank * piece, piece) for t in (ids, labels))
+        return cls(ids, labels, step, [])
+
+    @property
+    def training(self) -> bool:
+        return self.step is not None
+
+    @property
+    def micro_batches(self) -> int:
+        return self.ids.shape[0]
+
+
+def dropout_seeds(
+    plan: EnginePlan, dp_rank: int, step: int | None, layer: int, micro: int
+) -> BlockSeeds | None:
+    """Dropout seeds of (step, global layer, global micro-batch); None disables dropout
+    (evaluation, or no dropout). The embedding is layer -1.
+
+    The same on every rank that runs the micro-batch: each draws its part of the whole
+    tensor's masks (:mod:`modelling.layers`). The micro-batch index is global (replica
+    ``dp_rank``'s ``micro``-th), so the masks depend on neither the data-parallel rank nor the
+    number of passes.
+    """
+    if step is None or plan.model.dropout_prob == 0.0:
+        return None
+    base = (plan.seed, step, layer, dp_rank * plan.gradient_accumulation + micro)
+    return BlockSeeds(*(mix_seed(*base, kind) for kind in range(3)))
+
+
+class Step:
+    """One step's state on one rank, and the operations the phase bodies share.
+
+    Args:
+        engine: The rank's engine: its buffers, templates and plan (read, never changed).
+        batch: The step's tokens.
+    """
+
+    def __init__(self, engine: PhasedEngine, batch: Batch):
+        self.engine = engine
+        self.batch = batch
+        self.grad_sumsq = torch.zeros((), dtype=torch.float64, device=engine.device)
+        self.in_flight = InFlight(engine.plan.overlap_communication)
+        self.pool = AccumulatorPool(engine.specs, engine.device)
+
+    def entries(self, phase: Phase) -> Iterator[tuple[int, int]]:
+        """(micro-batch index in the step, activation buffer entry) for each of the phase's:
+        a pipeline stage keeps each pass it holds at once in a slot of its own."""
+        layout = self.engine.state.activations.layout
+        slot = phase.pass_index % layout.in_flight * layout.entries
+        return ((m, slot + m - phase.micro_batches.start) for m in phase.micro_batches)
+
+    def seeds(self, layer: int, micro: int) -> BlockSeeds | None:
+        """Dropout seeds of this step's ``micro``-th micro-batch in global ``layer``."""
+        engine = self.engine
+        return dropout_seeds(engine.plan, engine.layout.dp.rank, self.batch.step, layer, micro)
+
+    def layer_seeds(self, n: int, micro: int) -> BlockSeeds | None:
+        """Dropout seeds of this stage's decoder layer ``n`` (seeded by its global index)."""
+        return self.seeds(self.engine.stage.first_layer + n, micro)
+
+    def embedding_seed(self, micro: int) -> int | None:
+        seeds = self.seeds(-1, micro)
+        return seeds and seeds.attention_residual
+
+    def accumulators(self, part: str) -> Accumulators:
+        """Float32 gradient accumulators of ``part`` for one phase."""
+        return self.pool.take(part)
+
+    def finish_grads(self, acc: Accumulators, row: int, phase: Phase, norm: bool = True) -> None:
+        """Reduces a phase's gradients and adds them to the step's; the last pass counts the
+        norm (``norm``). The reduction is started now and completed by :class:`InFlight`."""
+        engine = self.engine
+        acc.complete()
+        layout = engine.layout
+        reductions = start_reduction(
+            acc.flats,
+            engine.rts,
+            layout.dp_cp,
+            layout.dp.size,
+            engine.plan.overlap_communication,
+        )
+
+        def complete() -> None:
+            shards = {kind: wait() for kind, wait in reductions.items()}
+            total = engine.state.accumulate_grads(acc.part, row, shards, first=phase.first_pass)
+            if norm and phase.last_pass:
+                self.count_in_norm(total.values())
+            # The shards may be views of the accumulators: reused only once read.
+            self.pool.release(acc)
+
+        self.in_flight.add(phase, complete)
+
+    def count_in_norm(self, shards) -> None:
+        """Adds gradient shards' squares to the step's sum for the global norm."""
+        for shard in shards:
+            self.grad_sumsq += shard.double().square().sum()
