@@ -39,10 +39,21 @@ from config.schema import PretrainingConfig
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
+from execution.planning import planner
+from execution.planning.measure import Measurements
 from tests.reference import small_config as reference_small_config
 
 CPU = torch.device("cpu")
+# The tests' one planning: a shape an earlier test measured is not measured again (the
+# planner itself keeps nothing between plannings it is not given the same measurements for).
+SESSION_MEASUREMENTS = Measurements()
+
+
+def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
+    """:func:`execution.planning.planner.planned_engine` with the session's measurements."""
+    return planner.planned_engine(config, layout, SESSION_MEASUREMENTS)
+
+
 # Losses and every unsharded weight of a float32 run must match the single-process run this
 # closely (relative to the tensor's largest element; see ``relative_error``).
 FLOAT32_TOLERANCE = 1e-5
@@ -315,7 +326,6 @@ def real_step_traffic(config: PretrainingConfig) -> dict:
     over each group, as the dry run counts them."""
     from execution.planning.device_specs import resolve_spec
     from execution.planning.dry_run import _axis_traffic
-    from execution.planning.planner import planned_engine
 
     layout = world_layout(config)
     engine = planned_engine(config, layout)

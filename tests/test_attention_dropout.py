@@ -19,7 +19,6 @@ from execution.engine.recompute import attention_on_meta
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
 from execution.planning.dry_run import compute_seconds
-from execution.planning.planner import planned_engine
 from execution.planning.step_meter import StepMeter
 from modelling.gpt import LAYERS
 from modelling.layers import (
@@ -30,7 +29,7 @@ from modelling.layers import (
     mix_seed,
 )
 from modelling.parallel import LOCAL
-from tests.distributed import CPU, global_batches, replica_batch
+from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.reference import small_config
 
 P = 0.25

@@ -24,12 +24,12 @@ from execution.checkpoint.load import load_checkpoint, read_weights
 from execution.checkpoint.logical import full_state
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
 from tests.distributed import (
     CPU,
     engine_batch,
     global_batches,
     learning_rates,
+    planned_engine,
     small_config,
     with_execution,
 )

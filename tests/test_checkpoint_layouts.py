@@ -24,7 +24,6 @@ from execution.checkpoint.load import load_checkpoint
 from execution.checkpoint.logical import full_state, write_part_state
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
 from modelling.gpt import logical_shapes, part_inits, qualified_name
 from tests.distributed import (
     CPU,
@@ -34,6 +33,7 @@ from tests.distributed import (
     global_batches,
     layout_flags,
     learning_rates,
+    planned_engine,
     run_ranks,
     single_process_run,
     small_config,

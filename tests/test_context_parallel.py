@@ -15,7 +15,6 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
 from modelling.layers import Attention, BlockSeeds
 from modelling.parallel import LOCAL
 from tests.distributed import (
@@ -25,6 +24,7 @@ from tests.distributed import (
     assert_states_close,
     global_batches,
     layout_flags,
+    planned_engine,
     relative_error,
     run_ranks,
     single_process_run,

@@ -16,11 +16,18 @@ import torch.nn.functional as F
 from execution.engine.gradients import start_reduction
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import KINDS, MATRIX, TP1_VECTOR, TP2_VECTOR, shard_part
-from execution.planning.planner import planned_engine
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes, init_full_part
 from modelling.layers import Embedding, LayerNorm, vocab_parallel_cross_entropy
 from modelling.parallel import all_reduce_sum, copy_to, reduce_from
-from tests.distributed import CPU, coords, relative_error, run_ranks, small_config, world_layout
+from tests.distributed import (
+    CPU,
+    coords,
+    planned_engine,
+    relative_error,
+    run_ranks,
+    small_config,
+    world_layout,
+)
 
 pytestmark = pytest.mark.distributed
 

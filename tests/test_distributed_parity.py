@@ -20,13 +20,13 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.planning.planner import planned_engine
 from tests.distributed import (
     FLOAT32_TOLERANCE,
     assert_curves_close,
     assert_states_close,
     global_batches,
     layout_flags,
+    planned_engine,
     run_ranks,
     single_process_run,
     small_config,

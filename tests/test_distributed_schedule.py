@@ -12,13 +12,13 @@ import torch.distributed as dist
 
 from execution.parallel.mesh import GroupAxis, ParallelLayout
 from execution.parallel.sharding import shard_part
-from execution.planning.planner import planned_engine
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
 from tests.distributed import (
     CPU,
     coords,
     global_batches,
     layout_flags,
+    planned_engine,
     replica_batch,
     run_ranks,
     single_process_run,

@@ -12,23 +12,24 @@ from pathlib import Path
 
 import pytest
 
+from execution.parallel.fake_job import fake_job
 from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import (
     checkpoint_figures,
     estimate,
-    fake_job,
     measure_planned_step,
     measure_rank,
     rank_kinds,
 )
 from execution.planning.measure import measured_working_set
 from execution.planning.plan_search import extrapolated_step, search
-from execution.planning.planner import candidate_plans, planned_engine
+from execution.planning.planner import candidate_plans
 from execution.planning.step_meter import StepMeter
 from modelling.gpt import GPTShapes, logical_shapes
 from tests.distributed import (
     global_batches,
     layout_flags,
+    planned_engine,
     real_step_traffic,
     replica_batch,
     run_ranks,

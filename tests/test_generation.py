@@ -14,9 +14,8 @@ import torch.nn.functional as F
 import run_generation
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
 from modelling.generation import KVCache, forward_logits, generate, sample_next
-from tests.distributed import CPU
+from tests.distributed import CPU, planned_engine
 from tests.reference import reference_model, relative_error, small_config
 
 

@@ -19,9 +19,8 @@ from execution.checkpoint.load import load_hf_weights, read_weights
 from execution.checkpoint.logical import full_state
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
 from modelling.generation import build_model, forward_logits
-from tests.distributed import CPU, global_batches, replica_batch, small_config
+from tests.distributed import CPU, global_batches, planned_engine, replica_batch, small_config
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers")

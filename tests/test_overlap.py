@@ -12,11 +12,11 @@ import torch.distributed as dist
 
 from execution.parallel import mesh
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
 from tests.distributed import (
     CPU,
     global_batches,
     layout_flags,
+    planned_engine,
     relative_error,
     replica_batch,
     run_ranks,

@@ -15,11 +15,11 @@ from execution.engine.schedule import pass_groups
 from execution.engine.streams import CudaStream
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape, state_bytes
-from execution.planning.planner import planned_engine
 from tests.distributed import (
     assert_states_close,
     global_batches,
     layout_flags,
+    planned_engine,
     replica_batch,
     run_ranks,
     small_config,

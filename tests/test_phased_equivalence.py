@@ -13,7 +13,7 @@ from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
 from execution.engine.step import dropout_seeds
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
+from tests.distributed import planned_engine
 from tests.reference import (
     reference_model,
     reference_optimizer,

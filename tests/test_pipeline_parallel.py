@@ -18,11 +18,11 @@ from execution.checkpoint.logical import full_state
 from execution.engine.pipeline import bubble_fraction
 from execution.engine.schedule import Stage, training_phases
 from execution.parallel.mesh import MeshShape
-from execution.planning.planner import planned_engine
 from tests.distributed import (
     FLOAT32_TOLERANCE,
     assert_curves_close,
     global_batches,
+    planned_engine,
     real_step_traffic,
     relative_error,
     run_ranks,

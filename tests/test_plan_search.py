@@ -7,9 +7,11 @@ import shlex
 
 import pytest
 
-from execution.planning import measure, plan_search, step_meter
+from execution.parallel.fake_job import fake_job
+from execution.planning import step_meter
 from execution.planning.device_specs import resolve_spec
-from execution.planning.dry_run import fake_job, measure_planned_step
+from execution.planning.dry_run import measure_planned_step
+from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
 from execution.planning.plan_search import layouts, print_layouts, search
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
@@ -90,9 +92,11 @@ def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans()
     assert full < none
     budget = MemoryBudget((full + none) // 2, 1 << 50)
     _, everywhere = plans_fitting_every_stage(config, "cuda", budget, 0)
-    measure._MEASURED.clear()
-    _, searched = plans_fitting_every_stage(config, "cuda", budget, 0, fitting_only=True)
-    assert "none" not in {key[-1] for key in measure._MEASURED}
+    measured = Measurements()
+    _, searched = plans_fitting_every_stage(
+        config, "cuda", budget, 0, fitting_only=True, measurements=measured
+    )
+    assert measured.working_sets and "none" not in {key[-1] for key in measured.working_sets}
     fitting = [p for p in everywhere if budget.fits(p)]
     assert fitting and [p for p in searched if budget.fits(p)] == fitting
 
@@ -104,10 +108,8 @@ def test_workers_find_the_rows_one_process_finds():
     config = small_config("--layers", "1", "--global_batch_size", "4")
     config.planning.plan_workers = 2
     side_by_side, misfits_by_two = search(config, 2)
-    plan_search._PROBED.clear()
-    measure._MEASURED.clear()
     config.planning.plan_workers = 1
-    alone, misfits = search(config, 2)
+    alone, misfits = search(config, 2, Measurements())  # from nothing
     assert [m["config"] for m in misfits_by_two] == [m["config"] for m in misfits]
     assert len(side_by_side) == len(alone) > 5
 

@@ -172,9 +172,8 @@ def test_the_planned_working_set_holds_however_many_micro_batches_share_a_pass(r
 
     from execution.parallel.mesh import ParallelLayout
     from execution.planning.measure import measured_working_set
-    from execution.planning.planner import planned_engine
     from execution.planning.step_meter import StepMeter
-    from tests.distributed import global_batches, replica_batch
+    from tests.distributed import global_batches, planned_engine, replica_batch
 
     flags = (
         "--hidden_size 64 --sequence_length 128 --max_positional_length 128 --layers 3 "

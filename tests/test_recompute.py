@@ -12,12 +12,13 @@ from execution.engine.recompute import attention_kernel
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import MemoryBudget, RankShape, host_traffic
-from execution.planning.planner import candidate_plans, choose_plan, planned_engine, step_seconds
+from execution.planning.planner import candidate_plans, choose_plan, step_seconds
 from execution.planning.step_meter import StepMeter
 from tests.distributed import (
     CPU,
     assert_states_close,
     global_batches,
+    planned_engine,
     replica_batch,
     small_config,
 )

@@ -10,8 +10,7 @@ import pytest
 from execution.engine.bodies import BODIES
 from execution.engine.engine import StepHooks
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
-from tests.distributed import CPU, global_batches, replica_batch
+from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.reference import small_config
 from tests.sync_count import SyncCounter
 

@@ -16,23 +16,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.buffers import WEIGHT_STATES, flat_specs
 from execution.engine.plan import GiB, MemoryPlan, engine_plan
 from execution.engine.schedule import Stage
+from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
-from execution.planning.measure import Window, meta_step
+from execution.planning.measure import Measurements, Window, meta_step
 from execution.planning.memory import MemoryBudget, spec_budget
 from execution.planning.planner import choose_or_least
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes
@@ -96,18 +94,6 @@ def _mesh(config: PretrainingConfig) -> MeshShape:
     ex = config.execution
     sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel)
     return MeshShape(*sizes, ex.pipeline_parallel)
-
-
-@contextmanager
-def fake_job(rank: int, world_size: int) -> Iterator[None]:
-    """This process plays ``rank`` of a job whose collectives only check shapes."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @dataclass
@@ -245,10 +231,16 @@ def checkpoint_figures(
     }
 
 
-def measure_rank(config: PretrainingConfig, rank: int, spec: DeviceSpec) -> RankMeasurement:
+def measure_rank(
+    config: PretrainingConfig,
+    rank: int,
+    spec: DeviceSpec,
+    measurements: Measurements | None = None,
+) -> RankMeasurement:
     """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits."""
     budget = spec_budget(config, spec)  # the rule a real run plans by
-    plan, planned_fit = choose_or_least(config, budget, _mesh(config).coords(rank)["p"])
+    stage = _mesh(config).coords(rank)["p"]
+    plan, planned_fit = choose_or_least(config, budget, stage, measurements)
     with fake_job(rank, config.world_size):
         m = measure_planned_step(config, plan, spec)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
@@ -343,9 +335,9 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
 def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     """Measures every kind of rank, prints the report and writes ``plan.json``."""
     spec = resolve_spec(config)
-    entries = []
+    entries, measurements = [], Measurements()
     for ranks in rank_kinds(config, spec.devices_per_node):
-        m = measure_rank(config, ranks[0], spec)
+        m = measure_rank(config, ranks[0], spec, measurements)
         device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
         entries.append(
             {

@@ -161,11 +161,28 @@ def shrunk_config(
     return out
 
 
-_MEASURED: dict[tuple, int] = {}
+class Measurements:
+    """Steps measured on meta tensors while planning, kept for the rest of one planning (a
+    run's start, a dry run, a ``--plan_for`` search) so that each distinct shape is measured
+    once. Whoever starts the planning makes one and passes it down; nothing is kept between
+    plannings that were not given the same one.
+
+    Attributes:
+        working_sets: :func:`measured_working_set`'s results by what they depend on.
+        probes: ``--plan_for``'s shrunk steps by shape and device spec
+            (:mod:`execution.planning.plan_search`).
+    """
+
+    def __init__(self) -> None:
+        self.working_sets: dict[tuple, int] = {}
+        self.probes: dict[str, tuple] = {}
 
 
 def measured_working_set(
-    config: PretrainingConfig, device_type: str, recompute: str = "full"
+    config: PretrainingConfig,
+    device_type: str,
+    recompute: str = "full",
+    measurements: Measurements | None = None,
 ) -> int:
     """Peak bytes one step allocates beyond the buffers, measured, for this rank's shapes.
 
@@ -179,8 +196,9 @@ def measured_working_set(
     further layer repeats, and the second pass meets it across a pass boundary (the
     embedding's gradients in flight behind the next pass's first phases). Further
     micro-batches repeat a phase's body, so the result does not depend on more layers, passes
-    or micro-batches.
+    or micro-batches. ``measurements``: where earlier results of this planning are kept.
     """
+    known = (measurements or Measurements()).working_sets
     ex = config.execution
     kernel = attention_kernel(device_type, config.model.dropout_prob)
     layers = min(3, config.model.layers)
@@ -193,7 +211,7 @@ def measured_working_set(
         stage=None,  # one stage of a pipeline runs a subset of the whole model's phases
     )
     key = (rank, kernel, ex.prefetch, ex.overlap_communication, recompute)
-    if key not in _MEASURED:
+    if key not in known:
         host = Placement("host", "host", "host")
         kept = rank.kept(recompute, kernel).entry
         memory = MemoryPlan(
@@ -210,8 +228,8 @@ def measured_working_set(
         plan = engine_plan(config, memory).shrunk(layers, micro_batches=2, passes=2)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
         layout = ParallelLayout.shapes_only(*mesh, cp=ex.context_parallel)
-        _MEASURED[key] = meta_step(plan, layout, kernel).working_set
-    return _MEASURED[key]
+        known[key] = meta_step(plan, layout, kernel).working_set
+    return known[key]
 
 
 def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:

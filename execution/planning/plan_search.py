@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
 import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
@@ -46,6 +47,7 @@ from config.loading import validate
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
 from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
@@ -53,10 +55,9 @@ from execution.planning.dry_run import (
     RankMeasurement,
     checkpoint_figures,
     estimate,
-    fake_job,
     measure_planned_step,
 )
-from execution.planning.measure import shrunk_config
+from execution.planning.measure import Measurements, shrunk_config
 from execution.planning.memory import spec_budget
 from execution.planning.planner import (
     candidate_plans,
@@ -85,7 +86,7 @@ def extrapolated_step(
         are linear in the same terms: a kind's phases repeat per layer and pass, and their
         work per micro-batch. ``probes``: ``_probes(config, plan, spec)`` if already taken.
     """
-    samples, working_set = probes or _probes(config, plan, spec)
+    samples, working_set = probes or _probes(config, plan, spec, Measurements())
     keys = ["flops", *samples[0].comm_bytes]
     matrix = np.array([_basis(*probe) for probe in PROBES], dtype=np.float64)
     values = np.array([[s.flops, *s.comm_bytes.values()] for s in samples], dtype=np.float64)
@@ -112,16 +113,18 @@ def extrapolated_step(
     return flops, totals, seconds, working_set, phases
 
 
-_PROBED: dict[str, tuple[list[RankMeasurement], int]] = {}
 # The pipelines --plan_for weighs, and their micro-batch sizes: a pipeline's bubble shrinks
 # with more, smaller micro-batches, and each further size would take as long to plan again.
 PIPELINES = (2, 4, 8)
 PIPELINE_MICRO_BATCHES = (1, 2)
 
 
-def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
+def _probes(
+    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, measurements: Measurements
+):
     """The six shrunk steps of a layout under a plan's placement and recompute, measured once
-    per distinct shape (layouts that differ only in layers, batch or passes share them)."""
+    per distinct shape in a planning (layouts that differ only in layers, batch or passes
+    share them)."""
     smalls = []
     for layers, micro, passes in PROBES:
         small = shrunk_config(config, layers, micro, passes)
@@ -130,7 +133,8 @@ def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
         small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
         smalls.append(small)
     key = repr((smalls[0], vars(spec)))
-    if key not in _PROBED:
+    known = measurements.probes
+    if key not in known:
         samples, working_set = [], 0
         with fake_job(0, smalls[0].world_size):
             for small in smalls:
@@ -139,8 +143,8 @@ def _probes(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec):
                 step = measure_planned_step(small, small_plan, spec)
                 samples.append(step)
                 working_set = max(working_set, step.working_set)
-        _PROBED[key] = samples, working_set
-    return _PROBED[key]
+        known[key] = samples, working_set
+    return known[key]
 
 
 def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
@@ -211,13 +215,17 @@ def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tup
     return nbytes, nbytes / (rate * 1e9)
 
 
-def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], list[dict]]:
+def search(
+    config: PretrainingConfig, devices: int, measurements: Measurements | None = None
+) -> tuple[list[dict], list[dict]]:
     """Layouts that fit, each with its plan and estimate, fastest first; and those that do not,
     each with its least-memory plan (``config``, ``plan``, ``shortfall`` in bytes).
 
     Layouts that share probes (:func:`_probe_group`) are measured together, and groups side by
     side in ``--plan_workers`` forked processes: measuring is single-threaded Python, so each
-    further core shortens the search about as much as the first."""
+    further core shortens the search about as much as the first. ``measurements``: what
+    this process measured in an earlier planning (forked workers each add to a copy)."""
+    measure_group = functools.partial(_search_group, measurements=measurements or Measurements())
     groups: dict[tuple, list[PretrainingConfig]] = {}
     for candidate in layouts(config, devices):
         groups.setdefault(_probe_group(candidate), []).append(candidate)
@@ -225,9 +233,9 @@ def search(config: PretrainingConfig, devices: int) -> tuple[list[dict], list[di
     if workers > 1:
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(workers, mp_context=fork) as pool:
-            results = list(pool.map(_search_group, groups.values()))
+            results = list(pool.map(measure_group, groups.values()))
     else:
-        results = [_search_group(group) for group in groups.values()]
+        results = [measure_group(group) for group in groups.values()]
     rows = [row for group_rows, _ in results for row in group_rows]
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     misfits = [misfit for _, group_misfits in results for misfit in group_misfits]
@@ -248,7 +256,9 @@ def _probe_group(candidate: PretrainingConfig) -> tuple:
     )
 
 
-def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], list[dict]]:
+def _search_group(
+    candidates: list[PretrainingConfig], measurements: Measurements
+) -> tuple[list[dict], list[dict]]:
     """The rows of the layouts of one probe group that fit, and those that do not.
 
     A pipeline layout's passes trade its bubble against a data-parallel all-gather of every
@@ -262,7 +272,7 @@ def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], list
     for candidate in candidates:
         sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
         plans, everywhere = plans_fitting_every_stage(
-            candidate, "cuda", budget, 0, sibling, fitting_only=True
+            candidate, "cuda", budget, 0, sibling, fitting_only=True, measurements=measurements
         )
         plan = fastest_fitting(everywhere, budget)
         if plan is None:
@@ -278,7 +288,7 @@ def _search_group(candidates: list[PretrainingConfig]) -> tuple[list[dict], list
         for option in options:
             key = (option.placement, option.recompute)
             if key not in probes:
-                probes[key] = _probes(sibling or candidate, option, spec)
+                probes[key] = _probes(sibling or candidate, option, spec, measurements)
             row = _estimated_row(candidate, sibling or candidate, option, spec, probes[key])
             if budget.fits(row["plan"]) and (
                 best is None or row["step_time_s"] < best["step_time_s"]

@@ -29,7 +29,7 @@ from execution.engine.plan import (
 from execution.engine.recompute import MODES, attention_kernel
 from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.planning.device_specs import resolve_spec
-from execution.planning.measure import measured_working_set, recompute_flops
+from execution.planning.measure import Measurements, measured_working_set, recompute_flops
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
@@ -64,6 +64,7 @@ def candidate_plans(
     stage: int = 0,
     measure_as: PretrainingConfig | None = None,
     budget: MemoryBudget | None = None,
+    measurements: Measurements | None = None,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
     traffic, fewest states on the host, fewest passes, least kept).
@@ -74,7 +75,8 @@ def candidate_plans(
     whose step measures the working set (``--plan_for`` shares one across pipeline sizes).
     ``budget``: measure a recompute mode's working set only if one of its plans fits
     ``budget`` before any working set (a plan that does not fit without one fits with none);
-    the others get the quick formula's, so only whether they fit is exact.
+    the others get the quick formula's, so only whether they fit is exact. ``measurements``:
+    what this planning measured before.
     """
     rank = RankShape.from_config(config, stage)
     fixed = requested_placement(config)
@@ -119,7 +121,7 @@ def candidate_plans(
             budget is None or any(budget.fits(plan) for plan in mode_plans)
         )
         if measure:
-            measured = measured_working_set(measure_as or config, device_type, mode)
+            measured = measured_working_set(measure_as or config, device_type, mode, measurements)
         for plan in mode_plans:
             working = (
                 measured
@@ -218,13 +220,18 @@ def plans_fitting_every_stage(
     stage: int,
     measure_as: PretrainingConfig | None = None,
     fitting_only: bool = False,
+    measurements: Measurements | None = None,
 ) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
     """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
     stage, in the first stage's order: every stage then picks the same passes, placement and
     recompute (their steps must match), with its own bytes. ``fitting_only`` (``--plan_for``,
     where plans that do not fit are of no interest): measure the working sets of only the
     recompute modes that may fit (the ``budget`` of :func:`candidate_plans`)."""
-    plan_options = {"measure_as": measure_as, "budget": budget if fitting_only else None}
+    plan_options = {
+        "measure_as": measure_as,
+        "budget": budget if fitting_only else None,
+        "measurements": measurements or Measurements(),  # the stages share what they measure
+    }
     plans = candidate_plans(config, device_type, stage=stage, **plan_options)
     stages = config.execution.pipeline_parallel
     if stages == 1:
@@ -242,14 +249,20 @@ def plans_fitting_every_stage(
 
 
 def choose_plan(
-    config: PretrainingConfig, device_type: str, budget: MemoryBudget, stage: int = 0
+    config: PretrainingConfig,
+    device_type: str,
+    budget: MemoryBudget,
+    stage: int = 0,
+    measurements: Measurements | None = None,
 ) -> MemoryPlan:
     """The fastest plan that fits ``budget``; a one-line ConfigError when none does.
 
     With a pipeline, the stages hold different layers and passes in flight but must run the
     same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
     bytes are returned)."""
-    plans, everywhere = plans_fitting_every_stage(config, device_type, budget, stage)
+    plans, everywhere = plans_fitting_every_stage(
+        config, device_type, budget, stage, measurements=measurements
+    )
     plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan
@@ -267,30 +280,43 @@ def choose_plan(
 
 
 def plan_for_process(
-    config: PretrainingConfig, layout: ParallelLayout
+    config: PretrainingConfig,
+    layout: ParallelLayout,
+    measurements: Measurements | None = None,
 ) -> tuple[MemoryPlan, MemoryBudget]:
-    """The fastest plan that fits the memory this process may use, and that budget.
+    """The fastest plan that fits the memory this process may use, and that budget
+    (``measurements``: what an earlier planning in this process measured, to reuse).
 
     Raises:
         ConfigError: no plan fits (one line with the least memory needed and what would fit).
     """
     budget = measure_budget(config, layout.device, layout.local_world_size)
-    return choose_plan(config, layout.device.type, budget, layout.pp.rank), budget
+    plan = choose_plan(config, layout.device.type, budget, layout.pp.rank, measurements)
+    return plan, budget
 
 
-def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
+def planned_engine(
+    config: PretrainingConfig,
+    layout: ParallelLayout,
+    measurements: Measurements | None = None,
+) -> PhasedEngine:
     """This rank's engine under the plan :func:`plan_for_process` chooses."""
-    plan, _ = plan_for_process(config, layout)
+    plan, _ = plan_for_process(config, layout, measurements)
     return PhasedEngine(engine_plan(config, plan), layout)
 
 
 def choose_or_least(
-    config: PretrainingConfig, budget: MemoryBudget, stage: int = 0
+    config: PretrainingConfig,
+    budget: MemoryBudget,
+    stage: int = 0,
+    measurements: Measurements | None = None,
 ) -> tuple[MemoryPlan, bool]:
     """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
     that needs the least device memory and False (so a dry run can show what it would take);
     for a rank of pipeline stage ``stage``."""
-    plans, everywhere = plans_fitting_every_stage(config, "cuda", budget, stage)
+    plans, everywhere = plans_fitting_every_stage(
+        config, "cuda", budget, stage, measurements=measurements
+    )
     plan = fastest_fitting(everywhere, budget)
     if plan is not None:
         return plan, True
