@@ -22,14 +22,13 @@ from tests.reference import small_config
 
 def _measured(config, monkeypatch, replay: bool):
     """One planned step of rank 0 on meta tensors, with meta results replayed or not."""
-    results = step_meter.MetaResults()
+    measurements = Measurements()
     if not replay:
-        monkeypatch.setattr(results, "key", lambda *args: None)
-    monkeypatch.setattr(step_meter, "_META_RESULTS", results)
+        monkeypatch.setattr(measurements.meta_results, "key", lambda *args: None)
     spec = resolve_spec(config)
     plan = candidate_plans(config, "cuda")[0]
     with fake_job(0, config.world_size):
-        return measure_planned_step(config, plan, spec)
+        return measure_planned_step(config, plan, spec, measurements), measurements
 
 
 @pytest.mark.parametrize(
@@ -45,14 +44,14 @@ def test_replayed_meta_ops_measure_the_same_step(monkeypatch, layout, flags):
     replayed (the cache is used)."""
     run = ["--layers", "3", "--global_batch_size", "8", "--dropout_prob", "0.1"]
     config = distributed_config(*layout_flags(*layout), *run, *shlex.split(flags))
-    direct = _measured(config, monkeypatch, replay=False)
-    replayed = _measured(config, monkeypatch, replay=True)
+    direct, _ = _measured(config, monkeypatch, replay=False)
+    replayed, measurements = _measured(config, monkeypatch, replay=True)
     assert replayed.working_set == direct.working_set > 0
     assert replayed.flops == direct.flops > 0
     assert replayed.comm_bytes == direct.comm_bytes
     assert replayed.phases == direct.phases
     assert replayed.buffer_bytes == direct.buffer_bytes
-    recorded = step_meter._META_RESULTS._results
+    recorded = measurements.meta_results._results
     assert sum(result is not None for result in recorded.values()) > 20
 
 
@@ -65,9 +64,8 @@ def test_views_are_never_replayed_as_fresh_tensors(monkeypatch):
         results = step_meter.MetaResults()
         if not replay:
             monkeypatch.setattr(results, "key", lambda *args: None)
-        monkeypatch.setattr(step_meter, "_META_RESULTS", results)
         x = torch.empty(4, 6, device="meta")
-        with step_meter.StepMeter() as meter:
+        with step_meter.StepMeter(results) as meter:
             kept = [torch.ops.aten._unsafe_view(x * 2.0, [24]) for _ in range(3)]
             kept += [torch.ops.aten._unsafe_view(k, [4, 6]) for k in kept]
         view = torch.ops.aten._unsafe_view.default

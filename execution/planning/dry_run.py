@@ -24,7 +24,7 @@ import torch
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.buffers import WEIGHT_STATES, flat_specs
-from execution.engine.plan import GiB, MemoryPlan, engine_plan
+from execution.engine.plan import EnginePlan, GiB, MemoryPlan, engine_plan
 from execution.engine.schedule import Stage
 from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
@@ -113,13 +113,25 @@ class RankMeasurement:
 
 
 def measure_planned_step(
-    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec
+    config: PretrainingConfig,
+    plan: MemoryPlan,
+    spec: DeviceSpec,
+    measurements: Measurements | None = None,
 ) -> RankMeasurement:
-    """Set-up and one training step of this fake job's rank, on meta tensors, measured."""
-    ex = config.execution
-    mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    layout = ParallelLayout.build(*mesh, META, cp=ex.context_parallel, pp=ex.pipeline_parallel)
-    step = meta_step(engine_plan(config, plan), layout)
+    """Set-up and one training step of this fake job's rank under ``config`` and ``plan``."""
+    return measure_engine_step(engine_plan(config, plan), _mesh(config), spec, measurements)
+
+
+def measure_engine_step(
+    plan: EnginePlan,
+    mesh: MeshShape,
+    spec: DeviceSpec,
+    measurements: Measurements | None = None,
+) -> RankMeasurement:
+    """Set-up and one training step of this fake job's rank, on meta tensors, measured
+    (``measurements``: the planning's, whose meta results it replays)."""
+    layout = ParallelLayout.build(mesh.dp, mesh.tp1, mesh.tp2, META, cp=mesh.cp, pp=mesh.pp)
+    step = meta_step(plan, layout, measurements=measurements)
     comm, seconds = {}, {}
     for axis in layout.axes():
         comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)
@@ -129,7 +141,7 @@ def measure_planned_step(
     buffers = step.engine.buffer_bytes()
     phases = phase_costs(step.windows, layout, spec)
     return RankMeasurement(
-        plan, True, "", buffers, step.working_set, comm, seconds, step.flops, phases
+        plan.memory, True, "", buffers, step.working_set, comm, seconds, step.flops, phases
     )
 
 
@@ -242,7 +254,7 @@ def measure_rank(
     stage = _mesh(config).coords(rank)["p"]
     plan, planned_fit = choose_or_least(config, budget, stage, measurements)
     with fake_job(rank, config.world_size):
-        m = measure_planned_step(config, plan, spec)
+        m = measure_planned_step(config, plan, spec, measurements)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
     m.fits = planned_fit and budget.fits(m.plan)
     m.why = _why(m.plan, budget, planned_fit)

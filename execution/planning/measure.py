@@ -10,7 +10,6 @@ extrapolates.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 from collections import Counter
@@ -30,7 +29,7 @@ from execution.engine.recompute import (
 from execution.engine.schedule import Phase
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
-from execution.planning.step_meter import StepMeter
+from execution.planning.step_meter import MetaResults, StepMeter
 from modelling.layers import BlockSeeds
 
 
@@ -126,39 +125,32 @@ class StepMeasurement:
     windows: list[Window] = field(default_factory=list)
 
 
-def meta_step(plan: EnginePlan, layout: ParallelLayout, kernel: str = "flash") -> StepMeasurement:
+def meta_step(
+    plan: EnginePlan,
+    layout: ParallelLayout,
+    kernel: str = "flash",
+    measurements: Measurements | None = None,
+) -> StepMeasurement:
     """Builds the engine of ``plan`` on ``layout`` (meta) and measures one training step.
 
     Args:
-        plan: The rank's plan, or a shrunk copy of it (:meth:`EnginePlan.shrunk`).
+        plan: The rank's plan, or a shrunk copy of it (:meth:`EnginePlan.shrunk`): the same
+            shards and phases with fewer layers and micro-batches, measured quickly.
         layout: A meta layout: ``ParallelLayout.shapes_only`` or one built on a fake job.
         kernel: The attention kernel to run as (:func:`attention_kernel`; a GPU's by
             default).
+        measurements: The planning's, whose meta results the step replays and adds to.
     """
+    replayed = (measurements or Measurements()).meta_results
     engine = PhasedEngine(plan, layout)
     shape = (plan.gradient_accumulation, plan.micro_batch_size, plan.sequence_length + 1)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
-    with attention_on_meta(kernel, *engine.templates.values()), StepMeter() as meter:
+    with attention_on_meta(kernel, *engine.templates.values()), StepMeter(replayed) as meter:
         recorder = PhaseRecorder(meter, engine)
         hooks = StepHooks(on_phase=recorder.start)
         engine.train_step(tokens, step=0, lr=plan.optimizer.learning_rate, hooks=hooks)
         recorder.finish()
     return StepMeasurement(engine, meter.peak, meter.flops, recorder.windows)
-
-
-def shrunk_config(
-    config: PretrainingConfig, layers: int, micro_batches: int, passes: int
-) -> PretrainingConfig:
-    """``config`` with fewer layers and micro-batches per replica, and fixed passes: the same
-    shards and phases, for measuring a step quickly."""
-    out = copy.deepcopy(config)
-    out.model.layers = layers
-    ex = out.execution
-    out.training.global_batch_size = micro_batches * ex.micro_batch_size * ex.data_parallel
-    ex.passes = passes
-    # One stage of any pipeline runs a subset of the whole model's phases: measured whole.
-    ex.pipeline_parallel, ex.pipeline_layers = 1, ""
-    return out
 
 
 class Measurements:
@@ -171,11 +163,14 @@ class Measurements:
         working_sets: :func:`measured_working_set`'s results by what they depend on.
         probes: ``--plan_for``'s shrunk steps by shape and device spec
             (:mod:`execution.planning.plan_search`).
+        meta_results: Meta ops run so far, replayed by later steps
+            (:class:`~execution.planning.step_meter.MetaResults`).
     """
 
     def __init__(self) -> None:
         self.working_sets: dict[tuple, int] = {}
         self.probes: dict[str, tuple] = {}
+        self.meta_results = MetaResults()
 
 
 def measured_working_set(
@@ -198,7 +193,8 @@ def measured_working_set(
     micro-batches repeat a phase's body, so the result does not depend on more layers, passes
     or micro-batches. ``measurements``: where earlier results of this planning are kept.
     """
-    known = (measurements or Measurements()).working_sets
+    measurements = measurements or Measurements()
+    known = measurements.working_sets
     ex = config.execution
     kernel = attention_kernel(device_type, config.model.dropout_prob)
     layers = min(3, config.model.layers)
@@ -228,7 +224,7 @@ def measured_working_set(
         plan = engine_plan(config, memory).shrunk(layers, micro_batches=2, passes=2)
         mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
         layout = ParallelLayout.shapes_only(*mesh, cp=ex.context_parallel)
-        known[key] = meta_step(plan, layout, kernel).working_set
+        known[key] = meta_step(plan, layout, kernel, measurements).working_set
     return known[key]
 
 

@@ -46,21 +46,21 @@ import numpy as np
 from config.loading import validate
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
-from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.engine.plan import GiB, MemoryPlan, Placement, engine_plan
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
+from execution.parallel.mesh import MeshShape
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     PHASE_COSTS,
     RankMeasurement,
     checkpoint_figures,
     estimate,
-    measure_planned_step,
+    measure_engine_step,
 )
-from execution.planning.measure import Measurements, shrunk_config
+from execution.planning.measure import Measurements
 from execution.planning.memory import spec_budget
 from execution.planning.planner import (
-    candidate_plans,
     fastest_fitting,
     plans_fitting_every_stage,
     shortfall,
@@ -125,22 +125,22 @@ def _probes(
     """The six shrunk steps of a layout under a plan's placement and recompute, measured once
     per distinct shape in a planning (layouts that differ only in layers, batch or passes
     share them)."""
-    smalls = []
-    for layers, micro, passes in PROBES:
-        small = shrunk_config(config, layers, micro, passes)
-        for state, where in vars(plan.placement).items():
-            setattr(small.execution, f"{state}_placement", where)
-        small.execution.recompute = plan.recompute  # the plan's, not the probe's own pick
-        smalls.append(small)
-    key = repr((smalls[0], vars(spec)))
+    # The plan's placement and recompute; its bytes are the full step's, not the probes'.
+    placed = dataclasses.replace(plan, state_bytes={}, working_set=0, traffic=0)
+    whole = engine_plan(config, placed)
+    smalls = [whole.shrunk(layers, micro, passes) for layers, micro, passes in PROBES]
+    ex = config.execution
+    # One stage of any pipeline runs a subset of the whole model's phases: measured whole.
+    mesh = MeshShape(
+        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel
+    )
+    key = repr((smalls[0], mesh, vars(spec)))
     known = measurements.probes
     if key not in known:
         samples, working_set = [], 0
-        with fake_job(0, smalls[0].world_size):
+        with fake_job(0, mesh.world_size):
             for small in smalls:
-                # The probe's passes, placement and recompute are fixed: its one plan.
-                small_plan = candidate_plans(small, "cuda", estimate_working_set=True)[0]
-                step = measure_planned_step(small, small_plan, spec)
+                step = measure_engine_step(small, mesh, spec, measurements)
                 samples.append(step)
                 working_set = max(working_set, step.working_set)
         known[key] = samples, working_set

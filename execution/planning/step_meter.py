@@ -72,8 +72,11 @@ class StepMeter(TorchDispatchMode):
             ``--dropout_parity`` runs as matmuls and counts as such).
     """
 
-    def __init__(self):
+    def __init__(self, meta_results: MetaResults | None = None):
+        """``meta_results``: meta ops already run, to replay (kept by a planning across the
+        steps it measures; a fresh set serves this meter alone)."""
         super().__init__()
+        self.meta_results = meta_results if meta_results is not None else MetaResults()
         self.live = 0
         self.peak = 0
         self.flops = 0
@@ -84,8 +87,8 @@ class StepMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        key = _META_RESULTS.key(func, args, kwargs)
-        recorded = _META_RESULTS.get(key)
+        key = self.meta_results.key(func, args, kwargs)
+        recorded = self.meta_results.get(key)
         if recorded is not None:
             out, flops = recorded.replay()
         else:
@@ -96,7 +99,7 @@ class StepMeter(TorchDispatchMode):
                 flops = count_flops(*args, **kwargs, out_val=out)
                 if func._overloadpacket in ATTENTION_KERNELS and _is_causal(func, args, kwargs):
                     flops //= 2  # torch counts the whole square; the kernel skips the future
-            _META_RESULTS.record(key, args, kwargs, out, flops)
+            self.meta_results.record(key, args, kwargs, out, flops)
         self.flops += flops
         if flops and func._overloadpacket in ATTENTION_KERNELS:
             self.attention_flops += flops
@@ -216,9 +219,6 @@ def _signature(value) -> Any:
     if isinstance(value, torch.Generator):
         return "generator"  # draws nothing on meta
     return value
-
-
-_META_RESULTS = MetaResults()
 
 
 def _input_storages(args, kwargs) -> set[int]:
