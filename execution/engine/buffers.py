@@ -248,7 +248,16 @@ class ActivationLayout:
         pass, for ``in_flight`` passes."""
         hidden = shapes.hidden // shapes.tp2
         tokens = (micro_batch, sequence)
-        return cls(shapes.layers, entries, tokens, hidden, shapes.tp1, dtype, kept, in_flight)
+        return cls(
+            layers=shapes.layers,
+            entries=entries,
+            tokens=tokens,
+            hidden=hidden,
+            tp1=shapes.tp1,
+            dtype=dtype,
+            kept=kept,
+            in_flight=in_flight,
+        )
 
     @property
     def held(self) -> int:

@@ -124,14 +124,14 @@ class PhasedEngine:
             in_flight=self.stage.in_flight(memory.passes),
         )
         return StateStore(
-            self.specs,
-            self.stage.layers,
-            self.rts,
-            self.layout,
-            places,
-            activations,
-            {part: self.stage.rows(part) for part in PARTS},
-            self.stage.first_layer,
+            specs=self.specs,
+            layers=self.stage.layers,
+            rts=self.rts,
+            layout=self.layout,
+            places=places,
+            activations=activations,
+            rows={part: self.stage.rows(part) for part in PARTS},
+            first_layer=self.stage.first_layer,
             late_streams=late_streams,
         )
 

@@ -96,13 +96,43 @@ class DeviceSpec:
 # 50-73% (the FlashAttention-2 paper, Dao 2023): 50%.
 SPECS = {
     "h100_sxm": DeviceSpec(
-        "h100_sxm", 989.0, 79.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.25
+        name="h100_sxm",
+        peak_tflops=989.0,
+        memory_gb=79.0,
+        host_memory_gb=128.0,
+        host_link_gb_per_s=55.0,
+        intra_node_gb_per_s=450.0,
+        inter_node_gb_per_s=50.0,
+        devices_per_node=8,
+        compute_efficiency=0.7,
+        storage_gb_per_s=2.0,
+        attention_efficiency=0.25,
     ),
     "h200": DeviceSpec(
-        "h200", 989.0, 139.0, 128.0, 55.0, 450.0, 50.0, 8, 0.7, 2.0, attention_efficiency=0.25
+        name="h200",
+        peak_tflops=989.0,
+        memory_gb=139.0,
+        host_memory_gb=128.0,
+        host_link_gb_per_s=55.0,
+        intra_node_gb_per_s=450.0,
+        inter_node_gb_per_s=50.0,
+        devices_per_node=8,
+        compute_efficiency=0.7,
+        storage_gb_per_s=2.0,
+        attention_efficiency=0.25,
     ),
     "a100_80gb": DeviceSpec(
-        "a100_80gb", 312.0, 79.0, 128.0, 25.0, 300.0, 25.0, 8, 0.7, 1.0, attention_efficiency=0.5
+        name="a100_80gb",
+        peak_tflops=312.0,
+        memory_gb=79.0,
+        host_memory_gb=128.0,
+        host_link_gb_per_s=25.0,
+        intra_node_gb_per_s=300.0,
+        inter_node_gb_per_s=25.0,
+        devices_per_node=8,
+        compute_efficiency=0.7,
+        storage_gb_per_s=1.0,
+        attention_efficiency=0.5,
     ),
 }
 

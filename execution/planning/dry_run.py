@@ -96,7 +96,7 @@ def _mesh(config: PretrainingConfig) -> MeshShape:
     return MeshShape(*sizes, ex.pipeline_parallel)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankMeasurement:
     """What one real training step of one rank did, measured on meta tensors."""
 
@@ -141,7 +141,15 @@ def measure_engine_step(
     buffers = step.engine.buffer_bytes()
     phases = phase_costs(step.windows, layout, spec)
     return RankMeasurement(
-        plan.memory, True, "", buffers, step.working_set, comm, seconds, step.flops, phases
+        plan=plan.memory,
+        fits=True,
+        why="",
+        buffer_bytes=buffers,
+        working_set=step.working_set,
+        comm_bytes=comm,
+        comm_seconds=seconds,
+        flops=step.flops,
+        phases=phases,
     )
 
 

@@ -154,14 +154,14 @@ class RankShape:
         ex = config.execution
         pipeline = Stage.of(config.stage_layers, stage) if ex.pipeline_parallel > 1 else None
         return cls(
-            GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
-            ex.data_parallel,
-            ex.micro_batch_size,
-            config.model.sequence_length // ex.context_parallel,
-            config.gradient_accumulation,
-            DTYPES[config.training.precision],
-            ex.context_parallel,
-            pipeline,
+            shapes=GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
+            dp=ex.data_parallel,
+            micro_batch=ex.micro_batch_size,
+            sequence=config.model.sequence_length // ex.context_parallel,
+            gradient_accumulation=config.gradient_accumulation,
+            dtype=DTYPES[config.training.precision],
+            cp=ex.context_parallel,
+            stage=pipeline,
         )
 
     @property

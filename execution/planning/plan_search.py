@@ -354,7 +354,17 @@ def _estimated_row(
     if candidate.execution.pipeline_parallel > 1:
         comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
         phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"], 0.0)}
-    measured = RankMeasurement(plan, True, "", {}, working_set, comm, seconds, flops, phases)
+    measured = RankMeasurement(
+        plan=plan,
+        fits=True,
+        why="",
+        buffer_bytes={},
+        working_set=working_set,
+        comm_bytes=comm,
+        comm_seconds=seconds,
+        flops=flops,
+        phases=phases,
+    )
     return {
         "config": candidate,
         "plan": plan,

@@ -141,7 +141,15 @@ def build(
             f"{restored}{_pipeline_line(config, plan.passes)}output: {output_dir}/metrics.jsonl",
             flush=True,
         )
-    return Run(config, engine, loader, validation, tracker, checkpointer, start_step)
+    return Run(
+        config=config,
+        engine=engine,
+        loader=loader,
+        validation=validation,
+        tracker=tracker,
+        checkpointer=checkpointer,
+        start_step=start_step,
+    )
 
 
 def _restore(
