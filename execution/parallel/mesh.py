@@ -1,4 +1,6 @@
-"""The parallel geometry of a run: ranks, mesh axes and their process groups (DESIGN.md section 3).
+"""The parallel geometry of a run: ranks, mesh axes and their process groups.
+
+docs/design.md, "The mesh and the rank formula", draws the mesh and lists the groups.
 
 Rank ``r = (((d * pp + p) * cp + c) * tp1 + i) * tp2 + j`` where ``j`` indexes
 tensor_parallel_2 (innermost), ``i`` tensor_parallel_1, ``c`` context_parallel, ``p`` the
