@@ -153,8 +153,8 @@ def test_the_planned_working_set_counts_the_gradients_a_reduction_still_reads(tm
     layer's backward starts beside the accumulator it reads. The planner measures on a layout
     whose collectives only shape their outputs; it holds that input until the reduction is
     waited for, as a real one does, and plans what a real gloo step allocates to the bytes
-    (before, it planned 53.7 MB for this step's 66.3 MB: one float32 layer accumulator less;
-    gpt3_175B_h100x256 planned 9.96 GiB for 13.3)."""
+    (without holding it, the plan would be 53.7 MB for this step's 66.3 MB: one float32 layer
+    accumulator less; gpt3_175B_h100x256 would plan 9.96 GiB for 13.3)."""
     flags = shlex.split(
         "--hidden_size 512 --global_batch_size 8 --micro_batch_size 1 --layers 3 "
         "--placement remote --recompute full --passes 1"
@@ -224,7 +224,7 @@ def _estimate(config):
 
 def test_overlap_hides_data_parallel_traffic_in_the_estimate():
     """All on the device (no host copies), dp 2 x tp1 2: without overlap every collective is
-    exposed (step = compute + collectives, the old formula); with it the data-parallel part
+    exposed (step = compute + collectives); with it the data-parallel part
     hides behind compute (by exactly what is reported hidden)."""
     run = shlex.split("--layers 3 --global_batch_size 8 --placement resident --passes 1")
     flags = [*layout_flags(2, 2, 1), *run, "--overlap_communication"]

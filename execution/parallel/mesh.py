@@ -55,11 +55,11 @@ AXES: dict[str, tuple[str, ...]] = {
     "world": ("d", "p", "c", "i", "j"),
 }
 # Without a context axis the replicas of matrices are the data-parallel group itself: one
-# group, not two with the same members (so a run with cp = 1 creates and reports what it did
-# before the context axis existed).
+# group, not two with the same members (a run with cp = 1 creates and reports no second group
+# of the same ranks).
 _SAME_WHEN_NO_CP = {"dp_cp": "dp"}
 # Without a pipeline these axes are size 1 and get no group (nor a place in ``axes()``), so a
-# run with pp = 1 creates and reports what it did before the pipeline axis existed.
+# run with pp = 1 creates and reports no group it does not use.
 PIPELINE_AXES = ("pp", "embedding")
 
 
