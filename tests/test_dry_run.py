@@ -53,8 +53,8 @@ def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
 
     One micro-batch per replica (global batch 4, not the preset's 128), with full recompute
     as the preset plans it: the bytes are the same formulas, and the measured step runs the 96
-    layers once instead of 32 times (the whole preset's dry run takes ~100 s on two cores; the
-    README shows it)."""
+    layers once instead of 32 times (the whole preset's dry run takes ~100 s on two cores;
+    docs/dry_run_and_plan_for.md shows it)."""
     flags = ["--config", "gpt3_175B_pod256", "--dry_run", "--output_dir", str(tmp_path)]
     flags += ["--global_batch_size", "4", "--recompute", "full"]
     result = entry_point(*flags, timeout=600)
