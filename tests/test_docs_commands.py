@@ -238,7 +238,7 @@ def test_every_error_shown_is_the_error_given(command):
 def test_every_cheap_command_runs(command, tmp_path):
     """Run as written, through the real entry point, in a scratch folder (a dry run writes its
     plan.json under runs/ by default). In a process of its own: ``--plan_for`` forks its
-    workers, which a process that has run a dry run (its fake job's threads) cannot do safely.
+    workers, and in a process that had run a dry run before, it was seen to hang there.
     ``--help`` runs through the entry point's ``main`` in this process (it only prints)."""
     if "--help" in command.argv or "-h" in command.argv:
         with pytest.raises(SystemExit) as exit:
