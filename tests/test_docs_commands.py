@@ -6,7 +6,7 @@ command of one of our entry points is then
 
 - run as written where it is cheap: ``--help`` (through the entry point's ``main``), and
   ``--dry_run`` or ``--plan_for 1`` of the ``tiny`` or ``test`` preset (seconds each, in a
-  process of their own);
+  process of their own; marked ``slow``, as end-to-end runs are);
 - otherwise parsed, without running anything, by the parser its script builds:
   ``config.loading.parse_config`` for ``run_pretraining.py`` (every flag, its type, its choices
   and the config's validation), and for the other scripts their own argparse parser, caught as
@@ -234,17 +234,29 @@ def test_every_error_shown_is_the_error_given(command):
     assert command.error == f"run_pretraining.py: error: {caught.value}", command.where
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if is_cheap(c)], ids=lambda c: c.where)
+def _is_help(command: Command) -> bool:
+    return "--help" in command.argv or "-h" in command.argv
+
+
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if is_cheap(c) and _is_help(c)], ids=lambda c: c.where
+)
+def test_every_help_shown_runs(command, capsys):
+    """Through the entry point's ``main``, in this process: it only prints."""
+    with pytest.raises(SystemExit) as exit:
+        run_pretraining.main(list(command.argv))
+    assert exit.value.code == 0, f"{command.where}: {command.text}"
+    assert "--global_batch_size" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # end-to-end runs of the entry point: the two take ~20 s on 2 cores
+@pytest.mark.parametrize(
+    "command", [c for c in COMMANDS if is_cheap(c) and not _is_help(c)], ids=lambda c: c.where
+)
 def test_every_cheap_command_runs(command, tmp_path):
     """Run as written, through the real entry point, in a scratch folder (a dry run writes its
     plan.json under runs/ by default). In a process of its own: ``--plan_for`` forks its
-    workers, and in a process that had run a dry run before, it was seen to hang there.
-    ``--help`` runs through the entry point's ``main`` in this process (it only prints)."""
-    if "--help" in command.argv or "-h" in command.argv:
-        with pytest.raises(SystemExit) as exit:
-            run_pretraining.main(list(command.argv))
-        assert exit.value.code == 0, f"{command.where}: {command.text}"
-        return
+    workers, and in a process that had run a dry run before, it was seen to hang there."""
     argv = [sys.executable, str(ROOT / command.script), *command.argv]
     result = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, f"{command.where}: {command.text}: {result.stderr[-600:]}"
