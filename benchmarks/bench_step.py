@@ -84,7 +84,8 @@ VARIANTS = {
     # to stream from host memory every phase.
     "auto": Variant("ours (auto plan)", "ours", ("--placement", "auto")),
     "streamed": Variant("ours, weights streamed", "ours", ("--weights_placement", "host")),
-    # The schedule before issue 16: every collective waited for, every layer recomputed.
+    # The engine with nothing behind compute: every collective waited for where issued, every
+    # layer recomputed.
     "no_overlap": Variant(
         "ours, no overlap, full recompute",
         "ours",

@@ -1,6 +1,6 @@
 """GPT-3 building blocks, written once for a single device and for every 2D tensor-parallel shard.
 
-Shapes are per shard (DESIGN.md section 4): the residual stream is ``[B, S, h/tp2]`` (sharded over
+Shapes are per shard (docs/design.md, "Sharding rules"): the residual stream is ``[B, S, h/tp2]`` (sharded over
 tp2, identical over tp1); attention and the FFN hidden layer are sharded over tp1. Local sizes
 come from the weights, and every collective is a call into :mod:`modelling.parallel`, so with
 size-1 axes this is a plain GPT-2/GPT-3 block.

@@ -206,7 +206,8 @@ def small_config(*flags: str) -> PretrainingConfig:
 
 
 def coords(rank: int, tp1: int, tp2: int) -> tuple[int, int, int]:
-    """(d, i, j) of a global rank, DESIGN.md section 3: ``r = d * tp1 * tp2 + i * tp2 + j``."""
+    """(d, i, j) of a global rank (docs/design.md, "The mesh and the rank formula"):
+    ``r = d * tp1 * tp2 + i * tp2 + j``."""
     return rank // (tp1 * tp2), (rank // tp2) % tp1, rank % tp2
 
 

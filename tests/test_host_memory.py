@@ -2,8 +2,8 @@
 
 PyTorch's caching host allocator rounds every ``pin_memory=True`` request up to a power of two.
 The CPU stand-in (:class:`RecordingHostMemory`) applies that rule, so these tests show the
-waste the old per-tensor pinning had at gpt3_6.7B's sizes and that the registered allocation
-the buffers now use has none. The registration itself runs against a stand-in of the CUDA
+waste that pinning tensor by tensor would have at gpt3_6.7B's sizes, and that the registered
+allocation the buffers use has none. The registration itself runs against a stand-in of the CUDA
 runtime: it checks the calls, their order and that the pages are still mapped when unpinned.
 """
 

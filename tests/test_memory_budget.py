@@ -31,7 +31,7 @@ def _real_run_budget(monkeypatch, config, free_gib: float, node_host_gib: float,
 def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
     """An H100 of the spec: 79 GiB a process can allocate, 128 GiB of host per device. A real
     run with 79 GiB free, on a node of 8 such devices and 8 processes, plans with 90% of each:
-    71.1 GiB of device and 115.2 GiB of host memory; so does the dry run now."""
+    71.1 GiB of device and 115.2 GiB of host memory; so does the dry run."""
     config = _h100()
     dry = spec_budget(config, resolve_spec(config))
     real = _real_run_budget(monkeypatch, config, 79, 8 * 128, 8)
@@ -44,15 +44,15 @@ def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
 
 
 def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
-    """gpt3_1.3B's plans: those the dry run used to accept with the spec's whole memory but a
-    real run refuses (within 10% of the 79 GiB device or 128 GiB host, such as everything on
-    the device in 2 passes of 64 micro-batches with full recompute, 78.6 GiB of device
-    memory) are refused by both now, and both choose the same plan."""
+    """gpt3_1.3B's plans: those that fit the spec's whole memory but not a real run's budget
+    (within 10% of the 79 GiB device or 128 GiB host, such as everything on the device in 2
+    passes of 64 micro-batches with full recompute, 78.6 GiB of device memory) are refused by
+    both the dry run and a real run, and both choose the same plan."""
     config = _h100()
     plans = candidate_plans(config, "cuda")  # with the working sets measured
     dry = spec_budget(config, resolve_spec(config))
     real = _real_run_budget(monkeypatch, config, 79, 8 * 128, 8)
-    whole = MemoryBudget(79 * GiB, 128 * GiB)  # what the dry run used to allow
+    whole = MemoryBudget(79 * GiB, 128 * GiB)  # the spec's memory with no headroom
     refused = [p for p in plans if whole.fits(p) and not real.fits(p)]
     assert refused, "the example needs plans between the two budgets"
     for plan in refused:  # in the last 10% of the device or of the host

@@ -61,7 +61,7 @@ def _train_rank(config, batches: torch.Tensor, one_group: bool = False) -> dict:
     """One rank: train, then gather the unsharded states its stage holds (collective within
     the stage); the first rank of each stage returns them. Every point-to-point op is logged
     (``p2p``) for :func:`check_pairing`. ``one_group``: both directions of the stages'
-    transfers on the pipeline group itself, as before they had a group each."""
+    transfers on the pipeline group itself, the layout whose NCCL pairing would hang."""
     with recording() as p2p:
         layout = world_layout(config)
         if one_group:

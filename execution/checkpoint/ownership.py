@@ -6,8 +6,9 @@ resumes (``--load``), so a resumed run is the same run. The id is written to ``r
 each folder the run writes to, and to every checkpoint's ``trainer.json``. A new run given a
 folder that holds another run's checkpoints or metrics stops before writing anything: saving
 there would replace that run's ``step_N`` and move its ``latest`` back, and pruning with
-``--keep_checkpoints`` would delete its checkpoints by step number. Folders written before run
-ids existed belong to the run that resumes from a checkpoint inside them.
+``--keep_checkpoints`` would delete its checkpoints by step number. A folder without
+``run.json`` (and a checkpoint whose ``trainer.json`` names no run) belongs to the run that
+resumes from a checkpoint inside it.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def new_run_id() -> str:
 
 def checkpoint_run_id(folder: Path, trainer: dict[str, Any]) -> str:
     """The id of the run that saved the checkpoint ``folder`` (its ``trainer.json``): a
-    checkpoint from before run ids belongs to the run of the save folder it lies in."""
+    checkpoint that names no run belongs to the run of the save folder it lies in."""
     return trainer.get("run_id") or _legacy_id(folder.parent)
 
 

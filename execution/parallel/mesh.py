@@ -1,4 +1,6 @@
-"""The parallel geometry of a run: ranks, mesh axes and their process groups (DESIGN.md section 3).
+"""The parallel geometry of a run: ranks, mesh axes and their process groups.
+
+docs/design.md, "The mesh and the rank formula", draws the mesh and lists the groups.
 
 Rank ``r = (((d * pp + p) * cp + c) * tp1 + i) * tp2 + j`` where ``j`` indexes
 tensor_parallel_2 (innermost), ``i`` tensor_parallel_1, ``c`` context_parallel, ``p`` the
@@ -53,11 +55,11 @@ AXES: dict[str, tuple[str, ...]] = {
     "world": ("d", "p", "c", "i", "j"),
 }
 # Without a context axis the replicas of matrices are the data-parallel group itself: one
-# group, not two with the same members (so a run with cp = 1 creates and reports what it did
-# before the context axis existed).
+# group, not two with the same members (a run with cp = 1 creates and reports no second group
+# of the same ranks).
 _SAME_WHEN_NO_CP = {"dp_cp": "dp"}
 # Without a pipeline these axes are size 1 and get no group (nor a place in ``axes()``), so a
-# run with pp = 1 creates and reports what it did before the pipeline axis existed.
+# run with pp = 1 creates and reports no group it does not use.
 PIPELINE_AXES = ("pp", "embedding")
 
 

@@ -1,8 +1,8 @@
-"""How each parameter is split over the 2D tensor-parallel mesh (DESIGN.md section 4).
+"""How each parameter is split over the 2D tensor-parallel mesh (docs/design.md, "Sharding rules").
 
 One table maps a parameter name (within its part) to its *kind* and its slicing rule. The kind
 decides which replicas hold identical copies and therefore the replicated-tensor-sharding group
-(section 5) and whether weight decay applies:
+(docs/design.md, "Replicated tensor sharding") and whether weight decay applies:
 
 - ``matrix``: split over tp1 and tp2, identical across dp -> RTS over dp; decayed.
 - ``tp2_vector``: split over tp2 only (layer norms, output biases) -> RTS over dp x tp1.
@@ -149,7 +149,7 @@ RTS_AXES = {MATRIX: "dp_cp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2"}
 
 
 def rts_axes(layout) -> dict[str, Axis]:
-    """The RTS group of each kind: the replicas that hold identical copies of it (section 5)."""
+    """The RTS group of each kind: the replicas that hold identical copies of it (RTS)."""
     return {kind: getattr(layout, axis) for kind, axis in RTS_AXES.items()}
 
 

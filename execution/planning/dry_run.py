@@ -203,7 +203,7 @@ def compute_seconds(flops: float, attention_flops: float, spec: DeviceSpec) -> f
     at ``spec.attention_efficiency`` of the peak (FlashAttention-2, what SDPA's flash backend
     runs, reaches about 25% of an H100's on the FLOPs it executes, with causal masking and
     dropout at sequence 2048; :data:`~execution.planning.device_specs.SPECS`), the rest at the
-    matmul rate. Attention is then no longer priced as if it ran at large-matmul speed."""
+    matmul rate, so that attention is not priced as if it ran at large-matmul speed."""
     peak = spec.peak_tflops * 1e12
     attention_rate = peak * (spec.attention_efficiency or spec.compute_efficiency)
     return (flops - attention_flops) / (peak * spec.compute_efficiency) + (

@@ -1,4 +1,6 @@
-"""The memory model: what one rank's buffers and transfers cost under a plan (DESIGN.md s. 9).
+"""The memory model: what one rank's buffers and transfers cost under a plan.
+
+docs/design.md, "The memory model", draws it whole.
 
 Three states are placed, each on the compute device or in host memory:
 

@@ -1,4 +1,6 @@
-"""The memory planner: how many passes a step takes and where each state lives (DESIGN.md s. 9).
+"""The memory planner: how many passes a step takes and where each state lives.
+
+docs/design.md, "The memory model" and "The time model", says how plans are costed.
 
 Every plan the flags allow is costed by :mod:`execution.planning.memory` (buffers, host
 traffic) and :mod:`execution.planning.measure` (the working set, measured). Plans are ranked by

@@ -176,8 +176,8 @@ def _restore(
                 f"{config.training.steps}: nothing to train; raise --steps"
             )
     dp, tp1, tp2 = trainer["saved_layout"]
-    # Checkpoints from before the context (pipeline) axis have no context_parallel
-    # (pipeline_parallel) in their config.
+    # A saved config without context_parallel (pipeline_parallel) was saved by code without
+    # that axis, so the run had none: size 1.
     cp = trainer["config"]["execution"].get("context_parallel", 1)
     pp = trainer["config"]["execution"].get("pipeline_parallel", 1)
     sizes = f"{dp} x {cp} (context) x {tp1} x {tp2}" if cp > 1 else f"{dp} x {tp1} x {tp2}"
