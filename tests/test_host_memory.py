@@ -17,6 +17,7 @@ import torch
 
 from config.loading import parse_config
 from execution.engine.buffers import ActivationBuffers, PartBuffers, Place, weight_copy_dtype
+from execution.engine.gradient_store import STAGING_ELEMENTS, needs_staging, staging_elements
 from execution.engine.host_memory import (
     HostMemory,
     RecordingHostMemory,
@@ -62,12 +63,16 @@ def _host_buffers(name: str, placement: Placement, rounding) -> tuple[RecordingH
     for part in PARTS:
         PartBuffers(rank.specs[part], rank.rows(part), by_state, copy_dtype)
     ActivationBuffers(rank.activation_layout(entries), places["activations"])
+    if needs_staging(placement.weights, placement.grads):  # the host reads device gradients
+        size = staging_elements(rank.specs, {p: rank.rows(p) for p in PARTS})
+        for _ in range(2):
+            places["weights"].empty((size,), torch.float32)
     planned = state_bytes(rank, entries, placement)
     return memory, planned
 
 
 def _host_total(planned: dict, placement: Placement) -> int:
-    place = {"optimizer": "weights", "weight_copies": "weights"}
+    place = {"optimizer": "weights", "weight_copies": "weights", "staging": "weights"}
     return sum(n for s, n in planned.items() if getattr(placement, place.get(s, s)) == "host")
 
 
@@ -82,16 +87,20 @@ def test_gpt3_6_7b_host_weights_pin_what_the_plan_counts():
     new, _ = _host_buffers("gpt3_6.7B", placement, exact_nbytes)
     plan = _host_total(planned, placement)
     # Hand count: 32 layers of 12 h^2 + 13 h parameters, the word (50304 x h) and position
-    # (2048 x h) embeddings and the final LayerNorm (2 h), h = 4096; 14 bytes each.
+    # (2048 x h) embeddings and the final LayerNorm (2 h), h = 4096; 14 bytes each; and two
+    # float32 staging buffers of 4 Mi elements for the device's gradients.
     h = 4096
     parameters = 32 * (12 * h * h + 13 * h) + 50304 * h + 2048 * h + 2 * h
-    assert abs(plan - 14 * parameters) < 1e-4 * plan
+    assert planned["staging"] == 2 * 4 * STAGING_ELEMENTS == 32 * 2**20
+    assert abs(plan - planned["staging"] - 14 * parameters) < 1e-4 * plan
     assert round(plan / GiB, 1) == 86.8
     assert new.requests == old.requests
     assert new.pinned_nbytes == sum(new.requests) == plan
     # Rounded: each of the three float32 states' 24 GiB of layer matrices pins 32 GiB and its
-    # 0.8 GiB word embedding 1 GiB; the bf16 copies 16 and 0.5 GiB; the vectors (MiBs) little.
-    assert abs(old.pinned_nbytes - (3 * (32 + 1) + 16 + 0.5) * GiB) < 0.05 * GiB
+    # 0.8 GiB word embedding 1 GiB; the bf16 copies 16 and 0.5 GiB; the staging buffers (a
+    # power of two already) their own; the vectors (MiBs) little.
+    rounded = (3 * (32 + 1) + 16 + 0.5) * GiB + planned["staging"]
+    assert abs(old.pinned_nbytes - rounded) < 0.05 * GiB
 
 
 @pytest.mark.parametrize("where", ["host", "device"])

@@ -66,9 +66,28 @@ def test_late_side_streams_train_bit_for_bit_as_eager(weights, activations, reco
         ours, theirs = full_state(engine), full_state(reference)
         assert all(torch.equal(ours[n], theirs[n]) for n in theirs), where
         # The stand-in really deferred what the placement moves: host weights are loaded
-        # ahead, host activations stored behind.
+        # ahead, host activations stored behind, and device gradients staged for the host's
+        # update of host weights.
         assert (engine.state.loads.waits > 0) == (weights == "host"), where
-        assert (engine.state.stores.waits > 0) == (activations == "host"), where
+        stored = activations == "host" or weights == "host"
+        assert (engine.state.stores.waits > 0) == stored, where
+
+
+def test_host_gradients_are_stored_late_and_read_after_their_store():
+    """Gradients in host memory go there on the store stream, pass after pass; the next
+    pass's accumulation and the optimizer wait for them: bitwise the eager run."""
+    for weights, passes in itertools.product(("device", "host"), (1, 2)):
+        config = small_config(
+            *BASE,
+            *("--weights_placement", weights, "--grads_placement", "host"),
+            *("--activations_placement", "device", "--passes", str(passes)),
+        )
+        eager, reference = _train(config, late=False)
+        late, engine = _train(config, late=True)
+        assert [x.hex() for x in late] == [x.hex() for x in eager], (weights, passes)
+        ours, theirs = full_state(engine, "grads"), full_state(reference, "grads")
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+        assert engine.state.stores.waits > 0
 
 
 @pytest.mark.parametrize("stream", ["loads", "stores"])
@@ -80,6 +99,21 @@ def test_a_missing_wait_shows(monkeypatch, stream):
     monkeypatch.setattr(LateStream, "wait", _wait_except(stream))
     late, _ = _train(config, late=True)
     assert not math.isfinite(late[0]) and math.isfinite(eager[0])
+
+
+@pytest.mark.parametrize("grads", ["host", "device"])
+def test_a_missing_host_wait_shows(monkeypatch, grads):
+    """Without the host's wait for the store stream, the host reads gradients (staged from
+    the device for a host update, or stored to the host) before they arrive: NaN."""
+    config = small_config(
+        *BASE,
+        *("--weights_placement", "host", "--grads_placement", grads),
+        *("--activations_placement", "device", "--passes", "1"),
+    )
+    eager, _ = _train(config, late=False)
+    monkeypatch.setattr(LateStream, "synchronize", lambda self, event: None)
+    late, _ = _train(config, late=True)
+    assert math.isfinite(eager[1]) and not math.isfinite(late[1])
 
 
 def _wait_except(skipped: str):

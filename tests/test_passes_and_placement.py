@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import shlex
+import typing
 
 import pytest
 import torch
@@ -297,11 +298,17 @@ class _Stream:
 
 
 class _Event:
+    log: typing.ClassVar[list] = []  # the test points it at its own log
+
     def __init__(self):
         self.stream = None
 
     def record(self, stream: _Stream) -> None:
         self.stream = stream.name
+
+    def synchronize(self) -> None:
+        assert self.stream is not None, "synchronized with an event never recorded"
+        self.log.append(("host", "synchronize", self.stream))
 
 
 def _cuda_side_stream(stand_in: _Stream) -> CudaStream:
@@ -318,16 +325,19 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
     compute stream waits for their event before using them, activation stores run on the
     store stream, and every entry is read back only after waiting for its store."""
     flags = ["--precision", "bfloat16", "--passes", "2", "--placement", "remote"]
+    flags += ["--recompute", "full"]  # kept tensors take the store stream too (late streams)
     config = small_config(*flags)
     batch = replica_batch(config, global_batches(config, 1)[0], 0)
     plain = planned_engine(config, ParallelLayout.single(CPU))
     plain_loss = plain.train_step(batch, 0, 2e-3).loss
 
-    log: list = []
+    log: typing.ClassVar[list] = []  # the test points it at its own log
     engine = planned_engine(config, ParallelLayout.single(CPU))
     state = engine.state
     compute = _Stream("compute", log)
     state.loads, state.stores = (_cuda_side_stream(_Stream(n, log)) for n in ("copy", "store"))
+    state.activations.stores = state.grads.stores = state.stores
+    monkeypatch.setattr(_Event, "log", log)
     current = [compute]
 
     class _Use:  # torch.cuda.stream(s): makes s current inside the block
@@ -352,7 +362,7 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
 
         def logged(work, outputs=(), inputs=(), submit=side.submit, label=label):
             def run() -> None:  # logs the stream current while the copy runs
-                log.append((current[-1].name, label, len(outputs)))
+                log.append((current[-1].name, label, len(outputs), outputs[0].dtype))
                 work()
 
             return submit(run, outputs, inputs)
@@ -375,6 +385,15 @@ def test_cuda_stream_protocol_with_stand_in_streams(monkeypatch):
     # x: L + 1 boundaries per pass, dx: L + 1 stored per pass; all read back after a wait
     layers, entries = config.model.layers, engine.memory.micro_batches_per_pass
     stores = 2 * 2 * (layers + 1) * entries
-    assert log.count(("store", "store", 1)) == stores
-    assert sum(e[2] == "store" for e in waits) == stores
-    assert log.count(("store", "record_stream")) == stores
+    assert log.count(("store", "store", 1, torch.bfloat16)) == stores
+    # Gradients on the host: each phase's float32 rows per kind, in each of the 2 passes
+    # (the head phase also starts the tied embedding's).
+    kinds = {part: len(engine.specs[part]) for part in ("embedding", "layers", "head")}
+    grads = 2 * (kinds["head"] + 2 * kinds["embedding"] + layers * kinds["layers"])
+    assert log.count(("store", "store", 1, torch.float32)) == grads
+    # Every store is waited for: by the compute stream before its entry (or the next
+    # pass's gradient row) is read, or by the host once the phases are done.
+    host_waits = [e for e in log if e[:2] == ("host", "synchronize")]
+    assert all(e[2] == "store" for e in host_waits)
+    assert sum(e[2] == "store" for e in waits) + len(host_waits) == stores + grads
+    assert log.count(("store", "record_stream")) == stores + grads

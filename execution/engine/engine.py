@@ -182,6 +182,7 @@ class PhasedEngine:
             self.stage, plan.gradient_accumulation, self.memory.passes
         )
         self._run_phases(phases, run, hooks.on_phase)
+        self.state.grads.settle()  # every gradient is where it lives before anything reads it
         if self.layout.embedding.size > 1:
             tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
             if self.stage.is_first:  # counted once, by the first stage

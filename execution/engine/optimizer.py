@@ -153,24 +153,23 @@ class AdamWDriver:
         state = self.state
         on_host = state.places["weights"].remote
         with self._pool() if on_host else contextlib.nullcontext() as pool:
-            for part, row in state.part_rows():
-                for kind in state.specs[part]:
-                    decay = kind in DECAYED_KINDS
-                    if not on_host:
+            if not on_host:
+                for part, row in state.part_rows():
+                    for kind in state.specs[part]:
                         w, g, m, v = state.load_optimizer_row(part, kind, row)
-                        adamw_(w, g, m, v, weight_decay=decay, **hyper)
-                        continue
-                    tensors = state.host_optimizer_row(part, kind, row)
-                    # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
-                    chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
-                    adamw_threaded_(
-                        *tensors,
-                        pool=pool,
-                        chunk_elements=max(chunk, 1),
-                        weight_decay=decay,
-                        **hyper,
-                    )
-                    state.refresh_weight_copy(part, kind, row)
+                        adamw_(w, g, m, v, weight_decay=kind in DECAYED_KINDS, **hyper)
+                return
+            for part, kind, row, piece, tensors in state.host_update_pieces():
+                # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
+                chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
+                adamw_threaded_(
+                    *tensors,
+                    pool=pool,
+                    chunk_elements=max(chunk, 1),
+                    weight_decay=kind in DECAYED_KINDS,
+                    **hyper,
+                )
+                state.refresh_weight_copy(part, kind, row, piece)
 
     @contextlib.contextmanager
     def _pool(self) -> Iterator[Executor]:

@@ -131,4 +131,4 @@ def sum_tied_gradient(state: StateStore, embedding: GroupAxis) -> list[torch.Ten
     embedding's gradient is the first stage's alone (the last adds zeros).
 
     Returns the summed shards on the device (for the norm, counted by one of the two)."""
-    return state.all_reduce_grads(EMBEDDING, 0, embedding)
+    return state.grads.all_reduce(EMBEDDING, 0, embedding)

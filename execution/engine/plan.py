@@ -24,7 +24,7 @@ PLACED_STATES = ("weights", "grads", "activations")
 PLACES = ("device", "host")
 GiB = 2**30
 # Keys of state_bytes that live where the weights do.
-WEIGHT_STATE_KEYS = ("optimizer", "weight_copies")
+WEIGHT_STATE_KEYS = ("optimizer", "weight_copies", "staging")
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,8 @@ class MemoryPlan:
         keys = ["weights", "optimizer", "grads", "activations", "working_set"]
         if self.state_bytes["weight_copies"]:  # only shown where kept
             keys.insert(3, "weight_copies")
+        if self.state_bytes.get("staging"):
+            keys.insert(-1, "staging")
         for key in keys:
             rows.append(
                 f"  {key:<12} device {device[key] / GiB:9.2f} GiB   host {host[key] / GiB:9.2f} GiB"

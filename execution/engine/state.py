@@ -34,6 +34,8 @@ stores happen in program order.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from execution.engine.buffers import (
@@ -47,6 +49,7 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
+from execution.engine.gradient_store import GradientStore
 from execution.engine.moves import ActivationStore, Mover, Traffic
 from execution.engine.streams import side_streams
 from execution.parallel.mesh import ParallelLayout
@@ -106,6 +109,7 @@ class StateStore:
         self.activations = ActivationStore(
             activations, places["activations"], layout.tp1, self.mover, self.stores
         )
+        self.grads = GradientStore(self.parts, specs, places, self.mover, self.stores)
 
     @property
     def host_to_device(self) -> int:
@@ -251,89 +255,51 @@ class StateStore:
 
     # ------------------------------------------------------------------ gradients
 
-    def accumulate_grads(
-        self, part: str, row: int, shards: dict[str, torch.Tensor], first: bool
-    ) -> dict[str, torch.Tensor]:
-        """Adds reduced gradient shards to the part's accumulators (``first``: replaces them).
-
-        Returns the accumulated shards on the device (for the global norm).
-        """
-        place = self.places["grads"]
-        out = {}
-        for kind, shard in shards.items():
-            stored = self.parts[part].grads[kind][row]
-            if not place.remote:  # in place: no new tensor per pass
-                if first:
-                    stored.copy_(shard)
-                else:
-                    stored.add_(shard)
-                out[kind] = stored
-                continue
-            if not first:
-                shard = self.mover.load(stored, place) + shard
-            self.mover.store(stored, shard, place)
-            out[kind] = shard
-        return out
-
-    def all_reduce_grads(self, part: str, row: int, axis: Axis) -> list[torch.Tensor]:
-        """Sums one row of a part's gradients over ``axis``, in place (the word embedding
-        tied across the first and last pipeline stage); returns the sums on the device."""
-        place = self.places["grads"]
-        summed = []
-        for kind in self.specs[part]:
-            stored = self.parts[part].grads[kind][row]
-            total = axis.all_reduce_(self.mover.load(stored, place).clone())
-            self.mover.store(stored, total, place)
-            summed.append(total)
-        return summed
-
     # ------------------------------------------------------------------ optimizer state
 
     def load_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
         """Weights, gradient and both moments of one row of one kind, on the device (for
         device-placed weights; host-placed ones are updated where they are, see
-        :meth:`host_optimizer_row`)."""
+        :meth:`host_update_pieces`)."""
         buffers = self.parts[part]
+        self.grads.row(part, kind, row)  # its store to the host, if in flight, is done
         return [
             self.mover.load(getattr(buffers, s)[kind][row], self.places[_group(s)])
             for s in PART_STATES
         ]
 
-    def host_optimizer_row(self, part: str, kind: str, row: int) -> list[torch.Tensor]:
-        """Weights, gradient and both moments of one row of one kind in host memory, for an
-        update in place there: the gradient is copied from the device where kept there, the
-        rest is the buffers themselves (nothing else crosses the host link)."""
+    def host_update_pieces(self) -> Iterator[tuple[str, str, int, slice, list[torch.Tensor]]]:
+        """(part, kind, row, piece, [weights, gradient, exp_avg, exp_avg_sq]) of every row
+        held, piece by piece, all in host memory, for an update in place there: the
+        gradient through staging where it is kept on the device
+        (:meth:`GradientStore.host_update_pieces`), the rest the buffers themselves (nothing
+        else crosses the host link)."""
         assert self.places["weights"].remote, "host update of weights that live on the device"
-        buffers = self.parts[part]
-        grad = buffers.grads[kind][row]
-        if not self.places["grads"].remote:
-            self.device_to_host += grad.numel() * grad.element_size()
-            grad = grad.to(self.places["weights"].device, copy=True)
-        return [
-            buffers.weights[kind][row],
-            grad,
-            buffers.exp_avg[kind][row],
-            buffers.exp_avg_sq[kind][row],
-        ]
+        for part, kind, row, piece, grad in self.grads.host_update_pieces(self.part_rows()):
+            buffers = self.parts[part]
+            rest = (buffers.weights, buffers.exp_avg, buffers.exp_avg_sq)
+            w, m, v = (state[kind][row][piece] for state in rest)
+            yield part, kind, row, piece, [w, grad, m, v]
 
-    def refresh_weight_copy(self, part: str, kind: str, row: int) -> None:
-        """After a host update: the compute-dtype copy of the row, cast on the host (the same
-        round-to-nearest as on a device), where copies are kept."""
+    def refresh_weight_copy(self, part: str, kind: str, row: int, piece: slice) -> None:
+        """After a host update: the compute-dtype copy of a piece of a row, cast on the host
+        (the same round-to-nearest as on a device), where copies are kept."""
         buffers = self.parts[part]
         if buffers.weight_copies:
-            buffers.weight_copies[kind][row].copy_(buffers.weights[kind][row])
+            buffers.weight_copies[kind][row][piece].copy_(buffers.weights[kind][row][piece])
 
     # ------------------------------------------------------------------ accounting
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of buffers held, by state: weights, optimizer, grads, weight_copies,
-        activations."""
+        activations, staging."""
         out = {"weights": 0, "optimizer": 0, "grads": 0, "weight_copies": 0}
         for buffers in self.parts.values():
             for state, n in buffers.nbytes().items():
                 key = state if state in ("weights", "grads", "weight_copies") else "optimizer"
                 out[key] += n
         out["activations"] = self.activations.nbytes()
+        out["staging"] = self.grads.nbytes()
         return out
 
 

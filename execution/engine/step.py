@@ -125,7 +125,7 @@ class Step:
 
         def complete() -> None:
             shards = {kind: wait() for kind, wait in reductions.items()}
-            total = engine.state.accumulate_grads(acc.part, row, shards, first=phase.first_pass)
+            total = engine.state.grads.accumulate(acc.part, row, shards, first=phase.first_pass)
             if norm and phase.last_pass:
                 self.count_in_norm(total.values())
             # The shards may be views of the accumulators: reused only once read.

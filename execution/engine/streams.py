@@ -13,7 +13,8 @@ Each implementation has the same operations:
 - ``submit(work, outputs, inputs)``: queue ``work`` (a function that fills ``outputs`` from
   ``inputs``) behind everything the compute stream issued so far; returns an event.
 - ``wait(event, tensors)``: the compute stream waits for ``event`` (and ``tensors``, made on the
-  side stream, are marked as in use there for the caching allocator).
+  side stream, are marked as in use there for the caching allocator); ``synchronize(event)``:
+  the host waits for it (before the host reads what the side stream wrote).
 - ``issue()``: a context in which a collective is issued on the side stream, so that it runs
   after the stream's copies (NCCL enqueues it there; gloo reads its input at once, so the late
   stream runs what is queued first); ``allocating()``, a context whose allocations belong to
@@ -37,6 +38,9 @@ class EagerStream:
         work()
 
     def wait(self, event, tensors: Sequence[torch.Tensor] = ()) -> None:
+        pass
+
+    def synchronize(self, event) -> None:
         pass
 
     def issue(self) -> contextlib.AbstractContextManager:
@@ -71,6 +75,11 @@ class CudaStream:
             compute.wait_event(event)
         for t in tensors:  # memory made on the side stream, now read by the compute stream
             t.record_stream(compute)
+
+    def synchronize(self, event) -> None:
+        """The host waits for ``event`` (before it reads what the side stream wrote)."""
+        if event is not None:
+            event.synchronize()
 
     def issue(self) -> contextlib.AbstractContextManager:
         return torch.cuda.stream(self.stream)
@@ -111,6 +120,10 @@ class LateStream:
             queued, work = self._queue.pop(0)
             work()
             queued.done = True
+
+    def synchronize(self, event: _LateEvent | None) -> None:
+        """The host waits: the work queued up to ``event`` runs."""
+        self.wait(event)
 
     @contextlib.contextmanager
     def issue(self) -> Iterator[None]:

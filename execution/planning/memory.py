@@ -42,6 +42,7 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
+from execution.engine.gradient_store import needs_staging, staging_elements
 from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.engine.recompute import KeptBytes, kept_bytes
 from execution.engine.schedule import Stage
@@ -224,6 +225,10 @@ def state_bytes(
         "activations": rank.activation_layout(
             entries, kept, rank.in_flight(passes)
         ).planned_nbytes(),
+        # Two float32 staging buffers, where the host updates device-kept gradients.
+        "staging": 2 * 4 * staging_elements(specs, {p: rank.rows(p) for p in PARTS})
+        if needs_staging(placement.weights, placement.grads)
+        else 0,
     }
 
 
