@@ -1,4 +1,4 @@
-"""Settings of the test process, before any test module imports torch.
+"""Settings of the test process, before any test module imports torch, and the two lanes.
 
 One intra-op thread per process, and per subprocess the tests start (torchrun ranks, entry
 points): the suite's tensors are small, so an OpenMP team only adds wake-ups, and on a shared
@@ -6,14 +6,27 @@ points): the suite's tensors are small, so an OpenMP team only adds wake-ups, an
 test model took ten times longer with two threads under load than with one. Tests check
 numbers, never timing; a test that needs more threads sets them itself
 (``test_host_adamw_threads.py``).
+
+Lanes: ``-m "not slow"`` is the fast lane, single-process tests of each piece; every test of
+several processes (marked ``distributed``: forked gloo ranks, torchrun) and every end-to-end run
+of an entry point or a ``--plan_for`` search is ``slow`` too, in the whole suite only.
 """
 
 from __future__ import annotations
 
 import os
 
+import pytest
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # after the variable, which OpenMP reads once
 
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Multi-process tests belong to the slow lane."""
+    for item in items:
+        if item.get_closest_marker("distributed") is not None:
+            item.add_marker(pytest.mark.slow)

@@ -32,6 +32,7 @@ NOTHING_RECORDED = {
 }
 
 
+@pytest.mark.slow
 def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     out = tmp_path / "rows.json"
     # In one process, to keep the test short; test_an_out_of_memory_row_is_its_result and

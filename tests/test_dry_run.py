@@ -247,6 +247,7 @@ def _search_four_devices() -> tuple[list[dict], list[dict]]:
     return search(small_config("--layers", "4", "--global_batch_size", "8"), 4)
 
 
+@pytest.mark.slow
 def test_plan_for_ranks_layouts_that_fit_by_step_time():
     rows, misfits = _search_four_devices()
     assert rows and not misfits
@@ -263,6 +264,7 @@ def test_plan_for_ranks_layouts_that_fit_by_step_time():
     assert all(e.context_parallel in (1, 2, 4) for e in executions)
 
 
+@pytest.mark.slow
 def test_plan_for_through_the_entry_point():
     result = entry_point(*shlex.split("--config tiny --plan_for 2 --device_spec a100_80gb"))
     assert result.returncode == 0, result.stderr

@@ -12,7 +12,13 @@ from execution.engine.recompute import attention_kernel
 from execution.planning import memory
 from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import MemoryBudget, RankShape, measure_budget, spec_budget
-from execution.planning.planner import candidate_plans, choose_or_least, choose_plan, step_seconds
+from execution.planning.planner import (
+    advisory_plans,
+    candidate_plans,
+    choose_or_least,
+    choose_plan,
+    step_seconds,
+)
 
 
 def _h100(*flags: str):
@@ -90,7 +96,7 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
 
     streamed = next(
         p
-        for p in candidate_plans(config, "cuda", estimate_working_set=True)
+        for p in advisory_plans(config, "cuda")
         if p.placement == Placement("host", "device", "device")
         and (p.passes, p.recompute) == (128, "none")
     )

@@ -206,6 +206,7 @@ def _passes_rank(configs: dict) -> dict:
     return {name: train(config, world_layout(config)) for name, config in configs.items()}
 
 
+@pytest.mark.slow
 def test_passes_and_placements_at_2x2x2(tmp_path):
     """On (dp, tp1, tp2) = (2, 2, 2) with 4 micro-batches per replica and dropout: 1 pass all
     remote, 2 passes with mixed placements and 4 passes resident agree to 1e-6."""

@@ -99,6 +99,7 @@ def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans()
     assert fitting and [p for p in searched if budget.fits(p)] == fitting
 
 
+@pytest.mark.slow
 def test_workers_find_the_rows_one_process_finds():
     """Groups of layouts of 2 devices (dp, pp, cp, tp1, tp2 and micro-batch sizes) measured in
     two forked workers give the same rows, in the same order, as one process measuring them

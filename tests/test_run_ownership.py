@@ -27,6 +27,7 @@ def _steps(output_dir: Path) -> list[int]:
     return [row["step"] for row in rows if "loss" in row]
 
 
+@pytest.mark.slow
 def test_another_runs_folders_are_refused_and_its_own_resume_appends(tmp_path):
     ckpt, out = tmp_path / "ckpt", tmp_path / "out"
     first = entry_point(*RUN_FLAGS, "--steps", "1", "--save", str(ckpt), "--output_dir", str(out))
@@ -61,6 +62,7 @@ def test_another_runs_folders_are_refused_and_its_own_resume_appends(tmp_path):
     ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_path, stop):
     """Ctrl-C or SIGTERM: one line naming the last step, the last complete checkpoint and how to

@@ -48,6 +48,7 @@ def test_tiny_preset_lowers_the_loss_on_the_sample_data(tmp_path):
     assert (tmp_path / "config.yml").exists()
 
 
+@pytest.mark.slow
 def test_bfloat16_with_evaluation_and_offline_wandb(tmp_path):
     evaluation = ["--eval_every", "2", "--eval_batches", "2"]
     wandb = ["--wandb", "--wandb_mode", "offline"]
@@ -95,6 +96,7 @@ def test_an_output_dir_with_metrics_is_not_reused(tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 9.0}\n'
 
 
+@pytest.mark.slow
 def test_skipped_corrupt_records_are_reported(tmp_path):
     data = tmp_path / "data"
     shutil.copytree(ROOT / "data" / "sample", data, ignore=shutil.ignore_patterns("validation"))
@@ -115,6 +117,7 @@ def test_skipped_corrupt_records_are_reported(tmp_path):
     assert all(m["skipped_records"] >= 1 for m in lenient)
 
 
+@pytest.mark.slow
 def test_start_up_prints_the_memory_plan(tmp_path):
     plan = ["--passes", "2", "--placement", "remote"]
     result = run("--config", "tiny", "--steps", "1", *plan, "--output_dir", str(tmp_path))
@@ -125,6 +128,7 @@ def test_start_up_prints_the_memory_plan(tmp_path):
     assert "activations on host" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_run_that_fits_no_plan_says_what_would_fit(tmp_path):
     """gpt3_6.7B in 8 GiB: one line with the least memory it needs and the flags that fit;
     nothing is written."""

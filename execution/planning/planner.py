@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
@@ -61,37 +62,57 @@ def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
 def candidate_plans(
     config: PretrainingConfig,
     device_type: str,
-    most_passes_only: bool = False,
-    estimate_working_set: bool = False,
     stage: int = 0,
     measure_as: PretrainingConfig | None = None,
     budget: MemoryBudget | None = None,
     measurements: Measurements | None = None,
 ) -> list[MemoryPlan]:
-    """Every plan the flags allow, fastest first (:func:`step_seconds`; then least host
-    traffic, fewest states on the host, fewest passes, least kept).
+    """Every plan the flags allow for a rank of pipeline stage ``stage``, fastest first
+    (:func:`step_seconds`; then least host traffic, fewest states on the host, fewest passes,
+    least kept), each with its working set measured on the real step.
 
-    ``most_passes_only`` keeps, per placement, the plan of least memory (the most passes);
-    ``estimate_working_set`` uses the quick formula instead of a measured step (for advice).
-    The plans are those of a rank of pipeline stage ``stage``. ``measure_as``: the config
-    whose step measures the working set (``--plan_for`` shares one across pipeline sizes).
-    ``budget``: measure a recompute mode's working set only if one of its plans fits
-    ``budget`` before any working set (a plan that does not fit without one fits with none);
-    the others get the quick formula's, so only whether they fit is exact. ``measurements``:
-    what this planning measured before.
+    ``measure_as``: the config whose step measures the working set (``--plan_for`` shares one
+    across pipeline sizes). ``budget``: measure a recompute mode's working set only if one of
+    its plans fits ``budget`` before any working set (a plan that does not fit without one
+    fits with none); the others get the quick formula's, so only whether they fit is exact.
+    ``measurements``: what this planning measured before.
     """
+
+    def working_set(mode: str, plans: list[MemoryPlan]) -> int | None:
+        if budget is not None and not any(budget.fits(plan) for plan in plans):
+            return None
+        return measured_working_set(measure_as or config, device_type, mode, measurements)
+
     rank = RankShape.from_config(config, stage)
+    ga = rank.gradient_accumulation
+    # Each distinct number of micro-batches per pass, once.
+    passes = sorted({math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)})
+    return _plans(config, device_type, rank, passes, working_set)
+
+
+def advisory_plans(config: PretrainingConfig, device_type: str) -> list[MemoryPlan]:
+    """Per placement and recompute mode, the plan of least memory (the most passes), with the
+    quick formula's working set: what a one-line suggestion weighs, for each flag it tries (a
+    measured step for each would take minutes)."""
+    rank = RankShape.from_config(config)
+    return _plans(config, device_type, rank, [rank.gradient_accumulation], lambda *_: None)
+
+
+def _plans(
+    config: PretrainingConfig,
+    device_type: str,
+    rank: RankShape,
+    pass_options: list[int],
+    working_set: Callable[[str, list[MemoryPlan]], int | None],
+) -> list[MemoryPlan]:
+    """The plans of every placement and recompute mode the flags allow, at ``pass_options``
+    passes (``--passes`` where given), fastest first; ``working_set(mode, plans)`` gives a
+    mode's measured working set, or None for the quick formula's."""
     fixed = requested_placement(config)
     ex = config.execution
     ga = rank.gradient_accumulation
     if ex.passes:
         pass_options = [ex.passes]
-    elif most_passes_only:
-        pass_options = [ga]
-    else:  # each distinct number of micro-batches per pass, once
-        pass_options = sorted(
-            {math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)}
-        )
     places = [[fixed[s]] if fixed[s] else list(PLACES) for s in PLACED_STATES]
     kernel = attention_kernel(device_type, config.model.dropout_prob)
     modes = list(MODES) if ex.recompute == "auto" else [ex.recompute]
@@ -119,19 +140,13 @@ def candidate_plans(
                     kept=kept.entry,
                 )
             )
-        measure = not estimate_working_set and (
-            budget is None or any(budget.fits(plan) for plan in mode_plans)
-        )
-        if measure:
-            measured = measured_working_set(measure_as or config, device_type, mode, measurements)
+        measured = working_set(mode, mode_plans)
         for plan in mode_plans:
-            working = (
-                measured
-                if measure
-                else working_set_bytes(
+            working = measured
+            if working is None:
+                working = working_set_bytes(
                     rank, plan.placement, kernel != "math", ex.prefetch, ex.overlap_communication
                 )
-            )
             plans.append(dataclasses.replace(plan, working_set=working))
 
     # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
@@ -364,9 +379,7 @@ def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudg
             continue
         else:
             changed = _with_execution(config, **{name: value})
-        plans = candidate_plans(
-            changed, device_type, most_passes_only=True, estimate_working_set=True
-        )
+        plans = advisory_plans(changed, device_type)
         if any(budget.fits(p) for p in plans):
             found[name] = text or f"--{name} {value} ({changed.world_size} processes)"
     if not found:
