@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from modelling.layers import LayerNorm, ParallelLinear
-from modelling.parallel import Axis
+from modelling.parallel import Axis, reduce_from
 
 SQUAD, MNLI = "squad", "mnli"
 TASKS = (SQUAD, MNLI)
@@ -34,16 +34,23 @@ NUM_LABELS = 3  # entailment, neutral, contradiction
 
 
 class SpanHead(nn.Module):
-    """Start and end logits of an answer span at every position."""
+    """Start and end logits of an answer span at every position.
+
+    The bias (2 numbers, too few to split) is held by tp2 rank 0 and added to its partial
+    sums before the tp2 all-reduce; the other tp2 ranks hold padding there, masked to zero so
+    that it gets no gradient (``execution.parallel.sharding``: ``_on_first_tp2``).
+    """
 
     def __init__(self, local_hidden: int, eps: float, tp2: Axis):
         super().__init__()
         self.ln_f = LayerNorm(local_hidden, tp2, eps)
         self.qa = ParallelLinear(local_hidden, 2, tp2, bias=True)
+        self.tp2 = tp2
 
     def logits(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """``[B, S, 2]``: start logits in ``[..., 0]``, end logits in ``[..., 1]``."""
-        return self.qa(self.ln_f(x))
+        bias = self.qa.bias * (self.tp2.rank == 0)
+        return reduce_from(F.linear(self.ln_f(x), self.qa.weight, bias), self.tp2)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean of the start and end cross-entropies, each averaged over the micro-batch."""
@@ -79,7 +86,11 @@ def task_head(task: str, local_hidden: int, eps: float, tp2: Axis) -> nn.Module:
 
 
 def head_parameter_shapes(task: str, hidden: int) -> dict[str, tuple[int, ...]]:
-    """Unsharded shapes of the projection's parameters (``ln_f`` is the language model's)."""
+    """Unsharded shapes of a task's projection (``ln_f`` is the language model's); none for
+    the language model's head (``task`` empty)."""
     if task == SQUAD:
         return {"qa.weight": (2, hidden), "qa.bias": (2,)}
-    return {"score.weight": (NUM_LABELS, hidden)}
+    if task == MNLI:
+        return {"score.weight": (NUM_LABELS, hidden)}
+    assert not task, f"unknown task {task!r}"
+    return {}
