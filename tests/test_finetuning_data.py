@@ -235,3 +235,27 @@ def test_bad_mnli_files_get_one_clear_line(tmp_path, header, row, words):
     assert "\n" not in str(err.value)
     with pytest.raises(DataError, match="does not exist"):
         read_mnli(tmp_path / "train.tsv")
+
+
+# ----------------------------------------------------------------------------- loader
+
+
+def test_task_loader_batches_do_not_depend_on_the_layout_and_resume():
+    from data.finetuning_data import TaskDataLoader, evaluation_chunks
+
+    rows = torch.arange(13 * 5).view(13, 5)
+    one = TaskDataLoader(rows, 8, 2, 0, 1, seed=3)
+    two = [TaskDataLoader(rows, 8, 2, d, 2, seed=3) for d in range(2)]
+    for _ in range(4):  # past an epoch: 13 rows, 8 per step
+        whole = one.next_batch().reshape(-1, 5)
+        halves = torch.cat([loader.next_batch().reshape(-1, 5) for loader in two])
+        assert torch.equal(whole, halves)
+    assert one.epoch == 2
+    resumed = TaskDataLoader(rows, 8, 2, 0, 1, seed=3)
+    resumed.load_state_dict(one.state_dict())
+    assert torch.equal(resumed.next_batch(), one.next_batch())
+    with pytest.raises(DataError, match="rows_digest"):
+        TaskDataLoader(rows + 1, 8, 2, 0, 1, seed=3).load_state_dict(one.state_dict())
+    chunks = [evaluation_chunks(rows, 2, d, 2)[0] for d in range(2)]
+    interleaved = torch.cat([c for pair in zip(*chunks, strict=True) for c in pair])
+    assert torch.equal(interleaved[:13], rows) and len(interleaved) == 16
