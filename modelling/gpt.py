@@ -19,7 +19,7 @@ from torch import nn
 
 from modelling.layers import BlockSeeds, DecoderBlock, Embedding, LMHead
 from modelling.parallel import LOCAL, Axis
-from modelling.task_heads import head_parameter_shapes, task_head
+from modelling.task_heads import TARGET_WIDTH, head_parameter_shapes, task_head
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.
@@ -70,6 +70,12 @@ class GPTShapes:
             dropout_parity=model.dropout_parity,
             task=task,
         )
+
+    @property
+    def label_columns(self) -> int:
+        """Columns a batch row carries past its ids: 1 for the language model (the row is
+        ``seq + 1`` tokens, labels shifted by one), a task's targets otherwise."""
+        return TARGET_WIDTH if self.task else 1
 
     @property
     def head_dim(self) -> int:

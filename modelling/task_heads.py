@@ -52,9 +52,15 @@ class SpanHead(nn.Module):
         bias = self.qa.bias * (self.tp2.rank == 0)
         return reduce_from(F.linear(self.ln_f(x), self.qa.weight, bias), self.tp2)
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean of the start and end cross-entropies, each averaged over the micro-batch."""
-        logits = self.logits(x).float()
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor, logits_only: bool = False
+    ) -> torch.Tensor:
+        """Mean of the start and end cross-entropies, each averaged over the micro-batch (or,
+        with ``logits_only``, the logits: the phased engine binds weights to ``forward``)."""
+        logits = self.logits(x)
+        if logits_only:
+            return logits
+        logits = logits.float()
         start = F.cross_entropy(logits[..., 0], targets[:, 0])
         end = F.cross_entropy(logits[..., 1], targets[:, 1])
         return (start + end) / 2
@@ -74,9 +80,13 @@ class ClassifierHead(nn.Module):
         last = x[torch.arange(x.shape[0], device=x.device), targets[:, 1]]  # (B, h/tp2)
         return self.score(self.ln_f(last))
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Cross-entropy of the labels ``targets[:, 0]``, averaged over the micro-batch."""
-        return F.cross_entropy(self.logits(x, targets).float(), targets[:, 0])
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor, logits_only: bool = False
+    ) -> torch.Tensor:
+        """Cross-entropy of the labels ``targets[:, 0]``, averaged over the micro-batch (or,
+        with ``logits_only``, the logits)."""
+        logits = self.logits(x, targets)
+        return logits if logits_only else F.cross_entropy(logits.float(), targets[:, 0])
 
 
 def task_head(task: str, local_hidden: int, eps: float, tp2: Axis) -> nn.Module:
