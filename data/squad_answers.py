@@ -14,10 +14,8 @@ the best of its references for exact match and token F1, and both are averaged i
 from __future__ import annotations
 
 import collections
-import json
 import re
 import string
-from pathlib import Path
 
 import torch
 
@@ -108,18 +106,3 @@ def squad_scores(predictions: dict[str, str], examples: list[SquadExample]) -> d
         f1 += max(token_f1(predicted, ref) for ref in references)
     count = max(len(examples), 1)
     return {"exact_match": 100.0 * em / count, "f1": 100.0 * f1 / count}
-
-
-def write_squad_results(
-    folder: Path, predictions: dict[str, str], scores: dict[str, float]
-) -> tuple[Path, Path]:
-    """Writes ``predictions.json`` (``{id: answer}``, the official format) and ``eval.json``.
-
-    Returns:
-        The two paths.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    predictions_path, eval_path = folder / "predictions.json", folder / "eval.json"
-    predictions_path.write_text(json.dumps(predictions, indent=1, ensure_ascii=False) + "\n")
-    eval_path.write_text(json.dumps(scores, indent=1) + "\n")
-    return predictions_path, eval_path

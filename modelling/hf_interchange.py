@@ -44,6 +44,14 @@ OTHER_NAMES = {
     "head.ln_f.weight": "transformer.ln_f.weight",
     "head.ln_f.bias": "transformer.ln_f.bias",
 }
+# A fine-tuning task's projection (modelling.task_heads) -> the name HuggingFace's
+# GPT2ForQuestionAnswering or GPT2ForSequenceClassification gives it (an nn.Linear: not
+# transposed). A GPT2LMHeadModel folder has none of them.
+TASK_NAMES = {
+    "head.qa.weight": "qa_outputs.weight",
+    "head.qa.bias": "qa_outputs.bias",
+    "head.score.weight": "score.weight",
+}
 # HF activations that are GPT-2's tanh approximation of GELU (ours).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -52,6 +60,8 @@ def hf_name(ours: str) -> tuple[str, bool]:
     """HF name of one of our logical parameter names, and whether it is transposed."""
     if ours in OTHER_NAMES:
         return OTHER_NAMES[ours], False
+    if ours in TASK_NAMES:
+        return TASK_NAMES[ours], False
     _, n, rest = ours.split(".", 2)  # layers.N.rest
     name, transpose = LAYER_NAMES[rest]
     return f"transformer.h.{n}.{name}", transpose
@@ -195,6 +205,11 @@ class HFWeights:
             raise ConfigError(
                 f"--hf_model {self.folder} scales attention differently from GPT-2/GPT-3"
             )
+
+    def has(self, ours: str) -> bool:
+        """Whether the folder holds our logical tensor ``ours``."""
+        name = hf_name(ours)[0]
+        return name in self._names or name.removeprefix("transformer.") in self._names
 
     def get(self, ours: str) -> torch.Tensor:
         """Our logical float32 tensor ``ours`` (e.g. ``layers.0.attn.qkv.weight``)."""

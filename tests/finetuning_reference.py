@@ -13,13 +13,6 @@ from modelling.gpt import LAYERS, PARTS, GPTShapes, init_full_part, qualified_na
 from modelling.hf_interchange import hf_name
 from modelling.task_heads import SQUAD
 
-# Our task projection -> HF's (nn.Linear, so not transposed).
-HF_TASK_NAMES = {
-    "head.qa.weight": "qa_outputs.weight",
-    "head.qa.bias": "qa_outputs.bias",
-    "head.score.weight": "score.weight",
-}
-
 
 def initial_weights(shapes: GPTShapes, seed: int, init_std: float) -> dict[str, torch.Tensor]:
     """Every logical initial weight of the model, named as in :class:`~modelling.gpt.GPT`."""
@@ -61,9 +54,6 @@ def hf_task_model(
     model = kind(config).float()
     state = {}
     for ours, t in weights.items():
-        if ours in HF_TASK_NAMES:
-            state[HF_TASK_NAMES[ours]] = t
-            continue
         name, transpose = hf_name(ours)
         state[name] = t.t() if transpose else t
     missing, unexpected = model.load_state_dict(state, strict=False)
