@@ -9,7 +9,6 @@ a task runs at its usual length (SQuAD 384, MNLI 128), capped by the model's pos
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,6 @@ from config.errors import ConfigError
 from config.field_help import doc as _doc
 from config.loading import parse_config
 from config.schema import PretrainingConfig
-from config.validation import validate
 from modelling.task_heads import MNLI, SQUAD, TASKS
 
 SAMPLES = Path(__file__).resolve().parents[1] / "data" / "sample"
@@ -95,19 +93,17 @@ def parse_finetuning_config(argv: Sequence[str] | None = None) -> tuple[Finetuni
         ConfigError: As :func:`config.loading.parse_config`, and for settings a fine-tuning run
             cannot use (one line each).
     """
-    import sys
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    config, preset = parse_config(args, FinetuningRunConfig)
+    config, preset = parse_config(argv, FinetuningRunConfig, _task_length)
     assert isinstance(config, FinetuningRunConfig)
-    given = {a.split("=", 1)[0] for a in args if a.startswith("--")}
-    if "--sequence_length" not in given:
-        m = config.model
-        usual = TASK_SEQUENCE_LENGTH[config.task]
-        config.model = dataclasses.replace(m, sequence_length=min(usual, m.max_positional_length))
-        validate(config)
     validate_finetuning(config)
     return config, preset
+
+
+def _task_length(config: FinetuningRunConfig, given: set[str]) -> None:
+    """Without ``--sequence_length``, the task's usual length, capped by the positions."""
+    if "model.sequence_length" not in given:
+        m = config.model
+        m.sequence_length = min(TASK_SEQUENCE_LENGTH[config.task], m.max_positional_length)
 
 
 def validate_finetuning(config: FinetuningRunConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -201,13 +201,17 @@ def build_parser(
 
 
 def parse_config(
-    argv: Sequence[str] | None = None, root: type[PretrainingConfig] = PretrainingConfig
+    argv: Sequence[str] | None = None,
+    root: type[PretrainingConfig] = PretrainingConfig,
+    adjust: Callable[[PretrainingConfig, set[str]], None] | None = None,
 ) -> tuple[PretrainingConfig, str]:
     """Parses the command line into a validated config.
 
     Args:
         argv: Arguments without the program name (``sys.argv[1:]`` when None).
         root: The tree's root class (a fine-tuning run's adds its own section).
+        adjust: Called before validation with the config and the dotted paths of the flags
+            given (``model.sequence_length``): a root's defaults that depend on other values.
 
     Returns:
         The config and the name of the preset it started from.
@@ -233,6 +237,8 @@ def parse_config(
             continue
         owner, f = leaves[path]
         setattr(owner, f.name, _coerce(value, f, f"--{f.name}"))
+    if adjust is not None:
+        adjust(config, set(args))
     validate(config)
     return config, known.config
 

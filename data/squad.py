@@ -178,16 +178,17 @@ def squad_windows(
     Raises:
         DataError: the lengths leave no room for the context.
     """
-    room = max_length - 1 - MAX_QUESTION_TOKENS - 1  # the last position and the separator
+    questions = [_cut_question(tokenizer, e.question) for e in examples]
+    longest = max(len(encoding.ids) for encoding in tokenizer.encode_batch(questions))
+    room = max_length - 1 - longest - 1  # the last position and the separator
     if room <= doc_stride:
         raise DataError(
-            f"a SQuAD window of {max_length} tokens leaves {room} for the context after a "
-            f"{MAX_QUESTION_TOKENS}-token question, not more than --doc_stride {doc_stride}; "
+            f"a SQuAD window of {max_length} tokens leaves {room} for the context after the "
+            f"longest question ({longest} tokens), not more than --doc_stride {doc_stride}; "
             "raise --sequence_length or lower --doc_stride"
         )
     pair = _pair_tokenizer(tokenizer, max_length - 1, doc_stride)
     eot = pair.token_to_id(GPT2_EOT_TOKEN)
-    questions = [_cut_question(tokenizer, e.question) for e in examples]
     encodings = pair.encode_batch(list(zip(questions, [e.context for e in examples], strict=True)))
     ids, targets, owner, offsets = [], [], [], []
     for index, (example, encoding) in enumerate(zip(examples, encodings, strict=True)):

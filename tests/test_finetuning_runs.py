@@ -1,0 +1,89 @@
+"""run_finetuning.py end to end on the shipped samples (a small model): an interrupted and
+resumed run is bitwise the uninterrupted one, ``--load`` of a pretraining checkpoint takes its
+weights only, and a checkpoint of another size is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+import run_finetuning
+import run_pretraining
+from config.finetuning import parse_finetuning_config
+from execution.checkpoint.files import CheckpointError
+from execution.checkpoint.load import SavedWeights, read_weights
+from execution.checkpoint.logical import full_state
+from execution.parallel.mesh import ParallelLayout
+from execution.training.finetuning import build_finetuning
+from modelling.gpt import HEAD, init_full_part
+
+SMALL = (
+    "--config tiny --layers 1 --hidden_size 32 --heads 2 --max_positional_length 96 "
+    "--global_batch_size 4 --micro_batch_size 2 --device cpu --doc_stride 16 --log_every 100"
+)
+
+
+def _finetune(*flags: str) -> None:
+    run_finetuning.main([*shlex.split(SMALL), *flags])
+
+
+def _losses(folder: Path) -> list[float]:
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["squad", "mnli"])
+def test_resumed_run_is_bitwise_the_uninterrupted_one(task, tmp_path):
+    # 4 steps straight, saving after step 2; then a run resumed from that step 2. Dropout on:
+    # its masks, like the data order and the learning rate, must go on where they stopped.
+    common = ["--task", task, "--steps", "4", "--dropout_prob", "0.1", "--warmup_tokens", "512"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    save = ["--save", str(whole / "ckpt"), "--checkpoint_steps", "2"]
+    _finetune(*common, "--output_dir", str(whole), *save)
+    load = ["--load", str(whole / "ckpt" / "step_2"), "--save", str(resumed / "ckpt")]
+    _finetune(*common, "--output_dir", str(resumed), *load)
+    assert _losses(resumed) == _losses(whole)[2:] and len(_losses(whole)) == 4
+    assert (resumed / "eval.json").read_text() == (whole / "eval.json").read_text()
+    assert (resumed / "predictions.json").read_text() == (whole / "predictions.json").read_text()
+    _, saved = read_weights(resumed / "ckpt")
+    _, reference = read_weights(whole / "ckpt")
+    for name in reference:
+        assert torch.equal(saved[name], reference[name]), name
+
+
+@pytest.mark.slow
+def test_load_takes_a_pretraining_checkpoints_weights_only(tmp_path):
+    pretrained = tmp_path / "pretrained"
+    pretraining = shlex.split(SMALL.replace("--doc_stride 16", "--sequence_length 96"))
+    out = ["--output_dir", str(tmp_path / "pretraining")]
+    run_pretraining.main([*pretraining, "--steps", "2", "--save", str(pretrained), *out])
+    flags = [*shlex.split(SMALL), "--task", "mnli", "--load", str(pretrained)]
+    config, preset = parse_finetuning_config([*flags, "--output_dir", str(tmp_path / "ft")])
+    layout = ParallelLayout.single(torch.device("cpu"))
+    run = build_finetuning(config, preset, layout, launch=_single_launch())
+    try:
+        assert run.start_step == 0 and run.engine.optimizer_steps == 0
+        loaded = full_state(run.engine)
+        saved = SavedWeights(next(pretrained.glob("step_*")))
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), name
+        fresh = init_full_part(run.engine.shapes, HEAD, 0, 42, config.model.init_std)
+        assert torch.equal(loaded["head.score.weight"], fresh["score.weight"])
+        assert all(m.abs().sum() == 0 for m in full_state(run.engine, "exp_avg").values())
+    finally:
+        run.close()
+    other = [*flags, "--hidden_size", "64", "--output_dir", str(tmp_path / "other")]
+    with pytest.raises(CheckpointError, match="has shape") as err:
+        run_finetuning.main(other)
+    assert "\n" not in str(err.value)
+
+
+def _single_launch():
+    from execution.parallel.launch import read_launch_environment
+
+    return read_launch_environment({})
