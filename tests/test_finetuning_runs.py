@@ -37,11 +37,10 @@ def _losses(folder: Path) -> list[float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["squad", "mnli"])
-def test_resumed_run_is_bitwise_the_uninterrupted_one(task, tmp_path):
+def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
     # 4 steps straight, saving after step 2; then a run resumed from that step 2. Dropout on:
     # its masks, like the data order and the learning rate, must go on where they stopped.
-    common = ["--task", task, "--steps", "4", "--dropout_prob", "0.1", "--warmup_tokens", "512"]
+    common = ["--task", "squad", "--steps", "4", "--dropout_prob", "0.1", "--warmup_tokens", "512"]
     whole, resumed = tmp_path / "whole", tmp_path / "resumed"
     save = ["--save", str(whole / "ckpt"), "--checkpoint_steps", "2"]
     _finetune(*common, "--output_dir", str(whole), *save)

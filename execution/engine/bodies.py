@@ -101,7 +101,7 @@ def embedding_backward(step: Step, phase: Phase) -> None:
         del y, grads
     # With a pipeline the last stage holds the head's tied part: the sum is complete, and
     # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
-    step.finish_grads(acc, 0, phase, norm=engine.layout.embedding.size == 1)
+    step.finish_grads(acc, 0, phase, norm=not engine.tied_across_stages)
 
 
 def move(step: Step, phase: Phase) -> None:

@@ -151,6 +151,12 @@ class PhasedEngine:
             self.state.write_shard(part, row, "weights", local)
 
     @property
+    def tied_across_stages(self) -> bool:
+        """The word embedding's gradient is summed over the first and last pipeline stage
+        (the language model's head is tied to it; a task's head ties nothing)."""
+        return self.layout.embedding.size > 1 and not self.plan.model.task
+
+    @property
     def optimizer_steps(self) -> int:
         """Updates applied so far (a checkpoint saves and restores it)."""
         return self.optimizer.steps
@@ -187,7 +193,7 @@ class PhasedEngine:
         )
         self._run_phases(phases, run, hooks.on_phase)
         self.state.grads.settle()  # every gradient is where it lives before anything reads it
-        if self.layout.embedding.size > 1 and not plan.model.task:  # a task's head ties nothing
+        if self.tied_across_stages:
             tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
             if self.stage.is_first:  # counted once, by the first stage
                 run.count_in_norm(tied)
