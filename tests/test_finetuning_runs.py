@@ -86,3 +86,44 @@ def _single_launch():
     from execution.parallel.launch import read_launch_environment
 
     return read_launch_environment({})
+
+
+@pytest.mark.parametrize("with_projection", [True, False])
+def test_hf_model_gives_the_transformer_and_a_task_models_projection(with_projection, tmp_path):
+    """A GPT2ForQuestionAnswering folder gives every weight; a GPT2LMHeadModel folder all but
+    the projection, which keeps its initialisation."""
+    import transformers
+
+    from execution.checkpoint.load import load_hf_weights
+    from execution.planning.planner import planned_engine
+    from modelling.hf_interchange import hf_name
+
+    flags = [*shlex.split(SMALL), "--task", "squad", "--vocab_size", "300", "--layers", "2"]
+    config, _ = parse_finetuning_config(flags)
+    m = config.model
+    hf_config = transformers.GPT2Config(
+        vocab_size=m.vocab_size,
+        n_positions=m.max_positional_length,
+        n_embd=m.hidden_size,
+        n_layer=m.layers,
+        n_head=m.heads,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    kind = (
+        transformers.GPT2ForQuestionAnswering if with_projection else transformers.GPT2LMHeadModel
+    )
+    torch.manual_seed(0)
+    kind(hf_config).save_pretrained(tmp_path)
+    hf_state = kind.from_pretrained(tmp_path).state_dict()
+    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    fresh = full_state(engine)
+    load_hf_weights(tmp_path, engine)
+    for name, tensor in full_state(engine).items():
+        hf, transposed = hf_name(name)
+        if hf in hf_state:
+            expected = hf_state[hf].t() if transposed else hf_state[hf]
+        else:
+            assert not with_projection and name.startswith("head.qa"), name
+            expected = fresh[name]
+        assert torch.equal(tensor, expected), name
