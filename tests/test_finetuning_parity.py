@@ -100,9 +100,14 @@ def _engine_losses(config: FinetuningRunConfig, rows: torch.Tensor, layout=None)
     return losses
 
 
-@pytest.mark.parametrize("task", [SQUAD, MNLI])
-def test_one_process_matches_huggingface(task):
-    config = _config(task)
+@pytest.mark.parametrize(
+    ("task", "flags"),
+    [(SQUAD, ()), (MNLI, ("--passes", "2", "--recompute", "full", "--placement", "remote"))],
+)
+def test_one_process_matches_huggingface(task, flags):
+    """The planner's plan for SQuAD; for MNLI two passes per step, full recompute and every
+    state in host memory, streamed phase by phase."""
+    config = _config(task, *flags)
     rows = _rows(config)
     expected = _huggingface_losses(config, rows)
     _assert_close(_engine_losses(config, rows), expected)
