@@ -340,7 +340,8 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
         hidden += min(compute, overlappable)
         compute_total += compute
     compute = compute_total
-    model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
+    shapes = GPTShapes.from_config(config.model, task=config.task)
+    model_flops = flops_per_token(shapes, config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     return {
         "step_time_s": step,

@@ -165,6 +165,8 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
             continue
         if m.sequence_length % cp or (m.heads // tp1) % cp:
             continue
+        if cp > 1 and config.task:  # a fine-tuning head reads whole sequences
+            continue
         if pp > 1 and (
             pp not in PIPELINES or pp > m.layers or inner != min(per_node, devices // pp)
         ):
