@@ -22,8 +22,8 @@ from config.finetuning import parse_finetuning_config
 from config.loading import ConfigError
 from data.errors import DataError
 from execution.parallel.launch import read_launch_environment, setup_layout, teardown
-from execution.training.finetuning import build_finetuning, evaluate_only, finetune
-from execution.training.loop import Interrupted
+from execution.training.finetuning import build_finetuning, evaluate_only
+from execution.training.loop import Interrupted, train
 
 PROGRAM = "run_finetuning.py"
 
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None, job: _Job | None = None) -> None:
         if config.checkpoint.eval_only:
             evaluate_only(run)
         else:
-            finetune(run)
+            train(run)  # evaluates on the task's files at the end
     finally:
         teardown()
 

@@ -71,6 +71,12 @@ class GPTShapes:
             task=task,
         )
 
+    @classmethod
+    def of_run(cls, config, tp1: int = 1, tp2: int = 1) -> GPTShapes:
+        """A run's model with its head: from a :class:`config.schema.PretrainingConfig` (or a
+        fine-tuning run's, whose ``task`` names the head) and the tensor-parallel sizes."""
+        return cls.from_config(config.model, tp1, tp2, task=config.task)
+
     @property
     def label_columns(self) -> int:
         """Columns a batch row carries past its ids: 1 for the language model (the row is

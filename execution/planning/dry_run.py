@@ -67,8 +67,7 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     vocabulary and position shards equal, so layouts whose groups align with nodes have one
     kind per stage; ranks of a kind differ only in values."""
     ex = config.execution
-    tp = (ex.tensor_parallel_1, ex.tensor_parallel_2)
-    shapes = GPTShapes.from_config(config.model, *tp, task=config.task)
+    shapes = GPTShapes.of_run(config, ex.tensor_parallel_1, ex.tensor_parallel_2)
     mesh = _mesh(config)
 
     @functools.cache
@@ -223,7 +222,7 @@ def checkpoint_figures(
     host is written from its buffers, one chunk copied at a time.
     """
     mesh = _mesh(config)
-    shapes = GPTShapes.from_config(config.model, mesh.tp1, mesh.tp2, task=config.task)
+    shapes = GPTShapes.of_run(config, mesh.tp1, mesh.tp2)
     specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
     rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
@@ -340,8 +339,7 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
         hidden += min(compute, overlappable)
         compute_total += compute
     compute = compute_total
-    shapes = GPTShapes.from_config(config.model, task=config.task)
-    model_flops = flops_per_token(shapes, config.model.sequence_length)
+    model_flops = flops_per_token(GPTShapes.of_run(config), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     return {
         "step_time_s": step,

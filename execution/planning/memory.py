@@ -158,9 +158,8 @@ class RankShape:
         pipeline = None
         if ex.pipeline_parallel > 1:
             pipeline = Stage.of(config.stage_layers, stage, config.task)
-        tp = (ex.tensor_parallel_1, ex.tensor_parallel_2)
         return cls(
-            shapes=GPTShapes.from_config(config.model, *tp, task=config.task),
+            shapes=GPTShapes.of_run(config, ex.tensor_parallel_1, ex.tensor_parallel_2),
             dp=ex.data_parallel,
             micro_batch=ex.micro_batch_size,
             sequence=config.model.sequence_length // ex.context_parallel,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import torch
+
 from config.finetuning import FinetuningRunConfig
 from config.loading import ConfigError
 from data.finetuning_data import TaskDataLoader, TaskSet, read_task_file
@@ -30,7 +32,6 @@ from execution.engine.engine import PhasedEngine
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.training.build import Run, RunInputs, assemble
-from execution.training.loop import train
 from execution.training.task_eval import evaluate_task
 
 
@@ -55,7 +56,7 @@ def build_finetuning(
 
     training = [read(path) for path in config.training_files]
     evaluation_sets = [read(path) for path in config.evaluation_files]
-    rows = training[0].rows if len(training) == 1 else _concatenated(training)
+    rows = torch.cat([t.rows for t in training])
     ex = config.execution
     loader = TaskDataLoader(
         rows,
@@ -96,12 +97,6 @@ def build_finetuning(
     return assemble(config, f"{preset}-{f.task}", layout, launch, inputs)
 
 
-def _concatenated(sets: list[TaskSet]):
-    import torch
-
-    return torch.cat([s.rows for s in sets])
-
-
 def _check_task(path: str, task: str) -> None:
     folder = resolve_checkpoint(path)
     saved = saved_task(read_trainer_state(folder))
@@ -140,11 +135,6 @@ def _restore(
             f"{config.training.steps}: nothing to train; raise --steps"
         )
     return start, f"resumed fine-tuning from {trainer['folder']} at step {start}\n"
-
-
-def finetune(run: Run) -> list[dict]:
-    """Trains, then evaluates on the task's files (:func:`~execution.training.loop.train`)."""
-    return train(run)
 
 
 def evaluate_only(run: Run) -> dict[str, float]:
