@@ -23,6 +23,7 @@ import torch
 
 from config.finetuning import FinetuningRunConfig
 from config.loading import ConfigError
+from data.errors import DataError
 from data.finetuning_data import TaskDataLoader, TaskSet, read_task_file
 from data.tokenizer import TokenizerSpec, load_tokenizer
 from execution.checkpoint.files import read_trainer_state
@@ -49,7 +50,10 @@ def build_finetuning(
         ConfigError, DataError: the user's input cannot run (one line each).
     """
     f, model = config.finetuning, config.model
-    tokenizer = load_tokenizer(TokenizerSpec())[0]
+    try:
+        tokenizer = load_tokenizer(TokenizerSpec())[0]  # GPT-2's BPE: shipped in a package
+    except FileNotFoundError as err:
+        raise DataError(f"cannot tokenize the task's text: {err}") from None
 
     def read(path: str) -> TaskSet:
         return read_task_file(f.task, path, tokenizer, model.sequence_length, f.doc_stride)
