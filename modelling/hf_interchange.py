@@ -93,7 +93,10 @@ def hf_config(model: dict[str, Any]):
 def export_hf(
     model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: str | Path
 ) -> int:
-    """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``.
+    """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``,
+    or, for a fine-tuned model (its weights hold a task's projection), for
+    ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification`` (three labels, padding
+    ``<|endoftext|>`` as our prompts pad).
 
     The safetensors file is written one tensor at a time (its header needs only the shapes),
     so a lazily read ``weights`` (:class:`execution.checkpoint.load.SavedWeights`) is exported
@@ -110,8 +113,14 @@ def export_hf(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    hf_config(model).to_json_file(folder / "config.json")
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
+    config = hf_config(model)
+    if "head.qa.weight" in shapes:
+        config.architectures = ["GPT2ForQuestionAnswering"]
+    elif "head.score.weight" in shapes:
+        config.architectures = ["GPT2ForSequenceClassification"]
+        config.num_labels, config.pad_token_id = shapes["head.score.weight"][0], config.eos_token_id
+    config.to_json_file(folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for ours, shape in shapes.items():

@@ -127,3 +127,33 @@ def test_hf_model_gives_the_transformer_and_a_task_models_projection(with_projec
             assert not with_projection and name.startswith("head.qa"), name
             expected = fresh[name]
         assert torch.equal(tensor, expected), name
+
+
+@pytest.mark.parametrize("task", ["squad", "mnli"])
+def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
+    """convert_checkpoint.py's export of a fine-tuned model loads as HF's task model, whose
+    logits on the task's rows are the engine's."""
+    import transformers
+
+    from config.loading import config_to_dict
+    from data.finetuning_data import read_task_file
+    from data.tokenizer import TokenizerSpec, load_tokenizer
+    from execution.planning.planner import planned_engine
+    from modelling.hf_interchange import export_hf
+
+    config, _ = parse_finetuning_config([*shlex.split(SMALL), "--task", task])
+    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    export_hf(config_to_dict(config)["model"], full_state(engine), tmp_path)
+    kinds = {
+        "squad": transformers.GPT2ForQuestionAnswering,
+        "mnli": transformers.GPT2ForSequenceClassification,
+    }
+    hf = kinds[task].from_pretrained(tmp_path).eval()
+    tokenizer = load_tokenizer(TokenizerSpec())[0]
+    path = config.training_files[0]
+    rows = read_task_file(task, path, tokenizer, config.model.sequence_length, 16).rows[:4]
+    ours = torch.cat(engine.predict(list(rows.view(2, 2, -1))))
+    with torch.no_grad():
+        out = hf(input_ids=rows[:, :-2])
+    theirs = torch.stack([out.start_logits, out.end_logits], -1) if task == "squad" else out.logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
