@@ -127,11 +127,7 @@ def _rank_losses(config: FinetuningRunConfig, rows: torch.Tensor) -> list[tuple]
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("task", "layout"),
-    [
-        (SQUAD, (2, 2, 1, 1)),
-        pytest.param(MNLI, (1, 2, 2, 1), marks=pytest.mark.slow),
-        pytest.param(SQUAD, (1, 1, 1, 2), marks=pytest.mark.slow),
-    ],
+    [(SQUAD, (2, 2, 1, 1)), (MNLI, (1, 2, 2, 1)), (SQUAD, (1, 1, 1, 2))],
 )
 def test_parallel_layouts_match_huggingface(task, layout, tmp_path):
     """dp 2 x tp1 2, tp1 2 x tp2 2 (the projection split over tp2) and a pipeline of 2
