@@ -3,7 +3,8 @@
     python convert_checkpoint.py --load runs/ckpt --hf_output gpt2-export
 
 The folder (``config.json`` and ``model.safetensors``) loads with
-``transformers.GPT2LMHeadModel.from_pretrained`` and no code of ours. The other direction is
+``transformers.GPT2LMHeadModel.from_pretrained`` and no code of ours (a fine-tuned checkpoint's
+with ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification``). The other direction is
 ``run_pretraining.py --hf_model FOLDER``.
 """
 

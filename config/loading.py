@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -72,9 +72,12 @@ def _deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any
     return merged
 
 
-def config_from_dict(settings: dict[str, Any], source: str) -> PretrainingConfig:
-    """Builds a config from nested overrides, rejecting keys the tree does not have."""
-    config = PretrainingConfig()
+def config_from_dict(
+    settings: dict[str, Any], source: str, root: type[PretrainingConfig] = PretrainingConfig
+) -> PretrainingConfig:
+    """Builds a config (of class ``root``) from nested overrides, rejecting keys the tree does
+    not have."""
+    config = root()
     leaves = {path: (owner, f) for path, owner, f in leaf_fields(config)}
 
     def apply(node: dict[str, Any], prefix: str) -> None:
@@ -165,11 +168,13 @@ class _OneLineParser(argparse.ArgumentParser):
         raise ConfigError(message)
 
 
-def build_parser(presets: Sequence[str]) -> argparse.ArgumentParser:
-    """The command line: ``--config``, ``--config_file`` and one flag per config leaf."""
+def build_parser(
+    presets: Sequence[str], root: type[PretrainingConfig] = PretrainingConfig
+) -> argparse.ArgumentParser:
+    """The command line: ``--config``, ``--config_file`` and one flag per leaf of ``root``."""
     parser = _OneLineParser(
-        prog="run_pretraining.py",
-        description="GPT-3 pretraining with phased execution.",
+        prog=root.PROGRAM,
+        description=root.DESCRIPTION,
         allow_abbrev=False,
         argument_default=argparse.SUPPRESS,
     )
@@ -181,7 +186,7 @@ def build_parser(presets: Sequence[str]) -> argparse.ArgumentParser:
     parser.add_argument(
         "--config_file", default=str(PRESETS_FILE), help="YAML file holding the presets."
     )
-    for path, _, f in leaf_fields(PretrainingConfig()):
+    for path, _, f in leaf_fields(root()):
         kwargs: dict[str, Any] = {"dest": path, "help": f.metadata.get("help", "")}
         if f.type == "bool":
             kwargs.update(nargs="?", const="true", metavar="BOOL")
@@ -195,11 +200,18 @@ def build_parser(presets: Sequence[str]) -> argparse.ArgumentParser:
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None) -> tuple[PretrainingConfig, str]:
+def parse_config(
+    argv: Sequence[str] | None = None,
+    root: type[PretrainingConfig] = PretrainingConfig,
+    adjust: Callable[[PretrainingConfig, set[str]], None] | None = None,
+) -> tuple[PretrainingConfig, str]:
     """Parses the command line into a validated config.
 
     Args:
         argv: Arguments without the program name (``sys.argv[1:]`` when None).
+        root: The tree's root class (a fine-tuning run's adds its own section).
+        adjust: Called before validation with the config and the dotted paths of the flags
+            given (``model.sequence_length``): a root's defaults that depend on other values.
 
     Returns:
         The config and the name of the preset it started from.
@@ -216,15 +228,17 @@ def parse_config(argv: Sequence[str] | None = None) -> tuple[PretrainingConfig, 
         raise ConfigError(
             f"unknown preset {known.config!r}; choose one of: {', '.join(sorted(presets))}"
         )
-    config = config_from_dict(presets[known.config], f"preset {known.config!r}")
+    config = config_from_dict(presets[known.config], f"preset {known.config!r}", root)
 
-    args = vars(build_parser(sorted(presets)).parse_args(argv))
+    args = vars(build_parser(sorted(presets), root).parse_args(argv))
     leaves = {path: (owner, f) for path, owner, f in leaf_fields(config)}
     for path, value in args.items():
         if path in ("config", "config_file"):
             continue
         owner, f = leaves[path]
         setattr(owner, f.name, _coerce(value, f, f"--{f.name}"))
+    if adjust is not None:
+        adjust(config, set(args))
     validate(config)
     return config, known.config
 

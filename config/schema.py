@@ -8,7 +8,7 @@ are unique across the tree. The defaults are the GPT-3 paper's training recipe (
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from config.field_help import doc as _doc
 from config.schema_run import CheckpointConfig, LoggingConfig, PlanningConfig
@@ -270,6 +270,12 @@ class ExecutionConfig:
 class PretrainingConfig:
     """Root of the tree."""
 
+    # The entry script whose command line this tree is, and what it does (for --help).
+    PROGRAM: ClassVar[str] = "run_pretraining.py"
+    DESCRIPTION: ClassVar[str] = "GPT-3 pretraining with phased execution."
+    # Evaluates on --validation_files at the end of a run, not only every --eval_every steps.
+    EVALUATES_AT_END: ClassVar[bool] = False
+
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -308,6 +314,12 @@ class PretrainingConfig:
         for stage in order[:extra]:
             sizes[stage] += 1
         return tuple(sizes)
+
+    @property
+    def task(self) -> str:
+        """The head's task: "" for pretraining's language model (a fine-tuning run's tree
+        names its task)."""
+        return ""
 
     @property
     def tokens_per_step(self) -> int:

@@ -139,7 +139,7 @@ def validate(config: PretrainingConfig) -> None:
             raise ConfigError(f"{reason}, so {' and '.join(used)} would do nothing; leave them out")
     if d.validation_files and d.validation_fraction:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
-    if d.validation_files and not d.eval_every:
+    if d.validation_files and not d.eval_every and not config.EVALUATES_AT_END:
         raise ConfigError("--validation_files is only used with --eval_every N (N > 0)")
 
     c = config.checkpoint

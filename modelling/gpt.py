@@ -19,6 +19,7 @@ from torch import nn
 
 from modelling.layers import BlockSeeds, DecoderBlock, Embedding, LMHead
 from modelling.parallel import LOCAL, Axis
+from modelling.task_heads import TARGET_WIDTH, head_parameter_shapes, task_head
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.
@@ -49,10 +50,13 @@ class GPTShapes:
     tp2: int = 1
     # Attention dropout per head from its global index (ModelConfig.dropout_parity).
     dropout_parity: bool = False
+    # The head: "" for the language model's (tied to the word embedding), else a fine-tuning
+    # task's (modelling.task_heads.TASKS), which replaces it.
+    task: str = ""
 
     @classmethod
-    def from_config(cls, model, tp1: int = 1, tp2: int = 1) -> GPTShapes:
-        """From a :class:`config.schema.ModelConfig` and the tensor-parallel sizes."""
+    def from_config(cls, model, tp1: int = 1, tp2: int = 1, task: str = "") -> GPTShapes:
+        """From a :class:`config.schema.ModelConfig`, the tensor-parallel sizes and the task."""
         return cls(
             layers=model.layers,
             hidden=model.hidden_size,
@@ -64,7 +68,20 @@ class GPTShapes:
             tp1=tp1,
             tp2=tp2,
             dropout_parity=model.dropout_parity,
+            task=task,
         )
+
+    @classmethod
+    def of_run(cls, config, tp1: int = 1, tp2: int = 1) -> GPTShapes:
+        """A run's model with its head: from a :class:`config.schema.PretrainingConfig` (or a
+        fine-tuning run's, whose ``task`` names the head) and the tensor-parallel sizes."""
+        return cls.from_config(config.model, tp1, tp2, task=config.task)
+
+    @property
+    def label_columns(self) -> int:
+        """Columns a batch row carries past its ids: 1 for the language model (the row is
+        ``seq + 1`` tokens, labels shifted by one), a task's targets otherwise."""
+        return TARGET_WIDTH if self.task else 1
 
     @property
     def head_dim(self) -> int:
@@ -87,7 +104,8 @@ class GPTShapes:
         """Trainable parameters of the unpadded model (the tied embedding counted once)."""
         h = self.hidden
         per_layer = 12 * h * h + 13 * h  # qkv, out, fc, proj weights + biases + 2 layer norms
-        return (self.vocab + self.positions) * h + self.layers * per_layer + 2 * h
+        task = sum(math.prod(s) for s in head_parameter_shapes(self.task, h).values())
+        return (self.vocab + self.positions) * h + self.layers * per_layer + 2 * h + task
 
 
 class GPT(nn.Module):
@@ -127,7 +145,10 @@ class GPT(nn.Module):
             )
             for _ in range(s.layers)
         )
-        self.head = LMHead(local_hidden, s.layer_norm_eps, tp1, tp2)
+        if s.task:
+            self.head = task_head(s.task, local_hidden, s.layer_norm_eps, tp2)
+        else:
+            self.head = LMHead(local_hidden, s.layer_norm_eps, tp1, tp2)
 
     def forward(
         self,
@@ -136,10 +157,16 @@ class GPT(nn.Module):
         embedding_seed: int | None = None,
         layer_seeds: list[BlockSeeds] | None = None,
     ) -> torch.Tensor:
-        """Mean next-token loss of a (B, S) batch; seeds enable dropout (None: no dropout)."""
+        """Mean loss of a (B, S) batch; seeds enable dropout (None: no dropout).
+
+        ``labels``: next-token ids (B, S) for the language model's head, a task's targets
+        (B, 2) for a task's head (:mod:`modelling.task_heads`).
+        """
         x = self.embedding(ids, embedding_seed)
         for n, layer in enumerate(self.layers):
             x = layer(x, layer_seeds[n] if layer_seeds else None)
+        if self.shapes.task:
+            return self.head(x, labels)
         return self.head(x, self.embedding.word.weight, labels, self.shapes.vocab)
 
 
@@ -174,7 +201,12 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
             "position.weight": ParamInit((shapes.positions, h), NORMAL, init_std),
         }
     if part == HEAD:
-        return {"ln_f.weight": ParamInit((h,), ONES), "ln_f.bias": ParamInit((h,), ZEROS)}
+        # A task's projection after ln_f: weights like other linear layers, biases zero.
+        task = {
+            name: ParamInit(shape, NORMAL if len(shape) == 2 else ZEROS, init_std)
+            for name, shape in head_parameter_shapes(shapes.task, h).items()
+        }
+        return {"ln_f.weight": ParamInit((h,), ONES), "ln_f.bias": ParamInit((h,), ZEROS), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)
     return {
         "ln_1.weight": ParamInit((h,), ONES),

@@ -44,6 +44,14 @@ OTHER_NAMES = {
     "head.ln_f.weight": "transformer.ln_f.weight",
     "head.ln_f.bias": "transformer.ln_f.bias",
 }
+# A fine-tuning task's projection (modelling.task_heads) -> the name HuggingFace's
+# GPT2ForQuestionAnswering or GPT2ForSequenceClassification gives it (an nn.Linear: not
+# transposed). A GPT2LMHeadModel folder has none of them.
+TASK_NAMES = {
+    "head.qa.weight": "qa_outputs.weight",
+    "head.qa.bias": "qa_outputs.bias",
+    "head.score.weight": "score.weight",
+}
 # HF activations that are GPT-2's tanh approximation of GELU (ours).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -52,6 +60,8 @@ def hf_name(ours: str) -> tuple[str, bool]:
     """HF name of one of our logical parameter names, and whether it is transposed."""
     if ours in OTHER_NAMES:
         return OTHER_NAMES[ours], False
+    if ours in TASK_NAMES:
+        return TASK_NAMES[ours], False
     _, n, rest = ours.split(".", 2)  # layers.N.rest
     name, transpose = LAYER_NAMES[rest]
     return f"transformer.h.{n}.{name}", transpose
@@ -83,7 +93,10 @@ def hf_config(model: dict[str, Any]):
 def export_hf(
     model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: str | Path
 ) -> int:
-    """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``.
+    """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``,
+    or, for a fine-tuned model (its weights hold a task's projection), for
+    ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification`` (three labels, padding
+    ``<|endoftext|>`` as our prompts pad).
 
     The safetensors file is written one tensor at a time (its header needs only the shapes),
     so a lazily read ``weights`` (:class:`execution.checkpoint.load.SavedWeights`) is exported
@@ -100,8 +113,14 @@ def export_hf(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    hf_config(model).to_json_file(folder / "config.json")
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
+    config = hf_config(model)
+    if "head.qa.weight" in shapes:
+        config.architectures = ["GPT2ForQuestionAnswering"]
+    elif "head.score.weight" in shapes:
+        config.architectures = ["GPT2ForSequenceClassification"]
+        config.num_labels, config.pad_token_id = shapes["head.score.weight"][0], config.eos_token_id
+    config.to_json_file(folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for ours, shape in shapes.items():
@@ -195,6 +214,11 @@ class HFWeights:
             raise ConfigError(
                 f"--hf_model {self.folder} scales attention differently from GPT-2/GPT-3"
             )
+
+    def has(self, ours: str) -> bool:
+        """Whether the folder holds our logical tensor ``ours``."""
+        name = hf_name(ours)[0]
+        return name in self._names or name.removeprefix("transformer.") in self._names
 
     def get(self, ours: str) -> torch.Tensor:
         """Our logical float32 tensor ``ours`` (e.g. ``layers.0.attn.qkv.weight``)."""

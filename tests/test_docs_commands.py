@@ -32,6 +32,7 @@ import pytest
 
 import run_pretraining
 from config.errors import ConfigError
+from config.finetuning import parse_finetuning_config
 from config.loading import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +41,8 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FOREIGN = ("pip", "export", "data/wikipedia_download.sh", "data/wikipedia_extract.sh")
 CHEAP_PRESETS = ("tiny", "test")
 README_LINES = 350
+# The scripts that train, and so run under torchrun.
+ENTRY_POINTS = ("run_pretraining.py", "run_finetuning.py")
 
 
 @dataclass(frozen=True)
@@ -188,6 +191,9 @@ def parse_only(command: Command) -> None:
     if command.script == "run_pretraining.py":
         parse_config(list(command.argv))
         return
+    if command.script == "run_finetuning.py":  # pretraining's tree and flags, plus the task's
+        parse_finetuning_config(list(command.argv))
+        return
     main = _main_of(command.script)
     with _stop_after_parsing(), pytest.MonkeyPatch.context() as patch:
         patch.setattr(sys, "argv", [command.script, *command.argv])
@@ -214,7 +220,7 @@ def test_the_documents_show_commands_of_every_kind():
     assert len([c for c in COMMANDS if is_cheap(c)]) >= 3
     assert len([c for c in COMMANDS if c.error]) >= 2
     torchrun = [c for c in COMMANDS if c.text.startswith("torchrun")]
-    assert torchrun and all(c.script == "run_pretraining.py" for c in torchrun)
+    assert torchrun and all(c.script in ENTRY_POINTS for c in torchrun)
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if not c.error], ids=lambda c: c.where)

@@ -24,9 +24,13 @@ def flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
 
     ``6 N + 12 L h S``: N is the number of parameters (the tied embedding counted once), the
     second term the attention scores and values. Recomputation is not counted, so MFU does not
-    reward doing work twice.
+    reward doing work twice. A fine-tuning task's head does not project onto the vocabulary,
+    so there the word embedding is only looked up and its parameters do no FLOPs.
     """
-    return 6 * shapes.num_parameters + 12 * shapes.layers * shapes.hidden * sequence_length
+    parameters = shapes.num_parameters
+    if shapes.task:
+        parameters -= shapes.vocab * shapes.hidden
+    return 6 * parameters + 12 * shapes.layers * shapes.hidden * sequence_length
 
 
 def device_peak_tflops(device: torch.device, configured: float) -> float | None:

@@ -58,8 +58,9 @@ class ConsoleTracker:
 
     def log(self, metrics: dict[str, Any]) -> None:
         step = metrics["step"]
-        if "eval_loss" in metrics:
-            line = f"step {step:>6}/{self.total_steps} | eval_loss {metrics['eval_loss']:.4f}"
+        if "loss" not in metrics:  # an evaluation: every score it gives
+            scores = (f"{key} {value:.4f}" for key, value in metrics.items() if key != "step")
+            line = " | ".join([f"step {step:>6}/{self.total_steps}", *scores])
         elif step % self.every and step != self.total_steps and step != 1:
             return
         else:

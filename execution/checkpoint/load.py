@@ -9,8 +9,9 @@ one part row at a time (weights only).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ from execution.checkpoint.files import (
 )
 from execution.checkpoint.logical import write_part_state
 from execution.engine.engine import PhasedEngine
-from modelling.gpt import part_inits, qualified_name
-from modelling.hf_interchange import HFWeights, hf_name
+from modelling.gpt import HEAD, init_full_part, logical_shapes, part_inits, qualified_name
+from modelling.hf_interchange import TASK_NAMES, HFWeights, hf_name
 
 
 def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
@@ -47,19 +48,7 @@ def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
         CheckpointError: missing, incomplete or damaged files, or another model shape.
     """
     layout = engine.layout
-    problem = None
-    try:
-        folder = resolve(path)
-        problem = verify(folder, layout.world.rank, layout.world.size)
-    except CheckpointError as err:
-        folder, problem = None, str(err)
-    if layout.world.size > 1:  # every rank stops on a problem any rank found
-        problems: list[str | None] = [None] * layout.world.size
-        dist.all_gather_object(problems, problem, group=layout.world.group)
-        problem = next((p for p in problems if p), None)
-    if problem:
-        raise CheckpointError(problem)
-    assert folder is not None
+    folder = _verified(path, layout)
     trainer = read_trainer_state(folder)
     check_shapes(folder, engine.shapes)
     _read_held_chunks(engine, folder)
@@ -73,8 +62,53 @@ def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
     return trainer
 
 
-def _read_held_chunks(engine: PhasedEngine, folder: Path) -> None:
-    """Reads the saved chunks that overlap this rank's own into its buffers, in place.
+def load_pretrained_weights(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
+    """Loads a pretraining checkpoint's weights into a fine-tuning ``engine`` (any layout).
+
+    Only the weights: AdamW moments, the optimizer step, the RNG and the data position are the
+    pretraining run's, not this one's. The task's projection, which the checkpoint does not
+    have, keeps its initialisation. Collective, as :func:`load_checkpoint`.
+
+    Returns:
+        The checkpoint's trainer state.
+
+    Raises:
+        CheckpointError: missing, incomplete or damaged files, or another model's shape.
+    """
+    folder = _verified(path, engine.layout)
+    trainer = read_trainer_state(folder)
+    language_model = dataclasses.replace(engine.shapes, task="")
+    check_shapes(folder, language_model, states=("weights",))
+    saved = {f"weights/{name}" for name in logical_shapes(language_model)}
+    _read_held_chunks(engine, folder, lambda item: item.key in saved)
+    trainer["folder"] = str(folder)
+    return trainer
+
+
+def _verified(path: str | Path, layout) -> Path:
+    """The checkpoint folder ``path`` means, its files checked (collective: every rank stops
+    on a problem any rank found)."""
+    problem = None
+    try:
+        folder = resolve(path)
+        problem = verify(folder, layout.world.rank, layout.world.size)
+    except CheckpointError as err:
+        folder, problem = None, str(err)
+    if layout.world.size > 1:
+        problems: list[str | None] = [None] * layout.world.size
+        dist.all_gather_object(problems, problem, group=layout.world.group)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise CheckpointError(problem)
+    assert folder is not None
+    return folder
+
+
+def _read_held_chunks(
+    engine: PhasedEngine, folder: Path, wanted: Callable[[Any], bool] | None = None
+) -> None:
+    """Reads the saved chunks that overlap this rank's own (those ``wanted`` takes, or all)
+    into its buffers, in place.
 
     Not collective: each rank plans its reads from DCP's index alone. The extra memory is
     one saved chunk at a time (as read from the file, and as a tensor), whatever the layout
@@ -85,8 +119,9 @@ def _read_held_chunks(engine: PhasedEngine, folder: Path) -> None:
     from execution.checkpoint.dcp_plans import ChunkLoadPlanner, held_items
 
     buffers = engine.state.parts
+    items = [item for item in held_items(engine) if wanted is None or wanted(item)]
     planner = ChunkLoadPlanner(
-        held_items(engine),
+        items,
         lambda item: getattr(buffers[item.part], item.state)[item.chunk.kind][item.row],
     )
     reader = dcp.FileSystemReader(folder)
@@ -181,6 +216,10 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
         full = {}
         for name, init in part_inits(engine.shapes, part).items():
             ours = qualified_name(part, engine.state.logical_row(part, row), name)
+            if ours in TASK_NAMES and not hf.has(ours):  # a GPT2LMHeadModel: no projection
+                plan = engine.plan
+                full[name] = init_full_part(engine.shapes, HEAD, 0, plan.seed, plan.init_std)[name]
+                continue
             t = hf.get(ours)
             if tuple(t.shape) != init.shape:
                 raise ConfigError(

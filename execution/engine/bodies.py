@@ -21,6 +21,7 @@ from execution.engine import pipeline, schedule
 from execution.engine.head import head
 from execution.engine.schedule import Phase
 from execution.engine.step import Step
+from execution.engine.task_head import task_head
 from modelling.gpt import EMBEDDING, LAYERS
 
 
@@ -100,7 +101,7 @@ def embedding_backward(step: Step, phase: Phase) -> None:
         del y, grads
     # With a pipeline the last stage holds the head's tied part: the sum is complete, and
     # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
-    step.finish_grads(acc, 0, phase, norm=engine.layout.embedding.size == 1)
+    step.finish_grads(acc, 0, phase, norm=not engine.tied_across_stages)
 
 
 def move(step: Step, phase: Phase) -> None:
@@ -114,6 +115,7 @@ BODIES: dict[str, Callable[[Step, Phase], None]] = {
     schedule.EMBEDDING_FORWARD: embedding_forward,
     schedule.LAYER_FORWARD: layer_forward,
     schedule.HEAD_PHASE: head,
+    schedule.TASK_HEAD: task_head,
     schedule.LAYER_BACKWARD: layer_backward,
     schedule.EMBEDDING_BACKWARD: embedding_backward,
     **dict.fromkeys(schedule.MOVES, move),

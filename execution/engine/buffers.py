@@ -86,7 +86,10 @@ def flat_specs(shapes: GPTShapes, rts: dict[str, int]) -> dict[str, dict[str, Fl
     for part in PARTS:
         specs[part] = {}
         for kind in KINDS:
-            names = tuple(n for n, rule in PLAN[part].items() if rule.kind == kind)
+            # PLAN names every head's parameters; a model holds one head's (GPTShapes.task).
+            names = tuple(
+                n for n, rule in PLAN[part].items() if rule.kind == kind and n in local_shapes[part]
+            )
             if names:
                 part_shapes = tuple(local_shapes[part][n] for n in names)
                 specs[part][kind] = FlatSpec(kind, names, part_shapes, rts[kind])

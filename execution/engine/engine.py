@@ -36,6 +36,7 @@ from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
+from modelling.task_heads import NUM_LABELS, SQUAD
 
 
 @dataclass
@@ -93,7 +94,7 @@ class PhasedEngine:
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
-        self.stage = Stage.of(plan.stage_layers, layout.pp.rank)
+        self.stage = Stage.of(plan.stage_layers, layout.pp.rank, plan.model.task)
         self.state = self._buffers(late_streams)
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
@@ -150,6 +151,12 @@ class PhasedEngine:
             self.state.write_shard(part, row, "weights", local)
 
     @property
+    def tied_across_stages(self) -> bool:
+        """The word embedding's gradient is summed over the first and last pipeline stage
+        (the language model's head is tied to it; a task's head ties nothing)."""
+        return self.layout.embedding.size > 1 and not self.plan.model.task
+
+    @property
     def optimizer_steps(self) -> int:
         """Updates applied so far (a checkpoint saves and restores it)."""
         return self.optimizer.steps
@@ -166,24 +173,27 @@ class PhasedEngine:
         """One optimizer step on this rank's micro-batches.
 
         Args:
-            tokens: int64 ``[gradient_accumulation, micro_batch, sequence_length + 1]``.
+            tokens: int64 ``[gradient_accumulation, micro_batch, sequence_length + 1]``; a
+                task's rows carry its two targets instead (``sequence_length + 2``).
             step: 0-based step index (seeds dropout).
             lr: Learning rate for this step.
             hooks: What the caller runs inside the step (:class:`StepHooks`).
         """
         hooks = hooks or StepHooks()
         plan = self.plan
-        expected = (plan.gradient_accumulation, plan.micro_batch_size, plan.sequence_length + 1)
+        row = plan.sequence_length + plan.model.label_columns
+        expected = (plan.gradient_accumulation, plan.micro_batch_size, row)
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
         if self.kept is not None:
             self.kept.drop()  # none left by a step that raised half-way
-        run = Step(self, Batch.of(tokens.to(self.device, non_blocking=True), step, self.layout.cp))
+        tokens = tokens.to(self.device, non_blocking=True)
+        run = Step(self, Batch.of(tokens, step, self.layout.cp, plan.model.task))
         phases = schedule.training_phases(
             self.stage, plan.gradient_accumulation, self.memory.passes
         )
         self._run_phases(phases, run, hooks.on_phase)
         self.state.grads.settle()  # every gradient is where it lives before anything reads it
-        if self.layout.embedding.size > 1:
+        if self.tied_across_stages:
             tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
             if self.stage.is_first:  # counted once, by the first stage
                 run.count_in_norm(tied)
@@ -212,18 +222,45 @@ class PhasedEngine:
         batches = list(batches)
         count_tensor = torch.tensor(len(batches), device=self.device)
         batches = batches[: int(self.layout.dp.all_reduce_(count_tensor, op="min"))]
-        per_pass = self.memory.micro_batches_per_pass
-        losses: list[torch.Tensor] = []
-        for index, start in enumerate(range(0, len(batches), per_pass)):
-            tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
-            run = Step(self, Batch.of(tokens, None, self.layout.cp))
-            group = range(len(tokens))
-            self._run_phases(schedule.evaluation_phases(self.stage, group, index), run)
-            losses.extend(run.batch.losses)
+        losses = [loss for batch in self._forward_chunks(batches) for loss in batch.losses]
         total = (
             torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)
         )
         return self._mean_over_replicas(total, len(losses))
+
+    @torch.no_grad()
+    def predict(self, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A task head's float32 logits for each micro-batch of ``[micro_batch, seq + 2]``
+        rows (no dropout, no update): ``[micro_batch, seq, 2]`` or ``[micro_batch, 3]``.
+
+        Collective: every rank calls it, each replica with as many batches. Every rank gets
+        its replica's logits: the last pipeline stage computes them, and a sum over the
+        pipeline group, to which the other stages add zeros, hands them on.
+        """
+        task = self.plan.model.task
+        assert task, "predict needs a task's head"
+        outputs = [out for batch in self._forward_chunks(batches, True) for out in batch.outputs]
+        if self.layout.pp.size == 1 or not batches:
+            return outputs
+        if not outputs:  # a stage before the last
+            micro = batches[0].shape[0]
+            shape = (micro, self.plan.sequence_length, 2) if task == SQUAD else (micro, NUM_LABELS)
+            outputs = [torch.zeros(shape, device=self.device) for _ in batches]
+        return list(self.layout.pp.all_reduce_(torch.stack(outputs)))
+
+    def _forward_chunks(self, batches: list[torch.Tensor], keep_outputs: bool = False):
+        """Runs the forward phases and the head over as many micro-batches at a time as one
+        pass holds; returns each chunk's :class:`Batch` with what its head emitted."""
+        per_pass = self.memory.micro_batches_per_pass
+        done = []
+        for index, start in enumerate(range(0, len(batches), per_pass)):
+            tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
+            batch = Batch.of(tokens, None, self.layout.cp, self.plan.model.task)
+            batch.keep_outputs = keep_outputs
+            phases = schedule.evaluation_phases(self.stage, range(len(tokens)), index)
+            self._run_phases(phases, Step(self, batch))
+            done.append(batch)
+        return done
 
     def _run_phases(
         self,

@@ -159,7 +159,7 @@ def engine_plan(config: PretrainingConfig, memory: MemoryPlan) -> EnginePlan:
     """The plan of a run: its settings joined to the planner's passes and placement."""
     ex, training = config.execution, config.training
     return EnginePlan(
-        model=GPTShapes.from_config(config.model),
+        model=GPTShapes.of_run(config),
         sequence_length=config.model.sequence_length,
         micro_batch_size=ex.micro_batch_size,
         gradient_accumulation=config.gradient_accumulation,

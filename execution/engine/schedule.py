@@ -32,6 +32,7 @@ from modelling.gpt import EMBEDDING, HEAD, LAYERS
 EMBEDDING_FORWARD = "embedding_forward"
 LAYER_FORWARD = "layer_forward"
 HEAD_PHASE = "head"  # forward, plus backward when training
+TASK_HEAD = "task_head"  # a fine-tuning task's head instead: no tied word embedding
 LAYER_BACKWARD = "layer_backward"
 EMBEDDING_BACKWARD = "embedding_backward"
 # x arrives from the previous stage before a pass's forward and leaves for the next after it;
@@ -60,6 +61,7 @@ KINDS: dict[str, PhaseKind] = {
     EMBEDDING_FORWARD: PhaseKind(loads=(EMBEDDING,)),
     LAYER_FORWARD: PhaseKind(loads=(LAYERS,)),
     HEAD_PHASE: PhaseKind(loads=(HEAD, EMBEDDING)),
+    TASK_HEAD: PhaseKind(loads=(HEAD,)),
     LAYER_BACKWARD: PhaseKind(loads=(LAYERS,)),
     EMBEDDING_BACKWARD: PhaseKind(loads=(EMBEDDING,)),
     RECEIVE_X: PhaseKind(move=True),
@@ -105,18 +107,21 @@ class Stage:
         index, count: This stage and the number of stages (1 without a pipeline).
         first_layer: Global index of its first decoder layer (its buffer row 0).
         layers: Decoder layers it holds.
+        task: The head's task: "" for the language model's (tied to the word embedding),
+            else a fine-tuning task's (:mod:`modelling.task_heads`), which ties nothing.
     """
 
     index: int
     count: int
     first_layer: int
     layers: int
+    task: str = ""
 
     @classmethod
-    def of(cls, stage_layers: tuple[int, ...], index: int) -> Stage:
+    def of(cls, stage_layers: tuple[int, ...], index: int, task: str = "") -> Stage:
         """Stage ``index`` of a pipeline whose stages hold ``stage_layers`` layers each."""
         first = sum(stage_layers[:index])
-        return cls(index, len(stage_layers), first, stage_layers[index])
+        return cls(index, len(stage_layers), first, stage_layers[index], task)
 
     @property
     def is_first(self) -> bool:
@@ -126,13 +131,23 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.count - 1
 
+    @property
+    def head_kind(self) -> str:
+        """The kind of this stage's head phase (on the last stage)."""
+        return TASK_HEAD if self.task else HEAD_PHASE
+
+    @property
+    def holds_tied_head(self) -> bool:
+        """The language model's head is here: its projection is the word embedding."""
+        return self.is_last and not self.task
+
     def rows(self, part: str) -> int:
         """Buffer rows of ``part`` this stage holds: its layers, the embedding on the first
-        and the last stage (tied to the head), the head on the last, else none."""
+        stage and on the last with the tied head, the head on the last, else none."""
         if part == LAYERS:
             return self.layers
         if part == EMBEDDING:
-            return int(self.is_first or self.is_last)
+            return int(self.is_first or self.holds_tied_head)
         assert part == HEAD, part
         return int(self.is_last)
 
@@ -162,7 +177,7 @@ def _forward(stage: Stage, group: range, index: int, evaluation: bool = False) -
     if not stage.is_last:
         phases.append(Phase(SEND_X, 0, group, pass_index=index))
     elif evaluation:
-        phases.append(Phase(HEAD_PHASE, 0, group, pass_index=index))
+        phases.append(Phase(stage.head_kind, 0, group, pass_index=index))
     return phases
 
 
@@ -171,11 +186,11 @@ def _backward(stage: Stage, group: range, index: int, passes: int) -> list[Phase
     next stage, every layer in reverse, then the embedding or dx out to the previous stage."""
     first, last = index == 0, index == passes - 1
     flags = {"first_pass": first, "last_pass": last, "pass_index": index}
-    phases = [Phase(HEAD_PHASE if stage.is_last else RECEIVE_DX, 0, group, **flags)]
+    phases = [Phase(stage.head_kind if stage.is_last else RECEIVE_DX, 0, group, **flags)]
     phases += [Phase(LAYER_BACKWARD, n, group, **flags) for n in reversed(range(stage.layers))]
     if stage.is_first:
         # On the last stage too (one stage), the head's tied gradient already started the sum.
-        flags["first_pass"] = first and not stage.is_last
+        flags["first_pass"] = first and not stage.holds_tied_head
         phases.append(Phase(EMBEDDING_BACKWARD, 0, group, **flags))
     else:
         phases.append(Phase(SEND_DX, 0, group, **flags))

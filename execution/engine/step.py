@@ -11,7 +11,7 @@ through one.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from execution.engine.gradients import AccumulatorPool, Accumulators, InFlight, start_reduction
 from execution.engine.schedule import Phase
 from modelling.layers import BlockSeeds, mix_seed
+from modelling.task_heads import TARGET_WIDTH
 
 if TYPE_CHECKING:
     from execution.engine.engine import PhasedEngine
@@ -27,17 +28,27 @@ if TYPE_CHECKING:
 
 @dataclass
 class Batch:
-    """The tokens a step (or an evaluation chunk) works on, and the losses its head emits."""
+    """The tokens a step (or an evaluation chunk) works on, and what its head emits: losses,
+    or with ``keep_outputs`` its outputs (a task's logits)."""
 
     ids: torch.Tensor  # [micro_batches, micro_batch, seq]
     labels: torch.Tensor
     step: int | None  # None: evaluation (no dropout, no backward)
     losses: list[torch.Tensor]
+    keep_outputs: bool = False
+    outputs: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, step: int | None, cp) -> Batch:
-        """Inputs and labels of ``tokens`` (``[..., seq + 1]``), cut to sequence piece
-        ``cp.rank`` of ``cp.size``: the tokens this rank holds outside attention."""
+    def of(cls, tokens: torch.Tensor, step: int | None, cp, task: str = "") -> Batch:
+        """Inputs and labels of ``tokens``, cut to sequence piece ``cp.rank`` of ``cp.size``:
+        the tokens this rank holds outside attention.
+
+        Rows are ``[..., seq + 1]`` tokens for the language model (labels: the next token),
+        ``[..., seq + 2]`` for a task (labels: the two targets of :mod:`modelling.task_heads`,
+        never split: a task runs without a context axis).
+        """
+        if task:
+            return cls(tokens[..., :-TARGET_WIDTH], tokens[..., -TARGET_WIDTH:], step, [])
         ids, labels = tokens[..., :-1], tokens[..., 1:]
         if cp.size > 1:
             piece = ids.shape[-1] // cp.size

@@ -7,6 +7,8 @@ decides which replicas hold identical copies and therefore the replicated-tensor
 - ``matrix``: split over tp1 and tp2, identical across dp -> RTS over dp; decayed.
 - ``tp2_vector``: split over tp2 only (layer norms, output biases) -> RTS over dp x tp1.
 - ``tp1_vector``: split over tp1 only (qkv and fc biases) -> RTS over dp x tp2.
+- ``tp2_matrix``: a matrix with too few rows to split over tp1 (a fine-tuning task's
+  projection, :mod:`modelling.task_heads`), split over tp2 only -> RTS over dp x tp1; decayed.
 
 No weight is split over the context axis (cp): its ranks run the same weights on different
 pieces of the sequence, so every kind is also replicated, and RTS-sharded, over cp (dp x cp
@@ -25,8 +27,9 @@ from modelling.gpt import EMBEDDING, HEAD, LAYERS, PARTS, GPTShapes, init_part_r
 from modelling.parallel import Axis
 
 MATRIX, TP2_VECTOR, TP1_VECTOR = "matrix", "tp2_vector", "tp1_vector"
-KINDS = (MATRIX, TP2_VECTOR, TP1_VECTOR)
-DECAYED_KINDS = frozenset({MATRIX})
+TP2_MATRIX = "tp2_matrix"
+KINDS = (MATRIX, TP2_VECTOR, TP1_VECTOR, TP2_MATRIX)
+DECAYED_KINDS = frozenset({MATRIX, TP2_MATRIX})
 
 # A rule gives, for each dim of the unsharded tensor, the full-tensor indices that shard (i, j)
 # holds along that dim (-1 for a zero padding row). Every rule is such a product of per-dim
@@ -86,6 +89,18 @@ def _over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardInde
     return (_block(shape[0], s.tp2, j),)
 
 
+def _columns_over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+    """A [out, in] weight whole along ``out``, its input features over tp2."""
+    return torch.arange(shape[0]), _block(shape[1], s.tp2, j)
+
+
+def _on_first_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+    """A vector too short to split, added before a tp2 all-reduce: held whole by tp2 rank 0,
+    padding on the others (which the model masks, so it stays zero)."""
+    whole = torch.arange(shape[0])
+    return (whole if j == 0 else torch.full_like(whole, -1),)
+
+
 @dataclass(frozen=True)
 class ParamRule:
     kind: str
@@ -114,6 +129,10 @@ PLAN: dict[str, dict[str, ParamRule]] = {
     HEAD: {
         "ln_f.weight": ParamRule(TP2_VECTOR, _over_tp2),
         "ln_f.bias": ParamRule(TP2_VECTOR, _over_tp2),
+        # Fine-tuning heads (only one, or none, is in a model: GPTShapes.task).
+        "qa.weight": ParamRule(TP2_MATRIX, _columns_over_tp2),
+        "qa.bias": ParamRule(TP2_VECTOR, _on_first_tp2),
+        "score.weight": ParamRule(TP2_MATRIX, _columns_over_tp2),
     },
 }
 
@@ -145,7 +164,7 @@ def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
 
 # The mesh axis (execution.parallel.mesh.AXES) of each kind's RTS group.
 # Weights are replicated over dp and cp alike, so RTS shards over both.
-RTS_AXES = {MATRIX: "dp_cp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2"}
+RTS_AXES = {MATRIX: "dp_cp", TP2_VECTOR: "dp_tp1", TP1_VECTOR: "dp_tp2", TP2_MATRIX: "dp_tp1"}
 
 
 def rts_axes(layout) -> dict[str, Axis]:
@@ -156,7 +175,12 @@ def rts_axes(layout) -> dict[str, Axis]:
 def rts_sizes(dp: int, tp1: int, tp2: int, cp: int = 1) -> dict[str, int]:
     """Sizes of the RTS groups of :func:`rts_axes` for a (dp, cp, tp1, tp2) layout."""
     replicas = dp * cp
-    return {MATRIX: replicas, TP2_VECTOR: replicas * tp1, TP1_VECTOR: replicas * tp2}
+    return {
+        MATRIX: replicas,
+        TP2_VECTOR: replicas * tp1,
+        TP1_VECTOR: replicas * tp2,
+        TP2_MATRIX: replicas * tp1,
+    }
 
 
 def shard_part(

@@ -67,7 +67,7 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     vocabulary and position shards equal, so layouts whose groups align with nodes have one
     kind per stage; ranks of a kind differ only in values."""
     ex = config.execution
-    shapes = GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    shapes = GPTShapes.of_run(config, ex.tensor_parallel_1, ex.tensor_parallel_2)
     mesh = _mesh(config)
 
     @functools.cache
@@ -222,7 +222,7 @@ def checkpoint_figures(
     host is written from its buffers, one chunk copied at a time.
     """
     mesh = _mesh(config)
-    shapes = GPTShapes.from_config(config.model, mesh.tp1, mesh.tp2)
+    shapes = GPTShapes.of_run(config, mesh.tp1, mesh.tp2)
     specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
     rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
@@ -234,7 +234,7 @@ def checkpoint_figures(
     }
     # A stage writes the rows it holds; the last stage's copy of the tied embedding is the
     # first stage's to write.
-    stage = Stage.of(config.stage_layers, coords["p"])
+    stage = Stage.of(config.stage_layers, coords["p"], config.task)
     rows = {p: stage.rows(p) for p in PARTS}
     if stage.count > 1 and not stage.is_first:
         rows[EMBEDDING] = 0
@@ -339,7 +339,7 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
         hidden += min(compute, overlappable)
         compute_total += compute
     compute = compute_total
-    model_flops = flops_per_token(GPTShapes.from_config(config.model), config.model.sequence_length)
+    model_flops = flops_per_token(GPTShapes.of_run(config), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     return {
         "step_time_s": step,

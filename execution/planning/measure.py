@@ -143,7 +143,8 @@ def meta_step(
     """
     replayed = (measurements or Measurements()).meta_results
     engine = PhasedEngine(plan, layout)
-    shape = (plan.gradient_accumulation, plan.micro_batch_size, plan.sequence_length + 1)
+    row = plan.sequence_length + plan.model.label_columns
+    shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
     with attention_on_meta(kernel, *engine.templates.values()), StepMeter(replayed) as meter:
         recorder = PhaseRecorder(meter, engine)

@@ -155,9 +155,11 @@ class RankShape:
     def from_config(cls, config: PretrainingConfig, stage: int = 0) -> RankShape:
         """The shape of a rank of pipeline stage ``stage`` (without a pipeline, every rank)."""
         ex = config.execution
-        pipeline = Stage.of(config.stage_layers, stage) if ex.pipeline_parallel > 1 else None
+        pipeline = None
+        if ex.pipeline_parallel > 1:
+            pipeline = Stage.of(config.stage_layers, stage, config.task)
         return cls(
-            shapes=GPTShapes.from_config(config.model, ex.tensor_parallel_1, ex.tensor_parallel_2),
+            shapes=GPTShapes.of_run(config, ex.tensor_parallel_1, ex.tensor_parallel_2),
             dp=ex.data_parallel,
             micro_batch=ex.micro_batch_size,
             sequence=config.model.sequence_length // ex.context_parallel,

@@ -152,7 +152,8 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     allow; a pipeline only where the tensor and context axes fill a node (the pipeline is the
     axis that crosses nodes); tensor and context axes that span nodes only with
     ``--plan_across_nodes`` (their per-layer collectives would wait on the network, which is
-    why Megatron keeps tensor parallelism inside a node)."""
+    why Megatron keeps tensor parallelism inside a node); no context axis for a fine-tuning
+    task, whose head reads whole sequences."""
     m, t = config.model, config.training
     per_node = resolve_spec(config).devices_per_node
     out = []
@@ -163,7 +164,7 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
             continue
         if inner > per_node and not config.planning.plan_across_nodes:
             continue
-        if m.sequence_length % cp or (m.heads // tp1) % cp:
+        if m.sequence_length % cp or (m.heads // tp1) % cp or (cp > 1 and config.task):
             continue
         if pp > 1 and (
             pp not in PIPELINES or pp > m.layers or inner != min(per_node, devices // pp)

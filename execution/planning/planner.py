@@ -177,7 +177,7 @@ def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: 
 def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
     """:func:`step_seconds` of the plans of one rank, with what they share worked out once."""
     spec = resolve_spec(config)
-    model = flops_per_token(GPTShapes.from_config(config.model), rank.sequence)
+    model = flops_per_token(GPTShapes.of_run(config), rank.sequence)
     model_flops = model * config.tokens_per_step / config.world_size
     rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
     link = spec.host_link_gb_per_s * 1e9

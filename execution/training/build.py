@@ -3,17 +3,18 @@
 Everything that can fail on the user's input fails here, before the first step and before any
 output exists: bad data or flags, a missing checkpoint, a run that fits under no plan, an
 unwritable folder. :func:`build` returns a :class:`Run`, which :func:`~execution.training.loop.train`
-steps through.
+steps through. What differs between pretraining and fine-tuning (the data, the evaluation, what
+``--load`` takes) comes in :class:`RunInputs`; :func:`assemble` does the rest for both.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import torch
 import yaml
 
 from config.loading import ConfigError, config_to_dict
@@ -43,6 +44,9 @@ from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from utils.tracking import NullTracker, Tracker, run_trackers
 
+# Evaluates the current weights after a number of steps: the metrics to log. Collective.
+Evaluation = Callable[[int], dict[str, float]]
+
 
 @dataclass
 class Run:
@@ -52,8 +56,8 @@ class Run:
         config: The run's configuration.
         engine: This rank's model state, under the planner's plan.
         loader: This rank's training batches (positioned after ``start_step`` steps).
-        validation: Returns a fresh pass over this rank's validation batches; None when the
-            run evaluates nothing.
+        evaluate: Evaluates the weights (every rank calls it); None when the run evaluates
+            nothing.
         tracker: Where metrics go (a no-op on every rank but the main one).
         checkpointer: Saves with ``--save``; None otherwise.
         start_step: Steps already done (by the checkpoint resumed from).
@@ -61,8 +65,8 @@ class Run:
 
     config: PretrainingConfig
     engine: PhasedEngine
-    loader: PretrainingDataLoader
-    validation: Callable[[], Iterator[torch.Tensor]] | None
+    loader: Any  # PretrainingDataLoader, or data.finetuning_data.TaskDataLoader
+    evaluate: Evaluation | None
     tracker: Tracker
     checkpointer: Checkpointer | None
     start_step: int
@@ -76,13 +80,35 @@ class Run:
                 self.checkpointer.close()
 
 
+@dataclass
+class RunInputs:
+    """What a kind of run brings to :func:`assemble`.
+
+    Attributes:
+        loader: This rank's training batches.
+        data: The start-up line's description of the data.
+        evaluation: Given the engine and the output folder, the run's evaluation (None: it
+            evaluates nothing).
+        restore: Given the engine and the loader, loads ``--load`` or ``--hf_model``:
+            (steps already done, a start-up line saying what was loaded, or "").
+        continues: Whether ``--load``'s checkpoint (its trainer state) is this run's own,
+            resumed, so that the run keeps its id and output folders.
+    """
+
+    loader: Any
+    data: str
+    evaluation: Callable[[PhasedEngine, Path], Evaluation] | None
+    restore: Callable[[PhasedEngine, Any], tuple[int, str]]
+    continues: Callable[[dict], bool] = lambda trainer: True
+
+
 def build(
     config: PretrainingConfig,
     preset: str,
     layout: ParallelLayout,
     launch: LaunchInfo,
 ) -> Run:
-    """Builds this rank's run; every rank of the job calls it.
+    """Builds this rank's pretraining run; every rank of the job calls it.
 
     Args:
         config: Validated configuration.
@@ -95,6 +121,29 @@ def build(
     """
     loader = training_loader(config, layout.dp.rank, layout.dp.size)
     validation = validation_source(config, layout.dp.rank, layout.dp.size)
+    files = config.data.input_files or [SAMPLE_DATA_GLOB]
+    data = ("" if config.data.input_files else "shipped sample ") + ", ".join(files)
+
+    def evaluation(engine: PhasedEngine, output_dir: Path) -> Evaluation:
+        return lambda step: {"eval_loss": engine.evaluate(validation())}
+
+    inputs = RunInputs(
+        loader,
+        f"{data} ({loader.samples_per_epoch} sequences per epoch)",
+        evaluation if validation is not None else None,
+        lambda engine, loader: _restore(config, engine, loader),
+    )
+    return assemble(config, preset, layout, launch, inputs)
+
+
+def assemble(
+    config: PretrainingConfig,
+    preset: str,
+    layout: ParallelLayout,
+    launch: LaunchInfo,
+    inputs: RunInputs,
+) -> Run:
+    """Builds this rank's run from a kind of run's inputs (:func:`build`'s arguments)."""
     output_dir = Path(
         config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
     )
@@ -102,7 +151,9 @@ def build(
     run_id = new_run_id()
     if c.load:  # a missing checkpoint is reported before minutes of set-up, not after
         folder = resolve_checkpoint(c.load)
-        run_id = checkpoint_run_id(folder, read_trainer_state(folder))  # the run it resumes
+        trainer = read_trainer_state(folder)
+        if inputs.continues(trainer):
+            run_id = checkpoint_run_id(folder, trainer)  # the run it resumes
     elif c.hf_model and not Path(c.hf_model).is_dir():
         raise ConfigError(f"--hf_model {c.hf_model} is not a folder (a local HuggingFace GPT-2)")
     if layout.is_main:  # another run's files are never written over (ownership module)
@@ -114,7 +165,7 @@ def build(
     if layout.is_main:
         print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
     engine = PhasedEngine(engine_plan(config, plan), layout)
-    start_step, restored = _restore(config, engine, loader)
+    start_step, restored = inputs.restore(engine, inputs.loader)
     checkpointer = None
     if c.save and not c.eval_only:  # before any output: a bad --save must not leave a run behind
         checkpointer = Checkpointer(
@@ -129,23 +180,22 @@ def build(
     if layout.is_main:
         total_steps = max(config.training.steps, start_step)
         tracker = _main_tracker(config, output_dir, total_steps, run_id)
-        files = config.data.input_files or [SAMPLE_DATA_GLOB]
-        data = ("" if config.data.input_files else "shipped sample ") + ", ".join(files)
         buffers = sum(engine.buffer_bytes().values()) / 2**30
         print(
             f"preset {preset}: {config.model.layers} layers x {config.model.hidden_size} hidden, "
             f"{config.world_size} process(es) ({launch.launcher}) on {layout.device}, "
             f"{config.training.precision}, gradient accumulation {config.gradient_accumulation}, "
             f"{buffers:.2f} GiB of buffers per process\n"
-            f"data: {data} ({loader.samples_per_epoch} sequences per epoch)\n"
+            f"data: {inputs.data}\n"
             f"{restored}{_pipeline_line(config, plan.passes)}output: {output_dir}/metrics.jsonl",
             flush=True,
         )
+    evaluate = inputs.evaluation(engine, output_dir) if inputs.evaluation else None
     return Run(
         config=config,
         engine=engine,
-        loader=loader,
-        validation=validation,
+        loader=inputs.loader,
+        evaluate=evaluate,
         tracker=tracker,
         checkpointer=checkpointer,
         start_step=start_step,

@@ -39,7 +39,7 @@ def train(run: Run) -> list[dict]:
 
     The next step's batch is read (and pinned for a GPU) in a background thread while the
     current step runs (:class:`data.prefetch.PrefetchingLoader`). Evaluates every
-    ``--eval_every`` steps and at the end, and saves every ``--checkpoint_steps`` steps and at
+    ``--eval_every`` steps and then at the end (a fine-tuning run always at the end), and saves every ``--checkpoint_steps`` steps and at
     the end; the last checkpoint is complete when this returns.
 
     Returns:
@@ -54,7 +54,8 @@ def train(run: Run) -> list[dict]:
     layout = engine.layout
     flops = flops_per_token(engine.shapes, config.model.sequence_length)
     peak = device_peak_tflops(layout.device, config.execution.peak_tflops)
-    eval_every = config.data.eval_every if run.validation is not None else 0
+    eval_every = config.data.eval_every if run.evaluate is not None else 0
+    eval_at_end = run.evaluate is not None and (eval_every or config.EVALUATES_AT_END)
     every = config.checkpoint.checkpoint_steps
     loader = PrefetchingLoader(run.loader, pin_memory=layout.device.type == "cuda")
     history = []
@@ -95,9 +96,8 @@ def train(run: Run) -> list[dict]:
             tracker.log(metrics)
             history.append(metrics)
             last = step + 1 == t.steps
-            if eval_every and ((step + 1) % eval_every == 0 or last):
-                loss = engine.evaluate(run.validation())
-                tracker.log({"step": step + 1, "eval_loss": loss})
+            if (eval_every and (step + 1) % eval_every == 0) or (last and eval_at_end):
+                tracker.log({"step": step + 1, **run.evaluate(step + 1)})
             done = step + 1
             if run.checkpointer is not None and ((every and (step + 1) % every == 0) or last):
                 run.checkpointer.save(step + 1, loader.state_dict())
@@ -116,7 +116,7 @@ def train(run: Run) -> list[dict]:
 def evaluate_only(run: Run) -> float:
     """``--eval_only``: the validation loss of the loaded weights, reported and logged."""
     try:
-        loss = run.engine.evaluate(run.validation())
+        loss = run.evaluate(run.start_step)["eval_loss"]
         perplexity = math.exp(loss) if loss < 700 else math.inf
         metrics = {"step": run.start_step, "eval_loss": loss, "eval_perplexity": perplexity}
         run.tracker.log(metrics)

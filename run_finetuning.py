@@ -1,0 +1,97 @@
+"""Fine-tune GPT-3 on SQuAD v1.1 (answer spans) or MNLI (sentence-pair classes).
+
+    python run_finetuning.py --config tiny --task squad --doc_stride 32 --load runs/ckpt
+    python run_finetuning.py --config gpt3_125M --task mnli --hf_model gpt2/
+    torchrun --nproc_per_node 4 run_finetuning.py --config tiny --task mnli \
+        --data_parallel 2 --tensor_parallel_1 2
+
+The presets, flags, engine and layouts are pretraining's (``--help`` lists every flag);
+``--load`` takes a pretraining checkpoint's weights (or resumes a fine-tuning run's own
+checkpoint), ``--hf_model`` a HuggingFace GPT-2's. See docs/finetuning.md.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+from config.finetuning import parse_finetuning_config
+from config.loading import ConfigError
+from data.errors import DataError
+from execution.parallel.launch import read_launch_environment, setup_layout, teardown
+from execution.training.finetuning import build_finetuning, evaluate_only
+from execution.training.loop import Interrupted, train
+
+PROGRAM = "run_finetuning.py"
+
+
+class _Job:
+    """What the entry point knows of the job when something stops it."""
+
+    joined = False  # the ranks have joined: an error may now be one rank's own
+
+
+def main(argv: list[str] | None = None, job: _Job | None = None) -> None:
+    job = job or _Job()
+    config, preset = parse_finetuning_config(argv)
+    if config.planning.dry_run or config.planning.plan_for:
+        plan_without_launching(config, preset)
+        return
+    layout, launch = setup_layout(config)
+    job.joined = layout.world.size > 1
+    try:
+        run = build_finetuning(config, preset, layout, launch)
+        if config.checkpoint.eval_only:
+            evaluate_only(run)
+        else:
+            train(run)  # evaluates on the task's files at the end
+    finally:
+        teardown()
+
+
+def plan_without_launching(config, preset: str) -> None:
+    """--dry_run and --plan_for: one CPU process, no data read, no weights drawn; the task's
+    head is counted as the run would hold it."""
+    from execution.planning.dry_run import dry_run
+    from execution.planning.plan_search import print_layouts
+
+    if config.planning.plan_for:
+        print_layouts(config, preset)
+        return
+    default = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}-{config.task}-dry"
+    dry_run(config, Path(config.logging.output_dir or default))
+
+
+def _rank() -> int:
+    """This process's rank in its job, from any launcher's variables (0 alone)."""
+    try:
+        return read_launch_environment(os.environ).rank
+    except ConfigError:  # inconsistent launcher variables: said by setup_layout already
+        return 0
+
+
+if __name__ == "__main__":
+    # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does.
+    stopped_by = {"signal": signal.SIGINT}
+
+    def _on_sigterm(signum, frame) -> None:
+        stopped_by["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    job = _Job()
+    try:
+        main(job=job)
+    except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
+        rank = _rank()
+        if rank == 0 or job.joined:
+            where = f"rank {rank}: " if rank else ""
+            print(f"{PROGRAM}: error: {where}{err}", file=sys.stderr)
+        sys.exit(2)
+    except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
+        if _rank() == 0:
+            print(f"{PROGRAM}: {str(err) or 'interrupted'}", file=sys.stderr)
+        sys.exit(128 + stopped_by["signal"])

@@ -1,0 +1,159 @@
+"""run_finetuning.py end to end on the shipped samples (a small model): an interrupted and
+resumed run is bitwise the uninterrupted one, ``--load`` of a pretraining checkpoint takes its
+weights only, and a checkpoint of another size is refused in one line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+
+import run_finetuning
+import run_pretraining
+from config.finetuning import parse_finetuning_config
+from execution.checkpoint.files import CheckpointError
+from execution.checkpoint.load import SavedWeights, read_weights
+from execution.checkpoint.logical import full_state
+from execution.parallel.mesh import ParallelLayout
+from execution.training.finetuning import build_finetuning
+from modelling.gpt import HEAD, init_full_part
+
+SMALL = (
+    "--config tiny --layers 1 --hidden_size 32 --heads 2 --max_positional_length 96 "
+    "--global_batch_size 4 --micro_batch_size 2 --device cpu --doc_stride 16 --log_every 100"
+)
+
+
+def _finetune(*flags: str) -> None:
+    run_finetuning.main([*shlex.split(SMALL), *flags])
+
+
+def _losses(folder: Path) -> list[float]:
+    lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return [line["loss"] for line in lines if "loss" in line]
+
+
+@pytest.mark.slow
+def test_resumed_run_is_bitwise_the_uninterrupted_one(tmp_path):
+    # 4 steps straight, saving after step 2; then a run resumed from that step 2. Dropout on:
+    # its masks, like the data order and the learning rate, must go on where they stopped.
+    common = ["--task", "squad", "--steps", "4", "--dropout_prob", "0.1", "--warmup_tokens", "512"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    save = ["--save", str(whole / "ckpt"), "--checkpoint_steps", "2"]
+    _finetune(*common, "--output_dir", str(whole), *save)
+    load = ["--load", str(whole / "ckpt" / "step_2"), "--save", str(resumed / "ckpt")]
+    _finetune(*common, "--output_dir", str(resumed), *load)
+    assert _losses(resumed) == _losses(whole)[2:] and len(_losses(whole)) == 4
+    assert (resumed / "eval.json").read_text() == (whole / "eval.json").read_text()
+    assert (resumed / "predictions.json").read_text() == (whole / "predictions.json").read_text()
+    _, saved = read_weights(resumed / "ckpt")
+    _, reference = read_weights(whole / "ckpt")
+    for name in reference:
+        assert torch.equal(saved[name], reference[name]), name
+
+
+@pytest.mark.slow
+def test_load_takes_a_pretraining_checkpoints_weights_only(tmp_path):
+    pretrained = tmp_path / "pretrained"
+    pretraining = shlex.split(SMALL.replace("--doc_stride 16", "--sequence_length 96"))
+    out = ["--output_dir", str(tmp_path / "pretraining")]
+    run_pretraining.main([*pretraining, "--steps", "2", "--save", str(pretrained), *out])
+    flags = [*shlex.split(SMALL), "--task", "mnli", "--load", str(pretrained)]
+    config, preset = parse_finetuning_config([*flags, "--output_dir", str(tmp_path / "ft")])
+    layout = ParallelLayout.single(torch.device("cpu"))
+    run = build_finetuning(config, preset, layout, launch=_single_launch())
+    try:
+        assert run.start_step == 0 and run.engine.optimizer_steps == 0
+        loaded = full_state(run.engine)
+        saved = SavedWeights(next(pretrained.glob("step_*")))
+        for name, tensor in saved.items():
+            assert torch.equal(loaded[name], tensor), name
+        fresh = init_full_part(run.engine.shapes, HEAD, 0, 42, config.model.init_std)
+        assert torch.equal(loaded["head.score.weight"], fresh["score.weight"])
+        assert all(m.abs().sum() == 0 for m in full_state(run.engine, "exp_avg").values())
+    finally:
+        run.close()
+    other = [*flags, "--hidden_size", "64", "--output_dir", str(tmp_path / "other")]
+    with pytest.raises(CheckpointError, match="has shape") as err:
+        run_finetuning.main(other)
+    assert "\n" not in str(err.value)
+
+
+def _single_launch():
+    from execution.parallel.launch import read_launch_environment
+
+    return read_launch_environment({})
+
+
+@pytest.mark.parametrize("with_projection", [True, False])
+def test_hf_model_gives_the_transformer_and_a_task_models_projection(with_projection, tmp_path):
+    """A GPT2ForQuestionAnswering folder gives every weight; a GPT2LMHeadModel folder all but
+    the projection, which keeps its initialisation."""
+    import transformers
+
+    from execution.checkpoint.load import load_hf_weights
+    from execution.planning.planner import planned_engine
+    from modelling.hf_interchange import hf_name
+
+    flags = [*shlex.split(SMALL), "--task", "squad", "--vocab_size", "300", "--layers", "2"]
+    config, _ = parse_finetuning_config(flags)
+    m = config.model
+    hf_config = transformers.GPT2Config(
+        vocab_size=m.vocab_size,
+        n_positions=m.max_positional_length,
+        n_embd=m.hidden_size,
+        n_layer=m.layers,
+        n_head=m.heads,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    kind = (
+        transformers.GPT2ForQuestionAnswering if with_projection else transformers.GPT2LMHeadModel
+    )
+    torch.manual_seed(0)
+    kind(hf_config).save_pretrained(tmp_path)
+    hf_state = kind.from_pretrained(tmp_path).state_dict()
+    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    fresh = full_state(engine)
+    load_hf_weights(tmp_path, engine)
+    for name, tensor in full_state(engine).items():
+        hf, transposed = hf_name(name)
+        if hf in hf_state:
+            expected = hf_state[hf].t() if transposed else hf_state[hf]
+        else:
+            assert not with_projection and name.startswith("head.qa"), name
+            expected = fresh[name]
+        assert torch.equal(tensor, expected), name
+
+
+@pytest.mark.parametrize("task", ["squad", "mnli"])
+def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
+    """convert_checkpoint.py's export of a fine-tuned model loads as HF's task model, whose
+    logits on the task's rows are the engine's."""
+    import transformers
+
+    from config.loading import config_to_dict
+    from data.finetuning_data import read_task_file
+    from data.tokenizer import TokenizerSpec, load_tokenizer
+    from execution.planning.planner import planned_engine
+    from modelling.hf_interchange import export_hf
+
+    config, _ = parse_finetuning_config([*shlex.split(SMALL), "--task", task])
+    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    export_hf(config_to_dict(config)["model"], full_state(engine), tmp_path)
+    kinds = {
+        "squad": transformers.GPT2ForQuestionAnswering,
+        "mnli": transformers.GPT2ForSequenceClassification,
+    }
+    hf = kinds[task].from_pretrained(tmp_path).eval()
+    tokenizer = load_tokenizer(TokenizerSpec())[0]
+    path = config.training_files[0]
+    rows = read_task_file(task, path, tokenizer, config.model.sequence_length, 16).rows[:4]
+    ours = torch.cat(engine.predict(list(rows.view(2, 2, -1))))
+    with torch.no_grad():
+        out = hf(input_ids=rows[:, :-2])
+    theirs = torch.stack([out.start_logits, out.end_logits], -1) if task == "squad" else out.logits
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
