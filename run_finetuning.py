@@ -56,7 +56,7 @@ def plan_without_launching(config, preset: str) -> None:
     """--dry_run and --plan_for: one CPU process, no data read, no weights drawn; the task's
     head is counted as the run would hold it."""
     from execution.planning.dry_run import dry_run
-    from execution.planning.plan_search import print_layouts
+    from execution.planning.plan_table import print_layouts
 
     if config.planning.plan_for:
         print_layouts(config, preset)

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None, job: _Job | None = None) -> None:
 def plan_without_launching(config, preset: str) -> None:
     """--dry_run and --plan_for: one CPU process, no data read, no weights drawn."""
     from execution.planning.dry_run import check_input_files, dry_run
-    from execution.planning.plan_search import print_layouts
+    from execution.planning.plan_table import print_layouts
 
     if config.planning.plan_for:
         print_layouts(config, preset)

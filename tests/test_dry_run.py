@@ -291,7 +291,7 @@ def test_plan_for_lists_pipeline_layouts_one_row_each():
     """Pipelines of 2 and 4 stages are searched (tensor axes filling what is left of a node),
     with the bubble in their estimate; the table has one row per layout, with the micro-batch
     sizes that tie shown together."""
-    from execution.planning.plan_search import layout_rows
+    from execution.planning.plan_table import layout_rows
 
     rows, _ = _search_four_devices()
     executions = [r["config"].execution for r in rows]

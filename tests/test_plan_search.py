@@ -13,7 +13,8 @@ from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import measure_planned_step
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
-from execution.planning.plan_search import layouts, print_layouts, search
+from execution.planning.plan_search import layouts, search
+from execution.planning.plan_table import print_layouts
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
 from tests.distributed import layout_flags
 from tests.distributed import small_config as distributed_config

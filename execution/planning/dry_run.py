@@ -30,6 +30,7 @@ from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.dry_run_report import STATE_KEYS, format_report
 from execution.planning.measure import Measurements, Window, meta_step
 from execution.planning.memory import MemoryBudget, spec_budget
 from execution.planning.planner import choose_or_least
@@ -39,15 +40,6 @@ from utils.metrics import flops_per_token
 META = torch.device("meta")
 # The groups a step communicates over (the world only sums the norm and the loss).
 COMMUNICATING_AXES = ("dp", "pp", "embedding", "cp", "tp1", "tp2", "dp_cp", "dp_tp1", "dp_tp2")
-STATE_KEYS = (
-    "weights",
-    "grads",
-    "optimizer",
-    "weight_copies",
-    "activations",
-    "working_set",
-    "total",
-)
 # Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
 RING_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -394,63 +386,6 @@ def _plan_dict(plan: MemoryPlan) -> dict:
         "placement": vars(plan.placement),
         "recompute": plan.recompute,
     }
-
-
-def format_report(config: PretrainingConfig, report: dict) -> str:
-    """The console table: one block per kind of rank, then the verdict."""
-    ex, spec = config.execution, report["device_spec"]
-    lines = [
-        f"dry run: {config.model.layers} layers x {config.model.hidden_size}, "
-        f"{ex.data_parallel} x {_context(ex)}{ex.tensor_parallel_1} x {ex.tensor_parallel_2} = "
-        f"{report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
-        f"{spec['memory_gb']:g} GiB, host {spec['host_memory_gb']:g} GiB), "
-        f"global batch {config.training.global_batch_size} x {config.model.sequence_length}"
-    ]
-    for entry in report["ranks"]:
-        plan = entry["plan"]
-        ranks = entry["ranks"]
-        shown = ", ".join(map(str, ranks[:6])) + (", ..." if len(ranks) > 6 else "")
-        lines.append(
-            f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
-            f"{plan['micro_batches_per_pass']} micro-batch(es), "
-            + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items())
-            + f", recompute {plan['recompute']}"
-        )
-        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
-        for where in ("device", "host"):
-            values = entry[f"{where}_bytes"]
-            lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:14.2f}" for k in STATE_KEYS))
-        comm = entry["comm_bytes"]
-        lines.append(
-            "  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in comm.items() if v)
-        )
-        lines.append(
-            f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
-            f"estimated step {entry['step_time_s']:,.2f} s = compute {entry['compute_s']:,.2f} s "
-            f"+ exposed communication {entry['exposed_comm_s']:,.2f} s "
-            f"(hidden behind compute {entry['hidden_comm_s']:,.2f} s; collectives "
-            f"{entry['collectives_s']:,.2f} s in all), MFU {entry['mfu']:.1%}"
-            + (f", pipeline bubble {entry['bubble']:.1%}" if entry["bubble"] else "")
-        )
-        ckpt = entry["checkpoint"]
-        lines.append(
-            f"  checkpoint: {ckpt['bytes_written'] / 1e9:,.2f} GB written by this rank, "
-            f"{ckpt['tensor_bytes_sent']} B of tensor data sent to other ranks, "
-            f"{ckpt['staging_bytes'] / GiB:,.2f} GiB host staging; est. save "
-            f"{ckpt['save_s']:,.1f} s at {ckpt['storage_gb_per_s']:g} GB/s "
-            f"(training held {ckpt['held_s']:,.2f} s)"
-        )
-        lines.append(f"  {entry['why']}")
-    verdict = "FITS" if report["fits"] else "DOES NOT FIT"
-    lines.append(f"\nverdict: {verdict} on {report['world_size']} x {spec['name']}")
-    return "\n".join(lines)
-
-
-def _context(ex) -> str:
-    """The pipeline and context axes in a layout's ``dp x pp x cp x tp1 x tp2``, shown only
-    when used."""
-    pipeline = f"{ex.pipeline_parallel} (pipeline) x " if ex.pipeline_parallel > 1 else ""
-    return pipeline + (f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else "")
 
 
 def check_input_files(patterns: list[str]) -> None:

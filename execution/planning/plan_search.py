@@ -46,7 +46,7 @@ import numpy as np
 from config.loading import validate
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
-from execution.engine.plan import GiB, MemoryPlan, Placement, engine_plan
+from execution.engine.plan import MemoryPlan, Placement, engine_plan
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import MeshShape
@@ -309,42 +309,6 @@ def _misfit(candidate: PretrainingConfig, plans: list[MemoryPlan], budget) -> di
     return {"config": candidate, "plan": least, "shortfall": missing}
 
 
-# Micro-batch sizes of one layout whose step times are within this fraction of its fastest
-# are shown as one row.
-TIE = 0.005
-
-
-def layout_rows(rows: list[dict]) -> list[dict]:
-    """One row per layout (dp, pp, cp, tp1, tp2): its fastest micro-batch size, with
-    ``micro_batches`` naming every size that ties with it (e.g. ``1-4``)."""
-    best: dict[tuple, dict] = {}
-    ties: dict[tuple, list[int]] = {}
-    for row in rows:  # fastest first
-        ex = row["config"].execution
-        key = (
-            ex.data_parallel,
-            ex.pipeline_parallel,
-            ex.context_parallel,
-            ex.tensor_parallel_1,
-            ex.tensor_parallel_2,
-        )
-        if key not in best:
-            best[key], ties[key] = row, []
-        if row["step_time_s"] <= best[key]["step_time_s"] * (1 + TIE):
-            ties[key].append(ex.micro_batch_size)
-    out = []
-    for key, row in best.items():
-        sizes = sorted(ties[key])
-        contiguous = all(b == 2 * a for a, b in itertools.pairwise(sizes))
-        text = (
-            f"{sizes[0]}-{sizes[-1]}"
-            if contiguous and len(sizes) > 1
-            else ",".join(map(str, sizes))
-        )
-        out.append({**row, "micro_batches": text})
-    return out
-
-
 def _estimated_row(
     candidate: PretrainingConfig, measured_as: PretrainingConfig, plan: MemoryPlan, spec, probes
 ) -> dict:
@@ -373,86 +337,3 @@ def _estimated_row(
         "host_bytes": plan.bytes_on("host")["total"],
         **estimate(candidate, measured, spec),
     }
-
-
-def print_layouts(config: PretrainingConfig, preset: str) -> None:
-    devices = config.planning.plan_for
-    spec = resolve_spec(config)
-    rows, misfits = search(config, devices)
-    shown = layout_rows(rows)
-    tokens = config.tokens_per_step
-    print(
-        f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
-        f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
-        f"x {config.model.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
-        f"micro-batch sizes), {len(misfits)} do not; mbs: micro-batch sizes within "
-        f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
-        f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
-    )
-    header = (
-        f"{'dp':>3} {'pp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>6} {'passes':>6} "
-        f"{'bubble':>6}  {'placement (w/g/a)':<21}{'recompute':<10}"
-        f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
-        f"{'ckpt GB':>9} {'save s':>7}"
-    )
-    if shown:
-        print(header)
-    for row in shown:
-        ex, plan = row["config"].execution, row["plan"]
-        where = "/".join(vars(plan.placement).values())
-        print(
-            f"{ex.data_parallel:>3} {ex.pipeline_parallel:>3} {ex.context_parallel:>3} "
-            f"{ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
-            f"{row['micro_batches']:>6} {plan.passes:>6} {row['bubble']:>6.1%}  "
-            f"{where:<21}{plan.recompute:<10}"
-            f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
-            f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
-            f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
-            f"{row['checkpoint']['save_s']:>7.1f}"
-        )
-    if not config.planning.plan_across_nodes:
-        wide = copy.deepcopy(config)
-        wide.planning.plan_across_nodes = True
-        spanning = len(layouts(wide, devices)) - len(layouts(config, devices))
-        if spanning:
-            print(
-                f"not weighed: {spanning} layouts (with their micro-batch sizes) whose tensor "
-                "or context groups would span nodes; --plan_across_nodes weighs them too"
-            )
-    if not rows and not misfits:
-        m = config.model
-        print(
-            f"no layout of {devices} devices suits this model: tensor_parallel_1 must divide "
-            f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, "
-            f"context_parallel --sequence_length {m.sequence_length} and the heads per "
-            "tensor_parallel_1 rank, and "
-            f"micro-batch x data_parallel --global_batch_size "
-            f"{config.training.global_batch_size}"
-        )
-    if not rows and misfits and misfits[0]["plan"] is not None:
-        print(_nearest_misfit_line(misfits[0], spec_budget(config, spec), devices))
-    if rows:
-        ex = rows[0]["config"].execution
-        print(
-            f"fastest: --data_parallel {ex.data_parallel} --pipeline_parallel "
-            f"{ex.pipeline_parallel} --context_parallel {ex.context_parallel} "
-            f"--tensor_parallel_1 {ex.tensor_parallel_1} --tensor_parallel_2 "
-            f"{ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
-        )
-
-
-def _nearest_misfit_line(misfit: dict, budget, devices: int) -> str:
-    """What the layout nearest to fitting needs, as ``--dry_run`` says it for one layout."""
-    ex, plan = misfit["config"].execution, misfit["plan"]
-    layout = (
-        f"dp {ex.data_parallel} x pp {ex.pipeline_parallel} x cp {ex.context_parallel} x tp1 "
-        f"{ex.tensor_parallel_1} x tp2 {ex.tensor_parallel_2}, micro-batch {ex.micro_batch_size}"
-    )
-    device, host = (plan.bytes_on(where)["total"] / GiB for where in ("device", "host"))
-    return (
-        f"nothing fits on {devices} devices: the nearest layout ({layout}; {plan.passes} "
-        f"pass(es), {plan.placement.describe()}, recompute {plan.recompute}) needs "
-        f"{device:,.1f} GiB of device and {host:,.1f} GiB of host memory per process, which may "
-        f"use {budget.describe()}; plan for more devices, or check --device_memory_gb and "
-        "--host_memory_gb"
-    )

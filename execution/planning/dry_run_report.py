@@ -1,0 +1,75 @@
+"""The dry run's report as printed: per kind of rank, its plan, memory, time and checkpoint
+figures (:func:`execution.planning.dry_run.dry_run` measures them)."""
+
+from __future__ import annotations
+
+from config.schema import PretrainingConfig
+from execution.engine.plan import GiB
+
+# The states a report shows per kind of rank, in order.
+STATE_KEYS = (
+    "weights",
+    "grads",
+    "optimizer",
+    "weight_copies",
+    "activations",
+    "working_set",
+    "total",
+)
+
+
+def format_report(config: PretrainingConfig, report: dict) -> str:
+    """The console table: one block per kind of rank, then the verdict."""
+    ex, spec = config.execution, report["device_spec"]
+    lines = [
+        f"dry run: {config.model.layers} layers x {config.model.hidden_size}, "
+        f"{ex.data_parallel} x {_context(ex)}{ex.tensor_parallel_1} x {ex.tensor_parallel_2} = "
+        f"{report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
+        f"{spec['memory_gb']:g} GiB, host {spec['host_memory_gb']:g} GiB), "
+        f"global batch {config.training.global_batch_size} x {config.model.sequence_length}"
+    ]
+    for entry in report["ranks"]:
+        plan = entry["plan"]
+        ranks = entry["ranks"]
+        shown = ", ".join(map(str, ranks[:6])) + (", ..." if len(ranks) > 6 else "")
+        lines.append(
+            f"\nranks {shown} ({len(ranks)} ranks): {plan['passes']} pass(es) of "
+            f"{plan['micro_batches_per_pass']} micro-batch(es), "
+            + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items())
+            + f", recompute {plan['recompute']}"
+        )
+        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
+        for where in ("device", "host"):
+            values = entry[f"{where}_bytes"]
+            lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:14.2f}" for k in STATE_KEYS))
+        comm = entry["comm_bytes"]
+        lines.append(
+            "  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in comm.items() if v)
+        )
+        lines.append(
+            f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
+            f"estimated step {entry['step_time_s']:,.2f} s = compute {entry['compute_s']:,.2f} s "
+            f"+ exposed communication {entry['exposed_comm_s']:,.2f} s "
+            f"(hidden behind compute {entry['hidden_comm_s']:,.2f} s; collectives "
+            f"{entry['collectives_s']:,.2f} s in all), MFU {entry['mfu']:.1%}"
+            + (f", pipeline bubble {entry['bubble']:.1%}" if entry["bubble"] else "")
+        )
+        ckpt = entry["checkpoint"]
+        lines.append(
+            f"  checkpoint: {ckpt['bytes_written'] / 1e9:,.2f} GB written by this rank, "
+            f"{ckpt['tensor_bytes_sent']} B of tensor data sent to other ranks, "
+            f"{ckpt['staging_bytes'] / GiB:,.2f} GiB host staging; est. save "
+            f"{ckpt['save_s']:,.1f} s at {ckpt['storage_gb_per_s']:g} GB/s "
+            f"(training held {ckpt['held_s']:,.2f} s)"
+        )
+        lines.append(f"  {entry['why']}")
+    verdict = "FITS" if report["fits"] else "DOES NOT FIT"
+    lines.append(f"\nverdict: {verdict} on {report['world_size']} x {spec['name']}")
+    return "\n".join(lines)
+
+
+def _context(ex) -> str:
+    """The pipeline and context axes in a layout's ``dp x pp x cp x tp1 x tp2``, shown only
+    when used."""
+    pipeline = f"{ex.pipeline_parallel} (pipeline) x " if ex.pipeline_parallel > 1 else ""
+    return pipeline + (f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else "")
