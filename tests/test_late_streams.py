@@ -54,6 +54,7 @@ COMBINATIONS = list(
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("weights", "activations", "recompute"), COMBINATIONS)
 def test_late_side_streams_train_bit_for_bit_as_eager(weights, activations, recompute):
     """For each placement and recompute mode, with and without overlap, in 1 and 2 passes."""

@@ -129,6 +129,7 @@ def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed
     assert choose_plan(preset("gpt3_350M"), "cpu", MemoryBudget(None, 21 * GiB)).passes > 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("passes", [1, 3])
 def test_host_traffic_is_what_the_engine_copies(passes):
     """For every placement, the planner's bytes per step equal the engine's own counters of

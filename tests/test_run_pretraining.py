@@ -69,6 +69,7 @@ def test_bfloat16_with_evaluation_and_offline_wandb(tmp_path):
     assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -89,6 +90,7 @@ def test_bad_input_is_one_line_and_exit_code_2(tmp_path, flags, message):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_an_output_dir_with_metrics_is_not_reused(tmp_path):
     (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
     result = run("--steps", "1", "--output_dir", str(tmp_path))
