@@ -9,6 +9,7 @@ norms stay dense, as in the paper's transformer experiments.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -86,3 +87,42 @@ def mask_scores(
     mask_seed = tile_seed("rigl-mask", seed)
     wanted = {name: positions[name] for name in SPARSE_WEIGHTS}
     return init_part_region(shapes, LAYERS, layer, mask_seed, 1.0, wanted)
+
+
+@dataclass(frozen=True)
+class SparsitySchedule:
+    """What RigL keeps and when it changes it, for one run.
+
+    Attributes:
+        sparsity: Fraction of the sparse weights that are zero.
+        distribution: ``erk`` or ``uniform`` (:func:`densities`).
+        every: Optimizer steps between connectivity updates (delta T).
+        drop_fraction: Fraction of each matrix's active weights replaced at the first update.
+        end: The step from which the connectivity no longer changes.
+    """
+
+    sparsity: float
+    distribution: str
+    every: int
+    drop_fraction: float
+    end: int
+
+    @classmethod
+    def of(cls, rigl, total_steps: int) -> SparsitySchedule | None:
+        """The schedule of a run's ``--sparsity`` flags (a ``RigLConfig``); None when dense."""
+        if not rigl.sparsity > 0.0:
+            return None
+        return cls(
+            rigl.sparsity,
+            rigl.sparsity_distribution,
+            rigl.rigl_every,
+            rigl.rigl_drop_fraction,
+            update_end(total_steps, rigl.rigl_end_fraction),
+        )
+
+    def updates_at(self, step: int) -> bool:
+        """Whether the connectivity changes after optimizer step ``step`` (1-based)."""
+        return is_update_step(step, self.every, self.end)
+
+    def drop_fraction_at(self, step: int) -> float:
+        return drop_fraction(step, self.drop_fraction, self.end)
