@@ -29,7 +29,7 @@ from execution.engine.state import StateStore
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.selection import select_largest, sort_keys
 from execution.parallel.sharding import shard_index
-from modelling.gpt import LAYERS, GPTShapes, part_inits
+from modelling.gpt import LAYERS, GPTShapes, part_inits, qualified_name
 from modelling.sparsity import SparsitySchedule, active_counts, mask_scores
 
 # Per matrix of a layer, what the statistics count: active weights, dropped, grown, and the
@@ -170,6 +170,25 @@ class RigL:
         chosen = where & (self.matrix >= 0)
         values = None if weights is None else weights[chosen]
         return torch.bincount(self.matrix[chosen], values, minlength=len(self.spec.names))
+
+    def logical_masks(self) -> dict[str, torch.Tensor]:
+        """Every mask this stage holds as a whole logical bool tensor, named as in
+        :class:`~modelling.gpt.GPT` (``layers.3.attn.qkv.weight``). Collective over the
+        stage's ranks; for tests and inspection (it holds whole matrices)."""
+        inits = part_inits(self.shapes, LAYERS)
+        out = {}
+        for row in range(self.masks.rows.shape[0]):
+            mask = self.masks.device_row(row)
+            for m, name in enumerate(self.spec.names):
+                mine = self.matrix == m
+                whole = torch.zeros(math.prod(inits[name].shape), device=self.device)
+                whole[self.index[mine]] = mask[mine].float()
+                for axis in self.axes:
+                    if axis.size > 1:
+                        axis.all_reduce_(whole)
+                layer = self.first_layer + row
+                out[qualified_name(LAYERS, layer, name)] = whole.view(inits[name].shape) > 0
+        return out
 
     # ---------------------------------------------------------------- what is logged
 

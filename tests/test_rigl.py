@@ -1,0 +1,263 @@
+"""RigL: the engine's masks and weights against a plain single-process RigL, at 1 process and
+on layouts, plus the pieces underneath (ERK, the collective selection, the flags).
+
+The reference is written here on the dense autograd GPT of ``tests.reference`` with
+``torch.optim.AdamW``: masks as bool tensors beside the parameters, the gradient masked before
+clipping and the update, the weights masked after it, and every ``rigl_every`` steps a drop of
+the smallest |w| and a growth of the largest |dense gradient|, chosen with a stable sort (ties
+to the lower index). It shares with the engine only the model, the initial weights, the initial
+mask scores and the per-matrix counts (``modelling.sparsity``): the selection, the masking and
+the optimizer are its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from config.loading import ConfigError, parse_config
+from execution.checkpoint.logical import full_state
+from execution.parallel.mesh import ParallelLayout
+from execution.parallel.selection import select_largest, sort_keys
+from execution.planning.planner import planned_engine
+from modelling.gpt import LAYERS, GPTShapes, part_inits
+from modelling.sparsity import (
+    SPARSE_WEIGHTS,
+    SparsitySchedule,
+    active_counts,
+    densities,
+    mask_scores,
+)
+from tests.distributed import (
+    CPU,
+    global_batches,
+    layout_flags,
+    learning_rates,
+    relative_error,
+    run_ranks,
+    small_config,
+    train_steps,
+    world_layout,
+)
+from tests.reference import reference_model, reference_optimizer
+
+STEPS = 8  # connectivity updates after steps 2, 4 and 6
+RIGL = ("--sparsity", "0.8", "--rigl_every", "2", "--rigl_end_fraction", "1", "--steps", "8")
+# The tests' tolerance on weights, relative to each tensor's largest element.
+WEIGHT_TOLERANCE = 1e-6
+
+
+# ------------------------------------------------------------------ the reference
+
+
+def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The k highest of a flat tensor, ties to the lower index (a stable descending sort)."""
+    order = torch.argsort(scores, descending=True, stable=True)
+    chosen = torch.zeros_like(scores, dtype=torch.bool)
+    chosen[order[:k]] = True
+    return chosen
+
+
+def reference_rigl(config, batches: torch.Tensor) -> dict:
+    """Plain RigL on one process: the final weights and masks, named as in the GPT."""
+    model = reference_model(config)
+    optimizer = reference_optimizer(model, config)
+    shapes = GPTShapes.from_config(config.model)
+    r = config.rigl
+    schedule = SparsitySchedule.of(r, config.training.steps)
+    counts = active_counts(shapes, r.sparsity, r.sparsity_distribution)
+    params = dict(model.named_parameters())
+    whole = {n: tuple(torch.arange(s) for s in i.shape) for n, i in part_inits(shapes, LAYERS).items()}
+    masks = {}
+    for layer in range(shapes.layers):
+        scores = mask_scores(shapes, layer, config.training.seed, whole)
+        for name in SPARSE_WEIGHTS:
+            key = f"layers.{layer}.{name}"
+            masks[key] = _top(scores[name].flatten(), counts[name]).view(scores[name].shape)
+            params[key].data.mul_(masks[key])
+    accumulation = config.gradient_accumulation
+    for step, lr in enumerate(learning_rates(len(batches))):
+        tokens = batches[step].view(accumulation, -1, batches.shape[-1])
+        optimizer.zero_grad()
+        for m in range(accumulation):
+            loss = model(tokens[m, :, :-1], tokens[m, :, 1:])
+            (loss / accumulation).backward()
+        dense = {key: params[key].grad.clone() for key in masks}
+        for key, mask in masks.items():
+            params[key].grad.mul_(mask)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.optimizer.gradient_clipping)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        with torch.no_grad():
+            for key, mask in masks.items():
+                params[key].mul_(mask)
+        if schedule.updates_at(step + 1):
+            fraction = schedule.drop_fraction_at(step + 1)
+            for key, old in masks.items():
+                p, flat_old = params[key], old.flatten()
+                active = int(flat_old.sum())
+                drop = math.floor(active * fraction)
+                keep = _top(torch.where(flat_old, p.detach().abs().flatten(), -1.0), active - drop)
+                grow = _top(torch.where(keep, -1.0, dense[key].abs().flatten()), drop)
+                new = (keep | grow).view(old.shape)
+                grown = new & ~old
+                with torch.no_grad():
+                    p.masked_fill_(~new, 0.0)
+                state = optimizer.state[p]
+                state["exp_avg"].masked_fill_(grown, 0.0)
+                state["exp_avg_sq"].masked_fill_(grown, 0.0)
+                masks[key] = new
+    weights = {n: p.detach().clone() for n, p in params.items()}
+    return {"weights": weights, "masks": masks}
+
+
+@functools.cache
+def expected(*flags: str) -> dict:
+    config = small_config(*RIGL, *flags)
+    return reference_rigl(config, global_batches(config, STEPS))
+
+
+def _engine_run(config, layout: ParallelLayout) -> dict:
+    """Trains the engine on ``layout``; the unsharded weights and masks (collective)."""
+    engine = planned_engine(config, layout)
+    train_steps(engine, global_batches(config, STEPS), layout.dp.rank)
+    return {"weights": full_state(engine, "weights"), "masks": engine.rigl.logical_masks()}
+
+
+def _assert_matches(got: dict, want: dict, what: str) -> None:
+    for key, mask in got["masks"].items():
+        assert torch.equal(mask, want["masks"][key]), f"{what}: mask {key} differs"
+        weight = got["weights"][key]
+        assert torch.all(weight[~mask] == 0), f"{what}: {key} has weights outside its mask"
+    for key, weight in got["weights"].items():
+        reference = want["weights"][key]
+        if key.startswith("embedding.word") or key.startswith("embedding.position"):
+            reference = reference[: weight.shape[0]]  # the reference pads these
+        error = relative_error(weight, reference)
+        assert error <= WEIGHT_TOLERANCE, f"{what}: {key} relative error {error:.2e}"
+
+
+# ------------------------------------------------------------------ engine against reference
+
+
+def test_single_process_engine_matches_plain_rigl():
+    config = small_config(*RIGL)
+    got = _engine_run(config, ParallelLayout.single(CPU))
+    want = expected()
+    # The masks did move: each update replaced some of every matrix's connections.
+    some = "layers.0.mlp.fc.weight"
+    config_dense = small_config(*RIGL)
+    first = reference_rigl_masks_at_start(config_dense)[some]
+    assert not torch.equal(want["masks"][some], first), "no connectivity update happened"
+    _assert_matches(got, want, "1 process")
+
+
+def reference_rigl_masks_at_start(config) -> dict[str, torch.Tensor]:
+    return reference_rigl(config, global_batches(config, STEPS)[:0])["masks"]
+
+
+def _layout_rank(config) -> dict:
+    out = _engine_run(config, world_layout(config))
+    return out if world_layout(config).is_main else {}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_dp2_tp2_tp2_matches_plain_rigl(tmp_path):
+    config = small_config(*RIGL, *layout_flags(2, 2, 2))
+    results = run_ranks(_layout_rank, 8, tmp_path, config, timeout=300)
+    _assert_matches(results[0], expected(), "dp 2 x tp1 2 x tp2 2")
+
+
+def _pipeline_rank(config) -> dict:
+    layout = world_layout(config)
+    engine = planned_engine(config, layout)
+    train_steps(engine, global_batches(config, STEPS), layout.dp.rank)
+    masks = engine.rigl.logical_masks()
+    return masks if layout.tp1.rank == layout.tp2.rank == layout.dp.rank == 0 else {}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_pipeline_masks_equal_single_process(tmp_path):
+    config = small_config(*RIGL, "--pipeline_parallel", "2")
+    results = run_ranks(_pipeline_rank, 2, tmp_path, config, timeout=300)
+    masks = {k: v for result in results for k, v in result.items()}
+    want = expected()["masks"]
+    assert masks.keys() == want.keys()
+    for key, mask in want.items():
+        assert torch.equal(masks[key], mask), f"pp 2: mask {key} differs"
+
+
+# ------------------------------------------------------------------ the pieces
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.9, 0.99])
+def test_erk_keeps_one_minus_sparsity_and_favours_narrow_matrices(sparsity):
+    config, _ = parse_config(["--config", "gpt3_125M"])
+    shapes = GPTShapes.from_config(config.model)
+    sizes = {n: math.prod(part_inits(shapes, LAYERS)[n].shape) for n in SPARSE_WEIGHTS}
+    density = densities(shapes, sparsity, "erk")
+    total = sum(density[n] * sizes[n] for n in SPARSE_WEIGHTS) / sum(sizes.values())
+    assert total == pytest.approx(1 - sparsity, rel=1e-12)
+    # (rows + cols) / (rows x cols): the square out projection is densest, fc and proj least.
+    assert density["attn.out.weight"] > density["attn.qkv.weight"] > density["mlp.fc.weight"]
+    assert density["mlp.fc.weight"] == pytest.approx(density["mlp.proj.weight"])
+    assert densities(shapes, sparsity, "uniform") == dict.fromkeys(SPARSE_WEIGHTS, 1 - sparsity)
+
+
+def test_erk_overflow_makes_a_matrix_dense_and_keeps_the_total():
+    # At sparsity 0.1, ERK's share for the out projection would exceed 1: it is made dense and
+    # the others share the rest (google-research/rigl's rule).
+    config, _ = parse_config(["--config", "gpt3_125M"])
+    shapes = GPTShapes.from_config(config.model)
+    h = shapes.hidden
+    density = densities(shapes, 0.1, "erk")
+    assert density["attn.out.weight"] == 1.0
+    assert all(0 < d < 1 for n, d in density.items() if n != "attn.out.weight")
+    kept = density["attn.qkv.weight"] * 3 + 1 + 4 * (density["mlp.fc.weight"] + density["mlp.proj.weight"])
+    assert kept * h * h == pytest.approx(0.9 * 12 * h * h)
+
+
+def test_selection_equals_a_stable_sort_with_ties():
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        n = int(torch.randint(1, 80, (1,), generator=generator))
+        scores = torch.randn(n, generator=generator)
+        if trial % 2:
+            scores = scores.round()  # many equal scores
+        matrix = torch.randint(-1, 3, (n,), generator=generator)
+        index = torch.zeros(n, dtype=torch.int64)
+        for m in range(3):
+            at = torch.nonzero(matrix == m).squeeze(1)
+            index[at] = torch.randperm(len(at), generator=generator)
+        counts = torch.randint(0, 30, (3,), generator=generator)
+        chosen = select_largest(sort_keys(scores, index), matrix, counts, [])
+        assert not chosen[matrix < 0].any()
+        for m in range(3):
+            at = torch.nonzero(matrix == m).squeeze(1)
+            order = sorted(at.tolist(), key=lambda e: (-scores[e].item(), index[e].item()))
+            assert set(at[chosen[at]].tolist()) == set(order[: counts[m]]), (trial, m)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "named"),
+    [
+        ("--sparsity", "1", "--sparsity"),
+        ("--sparsity", "-0.1", "--sparsity"),
+        ("--rigl_drop_fraction", "0", "--rigl_drop_fraction"),
+        ("--rigl_drop_fraction", "1.5", "--rigl_drop_fraction"),
+        ("--rigl_every", "0", "--rigl_every"),
+        ("--rigl_end_fraction", "0", "--rigl_end_fraction"),
+        ("--sparsity_distribution", "random", "--sparsity_distribution"),
+    ],
+)
+def test_bad_flags_are_one_line_naming_the_flag(flag, value, named):
+    with pytest.raises(ConfigError) as error:
+        parse_config([flag, value])
+    message = str(error.value)
+    assert named in message and "\n" not in message
