@@ -17,13 +17,20 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+import convert_checkpoint
+import run_generation
 
 from config.loading import ConfigError, parse_config
+from execution.checkpoint.load import load_checkpoint
 from execution.checkpoint.logical import full_state
+from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.selection import select_largest, sort_keys
 from execution.planning.planner import planned_engine
 from modelling.gpt import LAYERS, GPTShapes, part_inits
+from modelling.hf_interchange import hf_name
 from modelling.sparsity import (
     SPARSE_WEIGHTS,
     SparsitySchedule,
@@ -33,6 +40,7 @@ from modelling.sparsity import (
 )
 from tests.distributed import (
     CPU,
+    engine_batch,
     global_batches,
     layout_flags,
     learning_rates,
@@ -70,7 +78,9 @@ def reference_rigl(config, batches: torch.Tensor) -> dict:
     schedule = SparsitySchedule.of(r, config.training.steps)
     counts = active_counts(shapes, r.sparsity, r.sparsity_distribution)
     params = dict(model.named_parameters())
-    whole = {n: tuple(torch.arange(s) for s in i.shape) for n, i in part_inits(shapes, LAYERS).items()}
+    whole = {
+        n: tuple(torch.arange(s) for s in i.shape) for n, i in part_inits(shapes, LAYERS).items()
+    }
     masks = {}
     for layer in range(shapes.layers):
         scores = mask_scores(shapes, layer, config.training.seed, whole)
@@ -88,7 +98,9 @@ def reference_rigl(config, batches: torch.Tensor) -> dict:
         dense = {key: params[key].grad.clone() for key in masks}
         for key, mask in masks.items():
             params[key].grad.mul_(mask)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.training.optimizer.gradient_clipping)
+        torch.nn.utils.clip_grad_norm_(
+            model.parameters(), config.training.optimizer.gradient_clipping
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
@@ -219,7 +231,11 @@ def test_erk_overflow_makes_a_matrix_dense_and_keeps_the_total():
     density = densities(shapes, 0.1, "erk")
     assert density["attn.out.weight"] == 1.0
     assert all(0 < d < 1 for n, d in density.items() if n != "attn.out.weight")
-    kept = density["attn.qkv.weight"] * 3 + 1 + 4 * (density["mlp.fc.weight"] + density["mlp.proj.weight"])
+    kept = (
+        density["attn.qkv.weight"] * 3
+        + 1
+        + 4 * (density["mlp.fc.weight"] + density["mlp.proj.weight"])
+    )
     assert kept * h * h == pytest.approx(0.9 * 12 * h * h)
 
 
@@ -261,3 +277,92 @@ def test_bad_flags_are_one_line_naming_the_flag(flag, value, named):
         parse_config([flag, value])
     message = str(error.value)
     assert named in message and "\n" not in message
+
+
+# ------------------------------------------------------------------ checkpoints and export
+
+SAVED_AT = 3  # after the first update, before the second
+
+
+def _train_range(engine, batches, start: int, stop: int, dp_rank: int) -> None:
+    rates = learning_rates(len(batches))
+    for step in range(start, stop):
+        tokens = engine_batch(engine, batches[step], dp_rank)
+        assert not engine.train_step(tokens, step, rates[step]).skipped
+
+
+def _saved_run(config, folder) -> dict:
+    """One process: trains SAVED_AT steps, saves, trains on; its final state."""
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    batches = global_batches(config, STEPS)
+    _train_range(engine, batches, 0, SAVED_AT, 0)
+    checkpointer = Checkpointer(folder, engine, config)
+    checkpointer.save(SAVED_AT, None)
+    checkpointer.close()
+    _train_range(engine, batches, SAVED_AT, STEPS, 0)
+    return {"weights": full_state(engine, "weights"), "masks": engine.rigl.logical_masks()}
+
+
+def _resumed_rank(config, folder) -> dict:
+    return _resumed(config, folder, world_layout(config))
+
+
+def _resumed(config, folder, layout: ParallelLayout) -> dict:
+    engine = planned_engine(config, layout)
+    trainer = load_checkpoint(folder, engine)
+    _train_range(engine, global_batches(config, STEPS), trainer["step"], STEPS, layout.dp.rank)
+    out = {"weights": full_state(engine, "weights"), "masks": engine.rigl.logical_masks()}
+    return out if layout.is_main else {}
+
+
+def test_resume_is_bitwise_on_the_same_layout(tmp_path):
+    config = small_config(*RIGL)
+    uninterrupted = _saved_run(config, tmp_path / "ckpt")
+    resumed = _resumed(config, tmp_path / "ckpt", ParallelLayout.single(CPU))
+    for key, mask in uninterrupted["masks"].items():
+        assert torch.equal(resumed["masks"][key], mask), key
+    for key, weight in uninterrupted["weights"].items():
+        assert torch.equal(resumed["weights"][key], weight), key
+
+
+@pytest.mark.distributed
+def test_resume_on_another_layout_within_tolerance(tmp_path):
+    config = small_config(*RIGL)
+    uninterrupted = _saved_run(config, tmp_path / "ckpt")
+    other = small_config(*RIGL, *layout_flags(1, 2, 1), "--placement", "remote")
+    (result,) = run_ranks(_resumed_rank, 2, tmp_path / "job", other, tmp_path / "ckpt")[:1]
+    _assert_matches(result, uninterrupted, "resumed on tp1 2")
+
+
+def test_dense_checkpoint_loads_into_a_sparse_run_pruned(tmp_path):
+    dense = small_config("--steps", "8")
+    engine = planned_engine(dense, ParallelLayout.single(CPU))
+    _train_range(engine, global_batches(dense, STEPS), 0, 1, 0)
+    checkpointer = Checkpointer(tmp_path / "dense", engine, dense)
+    checkpointer.save(1, None)
+    checkpointer.close()
+    sparse = planned_engine(small_config(*RIGL), ParallelLayout.single(CPU))
+    load_checkpoint(tmp_path / "dense", sparse)
+    weights, masks = full_state(sparse, "weights"), sparse.rigl.logical_masks()
+    for key, mask in masks.items():
+        assert torch.all(weights[key][~mask] == 0) and torch.all(weights[key][mask] != 0), key
+
+
+def test_hf_export_writes_the_zeros_and_generation_runs(tmp_path, capsys):
+    config = small_config(*RIGL, "--vocab_size", "50257", "--layers", "1")
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    # An update after step 4; its grown weights start at zero and step 5 moves them.
+    _train_range(engine, global_batches(config, STEPS), 0, 5, 0)
+    masks = engine.rigl.logical_masks()
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
+    checkpointer.save(5, None)
+    checkpointer.close()
+    convert_checkpoint.main(["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")])
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    for key, mask in masks.items():
+        hf_key, transposed = hf_name(key)
+        tensor = exported[hf_key].t() if transposed else exported[hf_key]
+        assert torch.equal(tensor != 0, mask), f"{hf_key}: zeros other than the mask's"
+    flags = ["--prompt", "Hello", "--temperature", "0", "--max_new_tokens", "4", "--device", "cpu"]
+    run_generation.main(["--load", str(tmp_path / "ckpt"), *flags])
+    assert "[4 tokens in " in capsys.readouterr().out

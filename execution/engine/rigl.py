@@ -205,9 +205,7 @@ class RigL:
             outside += self._count(~mask & (weights != 0)).double()
         stats[0, :, DROPPED] += outside  # not a drop: a slot to sum it in with the rest
         stats = self._sum_over_model(stats)
-        out = {
-            k: v for k, v in self.summary(stats).items() if "density" in k or k == "rigl/active"
-        }
+        out = {k: v for k, v in self.summary(stats).items() if "density" in k or k == "rigl/active"}
         out["rigl/outside_mask_nonzero"] = stats[0, :, DROPPED].sum().item()
         return out
 
