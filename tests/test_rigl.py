@@ -21,7 +21,6 @@ from safetensors.torch import load_file
 
 import convert_checkpoint
 import run_generation
-
 from config.loading import ConfigError, parse_config
 from execution.checkpoint.load import load_checkpoint
 from execution.checkpoint.logical import full_state
