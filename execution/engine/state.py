@@ -302,7 +302,8 @@ class StateStore:
         """Bytes of buffers held, by state: weights, optimizer, grads, weight_copies, masks,
         activations, staging."""
         out = {"weights": 0, "optimizer": 0, "grads": 0, "weight_copies": 0}
-        out["masks"] = self.masks.nbytes() if self.masks is not None else 0
+        if self.masks is not None:  # a sparse run's
+            out["masks"] = self.masks.nbytes()
         for buffers in self.parts.values():
             for state, n in buffers.nbytes().items():
                 key = state if state in ("weights", "grads", "weight_copies") else "optimizer"
