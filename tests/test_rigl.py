@@ -13,8 +13,13 @@ the optimizer are its own.
 from __future__ import annotations
 
 import functools
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
+import matplotlib.image
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -50,7 +55,9 @@ from tests.distributed import (
     world_layout,
 )
 from tests.reference import reference_model, reference_optimizer
+from utils.plot import plot_losses
 
+ROOT = Path(__file__).resolve().parents[1]
 STEPS = 8  # connectivity updates after steps 2, 4 and 6
 RIGL = ("--sparsity", "0.8", "--rigl_every", "2", "--rigl_end_fraction", "1", "--steps", "8")
 # The tests' tolerance on weights, relative to each tensor's largest element.
@@ -365,3 +372,64 @@ def test_hf_export_writes_the_zeros_and_generation_runs(tmp_path, capsys):
     flags = ["--prompt", "Hello", "--temperature", "0", "--max_new_tokens", "4", "--device", "cpu"]
     run_generation.main(["--load", str(tmp_path / "ckpt"), *flags])
     assert "[4 tokens in " in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ the entry point
+
+
+def _run(*flags: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "run_pretraining.py", *flags]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_a_bad_flag_exits_2_with_one_line():
+    result = _run("--sparsity", "1.5")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "--sparsity" in result.stderr
+
+
+@pytest.mark.slow
+def test_tiny_at_90_percent_keeps_its_density_at_every_logged_step(tmp_path):
+    flags = ["--config", "tiny", "--steps", "12", "--sparsity", "0.9", "--rigl_every", "3"]
+    result = _run(*flags, "--wandb", "--wandb_mode", "offline", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    metrics = [m for m in map(json.loads, lines) if "loss" in m]
+    assert [m["step"] for m in metrics] == list(range(1, 13))
+    for m in metrics:
+        assert abs(m["rigl/density"] - 0.1) <= 0.005, m
+        assert m["rigl/outside_mask_nonzero"] == 0, m
+    updates = {m["step"]: m for m in metrics if "rigl/dropped" in m}
+    assert sorted(updates) == [3, 6]  # every 3 steps, until 3/4 of the 12
+    for m in updates.values():
+        assert m["rigl/dropped"] == m["rigl/grown"] > 0 and m["rigl/grown_grad_mean"] > 0
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 1.0
+
+
+@pytest.mark.parametrize("placement", ["resident", "remote"])
+def test_the_plan_counts_the_mask_bytes_the_store_allocates(placement):
+    config = small_config(*RIGL, "--placement", placement)
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    planned = engine.memory.state_bytes["masks"]
+    sparse = sum(
+        math.prod(i.shape)
+        for n, i in part_inits(engine.shapes, LAYERS).items()
+        if n in SPARSE_WEIGHTS
+    )
+    assert planned == engine.buffer_bytes()["masks"] == sparse * config.model.layers
+    where = "device" if placement == "resident" else "host"
+    assert engine.memory.bytes_on(where)["masks"] == planned
+    dense = planned_engine(small_config(), ParallelLayout.single(CPU))
+    assert "masks" not in dense.memory.state_bytes and dense.rigl is None
+
+
+def test_loss_plot_of_several_runs(tmp_path):
+    for name, scale in (("a", 1.0), ("b", 2.0)):
+        (tmp_path / name).mkdir()
+        rows = [{"step": s, "loss": scale * 10 / s} for s in range(1, 21)]
+        rows.append({"step": 20, "eval_loss": scale})
+        text = "\n".join(json.dumps(r) for r in rows)
+        (tmp_path / name / "metrics.jsonl").write_text(text)
+    output = plot_losses({"a": tmp_path / "a", "b": tmp_path / "b"}, tmp_path / "loss.png")
+    image = matplotlib.image.imread(output)
+    assert image.shape[0] > 300 and image.std() > 0.05
