@@ -70,6 +70,8 @@ class RigL:
         numel = [math.prod(inits[n].shape) for n in self.spec.names]
         self.numel = torch.tensor(numel, dtype=torch.float64, device=self.device)
         self.matrix, self.index = self._logical_positions()
+        # The same, where the masks live (host memory for host-placed weights): measured there.
+        self.matrix_at_masks = self.matrix.to(self.masks.rows.device)
 
     def _logical_positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For each element of this rank's mask row: its matrix (position in the spec's names,
@@ -167,9 +169,7 @@ class RigL:
 
     def _count(self, where: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """Per matrix, how many elements ``where`` marks (or the sum of ``weights`` there)."""
-        chosen = where & (self.matrix >= 0)
-        values = None if weights is None else weights[chosen]
-        return torch.bincount(self.matrix[chosen], values, minlength=len(self.spec.names))
+        return _count_per_matrix(self.matrix, where, len(self.spec.names), weights)
 
     def logical_masks(self) -> dict[str, torch.Tensor]:
         """Every mask this stage holds as a whole logical bool tensor, named as in
@@ -198,11 +198,15 @@ class RigL:
         stats = self._stats_tensor()
         buffers = self.state.parts[SPARSE_PART]
         outside = torch.zeros(len(self.spec.names), dtype=torch.float64, device=self.device)
+        # Counted where the buffers live (host weights are not copied to the device for it);
+        # only the counts move.
+        matrix = self.matrix_at_masks
         for row in range(self.masks.rows.shape[0]):
-            mask = self.masks.device_row(row)
-            stats[self.first_layer + row, :, ACTIVE] = self._count(mask).double()
-            weights = buffers.weights[SPARSE_KIND][row].to(self.device)
-            outside += self._count(~mask & (weights != 0)).double()
+            mask, weights = self.masks.row(row), buffers.weights[SPARSE_KIND][row]
+            counts = _count_per_matrix(matrix, mask, len(self.spec.names))
+            stats[self.first_layer + row, :, ACTIVE] = counts.to(self.device).double()
+            stray = _count_per_matrix(matrix, ~mask & (weights != 0), len(self.spec.names))
+            outside += stray.to(self.device).double()
         stats[0, :, DROPPED] += outside  # not a drop: a slot to sum it in with the rest
         stats = self._sum_over_model(stats)
         out = {k: v for k, v in self.summary(stats).items() if "density" in k or k == "rigl/active"}
@@ -236,3 +240,13 @@ class RigL:
             out[f"rigl/dropped_layer{n}"] = per_layer[n, DROPPED].item()
             out[f"rigl/grown_layer{n}"] = per_layer[n, GROWN].item()
         return out
+
+
+def _count_per_matrix(
+    matrix: torch.Tensor, where: torch.Tensor, matrices: int, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Per matrix (``matrix``: each element's, -1 for padding), how many elements ``where``
+    marks, or the sum of ``weights`` there."""
+    chosen = where & (matrix >= 0)
+    values = None if weights is None else weights[chosen]
+    return torch.bincount(matrix[chosen], values, minlength=matrices)
