@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from config.field_help import doc as _doc
 from config.schema_run import CheckpointConfig, LoggingConfig, PlanningConfig
+from config.schema_sparsity import RigLConfig
 
 PRECISIONS = ("float32", "bfloat16", "float16")
 PLACEMENTS = ("auto", "remote", "resident")
@@ -283,6 +284,7 @@ class PretrainingConfig:
     planning: PlanningConfig = field(default_factory=PlanningConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    rigl: RigLConfig = field(default_factory=RigLConfig)
 
     @property
     def gradient_accumulation(self) -> int:

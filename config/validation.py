@@ -188,6 +188,7 @@ def validate(config: PretrainingConfig) -> None:
             f"{ex.tensor_parallel_2}"
         )
     _validate_pipeline(config)
+    _validate_rigl(config)
     cp = ex.context_parallel
     if m.sequence_length % cp:
         raise ConfigError(
@@ -242,6 +243,28 @@ def _validate_pipeline(config: PretrainingConfig) -> None:
         raise ConfigError(
             f"--pipeline_layers {ex.pipeline_layers} sums to {sum(sizes)} layers, but --layers "
             f"is {m.layers}; the stages must hold every decoder layer once"
+        )
+
+
+def _validate_rigl(config: PretrainingConfig) -> None:
+    """One line for a sparsity or RigL schedule that cannot train."""
+    r = config.rigl
+    if not (0.0 <= r.sparsity < 1.0):
+        raise ConfigError(
+            f"--sparsity must be in [0, 1) (0 trains densely), got {r.sparsity}; "
+            "e.g. 0.9 keeps 10% of the decoder layers' matrix weights"
+        )
+    if not (0.0 < r.rigl_drop_fraction <= 1.0):
+        raise ConfigError(
+            f"--rigl_drop_fraction must be in (0, 1], got {r.rigl_drop_fraction}; "
+            "RigL's default is 0.3"
+        )
+    if r.rigl_every < 1:
+        raise ConfigError(f"--rigl_every must be at least 1 step, got {r.rigl_every}")
+    if not (0.0 < r.rigl_end_fraction <= 1.0):
+        raise ConfigError(
+            f"--rigl_end_fraction must be in (0, 1], got {r.rigl_end_fraction}; "
+            "the default 0.75 stops changing the connectivity after 3/4 of the steps"
         )
 
 

@@ -89,6 +89,32 @@ def plot_run(run_dir: str | Path, output: str | Path | None = None) -> Path:
     return output
 
 
+def plot_losses(runs: dict[str, Path], output: str | Path, title: str = "") -> Path:
+    """Training loss (and evaluation loss, as markers) of several runs on one panel.
+
+    Args:
+        runs: Legend label -> run folder holding ``metrics.jsonl``.
+        output: PNG path.
+        title: Drawn above the panel.
+    """
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, folder in runs.items():
+        rows = read_metrics(Path(folder) / "metrics.jsonl")
+        (line,) = ax.plot(*series(rows, "loss"), label=f"{label} (train)", lw=1, alpha=0.8)
+        eval_steps, eval_loss = series(rows, "eval_loss")
+        if eval_steps:
+            ax.plot(eval_steps, eval_loss, "o--", color=line.get_color(), label=f"{label} (eval)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(output, dpi=80)
+    plt.close(fig)
+    return Path(output)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m utils.plot", description=__doc__.split("\n")[0]

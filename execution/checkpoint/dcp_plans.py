@@ -34,8 +34,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, Chunk, held_chunks
-from execution.checkpoint.files import SAVED_STATES
+from execution.checkpoint.files import MASKS, SAVED_STATES, sparse_names
 from execution.engine.engine import PhasedEngine
+from execution.engine.masks import SPARSE_KIND, SPARSE_PART
 from modelling.gpt import EMBEDDING, logical_shapes, qualified_name
 
 
@@ -67,13 +68,24 @@ def held_items(
     }
     copy = saving and engine.stage.count > 1 and not engine.stage.is_first
     logical = engine.state.logical_row
-    return [
+    items = [
         HeldItem(f"{state}/{qualified_name(part, logical(part, row), c.name)}", c, state, part, row)
         for part, row in engine.state.part_rows()
         if not (copy and part == EMBEDDING)
         for state in SAVED_STATES
         for c in per_part[part]
     ]
+    if engine.state.masks is not None:  # RigL's masks: chunks of the sparse kind's
+        items += [
+            HeldItem(
+                f"{MASKS}/{qualified_name(part, logical(part, row), c.name)}", c, MASKS, part, row
+            )
+            for part, row in engine.state.part_rows()
+            if part == SPARSE_PART
+            for c in per_part[part]
+            if c.kind == SPARSE_KIND
+        ]
+    return items
 
 
 def item_bytes(items: list[HeldItem]) -> int:
@@ -208,6 +220,11 @@ class ChunkLoadPlanner(LoadPlanner):
 def logical_sizes(engine: PhasedEngine) -> dict[str, torch.Size]:
     """Checkpoint key -> logical shape of every saved tensor."""
     shapes = logical_shapes(engine.shapes)
-    return {
+    sizes = {
         f"{s}/{name}": torch.Size(shape) for s in SAVED_STATES for name, shape in shapes.items()
     }
+    if engine.state.masks is not None:
+        sizes.update(
+            {f"{MASKS}/{name}": torch.Size(shapes[name]) for name in sparse_names(engine.shapes)}
+        )
+    return sizes

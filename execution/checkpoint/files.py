@@ -27,11 +27,15 @@ import torch
 
 from config.loading import ConfigError, one_line
 from execution.engine.buffers import WEIGHT_STATES
-from modelling.gpt import GPTShapes, logical_shapes
+from modelling.gpt import LAYERS, GPTShapes, logical_shapes, qualified_name
+from modelling.sparsity import SPARSE_WEIGHTS
 
 FORMAT = 1
 # What a checkpoint holds of each parameter: the weights and both AdamW moments.
 SAVED_STATES = WEIGHT_STATES
+# RigL's masks, saved by a sparse run as float32 0/1 chunks of the sparse matrices (the chunk
+# machinery writes float32 only; 4 bytes per sparse weight, a quarter of its AdamW state).
+MASKS = "masks"
 TRAINER_FILE, MANIFEST_FILE, LATEST_FILE = "trainer.json", "manifest.json", "latest"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -193,6 +197,15 @@ def check_shapes(path: Path, shapes: GPTShapes, states: tuple[str, ...] = SAVED_
             f"checkpoint {path} holds tensor {extra[0]} of shape {list(stored[extra[0]])}, which "
             f"this model (--layers {shapes.layers}) does not have"
         )
+
+
+def sparse_names(shapes: GPTShapes) -> list[str]:
+    """The checkpoint names of every sparse matrix (``layers.3.attn.qkv.weight``)."""
+    return [
+        qualified_name(LAYERS, layer, name)
+        for layer in range(shapes.layers)
+        for name in SPARSE_WEIGHTS
+    ]
 
 
 def dcp_load(state: dict[str, torch.Tensor], path: Path, reader=None) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from config.loading import ConfigError, one_line
 from execution.checkpoint.files import (
+    MASKS,
     CheckpointError,
     check_shapes,
     dcp_load,
@@ -118,12 +119,21 @@ def _read_held_chunks(
 
     from execution.checkpoint.dcp_plans import ChunkLoadPlanner, held_items
 
-    buffers = engine.state.parts
+    buffers, masks = engine.state.parts, engine.state.masks
     items = [item for item in held_items(engine) if wanted is None or wanted(item)]
-    planner = ChunkLoadPlanner(
-        items,
-        lambda item: getattr(buffers[item.part], item.state)[item.chunk.kind][item.row],
-    )
+    # RigL's masks are read as float32 0/1 into a staging copy; a checkpoint without them (a
+    # dense run's) keeps the masks this run drew, and its weights are pruned to them.
+    saved_masks = any(key.startswith(f"{MASKS}/") for key in stored_shapes(folder))
+    if not saved_masks:
+        items = [item for item in items if item.state != MASKS]
+    staged = None if masks is None else torch.zeros(masks.rows.shape)
+
+    def row_of(item) -> torch.Tensor:
+        if item.state == MASKS:
+            return staged[item.row]
+        return getattr(buffers[item.part], item.state)[item.chunk.kind][item.row]
+
+    planner = ChunkLoadPlanner(items, row_of)
     reader = dcp.FileSystemReader(folder)
     try:
         with single_process_quiet():
@@ -131,7 +141,11 @@ def _read_held_chunks(
     except Exception as err:  # a file that passed its CRC but still fails to read
         message = one_line(err, limit=300)
         raise CheckpointError(f"cannot read checkpoint {folder}: {message}") from None
+    if masks is not None and saved_masks:
+        masks.rows.copy_(staged > 0.5)
     engine.state.weights_written()
+    if engine.rigl is not None:
+        engine.rigl.apply()
 
 
 def _rng_state(folder: Path) -> dict[str, torch.Tensor]:
@@ -228,3 +242,5 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
                 )
             full[name] = t
         write_part_state(engine, part, row, "weights", full)
+    if engine.rigl is not None:  # dense weights pruned to this run's initial masks
+        engine.rigl.apply()

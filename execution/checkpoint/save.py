@@ -42,6 +42,7 @@ from execution.checkpoint.files import (
     FORMAT,
     LATEST_FILE,
     MANIFEST_FILE,
+    MASKS,
     SAVED_STATES,
     TRAINER_FILE,
     CheckpointError,
@@ -53,6 +54,7 @@ from execution.checkpoint.files import (
 )
 from execution.checkpoint.ownership import check_save_folder, claim, new_run_id
 from execution.engine.engine import PhasedEngine, StepHooks
+from execution.engine.masks import SPARSE_KIND, SPARSE_PART
 
 
 class Checkpointer:
@@ -156,6 +158,9 @@ class Checkpointer:
             for state in SAVED_STATES:
                 for kind, t in getattr(buffers, state).items():
                     rows[state, part, kind] = t if place.remote else self._copy_off(t)
+        masks = self.engine.state.masks
+        if masks is not None:  # saved as float32 0/1: a copy, free to change at once
+            rows[MASKS, SPARSE_PART, SPARSE_KIND] = masks.rows.to("cpu", torch.float32)
         return rows
 
     def _copy_off(self, t: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
 from execution.engine.optimizer import AdamWDriver, clip_coefficient
 from execution.engine.plan import PLACED_STATES, EnginePlan
 from execution.engine.recompute import KeptLayers, prepare_block
+from execution.engine.rigl import RigL
 from execution.engine.schedule import Phase, Stage
 from execution.engine.state import StateStore
 from execution.engine.step import Batch, Step
@@ -46,6 +47,7 @@ class StepResult:
     loss: float
     grad_norm: float
     skipped: bool  # the gradients were not finite, so no weight changed
+    rigl: dict[str, float] | None = None  # a connectivity update's statistics, if one ran
 
 
 @dataclass
@@ -108,8 +110,14 @@ class PhasedEngine:
             )
         host_threads = usable_cores() // max(layout.local_world_size, 1)
         self.optimizer = AdamWDriver(self.state, plan.optimizer, host_threads)
+        self.rigl: RigL | None = None
+        if plan.sparsity is not None:
+            first = self.stage.first_layer
+            self.rigl = RigL(plan.sparsity, self.state, self.shapes, layout, first)
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights()
+            if self.rigl is not None:
+                self.rigl.initialise(plan.seed)
 
     def _buffers(self, late_streams: bool) -> StateStore:
         """This rank's buffers, placed by the plan, sized for its stage."""
@@ -134,6 +142,7 @@ class PhasedEngine:
             rows={part: self.stage.rows(part) for part in PARTS},
             first_layer=self.stage.first_layer,
             late_streams=late_streams,
+            sparse=plan.sparsity is not None,
         )
 
     def _initialise_weights(self) -> None:
@@ -209,7 +218,10 @@ class PhasedEngine:
         for wait in hooks.before_update:
             wait()
         self.optimizer.update(lr, grad_scale=clip / scale)
-        return StepResult(loss, grad_norm, skipped=False)
+        rigl = None
+        if self.rigl is not None and self.device.type != "meta":
+            rigl = self.rigl.update(self.optimizer.steps, scale)
+        return StepResult(loss, grad_norm, skipped=False, rigl=rigl)
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:

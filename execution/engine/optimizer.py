@@ -66,6 +66,7 @@ def adamw_(
     optim: OptimizerConfig,
     weight_decay: bool,
     grad_scale: float,
+    mask: torch.Tensor | None = None,
 ) -> None:
     """One decoupled-weight-decay Adam update of a float32 shard, in place.
 
@@ -79,8 +80,13 @@ def adamw_(
         optim: Betas, epsilon and the weight-decay rate.
         weight_decay: Whether this shard is decayed (matrices and embeddings only).
         grad_scale: Multiplier applied to ``grad`` before use.
+        mask: RigL's bool mask of a sparse shard: the gradient outside it is not applied (it
+            is the dense gradient, which RigL reads to grow connections, so it is masked here,
+            not in place), and the weights outside it are exactly zero after the update.
     """
     g = grad * grad_scale if grad_scale != 1.0 else grad
+    if mask is not None:
+        g = g.masked_fill(~mask, 0.0)
     if weight_decay and optim.weight_decay:
         weight.mul_(1.0 - lr * optim.weight_decay)
     exp_avg.lerp_(g, 1.0 - optim.beta1)
@@ -89,6 +95,8 @@ def adamw_(
     bias_correction2_sqrt = math.sqrt(1.0 - optim.beta2**step)
     denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(optim.eps)
     weight.addcdiv_(exp_avg, denom, value=-lr / bias_correction1)
+    if mask is not None:
+        weight.masked_fill_(~mask, 0.0)
 
 
 def adamw_threaded_(
@@ -99,6 +107,7 @@ def adamw_threaded_(
     *,
     pool: Executor,
     chunk_elements: int = 1 << 16,
+    mask: torch.Tensor | None = None,
     **hyper,
 ) -> None:
     """:func:`adamw_` on cache-sized chunks of flat host shards, chunks spread over ``pool``.
@@ -114,6 +123,7 @@ def adamw_threaded_(
         weight, grad, exp_avg, exp_avg_sq: Contiguous 1-D float32 tensors of equal length.
         pool: Threads to run on (e.g. ``ThreadPoolExecutor(os.cpu_count())``), owned by the caller.
         chunk_elements: Elements per chunk (64 Ki float32: 256 KiB per tensor).
+        mask: RigL's mask of a sparse shard, as for :func:`adamw_`.
         **hyper: ``step``, ``lr``, ``optim``, ``weight_decay``, ``grad_scale`` of :func:`adamw_`.
     """
     tensors = (weight, grad, exp_avg, exp_avg_sq)
@@ -122,7 +132,9 @@ def adamw_threaded_(
     ), "flat shards of equal length"
 
     def run(start: int) -> None:
-        adamw_(*(t[start : start + chunk_elements] for t in tensors), **hyper)
+        piece = slice(start, start + chunk_elements)
+        chunk_mask = None if mask is None else mask[piece]
+        adamw_(*(t[piece] for t in tensors), mask=chunk_mask, **hyper)
 
     futures = [pool.submit(run, start) for start in range(0, weight.numel(), chunk_elements)]
     for future in futures:
@@ -153,13 +165,17 @@ class AdamWDriver:
         state = self.state
         on_host = state.places["weights"].remote
         with self._pool() if on_host else contextlib.nullcontext() as pool:
+            masks = state.masks  # RigL's, where a kind is sparse
             if not on_host:
                 for part, row in state.part_rows():
                     for kind in state.specs[part]:
+                        mask = masks.of(part, kind, row, True) if masks is not None else None
                         w, g, m, v = state.load_optimizer_row(part, kind, row)
-                        adamw_(w, g, m, v, weight_decay=kind in DECAYED_KINDS, **hyper)
+                        decay = kind in DECAYED_KINDS
+                        adamw_(w, g, m, v, weight_decay=decay, mask=mask, **hyper)
                 return
             for part, kind, row, piece, tensors in state.host_update_pieces():
+                mask = masks.of(part, kind, row, False) if masks is not None else None
                 # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
                 chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
                 adamw_threaded_(
@@ -167,6 +183,7 @@ class AdamWDriver:
                     pool=pool,
                     chunk_elements=max(chunk, 1),
                     weight_decay=kind in DECAYED_KINDS,
+                    mask=None if mask is None else mask[piece],
                     **hyper,
                 )
                 state.refresh_weight_copy(part, kind, row, piece)

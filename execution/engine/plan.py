@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from modelling.gpt import GPTShapes
+from modelling.sparsity import SparsitySchedule
 
 if TYPE_CHECKING:  # the config is read once, by engine_plan; the engine never sees it
     from config.schema import OptimizerConfig, PretrainingConfig
@@ -24,7 +25,7 @@ PLACED_STATES = ("weights", "grads", "activations")
 PLACES = ("device", "host")
 GiB = 2**30
 # Keys of state_bytes that live where the weights do.
-WEIGHT_STATE_KEYS = ("optimizer", "weight_copies", "staging")
+WEIGHT_STATE_KEYS = ("optimizer", "weight_copies", "staging", "masks")
 
 
 @dataclass(frozen=True)
@@ -49,7 +50,7 @@ class MemoryPlan:
         micro_batches_per_pass: Activation entries held at once.
         placement: Where each state lives.
         state_bytes: Bytes per state: ``weights``, ``optimizer``, ``grads``,
-            ``weight_copies``, ``activations``.
+            ``weight_copies``, ``activations`` and, in a sparse run, RigL's ``masks``.
         working_set: Transient device bytes of the largest phase.
         traffic: Estimated bytes moved between host and device per step.
         shared_memory: The compute device is the CPU, so device and host are one pool.
@@ -90,6 +91,8 @@ class MemoryPlan:
             keys.insert(3, "weight_copies")
         if self.state_bytes.get("staging"):
             keys.insert(-1, "staging")
+        if self.state_bytes.get("masks"):  # a sparse run's (RigL)
+            keys.insert(keys.index("grads"), "masks")
         for key in keys:
             rows.append(
                 f"  {key:<12} device {device[key] / GiB:9.2f} GiB   host {host[key] / GiB:9.2f} GiB"
@@ -123,6 +126,7 @@ class EnginePlan:
         loss_scaling: Factor the loss is multiplied by before the backward.
         optimizer: AdamW's hyper-parameters and the clipping norm.
         memory: Passes, placement and recompute (the planner's choice).
+        sparsity: RigL's schedule of the decoder layers' matrices; None trains densely.
     """
 
     model: GPTShapes
@@ -138,6 +142,7 @@ class EnginePlan:
     loss_scaling: float
     optimizer: OptimizerConfig
     memory: MemoryPlan
+    sparsity: SparsitySchedule | None = None
 
     def shrunk(self, layers: int, micro_batches: int, passes: int) -> EnginePlan:
         """The same shards and phases with fewer layers (one stage) and micro-batches, and
@@ -172,4 +177,5 @@ def engine_plan(config: PretrainingConfig, memory: MemoryPlan) -> EnginePlan:
         loss_scaling=training.loss_scaling,
         optimizer=training.optimizer,
         memory=memory,
+        sparsity=SparsitySchedule.of(config.rigl, training.steps),
     )

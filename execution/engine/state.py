@@ -50,6 +50,7 @@ from execution.engine.buffers import (
     weight_copy_dtype,
 )
 from execution.engine.gradient_store import GradientStore
+from execution.engine.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.engine.moves import ActivationStore, Mover, Traffic
 from execution.engine.streams import side_streams
 from execution.parallel.mesh import ParallelLayout
@@ -80,11 +81,13 @@ class StateStore:
         rows: dict[str, int] | None = None,
         first_layer: int = 0,
         late_streams: bool = False,
+        sparse: bool = False,
     ):
         """``rows``: buffer rows of each part (default: every part, ``layers`` decoder layers);
         a pipeline stage holds some parts only. ``first_layer``: the global index of its first
         decoder layer. ``late_streams``: on a CPU, side-stream work completes only when
-        waited for (:class:`~execution.engine.streams.LateStream`, the tests' stand-in)."""
+        waited for (:class:`~execution.engine.streams.LateStream`, the tests' stand-in).
+        ``sparse``: keep RigL's masks of the decoder layers' matrices (:attr:`masks`)."""
         self.specs = specs
         self.first_layer = first_layer
         self.rts = rts
@@ -110,6 +113,11 @@ class StateStore:
             activations, places["activations"], layout.tp1, self.mover, self.stores
         )
         self.grads = GradientStore(self.parts, specs, places, self.mover, self.stores)
+        self.masks: SparseMasks | None = None
+        if sparse:
+            spec = specs[SPARSE_PART][SPARSE_KIND]
+            place = places["weights"]
+            self.masks = SparseMasks(spec, rows[SPARSE_PART], place, self.mover)
 
     @property
     def host_to_device(self) -> int:
@@ -291,9 +299,11 @@ class StateStore:
     # ------------------------------------------------------------------ accounting
 
     def nbytes(self) -> dict[str, int]:
-        """Bytes of buffers held, by state: weights, optimizer, grads, weight_copies,
+        """Bytes of buffers held, by state: weights, optimizer, grads, weight_copies, masks,
         activations, staging."""
         out = {"weights": 0, "optimizer": 0, "grads": 0, "weight_copies": 0}
+        if self.masks is not None:  # a sparse run's
+            out["masks"] = self.masks.nbytes()
         for buffers in self.parts.values():
             for state, n in buffers.nbytes().items():
                 key = state if state in ("weights", "grads", "weight_copies") else "optimizer"

@@ -138,7 +138,9 @@ class Step:
             shards = {kind: wait() for kind, wait in reductions.items()}
             total = engine.state.grads.accumulate(acc.part, row, shards, first=phase.first_pass)
             if norm and phase.last_pass:
-                self.count_in_norm(total.values())
+                masks = engine.state.masks  # sparse: the norm of the gradient applied
+                applied = total.values() if masks is None else masks.masked(acc.part, row, total)
+                self.count_in_norm(applied)
             # The shards may be views of the accumulators: reused only once read.
             self.pool.release(acc)
 

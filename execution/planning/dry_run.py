@@ -354,8 +354,8 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
         entries.append(
             {
                 "ranks": ranks,
-                "host_bytes": {k: host[k] for k in STATE_KEYS},
-                "device_bytes": {k: device[k] for k in STATE_KEYS},
+                "host_bytes": {k: host[k] for k in STATE_KEYS if k in host},
+                "device_bytes": {k: device[k] for k in STATE_KEYS if k in device},
                 "comm_bytes": m.comm_bytes,
                 "flops_per_step": m.flops,
                 "checkpoint": checkpoint_figures(config, m.plan, spec, ranks[0]),

@@ -12,6 +12,7 @@ STATE_KEYS = (
     "grads",
     "optimizer",
     "weight_copies",
+    "masks",  # a sparse run's only (RigL), so the report keeps those present
     "activations",
     "working_set",
     "total",
@@ -38,10 +39,10 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
             + ", ".join(f"{k} on {v}" for k, v in plan["placement"].items())
             + f", recompute {plan['recompute']}"
         )
-        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in STATE_KEYS))
+        lines.append(f"  {'GiB':<12}" + "".join(f"{k:>14}" for k in entry["host_bytes"]))
         for where in ("device", "host"):
             values = entry[f"{where}_bytes"]
-            lines.append(f"  {where:<12}" + "".join(f"{values[k] / GiB:14.2f}" for k in STATE_KEYS))
+            lines.append(f"  {where:<12}" + "".join(f"{v / GiB:14.2f}" for v in values.values()))
         comm = entry["comm_bytes"]
         lines.append(
             "  sent per step GB: " + ", ".join(f"{k} {v / 1e9:,.2f}" for k, v in comm.items() if v)

@@ -10,6 +10,8 @@ Three states are placed, each on the compute device or in host memory:
 - with weights on the host and a 16-bit compute dtype, ``weight_copies`` of the weights in that
   dtype beside the masters (2 bytes per parameter, placed with the weights), which the phases
   load instead of the masters;
+- in a sparse run (RigL), ``masks``: one byte per weight of the decoder layers' matrices,
+  placed with the weights;
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
   micro-batches of one pass, in the compute dtype; a context-parallel rank holds its 1/cp
   piece of every sequence. With ``--recompute selective`` or ``none`` also what each layer
@@ -43,6 +45,7 @@ from execution.engine.buffers import (
     weight_copy_dtype,
 )
 from execution.engine.gradient_store import needs_staging, staging_elements
+from execution.engine.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.engine.plan import GiB, MemoryPlan, Placement
 from execution.engine.recompute import KeptBytes, kept_bytes
 from execution.engine.schedule import Stage
@@ -150,6 +153,7 @@ class RankShape:
     cp: int = 1
     # The pipeline stage whose layers and parts the rank holds (None: the whole model).
     stage: Stage | None = None
+    sparse: bool = False  # RigL keeps a mask byte per weight of the decoder layers' matrices
 
     @classmethod
     def from_config(cls, config: PretrainingConfig, stage: int = 0) -> RankShape:
@@ -167,6 +171,7 @@ class RankShape:
             dtype=DTYPES[config.training.precision],
             cp=ex.context_parallel,
             stage=pipeline,
+            sparse=config.rigl.enabled,
         )
 
     @property
@@ -217,6 +222,10 @@ def state_bytes(
         return sum(PartBuffers.planned_nbytes(specs[p], rank.rows(p), states) for p in PARTS)
 
     weights = part_bytes(WEIGHT_STATES[:1])
+    masks = {}
+    if rank.sparse:
+        spec = specs[SPARSE_PART][SPARSE_KIND]
+        masks["masks"] = SparseMasks.planned_nbytes(spec, rank.rows(SPARSE_PART))
     return {
         "weights": weights,
         "optimizer": part_bytes(WEIGHT_STATES) - weights,
@@ -231,6 +240,7 @@ def state_bytes(
         "staging": 2 * 4 * staging_elements(specs, {p: rank.rows(p) for p in PARTS})
         if needs_staging(placement.weights, placement.grads)
         else 0,
+        **masks,
     }
 
 

@@ -90,6 +90,9 @@ def train(run: Run) -> list[dict]:
                 ),
                 "epoch": loader.epoch,
             }
+            if engine.rigl is not None:  # collective: every rank measures its masks
+                metrics.update(engine.rigl.measure())
+                metrics.update(result.rigl or {})
             if config.data.skip_corrupt_records:  # same on every rank: the collective matches
                 count = torch.tensor(float(loader.skipped_records), device=layout.device)
                 metrics["skipped_records"] = int(layout.dp.all_reduce_(count).item())
