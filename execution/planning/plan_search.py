@@ -34,7 +34,6 @@ sets that may fit; and the step meter replays meta ops it has seen
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import itertools
@@ -174,11 +173,18 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
         for micro in (1, 2, 4, 8, 16) if pp == 1 else PIPELINE_MICRO_BATCHES:
             if t.global_batch_size % (micro * dp):
                 continue
-            candidate = copy.deepcopy(config)
-            ex = candidate.execution
-            ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2 = dp, tp1, tp2
-            ex.context_parallel, ex.micro_batch_size, ex.passes = cp, micro, 0
-            ex.pipeline_parallel, ex.pipeline_layers = pp, ""
+            execution = dataclasses.replace(
+                config.execution,
+                data_parallel=dp,
+                tensor_parallel_1=tp1,
+                tensor_parallel_2=tp2,
+                context_parallel=cp,
+                micro_batch_size=micro,
+                passes=0,
+                pipeline_parallel=pp,
+                pipeline_layers="",
+            )
+            candidate = dataclasses.replace(config, execution=execution)
             validate(candidate)
             out.append(candidate)
     return out
@@ -188,13 +194,17 @@ def _sibling(config: PretrainingConfig) -> PretrainingConfig:
     """What a pipeline stage's rank is measured as: the layout without its pipeline axis (pp
     times the replicas), holding the largest stage's layers (and the embedding and head) and
     the same micro-batches per replica."""
-    ex = config.execution
-    flat = copy.deepcopy(config)
-    flat.model.layers = max(config.stage_layers)
-    flat.execution.data_parallel = ex.data_parallel * ex.pipeline_parallel
-    flat.training.global_batch_size *= ex.pipeline_parallel
-    flat.execution.pipeline_parallel, flat.execution.pipeline_layers = 1, ""
-    return flat
+    ex, pp = config.execution, config.execution.pipeline_parallel
+    return dataclasses.replace(
+        config,
+        model=dataclasses.replace(config.model, layers=max(config.stage_layers)),
+        execution=dataclasses.replace(
+            ex, data_parallel=ex.data_parallel * pp, pipeline_parallel=1, pipeline_layers=""
+        ),
+        training=dataclasses.replace(
+            config.training, global_batch_size=config.training.global_batch_size * pp
+        ),
+    )
 
 
 def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tuple[int, float]:

@@ -3,7 +3,7 @@ misfit needs (:func:`execution.planning.plan_search.search` measures them)."""
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import itertools
 
 from config.schema import PretrainingConfig
@@ -84,8 +84,9 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             f"{row['checkpoint']['save_s']:>7.1f}"
         )
     if not config.planning.plan_across_nodes:
-        wide = copy.deepcopy(config)
-        wide.planning.plan_across_nodes = True
+        wide = dataclasses.replace(
+            config, planning=dataclasses.replace(config.planning, plan_across_nodes=True)
+        )
         spanning = len(layouts(wide, devices)) - len(layouts(config, devices))
         if spanning:
             print(
