@@ -15,6 +15,15 @@ rates, say) is one more entry in both places.
 - host_link (CUDA only): pinned host-to-device and device-to-host copy rates.
 - launch: host time per small kernel, from a long run of tiny in-place adds.
 - host_memory: host memory bandwidth from a large host copy (what host AdamW runs at).
+- attention: causal ``scaled_dot_product_attention``, forward and backward, at a GPT shape;
+  its FLOPs (half the square) over its time, against the peak, is ``attention_efficiency``.
+- collectives: all-gather, reduce-scatter, all-reduce, all-to-all and send/receive between two
+  local ranks (gloo on a CPU, NCCL where two GPUs are visible), payload bytes per second at a
+  few sizes.
+- engine: the engine's own host time. Real steps of a model too small for its ops to cost more
+  than their launch, at three micro-batch counts, less what the ops' FLOPs and bytes take;
+  what is left is fitted as (ops x launch) + (phases x phase overhead), so ``launch`` is the
+  engine's cost per op as its modules issue them, not only a bare kernel's.
 
 On a CPU the "device" is the host: its measured best matmul rate stands in for the peak (no
 data sheet), and memory and host_link are host memory.
@@ -24,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import statistics
@@ -37,6 +47,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from calibrate_runtime import measure_collectives, measure_engine
+
+from execution.parallel.launch import select_device
 from execution.planning.device_specs import SPECS, spec_file_dict
 from utils.metrics import device_peak_tflops
 
@@ -54,13 +67,38 @@ class Sizes:
     link_bytes: int  # host<->device copies
     launches: int
     repeats: int
+    attention: tuple[int, int, int, int] = (4, 8, 512, 64)  # batch, heads, sequence, head dim
+    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
+    engine_steps: int = 6
+    grid: tuple[int, ...] = ()  # every (m, n, k) of these, up to grid_flops
+    grid_flops: float = 0.0
 
 
 FULL = {
-    "cuda": Sizes((4096, 8192), (2048, 4096), 8192, 2 * GiB, GiB, 2000, 10),
-    "cpu": Sizes((512, 1024), (256, 512), 1024, GiB // 4, GiB // 4, 2000, 3),
+    "cuda": Sizes(
+        (4096, 8192),
+        (2048, 4096),
+        8192,
+        2 * GiB,
+        GiB,
+        2000,
+        10,
+        grid=(256, 1024, 4096, 16384, 65536),
+        grid_flops=4e12,
+    ),
+    "cpu": Sizes(
+        (512, 1024),
+        (256, 512),
+        1024,
+        GiB // 4,
+        GiB // 4,
+        2000,
+        3,
+        grid=(32, 128, 512, 2048, 8192, 32768),
+        grid_flops=2e10,
+    ),
 }
-QUICK = Sizes((64, 128), (64,), 128, 16 * 2**20, 16 * 2**20, 100, 2)
+QUICK = Sizes((64, 128), (64,), 128, 16 * 2**20, 16 * 2**20, 100, 2, (1, 2, 64, 32), (1 << 16,), 3)
 
 
 def _sync(device: torch.device) -> None:
@@ -82,8 +120,14 @@ def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> fl
 
 
 def matmul_shapes(sizes: Sizes) -> list[tuple[str, int, int, int]]:
-    """(kind, m, n, k): squares, then each GPT layer matmul of ``tokens`` rows."""
+    """(kind, m, n, k): squares, each GPT layer matmul of ``tokens`` rows, then a grid of
+    shapes (a step's matmuls are of many shapes: the head's vocabulary-wide ones, their
+    transposes in the backward, thin ones at small hidden sizes; the rate depends on each
+    dimension, not only on the FLOPs)."""
     shapes = [("square", s, s, s) for s in sizes.squares]
+    for m, n, k in itertools.product(sizes.grid, repeat=3):
+        if 2 * m * n * k <= sizes.grid_flops:
+            shapes.append(("grid", m, n, k))
     for h in sizes.hidden_sizes:
         t = sizes.tokens
         shapes += [("qkv", t, 3 * h, h), ("attn_out", t, h, h)]
@@ -147,12 +191,54 @@ def measure_host_memory(device: torch.device, sizes: Sizes) -> dict:
     return measure_memory(torch.device("cpu"), sizes)
 
 
+def measure_attention(device: torch.device, sizes: Sizes) -> dict:
+    """Causal SDPA forward and backward: FLOPs as the step meter counts them (torch's
+    formula, halved for the causal kernel) over the time."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b, h, s, d = sizes.attention
+    q, k, v = (
+        torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in "qkv"
+    )
+
+    def step() -> None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        torch.autograd.grad(out.sum(), (q, k, v))
+
+    seconds = _seconds(step, device, sizes.repeats)
+    forward = 2 * (2 * b * h * s * s * d)
+    flops = (forward + 5 * forward // 2) // 2
+    return {"shape": [b, h, s, d], "seconds": seconds, "tflops": flops / seconds / 1e12}
+
+
+def measure_fresh_memory(device: torch.device, sizes: Sizes) -> dict:
+    """What a new block costs beyond filling a reused one, by size (a CPU: blocks above the
+    allocator's mapping threshold come from the kernel each time and fault in on first
+    touch). The threshold is the smallest size that costs at least half the largest's rate;
+    nothing on CUDA, whose caching allocator reuses blocks."""
+    if device.type == "cuda":
+        return {"gb_per_s": 0.0, "threshold": 0, "sizes": []}
+    rows = []
+    for shift in range(20, 29):  # 1 MiB to 256 MiB
+        n = (1 << shift) // 4
+        kept = torch.empty(n)
+        reused = _seconds(lambda kept=kept: kept.fill_(1.0), device, sizes.repeats + 4)
+        fresh = _seconds(lambda n=n: torch.empty(n).fill_(1.0), device, sizes.repeats + 4)
+        rows.append({"bytes": 4 * n, "extra_s": max(fresh - reused, 1e-9)})
+        del kept
+    largest = rows[-1]["bytes"] / rows[-1]["extra_s"]  # bytes per second of first touch
+    threshold = next(r["bytes"] for r in rows if r["bytes"] / r["extra_s"] <= 2 * largest)
+    return {"gb_per_s": largest / 1e9, "threshold": threshold, "sizes": rows}
+
+
 MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
     "matmul": measure_matmul,
     "memory": measure_memory,
     "host_link": measure_host_link,
     "launch": measure_launch,
     "host_memory": measure_host_memory,
+    "attention": measure_attention,
+    "fresh_memory": measure_fresh_memory,
+    "collectives": measure_collectives,
 }
 
 
@@ -166,7 +252,7 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
     """The :class:`DeviceSpec` fields these measurements give (the rest stay the base's)."""
     shapes = measured["matmul"]["shapes"]
     best = max(s["tflops"] for s in shapes)
-    gpt = [s for s in shapes if s["kind"] != "square"]
+    gpt = [s for s in shapes if s["kind"] not in ("square", "grid")]
     gpt_rate = sum(2 * s["m"] * s["n"] * s["k"] for s in gpt) / sum(s["seconds"] for s in gpt)
     peak = device_peak_tflops(device, 0.0) or best  # no data sheet (a CPU): the best measured
     host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
@@ -189,6 +275,13 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
         "d2h_gb_per_s": d2h,
         "launch_overhead_us": measured["launch"]["overhead_us"],
         "host_memory_gb_per_s": host_bw,
+        "attention_efficiency": min(1.0, measured["attention"]["tflops"] / peak),
+        "collective_gb_per_s": [tuple(row) for row in measured["collectives"]["rates"]],
+        "device_type": device.type,
+        # A CPU's copies and gloo's collectives run on the cores that compute.
+        "copies_overlap": device.type == "cuda",
+        "fresh_memory_gb_per_s": measured["fresh_memory"]["gb_per_s"],
+        "fresh_memory_threshold": measured["fresh_memory"]["threshold"],
     }
 
 
@@ -200,7 +293,20 @@ def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
         measured[name] = measure(device, sizes)
         print(f"calibrate: {name} {time.perf_counter() - started:.1f} s", flush=True)
     spec = dataclasses.replace(SPECS[base], **spec_fields(measured, device))
-    spec = dataclasses.replace(spec, matmul_tflops=tuple(map(tuple, spec.matmul_tflops)))
+    spec = dataclasses.replace(
+        spec,
+        matmul_tflops=tuple(map(tuple, spec.matmul_tflops)),
+        collective_gb_per_s=tuple(map(tuple, spec.collective_gb_per_s)),
+    )
+    # The engine's own time, measured against the kernels' rates just measured.
+    started = time.perf_counter()
+    measured["engine"] = measure_engine(device, sizes, spec)
+    print(f"calibrate: engine {time.perf_counter() - started:.1f} s", flush=True)
+    spec = dataclasses.replace(
+        spec,
+        launch_overhead_us=measured["engine"]["launch_us"],
+        phase_overhead_us=measured["engine"]["phase_us"],
+    )
     return {"device_spec": spec_file_dict(spec), "base": base, "measurements": measured}
 
 
@@ -210,7 +316,10 @@ def summary(result: dict) -> str:
         f"{s['name']}: peak {s['peak_tflops']:.3g} TFLOPS, GPT matmuls at "
         f"{s['compute_efficiency']:.0%} of it; memory {s['device_memory_gb_per_s']:.0f} GB/s; "
         f"H2D {s['h2d_gb_per_s']:.1f} GB/s, D2H {s['d2h_gb_per_s']:.1f} GB/s; launch "
-        f"{s['launch_overhead_us']:.1f} us; host memory {s['host_memory_gb_per_s']:.1f} GB/s"
+        f"{s['launch_overhead_us']:.1f} us per op, {s['phase_overhead_us']:.0f} us per phase; "
+        f"host memory {s['host_memory_gb_per_s']:.1f} GB/s; attention at "
+        f"{s['attention_efficiency']:.0%} of the peak; "
+        f"{len(s['collective_gb_per_s'])} collective rates"
     )
 
 
@@ -221,10 +330,20 @@ def main(argv: list[str] | None = None) -> dict:
     base_help = "data-sheet entry whose fields the measurements do not cover (network, storage)"
     parser.add_argument("--base", choices=sorted(SPECS), default="h100_sxm", help=base_help)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    threads_help = (
+        "CPU threads per rank (a CPU spec describes one rank: torchrun starts each of N ranks "
+        "with OMP_NUM_THREADS=1, one process alone uses every core); default: torch's"
+    )
+    parser.add_argument("--threads", type=int, default=0, help=threads_help)
     args = parser.parse_args(argv)
+    if args.threads < 0:
+        parser.error("--threads must be 0 (torch's default) or more")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    # The device as a run selects it (on a CPU: freed blocks kept, as the engine's process has).
+    device = select_device(args.device, 0)
     sizes = QUICK if args.quick else FULL[device.type]
     result = calibrate(device, sizes, args.base)
     Path(args.output).write_text(json.dumps(result, indent=1))

@@ -326,12 +326,12 @@ def real_step_traffic(config: PretrainingConfig) -> dict:
     """One real gloo step of this rank (call inside a rank): its buffers and the bytes it sent
     over each group, as the dry run counts them."""
     from execution.planning.device_specs import resolve_spec
-    from execution.planning.dry_run import _axis_traffic
+    from execution.planning.time_model import axis_traffic
 
     layout = world_layout(config)
     engine = planned_engine(config, layout)
     batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
     engine.train_step(batch, 0, 1e-3)
     spec = resolve_spec(config)
-    sent = {axis.name: _axis_traffic(axis, spec)[0] for axis in layout.axes()}
+    sent = {axis.name: axis_traffic(axis, spec)[0] for axis in layout.axes()}
     return {"buffers": engine.buffer_bytes(), "sent": sent}

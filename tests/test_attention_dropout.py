@@ -9,6 +9,8 @@ entry in the output), and the same engine recomputing in full.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,7 +20,7 @@ from execution.engine.engine import PhasedEngine
 from execution.engine.recompute import attention_on_meta
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
-from execution.planning.dry_run import compute_seconds
+from execution.planning.op_costs import device_seconds
 from execution.planning.step_meter import StepMeter
 from modelling.gpt import LAYERS
 from modelling.layers import (
@@ -122,11 +124,15 @@ def test_the_time_model_prices_fused_attention_at_its_own_rate():
     with StepMeter() as whole:
         flash(q, k, v, 0.0, False)
     assert whole.attention_flops == forward  # not causal: the whole square
-    spec = SPECS["h100_sxm"]
-    matmul = 1e12  # FLOPs of other work beside it
-    seconds = compute_seconds(matmul + meter.flops, meter.attention_flops, spec)
-    by_hand = matmul / (989e12 * 0.7) + meter.flops / (989e12 * 0.25)
-    assert seconds == pytest.approx(by_hand, rel=1e-12)
+    # Priced at 25% of an H100's peak where the FLOPs take longer than the bytes (at these
+    # small shapes the bytes would: a bandwidth without bound isolates the FLOPs' rate).
+    spec = dataclasses.replace(SPECS["h100_sxm"], device_memory_gb_per_s=1e12)
+    seconds = device_seconds(meter.costs, meter.attention_flops, spec)
+    assert seconds["attention"] == pytest.approx(meter.flops / (989e12 * 0.25), rel=1e-12)
+    assert seconds["matmul"] == 0 and meter.costs.attention_bytes > 0
+    assert device_seconds(meter.costs, meter.attention_flops, SPECS["h100_sxm"])["attention"] == (
+        pytest.approx(meter.costs.attention_bytes / 3000e9)
+    )
 
 
 def _train(*flags: str, steps: int = 2) -> tuple[PhasedEngine, list[float], dict]:

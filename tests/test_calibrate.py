@@ -1,23 +1,39 @@
-"""benchmarks/calibrate.py on a CPU: its spec file follows from its own raw measurements."""
+"""benchmarks/calibrate.py on a CPU: its spec file follows from its own raw measurements, and
+the dry run's step time on that spec holds against steps measured on this machine."""
 
 from __future__ import annotations
 
+import shlex
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibrate  # noqa: E402
 
-from execution.planning.device_specs import SPECS, read_spec_file  # noqa: E402
+from config.loading import parse_config  # noqa: E402
+from execution.parallel.mesh import ParallelLayout  # noqa: E402
+from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec  # noqa: E402
+from execution.planning.dry_run import estimate, measure_rank  # noqa: E402
+from execution.planning.planner import planned_engine  # noqa: E402
 
 
-def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(tmp_path):
-    out = tmp_path / "spec.json"
+@pytest.fixture(scope="module")
+def quick_calibration(tmp_path_factory):
+    """One quick calibration of this process's CPU (the suite's one thread), and its file."""
+    out = tmp_path_factory.mktemp("calibration") / "spec.json"
     result = calibrate.main(["--device", "cpu", "--quick", "--output", str(out), "--base", "h200"])
+    return result, out
+
+
+def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration):
+    result, out = quick_calibration
     spec = read_spec_file(out, SPECS["h200"])
     measured = result["measurements"]
     shapes = measured["matmul"]["shapes"]
@@ -30,7 +46,7 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(tmp_path):
     # A CPU has no data sheet: the best rate is the peak, and the GPT shapes' efficiency is
     # their FLOPs over their time against it.
     assert spec.peak_tflops == max(e[3] for e in spec.matmul_tflops)
-    gpt = [s for s in shapes if s["kind"] != "square"]
+    gpt = [s for s in shapes if s["kind"] not in ("square", "grid")]
     flops = sum(2 * s["m"] * s["n"] * s["k"] for s in gpt)
     rate = flops / sum(s["seconds"] for s in gpt) / 1e12
     assert spec.compute_efficiency == pytest.approx(rate / spec.peak_tflops)
@@ -45,3 +61,51 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(tmp_path):
     # What the measurements do not cover stays the base entry's.
     assert spec.inter_node_gb_per_s == SPECS["h200"].inter_node_gb_per_s
     assert spec.name == "calibrated cpu"
+    # A CPU's copies and collectives take the cores that compute; its attention is its own.
+    assert spec.device_type == "cpu" and not spec.copies_overlap
+    assert 0 < spec.attention_efficiency <= 1
+    ops = {op for op, _, rate in spec.collective_gb_per_s if rate > 0}
+    assert ops == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send"}
+    # The engine's own time: the fit leaves no row's residual unexplained beyond its noise.
+    engine = measured["engine"]
+    for row in engine["rows"]:
+        overhead = row["kernels"] * spec.launch_overhead_us + row["phases"] * spec.phase_overhead_us
+        assert row["ops_s"] + overhead * 1e-6 == pytest.approx(row["step_s"], rel=0.5)
+
+
+# A model whose matmuls are near the quick calibration's shapes (hidden 64, 128 rows).
+SMALL = shlex.split(
+    "--config tiny --vocab_size 1024 --hidden_size 64 --heads 2 --sequence_length 64 "
+    "--max_positional_length 64 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0 "
+    "--precision float32 --device cpu"
+)
+# The README's table holds within 15% on a quiet machine (benchmarks/time_model_check.py);
+# here the suite shares the machine with itself, the calibration is the quick one, and a
+# step of this model is mostly the engine's own host time, which varies most from run to run.
+BOUND = 0.5
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--passes 1 --placement resident --recompute none",
+        "--passes 2 --placement remote --recompute full",
+    ],
+)
+def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
+    """The dry run's step on this machine's calibration, against the median of real steps."""
+    _, spec_path = quick_calibration
+    config, _ = parse_config([*SMALL, *shlex.split(flags), "--device_spec_file", str(spec_path)])
+    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    plan = engine.plan
+    row = plan.sequence_length + plan.model.label_columns
+    tokens = torch.randint(0, 1024, (plan.gradient_accumulation, plan.micro_batch_size, row))
+    times = []
+    for step in range(10):
+        started = time.perf_counter()
+        engine.train_step(tokens, step=step, lr=1e-3)
+        times.append(time.perf_counter() - started)
+    measured = statistics.median(times[2:])
+    spec = resolve_spec(config)
+    estimated = estimate(config, measure_rank(config, 0, spec), spec)["step_time_s"]
+    assert estimated == pytest.approx(measured, rel=BOUND), (estimated, measured)

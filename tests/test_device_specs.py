@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -35,8 +36,15 @@ def test_file_fields_replace_the_data_sheet_and_flags_still_win(tmp_path):
     assert (spec.name, spec.peak_tflops, spec.compute_efficiency) == ("calibrated", 500.0, 0.5)
     assert spec.h2d_gb_per_s == 40.0 and spec.host_link_gb_per_s == 33.0  # the flag on top
     assert spec.memory_gb == h100.memory_gb and spec.intra_node_gb_per_s == h100.intra_node_gb_per_s
-    # The nearest measured shape in FLOPs answers; without a table, the data sheet's rate.
-    assert spec.matmul_rate(8000, 2048, 2048) == 250.0 and spec.matmul_rate(32, 64, 64) == 1.5
+    # A measured shape answers for itself; others are weighted towards the shapes nearest in
+    # each dimension (by hand: 1 / distance^2 on the sum of log ratios, averaged per FLOP);
+    # without a table, the data sheet's rate.
+    assert spec.matmul_rate(8192, 2048, 2048) == 250.0 and spec.matmul_rate(64, 64, 64) == 1.5
+    near, far = math.log(2), math.log(256) + 2 * math.log(32)
+    weights = (1 / near**2, 1 / far**2)
+    by_hand = sum(weights) / (weights[0] / 1.5 + weights[1] / 250.0)
+    assert spec.matmul_rate(32, 64, 64) == pytest.approx(by_hand, rel=1e-12)
+    assert spec.matmul_rate(8000, 2048, 2048) == pytest.approx(250.0, rel=0.01)
     assert h100.matmul_rate(1, 1, 1) == pytest.approx(989.0 * 0.7)
     # What a calibration writes reads back to the same spec.
     again = write_spec(tmp_path, **spec_file_dict(spec))
@@ -54,17 +62,20 @@ def test_a_missing_or_wrong_file_is_one_config_error(tmp_path):
 
 
 def test_the_dry_run_estimates_with_the_measured_rate(tmp_path):
-    """Compute time is FLOPs at peak x efficiency: a file that halves the rate doubles it.
-    (Attention at the matmul rate here: its own rate is tested in test_attention_dropout.)"""
+    """Matmul time is FLOPs at peak x efficiency where the FLOPs outlast the bytes (here a
+    bandwidth without bound): a file that halves the rate doubles it. (Attention at the matmul
+    rate here: its own rate is tested in test_attention_dropout.)"""
     config, _ = parse_config([*TINY, "--dry_run"])
-    sheet = dataclasses.replace(resolve_spec(config), attention_efficiency=0.0)
-    path = write_spec(tmp_path, peak_tflops=sheet.peak_tflops / 2, attention_efficiency=0.0)
+    unbound = {"attention_efficiency": 0.0, "device_memory_gb_per_s": 1e12}
+    sheet = dataclasses.replace(resolve_spec(config), **unbound)
+    path = write_spec(tmp_path, peak_tflops=sheet.peak_tflops / 2, **unbound)
     measured_config = dataclasses.replace(
         config, planning=dataclasses.replace(config.planning, device_spec_file=path)
     )
     measured = resolve_spec(measured_config)
     m = measure_rank(config, 0, sheet)
-    by_sheet, by_file = estimate(config, m, sheet), estimate(measured_config, m, measured)
+    by_sheet = estimate(config, m, sheet)
+    by_file = estimate(measured_config, measure_rank(measured_config, 0, measured), measured)
     expected = m.flops / (sheet.peak_tflops / 2 * 1e12 * sheet.compute_efficiency)
     assert by_file["compute_s"] == pytest.approx(expected)
     assert by_file["compute_s"] == pytest.approx(2 * by_sheet["compute_s"])

@@ -13,6 +13,7 @@ the override flags still apply on top.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -49,7 +50,20 @@ class DeviceSpec:
         d2h_gb_per_s: Device-to-host copies into pinned memory.
         launch_overhead_us: Host time to launch one small kernel (what a phase of many small ops
             pays besides its FLOPs and bytes).
-        host_memory_gb_per_s: Host memory bandwidth (what host AdamW runs at).
+        host_memory_gb_per_s: Host memory bandwidth (what host AdamW runs at), with the host
+            AdamW's threads.
+        phase_overhead_us: The engine's own host time per phase, beyond its ops' launches
+            (Python: the schedule, the store's bookkeeping, hooks).
+        collective_gb_per_s: ``(op, bytes, GB/s)`` of collectives measured between two ranks
+            of one node, bytes of payload per second (empty: the link rates above).
+        copies_overlap: Whether host copies and asynchronous collectives run beside compute (a
+            GPU's copy engines and NCCL's kernels); on a CPU the same cores do both, so they
+            add to the phase's time.
+        device_type: ``cuda`` or ``cpu``: which attention kernel a step runs
+            (:func:`~execution.engine.recompute.attention_kernel`).
+        fresh_memory_gb_per_s: Rate at which a new block of ``fresh_memory_threshold`` bytes
+            or more is first touched (a CPU's allocator maps such blocks anew each time and
+            their pages fault in; 0: blocks are reused, as CUDA's caching allocator does).
     """
 
     name: str
@@ -69,17 +83,49 @@ class DeviceSpec:
     launch_overhead_us: float = 0.0
     host_memory_gb_per_s: float = 0.0
     attention_efficiency: float = 0.0
+    phase_overhead_us: float = 0.0
+    collective_gb_per_s: tuple[tuple[str, int, float], ...] = ()
+    copies_overlap: bool = True
+    device_type: str = "cuda"
+    fresh_memory_gb_per_s: float = 0.0
+    fresh_memory_threshold: int = 0
+
+    def collective_seconds(self, op: str, nbytes: int) -> float | None:
+        """Seconds of ``op`` moving ``nbytes`` of payload between two ranks of a node, from the
+        sizes measured for it: the time interpolated linearly in size between the two nearest
+        (so a fixed latency stays in it), the smallest's time below them, the largest's rate
+        above; None where ``op`` was not measured."""
+        measured = sorted(
+            (n, n / (rate * 1e9)) for name, n, rate in self.collective_gb_per_s if name == op
+        )
+        if not measured:
+            return None
+        if nbytes <= measured[0][0]:
+            return measured[0][1]
+        for (n0, t0), (n1, t1) in itertools.pairwise(measured):
+            if nbytes <= n1:
+                return t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0)
+        n, t = measured[-1]
+        return t * nbytes / n
 
     def matmul_rate(self, m: int, n: int, k: int) -> float:
-        """TFLOPS of ``(m, k) @ (k, n)``: the measured shape nearest in FLOPs (log scale), or the
-        data sheet's ``peak_tflops x compute_efficiency`` when nothing was measured."""
+        """TFLOPS of ``(m, k) @ (k, n)``: from the measured shapes nearest in each dimension
+        (distance: the sum of the log ratios; a thin or a vocabulary-wide matmul runs at its
+        own rate), the four nearest weighted by inverse squared distance, or the data sheet's
+        ``peak_tflops x compute_efficiency`` when nothing was measured."""
         if not self.matmul_tflops:
             return self.peak_tflops * self.compute_efficiency
-        work = math.log(2.0 * m * n * k)
-        nearest = min(
-            self.matmul_tflops, key=lambda e: abs(math.log(2.0 * e[0] * e[1] * e[2]) - work)
-        )
-        return nearest[3]
+        dims = (math.log(m), math.log(n), math.log(k))
+        nearest = sorted(
+            (sum(abs(math.log(e) - d) for e, d in zip(entry[:3], dims, strict=True)), entry[3])
+            for entry in self.matmul_tflops
+        )[:4]
+        if nearest[0][0] < 1e-9:
+            return nearest[0][1]
+        weights = [1.0 / distance**2 for distance, _ in nearest]
+        # Averaged as times per FLOP, so that one fast neighbour does not dominate.
+        per_flop = sum(w / rate for w, (_, rate) in zip(weights, nearest, strict=True))
+        return sum(weights) / per_flop
 
 
 # H100/H200 SXM: PCIe 5 x16 (~55 GB/s achieved), NVLink 4 (450 GB/s each way), 400 Gb/s NDR
@@ -94,6 +140,11 @@ class DeviceSpec:
 # (the FlashAttention-3 paper, Shah et al. 2024); sequence 2048 and the in-kernel dropout draw
 # cost more: 25%, which is 50% of the peak on torch's whole-square count. On an A100 it reaches
 # 50-73% (the FlashAttention-2 paper, Dao 2023): 50%.
+# Device memory bandwidth as a large copy achieves it, about 90% of the data sheet's (H100 SXM
+# 3.35 TB/s, H200 4.8, A100 80 GB 2.04). Launch: eager PyTorch's host time per op on a recent
+# x86 host (dispatcher and CUDA launch), about 5 us. Host memory: a node's DDR5 (about 300-400
+# GB/s over two sockets) shared by its 8 GPUs. The engine's own time per phase has no data sheet:
+# 0 until calibrate.py measures it. A lent GPU's calibration file replaces all of these.
 SPECS = {
     "h100_sxm": DeviceSpec(
         name="h100_sxm",
@@ -107,6 +158,9 @@ SPECS = {
         compute_efficiency=0.7,
         storage_gb_per_s=2.0,
         attention_efficiency=0.25,
+        device_memory_gb_per_s=3000.0,
+        launch_overhead_us=5.0,
+        host_memory_gb_per_s=40.0,
     ),
     "h200": DeviceSpec(
         name="h200",
@@ -120,6 +174,9 @@ SPECS = {
         compute_efficiency=0.7,
         storage_gb_per_s=2.0,
         attention_efficiency=0.25,
+        device_memory_gb_per_s=4300.0,
+        launch_overhead_us=5.0,
+        host_memory_gb_per_s=40.0,
     ),
     "a100_80gb": DeviceSpec(
         name="a100_80gb",
@@ -133,6 +190,9 @@ SPECS = {
         compute_efficiency=0.7,
         storage_gb_per_s=1.0,
         attention_efficiency=0.5,
+        device_memory_gb_per_s=1800.0,
+        launch_overhead_us=5.0,
+        host_memory_gb_per_s=40.0,
     ),
 }
 
@@ -153,8 +213,9 @@ def read_spec_file(path: str | Path, base: DeviceSpec) -> DeviceSpec:
     unknown = sorted(set(given) - known)
     if unknown:
         raise ConfigError(f"--device_spec_file {path}: unknown fields {', '.join(unknown)}")
-    if "matmul_tflops" in given:  # JSON has lists; the spec stays hashable and comparable
-        given["matmul_tflops"] = tuple(tuple(entry) for entry in given["matmul_tflops"])
+    for name in ("matmul_tflops", "collective_gb_per_s"):  # JSON has lists; keep it hashable
+        if name in given:
+            given[name] = tuple(tuple(entry) for entry in given[name])
     return dataclasses.replace(base, **given)
 
 
@@ -162,6 +223,7 @@ def spec_file_dict(spec: DeviceSpec) -> dict:
     """The ``device_spec`` object of a calibration file that :func:`read_spec_file` reads back."""
     fields = dataclasses.asdict(spec)
     fields["matmul_tflops"] = [list(entry) for entry in spec.matmul_tflops]
+    fields["collective_gb_per_s"] = [list(entry) for entry in spec.collective_gb_per_s]
     return fields
 
 

@@ -25,31 +25,23 @@ from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.buffers import WEIGHT_STATES, flat_specs
 from execution.engine.plan import EnginePlan, GiB, MemoryPlan, engine_plan
+from execution.engine.recompute import attention_kernel
 from execution.engine.schedule import Stage
 from execution.parallel.fake_job import fake_job
-from execution.parallel.mesh import GroupAxis, MeshShape, ParallelLayout
+from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run_report import STATE_KEYS, format_report
-from execution.planning.measure import Measurements, Window, meta_step
+from execution.planning.measure import Measurements, meta_step
 from execution.planning.memory import MemoryBudget, spec_budget
 from execution.planning.planner import choose_or_least
+from execution.planning.time_model import axis_traffic, estimate_step, phase_costs
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
 # The groups a step communicates over (the world only sums the norm and the loss).
 COMMUNICATING_AXES = ("dp", "pp", "embedding", "cp", "tp1", "tp2", "dp_cp", "dp_tp1", "dp_tp2")
-# Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
-RING_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,  # every chunk but its own leaves the rank
-    # A pipeline stage's point-to-point moves: what it sends leaves it, what it receives not.
-    "send": lambda n: 1.0,
-    "receive": lambda n: 0.0,
-}
 
 
 def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[int]]:
@@ -100,8 +92,8 @@ class RankMeasurement:
     comm_bytes: dict[str, int]  # per group, bytes this rank sends; plus host_link
     comm_seconds: dict[str, float]
     flops: int
-    # Per kind of phase, summed over its phases: PHASE_COSTS (see :func:`phase_costs`).
-    phases: dict[str, tuple[float, float, float, float]]
+    # Per kind of phase, summed over its phases: time_model.PHASE_COSTS.
+    phases: dict[str, tuple[float, ...]]
 
 
 def measure_planned_step(
@@ -123,10 +115,11 @@ def measure_engine_step(
     """Set-up and one training step of this fake job's rank, on meta tensors, measured
     (``measurements``: the planning's, whose meta results it replays)."""
     layout = ParallelLayout.build(mesh.dp, mesh.tp1, mesh.tp2, META, cp=mesh.cp, pp=mesh.pp)
-    step = meta_step(plan, layout, measurements=measurements)
+    kernel = attention_kernel(spec.device_type, plan.model.dropout_prob)
+    step = meta_step(plan, layout, kernel, measurements=measurements)
     comm, seconds = {}, {}
     for axis in layout.axes():
-        comm[axis.name], seconds[axis.name] = _axis_traffic(axis, spec)
+        comm[axis.name], seconds[axis.name] = axis_traffic(axis, spec)
     store = step.engine.state
     comm["host_link"] = store.host_to_device + store.device_to_host
     seconds["host_link"] = comm["host_link"] / (spec.host_link_gb_per_s * 1e9)
@@ -142,64 +135,6 @@ def measure_engine_step(
         comm_seconds=seconds,
         flops=step.flops,
         phases=phases,
-    )
-
-
-# What phase_costs gives per kind of phase, in order.
-PHASE_COSTS = ("flops", "overlappable_s", "critical_s", "attention_flops")
-
-
-def phase_costs(
-    windows: list[Window], layout: ParallelLayout, spec: DeviceSpec
-) -> dict[str, tuple[float, float, float]]:
-    """Per kind of phase, summed over its phases: FLOPs, seconds of overlappable transfers,
-    seconds of collectives on the critical path, and the FLOPs of fused attention among the
-    first (priced at their own rate: :func:`compute_seconds`).
-
-    Overlappable, behind a phase's compute: its host copies (prefetched), the async
-    all-gathers started just before it (the next phase's weights) and the async reductions
-    the previous phase started (its gradients, waited for a phase later). They share the time
-    behind compute one after the other (conservatively: PCIe and the network could run side
-    by side). Critical: every collective waited for where it is issued, which is all of the
-    tensor-parallel ones. The optimizer window has no FLOPs counted, so what runs there is
-    exposed.
-    """
-    axes = {axis.name: axis for axis in layout.axes()}
-    link = spec.host_link_gb_per_s * 1e9
-    out: dict[str, list[float]] = {}
-    carried = 0.0  # async reductions of the previous window
-    for window in windows:
-        gathers = reductions = critical = 0.0
-        for name, axis in axes.items():
-            for op, nbytes in window.async_bytes[name].items():
-                if op == "all_gather":
-                    gathers += _seconds(axis, op, nbytes, spec)
-                else:
-                    reductions += _seconds(axis, op, nbytes, spec)
-            critical += sum(
-                _seconds(axis, op, n, spec) for op, n in window.sync_bytes[name].items()
-            )
-        overlappable = window.host_bytes / link + gathers + carried
-        carried = reductions
-        sums = out.setdefault(window.kind, [0.0] * len(PHASE_COSTS))
-        costs = (window.flops, overlappable, critical, window.attention_flops)
-        for index, value in enumerate(costs):
-            sums[index] += value
-    if carried:  # reductions started in the last window: nothing is left to hide them
-        out.setdefault("optimizer", [0.0] * len(PHASE_COSTS))[2] += carried
-    return {kind: tuple(sums) for kind, sums in out.items()}
-
-
-def compute_seconds(flops: float, attention_flops: float, spec: DeviceSpec) -> float:
-    """Seconds of ``flops``, of which ``attention_flops`` ran in fused attention kernels: those
-    at ``spec.attention_efficiency`` of the peak (FlashAttention-2, what SDPA's flash backend
-    runs, reaches about 25% of an H100's on the FLOPs it executes, with causal masking and
-    dropout at sequence 2048; :data:`~execution.planning.device_specs.SPECS`), the rest at the
-    matmul rate, so that attention is not priced as if it ran at large-matmul speed."""
-    peak = spec.peak_tflops * 1e12
-    attention_rate = peak * (spec.attention_efficiency or spec.compute_efficiency)
-    return (flops - attention_flops) / (peak * spec.compute_efficiency) + (
-        attention_flops / attention_rate
     )
 
 
@@ -261,33 +196,6 @@ def measure_rank(
     return m
 
 
-def _axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:
-    """Bytes this rank sends over a group in the step, and the seconds that takes."""
-    if axis.size == 1:
-        return 0, 0.0
-    sent = sum(
-        RING_FACTOR[_op_family(op)](axis.size) * nbytes for op, nbytes in axis.payload_bytes.items()
-    )
-    return int(sent), sent / _bandwidth(axis, spec)
-
-
-def _bandwidth(axis: GroupAxis, spec: DeviceSpec) -> float:
-    """Bytes per second a member sends on the group: NVLink inside a node, else the network."""
-    nodes = {member // spec.devices_per_node for member in axis.members}
-    return (spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s) * 1e9
-
-
-def _seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec) -> float:
-    """Seconds of one op's ``payload`` bytes on the group (ring algorithms)."""
-    if axis.size == 1 or not payload:
-        return 0.0
-    return RING_FACTOR[_op_family(op)](axis.size) * payload / _bandwidth(axis, spec)
-
-
-def _op_family(op: str) -> str:
-    return "all_reduce" if op.startswith("all_reduce") else op
-
-
 def _why(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
     device_total, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
     if planned_fit and budget.fits(plan):
@@ -311,37 +219,16 @@ def _why(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
 
 
 def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:
-    """Step time and MFU from a rank's measurements.
-
-    Per phase, the step waits for the larger of its compute and the transfers that run behind
-    it (host copies, and with ``--overlap_communication`` the data-parallel all-gathers and
-    reductions), plus the collectives on its critical path (tensor-parallel ones, and every
-    collective without overlap). Phases of a kind are alike, so the sum over a kind is the
-    same formula over the kind's sums. Communication that fits behind compute is reported as
-    hidden, the rest (and the critical path) as exposed.
-    """
-    step = hidden = compute_total = 0.0
-    # A pipeline stage's P passes take P + S - 1 pass-times: it idles for the bubble.
-    stages, passes = config.execution.pipeline_parallel, m.plan.passes
-    bubble = (passes + stages - 1) / passes
-    for kind, (flops, overlappable, critical, attention) in m.phases.items():
-        compute = compute_seconds(flops, attention, spec)
-        scale = 1.0 if kind == "optimizer" else bubble
-        step += (max(compute, overlappable) + critical) * scale
-        hidden += min(compute, overlappable)
-        compute_total += compute
-    compute = compute_total
+    """Step time, its breakdown (:func:`~execution.planning.time_model.estimate_step`) and MFU
+    from a rank's measurements."""
+    passes = m.plan.passes
+    stages = config.execution.pipeline_parallel
+    out = estimate_step(m.phases, stages, passes, spec)
     model_flops = flops_per_token(GPTShapes.of_run(config), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
-    return {
-        "step_time_s": step,
-        "mfu": per_rank / (step * spec.peak_tflops * 1e12),
-        "compute_s": compute,
-        "collectives_s": sum(v for k, v in m.comm_seconds.items() if k != "host_link"),
-        "hidden_comm_s": hidden,
-        "exposed_comm_s": step - compute,
-        "bubble": (stages - 1) / (passes + stages - 1),
-    }
+    out["mfu"] = per_rank / (out["step_time_s"] * spec.peak_tflops * 1e12)
+    out["bubble"] = (stages - 1) / (passes + stages - 1)
+    return out
 
 
 def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:

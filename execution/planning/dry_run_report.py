@@ -49,12 +49,10 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
         )
         lines.append(
             f"  {entry['flops_per_step'] / 1e15:,.1f} PFLOP per step (recompute included); "
-            f"estimated step {entry['step_time_s']:,.2f} s = compute {entry['compute_s']:,.2f} s "
-            f"+ exposed communication {entry['exposed_comm_s']:,.2f} s "
-            f"(hidden behind compute {entry['hidden_comm_s']:,.2f} s; collectives "
-            f"{entry['collectives_s']:,.2f} s in all), MFU {entry['mfu']:.1%}"
+            f"estimated step {entry['step_time_s']:,.2f} s, MFU {entry['mfu']:.1%}"
             + (f", pipeline bubble {entry['bubble']:.1%}" if entry["bubble"] else "")
         )
+        lines.append("  " + time_breakdown(entry))
         ckpt = entry["checkpoint"]
         lines.append(
             f"  checkpoint: {ckpt['bytes_written'] / 1e9:,.2f} GB written by this rank, "
@@ -74,3 +72,14 @@ def _context(ex) -> str:
     when used."""
     pipeline = f"{ex.pipeline_parallel} (pipeline) x " if ex.pipeline_parallel > 1 else ""
     return pipeline + (f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else "")
+
+
+def time_breakdown(entry: dict) -> str:
+    """Where an estimated step's seconds go (:func:`~execution.planning.time_model.estimate_step`)."""
+    return (
+        f"time: compute {entry['compute_s']:,.3f} s, memory-bound {entry['memory_bound_s']:,.3f} s, "
+        f"launch and host overhead {entry['overhead_s']:,.3f} s, host AdamW "
+        f"{entry['host_optimizer_s']:,.3f} s, copies {entry['copies_s']:,.3f} s and collectives "
+        f"{entry['collectives_s']:,.3f} s ({entry['hidden_comm_s']:,.3f} s hidden, "
+        f"{entry['exposed_comm_s']:,.3f} s exposed), bubble {entry['bubble_s']:,.3f} s"
+    )

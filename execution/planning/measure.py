@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config.schema import PretrainingConfig
+from config.schema import OptimizerConfig, PretrainingConfig
 from execution.engine.engine import PhasedEngine, StepHooks
+from execution.engine.optimizer import adamw_
 from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
 from execution.engine.recompute import (
     attention_kernel,
@@ -29,6 +30,7 @@ from execution.engine.recompute import (
 from execution.engine.schedule import Phase
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
+from execution.planning.op_costs import OpCosts
 from execution.planning.step_meter import MetaResults, StepMeter
 from modelling.layers import BlockSeeds
 
@@ -45,6 +47,9 @@ class Window:
         host_bytes: Bytes copied over the host link.
         sync_bytes: Per axis and op, payload bytes of the collectives waited for where issued.
         async_bytes: Per axis and op, payload bytes of the collectives issued asynchronously.
+        costs: The kernels, bytes and matmul shapes of its ops (:mod:`~.op_costs`).
+        host_update_bytes: Bytes the host AdamW reads and writes (the optimizer's window,
+            where weights live on the host: its threads are not metered).
     """
 
     kind: str
@@ -53,6 +58,8 @@ class Window:
     attention_flops: int = 0
     sync_bytes: dict[str, Counter] = field(default_factory=dict)
     async_bytes: dict[str, Counter] = field(default_factory=dict)
+    costs: OpCosts = field(default_factory=OpCosts)
+    host_update_bytes: int = 0
 
 
 class PhaseRecorder:
@@ -73,6 +80,7 @@ class PhaseRecorder:
             {a.name: Counter(a.payload_bytes) for a in axes},
             {a.name: Counter(a.async_bytes) for a in axes},
             self.meter.attention_flops,
+            self.meter.costs.copy(),
         )
 
     def _close(self) -> None:
@@ -86,6 +94,9 @@ class PhaseRecorder:
             )
             sync = {a: payload[a] - asynchronous[a] for a in payload}
             attention = now[4] - self._last[4]
+            host_update = 0
+            if self._kind == "optimizer":
+                host_update = host_update_bytes(self.engine)
             window = Window(
                 kind=self._kind,
                 flops=flops,
@@ -93,6 +104,8 @@ class PhaseRecorder:
                 attention_flops=attention,
                 sync_bytes=sync,
                 async_bytes=asynchronous,
+                costs=now[5] - self._last[5],
+                host_update_bytes=host_update,
             )
             self.windows.append(window)
         self._last = now
@@ -106,6 +119,28 @@ class PhaseRecorder:
         """Closes the optimizer's window (call after the step)."""
         self._close()
         self._kind = None
+
+
+def host_update_bytes(engine: PhasedEngine) -> int:
+    """Bytes one AdamW update of the engine's host-placed weights reads and writes: its
+    elements times what :func:`adamw_` moves per element (metered once on meta tensors)."""
+    state = engine.state
+    if not state.places["weights"].remote:
+        return 0
+    elements = sum(
+        tensor.numel() for buffers in state.parts.values() for tensor in buffers.weights.values()
+    )
+    return elements * _adamw_bytes_per_element()
+
+
+def _adamw_bytes_per_element() -> int:
+    n = 1 << 10
+    w, g, m, v = (torch.empty(n, device="meta") for _ in range(4))
+    with StepMeter() as meter:
+        adamw_(
+            w, g, m, v, step=1, lr=1.0, optim=OptimizerConfig(), weight_decay=True, grad_scale=0.5
+        )
+    return meter.costs.memory_bytes // n
 
 
 @dataclass

@@ -51,7 +51,6 @@ from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import MeshShape
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
-    PHASE_COSTS,
     RankMeasurement,
     checkpoint_figures,
     estimate,
@@ -64,6 +63,7 @@ from execution.planning.planner import (
     plans_fitting_every_stage,
     shortfall,
 )
+from execution.planning.time_model import COST_INDEX, PHASE_COSTS
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -328,7 +328,9 @@ def _estimated_row(
     plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
     if candidate.execution.pipeline_parallel > 1:
         comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
-        phases = {**phases, "pipeline_moves": (0.0, 0.0, seconds["pp"], 0.0)}
+        moves = [0.0] * len(PHASE_COSTS)
+        moves[COST_INDEX["critical_comm_s"]] = seconds["pp"]
+        phases = {**phases, "pipeline_moves": tuple(moves)}
     measured = RankMeasurement(
         plan=plan,
         fits=True,

@@ -24,6 +24,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from execution.planning.op_costs import OpCost, OpCosts, op_cost
+
 
 def _attention_kernels() -> frozenset:
     """The fused attention ops, forward and backward, of every backend this torch has."""
@@ -81,6 +83,7 @@ class StepMeter(TorchDispatchMode):
         self.peak = 0
         self.flops = 0
         self.attention_flops = 0
+        self.costs = OpCosts()  # kernels, bytes and matmul shapes (execution.planning.op_costs)
         # id of each counted storage object (torch keeps one Python object per live storage,
         # and the finaliser drops the id when it dies, before the id can be reused).
         self._counted: dict[int, int] = {}
@@ -91,6 +94,7 @@ class StepMeter(TorchDispatchMode):
         recorded = self.meta_results.get(key)
         if recorded is not None:
             out, flops = recorded.replay()
+            cost = recorded.cost
         else:
             out = func(*args, **kwargs)
             flops = 0
@@ -99,10 +103,13 @@ class StepMeter(TorchDispatchMode):
                 flops = count_flops(*args, **kwargs, out_val=out)
                 if func._overloadpacket in ATTENTION_KERNELS and _is_causal(func, args, kwargs):
                     flops //= 2  # torch counts the whole square; the kernel skips the future
-            self.meta_results.record(key, args, kwargs, out, flops)
+            cost = op_cost(func, args, kwargs, out, _tensors)
+            self.meta_results.record(key, args, kwargs, out, flops, cost)
         self.flops += flops
-        if flops and func._overloadpacket in ATTENTION_KERNELS:
+        attention = func._overloadpacket in ATTENTION_KERNELS
+        if flops and attention:
             self.attention_flops += flops
+        self.costs.add(cost, attention)
         inputs = None
         for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
             storage = t.untyped_storage()
@@ -114,6 +121,7 @@ class StepMeter(TorchDispatchMode):
             if key in inputs:
                 continue  # a view or in-place op of a buffer made before the block
             nbytes = storage.nbytes()
+            self.costs.allocated(nbytes)
             self._counted[key] = nbytes
             self.live += nbytes
             self.peak = max(self.peak, self.live)
@@ -125,9 +133,10 @@ class StepMeter(TorchDispatchMode):
 
 
 class _Result:
-    """A functional meta op's results (layout and storage size of each) and FLOPs."""
+    """A functional meta op's results (layout and storage size of each), FLOPs and cost."""
 
-    def __init__(self, out: Any, flops: int):
+    def __init__(self, out: Any, flops: int, cost: OpCost):
+        self.cost = cost
         self.single = isinstance(out, torch.Tensor)
         results = (out,) if self.single else out
         self.layouts = [
@@ -187,7 +196,7 @@ class MetaResults:
     def get(self, key: tuple | None) -> _Result | None:
         return None if key is None else self._results.get(key)
 
-    def record(self, key: tuple | None, args, kwargs, out: Any, flops: int) -> None:
+    def record(self, key: tuple | None, args, kwargs, out: Any, flops: int, cost: OpCost) -> None:
         """Keeps ``out``'s layout for ``key``, unless a result is not a fresh meta tensor
         (``_unsafe_view``, say, declares no alias but returns a view of its input)."""
         if key is None or key in self._results:
@@ -202,7 +211,7 @@ class MetaResults:
             storages = [id(t.untyped_storage()) for t in results]
             inputs = _input_storages(args, kwargs)
             fresh = len(set(storages)) == len(storages) and not inputs.intersection(storages)
-        self._results[key] = _Result(out, flops) if fresh else None
+        self._results[key] = _Result(out, flops, cost) if fresh else None
 
 
 class _NotMeta(Exception):

@@ -1,0 +1,148 @@
+"""calibrate.py's measurements of the runtime around the kernels: collectives between two local
+ranks and the engine's own host time (see calibrate.py's docstring)."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config.loading import parse_config
+from execution.engine.recompute import attention_kernel
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.device_specs import DeviceSpec
+from execution.planning.measure import meta_step
+from execution.planning.op_costs import device_seconds
+from execution.planning.planner import planned_engine
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
+# The engine's own calls (execution/parallel/mesh.py): torch 2.13's names, else the older ones.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _collective(op: str, rank: int, full: torch.Tensor) -> None:
+    """One ``op`` whose full-size tensor (the engine's payload count) is ``full``."""
+    half = full.numel() // 2
+    if op == "all_gather":
+        all_gather_flat(full, full[rank * half : (rank + 1) * half].clone())
+    elif op == "reduce_scatter":
+        reduce_scatter_flat(full[:half].clone(), full)
+    elif op == "all_reduce":
+        dist.all_reduce(full)
+    elif op == "all_to_all":
+        dist.all_to_all_single(torch.empty_like(full), full)
+    elif rank == 0:  # send: rank 0 sends the whole tensor, rank 1 receives it
+        dist.send(full, 1)
+    else:
+        dist.recv(full, 0)
+
+
+def _collective_rank(rank: int, store: str, device_type: str, sizes, repeats, out) -> None:
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # two ranks on the cores of a rank each, as torchrun starts them
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=2)
+    try:
+        for op in COLLECTIVES:
+            for nbytes in sizes:
+                full = torch.ones(nbytes // 4, device=device)
+                times = []
+                for attempt in range(repeats + 1):
+                    dist.barrier()
+                    if device_type == "cuda":
+                        torch.cuda.synchronize(device)
+                    started = time.perf_counter()
+                    _collective(op, rank, full)
+                    if device_type == "cuda":
+                        torch.cuda.synchronize(device)
+                    if attempt:  # the first sets up the pair's buffers
+                        times.append(time.perf_counter() - started)
+                if rank == 0:
+                    out.append((op, nbytes, nbytes / statistics.median(times) / 1e9))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_collectives(device: torch.device, sizes) -> dict:
+    """Payload GB/s of each op at each size between two local ranks; nothing where two ranks
+    of this device kind are not available (one GPU)."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"rates": [], "why": "one GPU: no pair to measure"}
+    with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
+        out = manager.list()
+        store = f"file://{folder}/store"
+        args = (store, device.type, sizes.collective_bytes, sizes.repeats, out)
+        mp.start_processes(_collective_rank, args, nprocs=2, start_method="spawn")
+        return {"rates": [list(row) for row in out]}
+
+
+# A model whose every op is small: its step is the engine's host time and the ops' launches.
+ENGINE_FLAGS = shlex.split(
+    "--config tiny --hidden_size 32 --heads 2 --sequence_length 32 "
+    "--max_positional_length 32 --vocab_size 512 --micro_batch_size 1 --precision float32 "
+    "--dropout_prob 0 --placement resident --passes 1"
+)
+# (layers, micro-batches): ops grow with both, phases with layers only, so the two separate.
+ENGINE_SHAPES = ((2, 1), (2, 8), (6, 1), (6, 8))
+
+
+def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
+    """The engine's host time per op and per phase: real steps of a small model at several
+    layer and micro-batch counts, less their ops' device time on ``spec`` (this machine's measured
+    rates), fitted by least squares as ops x launch + phases x phase overhead."""
+    rows = []
+    no_launch = dataclasses.replace(spec, launch_overhead_us=0.0)
+    for layers, micro_batches in ENGINE_SHAPES:
+        flags = [*ENGINE_FLAGS, "--layers", str(layers), "--global_batch_size", str(micro_batches)]
+        config, _ = parse_config([*flags, "--device", device.type])
+        engine = planned_engine(config, ParallelLayout.single(device))
+        plan = engine.plan
+        row = plan.sequence_length + plan.model.label_columns
+        shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
+        tokens = torch.randint(0, 512, shape, device=device)
+        times = []
+        for step in range(sizes.engine_steps + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            engine.train_step(tokens, step=step, lr=1e-3)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append(time.perf_counter() - started)
+        kernel = attention_kernel(device.type, 0.0)
+        windows = meta_step(plan, ParallelLayout.shapes_only(1, 1, 1), kernel).windows
+        work = sum(
+            sum(device_seconds(w.costs, w.attention_flops, no_launch).values()) for w in windows
+        )
+        rows.append(
+            {
+                "layers": layers,
+                "micro_batches": micro_batches,
+                "step_s": statistics.median(times[2:]),
+                "ops_s": work,
+                "kernels": sum(w.costs.kernels for w in windows),
+                "phases": sum(1 for w in windows if w.kind != "optimizer"),
+            }
+        )
+        del engine
+    matrix = np.array([[r["kernels"], r["phases"]] for r in rows], dtype=np.float64)
+    residual = np.array([max(r["step_s"] - r["ops_s"], 0.0) for r in rows])
+    (per_kernel, per_phase), *_ = np.linalg.lstsq(matrix, residual, rcond=None)
+    if per_phase < 0:  # all of it per op
+        per_kernel, per_phase = float(residual @ matrix[:, 0] / (matrix[:, 0] @ matrix[:, 0])), 0.0
+    return {"rows": rows, "launch_us": per_kernel * 1e6, "phase_us": per_phase * 1e6}

@@ -1,0 +1,160 @@
+"""What each op of a metered step costs, and its seconds on a device: the per-op roofline.
+
+An op that launches a kernel (anything but a view or a metadata change) costs the larger of its
+FLOPs over the matmul rate of its shape and its bytes (read and written) over memory bandwidth,
+plus the host's time to launch it. Matmuls are kept by shape, since the rate depends on it;
+fused attention kernels by FLOPs, since they reach their own share of the peak; every other
+kernel (layer norm, GELU, softmax, dropout, residual adds, the loss, copies on the device) by
+its bytes alone: it is memory-bound.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from execution.planning.device_specs import DeviceSpec
+
+aten = torch.ops.aten
+# Matmuls whose (m, n, k) the rate is looked up for; a batched one counts its batch into m.
+MATMULS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One op: whether it runs a kernel, its bytes, and its matmul shape if it is one."""
+
+    kernel: bool
+    nbytes: int = 0
+    matmul: tuple[int, int, int] | None = None
+
+
+VIEW = OpCost(kernel=False)
+
+
+def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
+    """The cost of ``func(*args, **kwargs) -> out`` (``tensors``: flattens arguments)."""
+    schema = func._schema
+    if schema.returns and all(
+        r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+    ):
+        return VIEW  # a view of an input: no kernel, no bytes
+    packet = func._overloadpacket
+    if packet in _METADATA:
+        return VIEW
+    nbytes = sum(_nbytes(t) for t in tensors((*args, *kwargs.values())))
+    if all(r.alias_info is None for r in schema.returns):  # in place: written where read
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        nbytes += sum(_nbytes(t) for t in tensors(results))
+    if packet not in MATMULS:
+        return OpCost(kernel=True, nbytes=nbytes)
+    a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
+    batch = a.shape[0] if a.dim() == 3 else 1
+    return OpCost(
+        kernel=True, nbytes=nbytes, matmul=(batch * a.shape[-2], b.shape[-1], a.shape[-1])
+    )
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# Ops that allocate or describe a tensor without touching its elements.
+_METADATA = frozenset(
+    getattr(aten, name)
+    for name in ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+    if hasattr(aten, name)
+)
+
+
+@dataclass
+class OpCosts:
+    """The sums over the ops of a step or a phase (see the module docstring).
+
+    Attributes:
+        kernels: Ops that launched a kernel.
+        memory_bytes: Bytes read and written by the kernels that are neither matmuls nor fused
+            attention.
+        attention_bytes: The same of the fused attention kernels.
+        matmuls: Count of each matmul by ``(m, n, k, bytes)``.
+        allocations: Bytes of new storages by size class (the power of two at or below),
+            for devices whose allocator hands large blocks out fresh (a CPU's, whose pages
+            fault in on first touch; CUDA's caching allocator reuses them).
+    """
+
+    kernels: int = 0
+    memory_bytes: int = 0
+    attention_bytes: int = 0
+    matmuls: Counter = field(default_factory=Counter)
+    allocations: Counter = field(default_factory=Counter)
+
+    def allocated(self, nbytes: int) -> None:
+        if nbytes:
+            self.allocations[1 << (nbytes.bit_length() - 1)] += nbytes
+
+    def add(self, cost: OpCost, attention: bool) -> None:
+        if not cost.kernel:
+            return
+        self.kernels += 1
+        if cost.matmul is not None:
+            self.matmuls[(*cost.matmul, cost.nbytes)] += 1
+        elif attention:
+            self.attention_bytes += cost.nbytes
+        else:
+            self.memory_bytes += cost.nbytes
+
+    def copy(self) -> OpCosts:
+        return OpCosts(
+            self.kernels,
+            self.memory_bytes,
+            self.attention_bytes,
+            Counter(self.matmuls),
+            Counter(self.allocations),
+        )
+
+    def __sub__(self, earlier: OpCosts) -> OpCosts:
+        return OpCosts(
+            self.kernels - earlier.kernels,
+            self.memory_bytes - earlier.memory_bytes,
+            self.attention_bytes - earlier.attention_bytes,
+            self.matmuls - earlier.matmuls,
+            self.allocations - earlier.allocations,
+        )
+
+    def __iadd__(self, other: OpCosts) -> OpCosts:
+        self.kernels += other.kernels
+        self.memory_bytes += other.memory_bytes
+        self.attention_bytes += other.attention_bytes
+        self.matmuls.update(other.matmuls)
+        self.allocations.update(other.allocations)
+        return self
+
+
+def device_seconds(costs: OpCosts, attention_flops: float, spec: DeviceSpec) -> dict[str, float]:
+    """Seconds of the ops in ``costs`` on ``spec``, by kind: ``matmul`` (each at the rate of its
+    shape, or its bytes' time where that is longer), ``attention`` (fused kernels at the
+    attention share of the peak, or their bytes' time), ``memory_bound``, ``launch`` and
+    ``fresh_memory`` (first touch of large new blocks, where the allocator does not keep them)."""
+    bandwidth = spec.device_memory_gb_per_s * 1e9
+    matmul = 0.0
+    for (m, n, k, nbytes), count in costs.matmuls.items():
+        flops_time = 2.0 * m * n * k / (spec.matmul_rate(m, n, k) * 1e12)
+        matmul += count * max(flops_time, nbytes / bandwidth)
+    peak = spec.peak_tflops * 1e12
+    attention_rate = peak * (spec.attention_efficiency or spec.compute_efficiency)
+    return {
+        "matmul": matmul,
+        "attention": max(attention_flops / attention_rate, costs.attention_bytes / bandwidth),
+        "memory_bound": costs.memory_bytes / bandwidth,
+        "launch": costs.kernels * spec.launch_overhead_us * 1e-6,
+        "fresh_memory": _fresh_seconds(costs, spec),
+    }
+
+
+def _fresh_seconds(costs: OpCosts, spec: DeviceSpec) -> float:
+    if not spec.fresh_memory_gb_per_s:
+        return 0.0
+    fresh = sum(n for size, n in costs.allocations.items() if size >= spec.fresh_memory_threshold)
+    return fresh / (spec.fresh_memory_gb_per_s * 1e9)

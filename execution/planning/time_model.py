@@ -1,0 +1,186 @@
+"""The step-time model: a measured step's ops, copies and collectives, priced on a device spec.
+
+Per phase, the device runs the phase's ops, each at the larger of its FLOPs over the matmul
+rate of its shape and its bytes over memory bandwidth, plus its launch
+(:mod:`execution.planning.op_costs`), and the host adds the engine's own time per phase. Host
+copies and asynchronous collectives (the next phase's all-gathers, the previous phase's
+reductions) run behind that where the device has engines of its own for them
+(``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU).
+Collectives waited for where they are issued (tensor-parallel ones, and every one without
+``--overlap_communication``) are on the critical path. A pipeline stage's phases take
+``(P + S - 1) / P`` of their time (the bubble); the optimizer's window is outside it, and the
+host AdamW runs there at host memory bandwidth.
+"""
+
+from __future__ import annotations
+
+from execution.parallel.mesh import GroupAxis, ParallelLayout
+from execution.planning.device_specs import DeviceSpec
+from execution.planning.op_costs import device_seconds
+
+# Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
+RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,  # every chunk but its own leaves the rank
+    # A pipeline stage's point-to-point moves: what it sends leaves it, what it receives not.
+    "send": lambda n: 1.0,
+    "receive": lambda n: 0.0,
+}
+
+# What phase_costs gives per kind of phase, in order: FLOPs, then seconds by what spends them.
+PHASE_COSTS = (
+    "flops",
+    "attention_flops",
+    "matmul_s",
+    "attention_s",
+    "memory_bound_s",
+    "launch_s",
+    "engine_s",
+    "fresh_memory_s",
+    "host_optimizer_s",
+    "copies_s",
+    "overlappable_comm_s",
+    "critical_comm_s",
+)
+COST_INDEX = {name: index for index, name in enumerate(PHASE_COSTS)}
+DEVICE_WORK = (
+    "matmul_s",
+    "attention_s",
+    "memory_bound_s",
+    "launch_s",
+    "engine_s",
+    "fresh_memory_s",
+)
+
+
+def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, tuple]:
+    """Per kind of phase, summed over its phases (:class:`~execution.planning.measure.Window`):
+    the :data:`PHASE_COSTS`. A window's asynchronous all-gathers run behind it, its
+    asynchronous reductions behind the next window (they are waited for a phase later)."""
+    axes = {axis.name: axis for axis in layout.axes()}
+    out: dict[str, list[float]] = {}
+    carried = 0.0  # async reductions of the previous window
+    for window in windows:
+        gathers = reductions = critical = 0.0
+        for name, axis in axes.items():
+            for op, nbytes in window.async_bytes[name].items():
+                if op == "all_gather":
+                    gathers += collective_seconds(axis, op, nbytes, spec)
+                else:
+                    reductions += collective_seconds(axis, op, nbytes, spec)
+            critical += sum(
+                collective_seconds(axis, op, n, spec) for op, n in window.sync_bytes[name].items()
+            )
+        device = device_seconds(window.costs, window.attention_flops, spec)
+        costs = {
+            "flops": window.flops,
+            "attention_flops": window.attention_flops,
+            "matmul_s": device["matmul"],
+            "attention_s": device["attention"],
+            "memory_bound_s": device["memory_bound"],
+            "launch_s": device["launch"],
+            "fresh_memory_s": device["fresh_memory"],
+            "engine_s": spec.phase_overhead_us * 1e-6 if window.kind != "optimizer" else 0.0,
+            "host_optimizer_s": window.host_update_bytes / (spec.host_memory_gb_per_s * 1e9),
+            "copies_s": _copy_seconds(window.host_bytes, spec),
+            "overlappable_comm_s": gathers + carried,
+            "critical_comm_s": critical,
+        }
+        carried = reductions
+        sums = out.setdefault(window.kind, [0.0] * len(PHASE_COSTS))
+        for name, value in costs.items():
+            sums[COST_INDEX[name]] += value
+    if carried:  # reductions started in the last window: nothing is left to hide them
+        out.setdefault("optimizer", [0.0] * len(PHASE_COSTS))[COST_INDEX["critical_comm_s"]] += (
+            carried
+        )
+    return {kind: tuple(sums) for kind, sums in out.items()}
+
+
+def _copy_seconds(nbytes: int, spec: DeviceSpec) -> float:
+    """Host-link seconds; none on a device without a link of its own (a CPU: its copies are
+    memory-bound ops, priced among them)."""
+    if not spec.copies_overlap:
+        return 0.0
+    return nbytes / (spec.host_link_gb_per_s * 1e9)
+
+
+def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, spec) -> dict:
+    """Step time and its breakdown from :func:`phase_costs`' sums (see the module docstring).
+
+    Returns seconds per step: ``step_time_s``; ``compute_s`` (matmuls and attention, at the
+    rates of their shapes); ``memory_bound_s``; ``overhead_s`` (launches, the engine's host
+    time and first touches of fresh memory); ``host_optimizer_s``; ``copies_s`` and ``collectives_s`` (all of them, hidden or
+    not); ``hidden_comm_s`` (copies and collectives behind device work); ``exposed_comm_s``
+    (the rest); ``bubble_s`` (the pipeline's idle share of the phases); ``by_kind`` (each kind
+    of phase's seconds in the step)."""
+    step = hidden = bubble_s = 0.0
+    bubble = (passes + pipeline_stages - 1) / passes
+    totals = dict.fromkeys(PHASE_COSTS, 0.0)
+    by_kind = {}
+    for kind, values in phases.items():
+        costs = dict(zip(PHASE_COSTS, values, strict=True))
+        for name, value in costs.items():
+            totals[name] += value
+        device = sum(costs[name] for name in DEVICE_WORK) + costs["host_optimizer_s"]
+        behind = costs["copies_s"] + costs["overlappable_comm_s"]
+        if spec.copies_overlap:
+            seconds = max(device, behind) + costs["critical_comm_s"]
+            hidden += min(device, behind)
+        else:
+            seconds = device + behind + costs["critical_comm_s"]
+        if kind != "optimizer":
+            bubble_s += seconds * (bubble - 1.0)
+            seconds *= bubble
+        by_kind[kind] = seconds
+        step += seconds
+    compute = totals["matmul_s"] + totals["attention_s"]
+    copies = totals["copies_s"]
+    collectives = totals["overlappable_comm_s"] + totals["critical_comm_s"]
+    return {
+        "step_time_s": step,
+        "compute_s": compute,
+        "memory_bound_s": totals["memory_bound_s"],
+        "overhead_s": totals["launch_s"] + totals["engine_s"] + totals["fresh_memory_s"],
+        "host_optimizer_s": totals["host_optimizer_s"],
+        "copies_s": copies,
+        "collectives_s": collectives,
+        "hidden_comm_s": hidden,
+        "exposed_comm_s": copies + collectives - hidden,
+        "bubble_s": bubble_s,
+        "by_kind": by_kind,
+    }
+
+
+def collective_seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec) -> float:
+    """Seconds of one op's ``payload`` bytes on the group: a ring over NVLink inside a node and
+    the network across nodes; inside a node as measured for the op and size
+    (:meth:`DeviceSpec.collective_seconds`, two ranks: scaled to ``axis.size`` by the ring's
+    bytes)."""
+    if axis.size == 1 or not payload:
+        return 0.0
+    family = "all_reduce" if op.startswith("all_reduce") else op
+    ring = RING_FACTOR[family]
+    if family == "receive":
+        return 0.0
+    nodes = {member // spec.devices_per_node for member in axis.members}
+    if len(nodes) > 1:
+        return ring(axis.size) * payload / (spec.inter_node_gb_per_s * 1e9)
+    measured = spec.collective_seconds(family, payload)
+    if measured is None:
+        return ring(axis.size) * payload / (spec.intra_node_gb_per_s * 1e9)
+    return ring(axis.size) / ring(2) * measured
+
+
+def axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:
+    """Bytes this rank sends over a group in the step, and the seconds that takes."""
+    if axis.size == 1:
+        return 0, 0.0
+    sent = seconds = 0.0
+    for op, nbytes in axis.payload_bytes.items():
+        family = "all_reduce" if op.startswith("all_reduce") else op
+        sent += RING_FACTOR[family](axis.size) * nbytes
+        seconds += collective_seconds(axis, op, nbytes, spec)
+    return int(sent), seconds
