@@ -79,10 +79,13 @@ SMALL = shlex.split(
     "--max_positional_length 64 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0 "
     "--precision float32 --device cpu"
 )
-# The README's table holds within 15% on a quiet machine (benchmarks/time_model_check.py);
-# here the suite shares the machine with itself, the calibration is the quick one, and a
-# step of this model is mostly the engine's own host time, which varies most from run to run.
-BOUND = 0.5
+# The README's table holds within 15% on a quiet machine for most rows
+# (benchmarks/time_model_check.py). Here the suite shares the machine with itself, the
+# calibration is the quick one, and this model's step (50-80 ms) is mostly the engine's own
+# host time, which moves most from run to run: over repeated runs the ratio spread from 0.74 to
+# 1.57. A factor of 2 either way still fails a model that leaves out the launches (about 0.3
+# here) or counts the host copies twice.
+FACTOR = 2.0
 
 
 @pytest.mark.parametrize(
@@ -108,4 +111,4 @@ def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
     measured = statistics.median(times[2:])
     spec = resolve_spec(config)
     estimated = estimate(config, measure_rank(config, 0, spec), spec)["step_time_s"]
-    assert estimated == pytest.approx(measured, rel=BOUND), (estimated, measured)
+    assert 1 / FACTOR <= estimated / measured <= FACTOR, (estimated, measured)
