@@ -25,7 +25,7 @@ import json, os, sys
 from concurrent.futures import ThreadPoolExecutor
 import torch
 from config.schema import OptimizerConfig
-from execution.engine.optimizer import adamw_threaded_, host_pool
+from execution.engine.optimizer import adamw_threaded_, host_pool, openmp_team_setter
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -34,7 +34,7 @@ chunk, pool_size, engine_pool = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] 
 w, g, m, v = (torch.rand(1 << 20) for _ in range(4))
 torch.ones(1 << 20).add_(1)  # the main thread's own team, before counting
 before = threads()
-with host_pool(pool_size) if engine_pool else ThreadPoolExecutor(pool_size) as pool:
+with host_pool(pool_size, openmp_team_setter()) if engine_pool else ThreadPoolExecutor(pool_size) as pool:
     hyper = dict(step=1, lr=1e-3, optim=OptimizerConfig(), weight_decay=True, grad_scale=1.0)
     adamw_threaded_(w, g, m, v, pool=pool, chunk_elements=chunk, **hyper)
     during = threads()

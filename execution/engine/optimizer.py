@@ -157,6 +157,7 @@ class AdamWDriver:
     def __init__(self, state: StateStore, optim: OptimizerConfig, host_threads: int):
         self.state, self.optim, self.host_threads = state, optim, max(1, host_threads)
         self.steps = 0  # updates applied (AdamW's bias correction counts them)
+        self._set_team_size = openmp_team_setter()
 
     def update(self, lr: float, grad_scale: float) -> None:
         """One update of every shard with the step's gradients times ``grad_scale``."""
@@ -190,11 +191,11 @@ class AdamWDriver:
 
     @contextlib.contextmanager
     def _pool(self) -> Iterator[Executor]:
-        with host_pool(self.host_threads) as pool:
+        with host_pool(self.host_threads, self._set_team_size) as pool:
             yield pool
 
 
-def host_pool(threads: int) -> ThreadPoolExecutor:
+def host_pool(threads: int, set_team_size: Callable[[int], None] | None) -> ThreadPoolExecutor:
     """Threads for host updates, each running torch's ops on itself alone.
 
     Torch parallelises an elementwise op over an OpenMP team once it is large enough (32 Ki
@@ -203,14 +204,13 @@ def host_pool(threads: int) -> ThreadPoolExecutor:
     team of its own: up to cores x cores threads on the host. The pool already spreads the
     chunks over the cores, so each of its threads sets its own OpenMP team size to one
     (``omp_set_num_threads`` acts on the calling thread only; the main thread keeps its team).
+    ``set_team_size``: :func:`openmp_team_setter`'s, looked up once by the pool's owner.
     """
-    set_team_size = _openmp_team_setter()
     initializer = None if set_team_size is None else functools.partial(set_team_size, 1)
     return ThreadPoolExecutor(threads, thread_name_prefix="host-adamw", initializer=initializer)
 
 
-@functools.cache
-def _openmp_team_setter() -> Callable[[int], None] | None:
+def openmp_team_setter() -> Callable[[int], None] | None:
     """``omp_set_num_threads`` of the OpenMP runtime torch ships and loaded (GNU's libgomp on
     Linux, LLVM's libomp elsewhere), or None where torch has none (a build without OpenMP)."""
     libraries = Path(torch.__file__).parent / "lib"

@@ -296,7 +296,6 @@ class KeptBytes:
     loaded: int = 0
 
 
-@functools.cache
 def kept_bytes(
     shapes: GPTShapes, micro_batch: int, sequence: int, dtype: torch.dtype, mode: str, kernel: str
 ) -> KeptBytes:

@@ -17,7 +17,6 @@ wherever dp is named above).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,7 +146,6 @@ def shard_index(
     }
 
 
-@functools.cache
 def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
     """Per part, the shapes of one (tp1, tp2) shard's parameters (padding included).
 

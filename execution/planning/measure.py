@@ -11,7 +11,6 @@ extrapolates.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -201,12 +200,15 @@ class Measurements:
             (:mod:`execution.planning.plan_search`).
         meta_results: Meta ops run so far, replayed by later steps
             (:class:`~execution.planning.step_meter.MetaResults`).
+        layers: What a decoder layer keeps and recomputes, by its shapes
+            (:attr:`~execution.planning.memory.RankShape.layer_memo`).
     """
 
     def __init__(self) -> None:
         self.working_sets: dict[tuple, int] = {}
         self.probes: dict[str, tuple] = {}
         self.meta_results = MetaResults()
+        self.layers: dict = {}  # RankShape.layer_memo: what a decoder layer keeps, recomputes
 
 
 def measured_working_set(
@@ -234,7 +236,7 @@ def measured_working_set(
     ex = config.execution
     kernel = attention_kernel(device_type, config.model.dropout_prob)
     layers = min(3, config.model.layers)
-    whole = RankShape.from_config(config)
+    whole = RankShape.from_config(config, layer_memo=measurements.layers)
     # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
     rank = dataclasses.replace(
         whole,
@@ -274,13 +276,16 @@ def recompute_flops(rank: RankShape, recompute: str, kernel: str) -> int:
     if recompute == "none":
         return 0
     # A layer's shard and micro-batch decide it, not the replicas or the batch: measured once
-    # for all the layouts --plan_for weighs that share them.
-    return _layer_recompute_flops(
-        rank.shapes, rank.micro_batch, rank.sequence, rank.dtype, recompute, kernel
-    )
+    # per planning for all the layouts --plan_for weighs that share them.
+    key = ("recompute_flops", rank.shapes, rank.micro_batch, rank.sequence, rank.dtype)
+    key += (recompute, kernel)
+    if key not in rank.layer_memo:
+        rank.layer_memo[key] = _layer_recompute_flops(
+            rank.shapes, rank.micro_batch, rank.sequence, rank.dtype, recompute, kernel
+        )
+    return rank.layer_memo[key]
 
 
-@functools.cache
 def _layer_recompute_flops(s, micro_batch, sequence, dtype, recompute, kernel) -> int:
     if recompute == "selective":
         flops = []

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -154,10 +154,16 @@ class RankShape:
     # The pipeline stage whose layers and parts the rank holds (None: the whole model).
     stage: Stage | None = None
     sparse: bool = False  # RigL keeps a mask byte per weight of the decoder layers' matrices
+    # What a decoder layer of these shapes keeps and recomputes, measured on meta tensors: the
+    # planning's (``Measurements.layers``), shared with the copies of this rank it makes.
+    layer_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
-    def from_config(cls, config: PretrainingConfig, stage: int = 0) -> RankShape:
-        """The shape of a rank of pipeline stage ``stage`` (without a pipeline, every rank)."""
+    def from_config(
+        cls, config: PretrainingConfig, stage: int = 0, layer_memo: dict | None = None
+    ) -> RankShape:
+        """The shape of a rank of pipeline stage ``stage`` (without a pipeline, every rank);
+        ``layer_memo``: the planning's layer measurements, to reuse and add to."""
         ex = config.execution
         pipeline = None
         if ex.pipeline_parallel > 1:
@@ -172,6 +178,7 @@ class RankShape:
             cp=ex.context_parallel,
             stage=pipeline,
             sparse=config.rigl.enabled,
+            layer_memo={} if layer_memo is None else layer_memo,
         )
 
     @property
@@ -194,8 +201,12 @@ class RankShape:
 
     def kept(self, recompute: str, kernel: str) -> KeptBytes:
         """What a decoder layer keeps per micro-batch for its backward (measured)."""
-        s = self
-        return kept_bytes(s.shapes, s.micro_batch, s.sequence, s.dtype, recompute, kernel)
+        key = ("kept", self.shapes, self.micro_batch, self.sequence, self.dtype, recompute, kernel)
+        if key not in self.layer_memo:
+            self.layer_memo[key] = kept_bytes(
+                self.shapes, self.micro_batch, self.sequence, self.dtype, recompute, kernel
+            )
+        return self.layer_memo[key]
 
     def activation_layout(self, entries: int, kept: int = 0, in_flight: int = 1):
         shapes = dataclasses.replace(self.shapes, layers=self.layers)

@@ -83,18 +83,22 @@ def candidate_plans(
             return None
         return measured_working_set(measure_as or config, device_type, mode, measurements)
 
-    rank = RankShape.from_config(config, stage)
+    layers = measurements.layers if measurements is not None else None
+    rank = RankShape.from_config(config, stage, layer_memo=layers)
     ga = rank.gradient_accumulation
     # Each distinct number of micro-batches per pass, once.
     passes = sorted({math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)})
     return _plans(config, device_type, rank, passes, working_set)
 
 
-def advisory_plans(config: PretrainingConfig, device_type: str) -> list[MemoryPlan]:
+def advisory_plans(
+    config: PretrainingConfig, device_type: str, layer_memo: dict | None = None
+) -> list[MemoryPlan]:
     """Per placement and recompute mode, the plan of least memory (the most passes), with the
     quick formula's working set: what a one-line suggestion weighs, for each flag it tries (a
-    measured step for each would take minutes)."""
-    rank = RankShape.from_config(config)
+    measured step for each would take minutes). ``layer_memo``: layer measurements shared by
+    the suggestions' configs (:attr:`RankShape.layer_memo`)."""
+    rank = RankShape.from_config(config, layer_memo=layer_memo)
     return _plans(config, device_type, rank, [rank.gradient_accumulation], lambda *_: None)
 
 
@@ -370,6 +374,7 @@ def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudg
         for name in ("data_parallel", "tensor_parallel_1", "tensor_parallel_2", "context_parallel"):
             changes.append((name, getattr(ex, name) * factor, ""))
     found: dict[str, str] = {}
+    layer_memo: dict = {}  # the changed configs share most of their layers' shapes
     for name, value, text in changes:
         if name in found:
             continue
@@ -379,7 +384,7 @@ def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudg
             continue
         else:
             changed = _with_execution(config, **{name: value})
-        plans = advisory_plans(changed, device_type)
+        plans = advisory_plans(changed, device_type, layer_memo)
         if any(budget.fits(p) for p in plans):
             found[name] = text or f"--{name} {value} ({changed.world_size} processes)"
     if not found:
