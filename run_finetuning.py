@@ -12,30 +12,20 @@ checkpoint), ``--hf_model`` a HuggingFace GPT-2's. See docs/finetuning.md.
 
 from __future__ import annotations
 
-import os
-import signal
-import sys
 import time
 from pathlib import Path
 
 from config.finetuning import parse_finetuning_config
-from config.loading import ConfigError
-from data.errors import DataError
-from execution.parallel.launch import read_launch_environment, setup_layout, teardown
+from execution.parallel.launch import setup_layout, teardown
+from execution.training.entry import Job, run_entry_point
 from execution.training.finetuning import build_finetuning, evaluate_only
-from execution.training.loop import Interrupted, train
+from execution.training.loop import train
 
 PROGRAM = "run_finetuning.py"
 
 
-class _Job:
-    """What the entry point knows of the job when something stops it."""
-
-    joined = False  # the ranks have joined: an error may now be one rank's own
-
-
-def main(argv: list[str] | None = None, job: _Job | None = None) -> None:
-    job = job or _Job()
+def main(argv: list[str] | None = None, job: Job | None = None) -> None:
+    job = job or Job()
     config, preset = parse_finetuning_config(argv)
     if config.planning.dry_run or config.planning.plan_for:
         plan_without_launching(config, preset)
@@ -65,33 +55,5 @@ def plan_without_launching(config, preset: str) -> None:
     dry_run(config, Path(config.logging.output_dir or default))
 
 
-def _rank() -> int:
-    """This process's rank in its job, from any launcher's variables (0 alone)."""
-    try:
-        return read_launch_environment(os.environ).rank
-    except ConfigError:  # inconsistent launcher variables: said by setup_layout already
-        return 0
-
-
 if __name__ == "__main__":
-    # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does.
-    stopped_by = {"signal": signal.SIGINT}
-
-    def _on_sigterm(signum, frame) -> None:
-        stopped_by["signal"] = signum
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _on_sigterm)
-    job = _Job()
-    try:
-        main(job=job)
-    except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
-        rank = _rank()
-        if rank == 0 or job.joined:
-            where = f"rank {rank}: " if rank else ""
-            print(f"{PROGRAM}: error: {where}{err}", file=sys.stderr)
-        sys.exit(2)
-    except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
-        if _rank() == 0:
-            print(f"{PROGRAM}: {str(err) or 'interrupted'}", file=sys.stderr)
-        sys.exit(128 + stopped_by["signal"])
+    run_entry_point(main, PROGRAM)

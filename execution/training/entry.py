@@ -1,0 +1,56 @@
+"""What an entry script (run_pretraining.py, run_finetuning.py) does when something stops it:
+the user's bad input is one line and exit 2, an interruption one line and the shell's 128 +
+signal, from rank 0 only where every rank says the same."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable
+
+from config.loading import ConfigError
+from data.errors import DataError
+from execution.parallel.launch import read_launch_environment
+from execution.training.loop import Interrupted
+
+
+class Job:
+    """What the entry point knows of the job when something stops it."""
+
+    joined = False  # the ranks have joined: an error may now be one rank's own
+
+
+def launcher_rank() -> int:
+    """This process's rank in its job, from any launcher's variables (0 alone)."""
+    try:
+        return read_launch_environment(os.environ).rank
+    except ConfigError:  # inconsistent launcher variables: said by setup_layout already
+        return 0
+
+
+def run_entry_point(main: Callable[..., None], program: str) -> None:
+    """Runs ``main(job=...)`` and exits as the module docstring says."""
+    # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does.
+    stopped_by = {"signal": signal.SIGINT}
+
+    def _on_sigterm(signum, frame) -> None:
+        stopped_by["signal"] = signum
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    job = Job()
+    try:
+        main(job=job)
+    except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
+        # Before the ranks join (flags, world size) every rank finds the same error: rank 0
+        # says it. After, an error may be one rank's own: it says which rank it is.
+        rank = launcher_rank()
+        if rank == 0 or job.joined:
+            where = f"rank {rank}: " if rank else ""
+            print(f"{program}: error: {where}{err}", file=sys.stderr)
+        sys.exit(2)
+    except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
+        if launcher_rank() == 0:  # every rank of a job gets the signal
+            print(f"{program}: {str(err) or 'interrupted'}", file=sys.stderr)
+        sys.exit(128 + stopped_by["signal"])
