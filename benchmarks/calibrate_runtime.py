@@ -104,9 +104,14 @@ ENGINE_SHAPES = ((2, 1), (2, 8), (6, 1), (6, 8))
 def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     """The engine's host time per op and per phase: real steps of a small model at several
     layer and micro-batch counts, less their ops' device time on ``spec`` (this machine's measured
-    rates), fitted by least squares as ops x launch + phases x phase overhead."""
-    rows = []
+    rates), fitted by least squares as ops x launch + phases x phase overhead.
+
+    The shapes take their steps in turn, so a machine whose speed drifts over seconds (a shared
+    VM) slows every row alike rather than one; the fit weighs each row's residual relative to
+    its step, so the short rows count as much as the long ones."""
     no_launch = dataclasses.replace(spec, launch_overhead_us=0.0)
+    kernel = attention_kernel(device.type, 0.0)
+    runs = []
     for layers, micro_batches in ENGINE_SHAPES:
         flags = [*ENGINE_FLAGS, "--layers", str(layers), "--global_batch_size", str(micro_batches)]
         config, _ = parse_config([*flags, "--device", device.type])
@@ -114,9 +119,10 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
         plan = engine.plan
         row = plan.sequence_length + plan.model.label_columns
         shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
-        tokens = torch.randint(0, 512, shape, device=device)
-        times = []
-        for step in range(sizes.engine_steps + 2):
+        windows = meta_step(plan, ParallelLayout.shapes_only(1, 1, 1), kernel).windows
+        runs.append((engine, torch.randint(0, 512, shape, device=device), windows, []))
+    for step in range(sizes.engine_steps + 2):
+        for engine, tokens, _, times in runs:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             started = time.perf_counter()
@@ -124,8 +130,8 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - started)
-        kernel = attention_kernel(device.type, 0.0)
-        windows = meta_step(plan, ParallelLayout.shapes_only(1, 1, 1), kernel).windows
+    rows = []
+    for (layers, micro_batches), (_, _, windows, times) in zip(ENGINE_SHAPES, runs, strict=True):
         work = sum(
             sum(device_seconds(w.costs, w.attention_flops, no_launch).values()) for w in windows
         )
@@ -139,9 +145,11 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
                 "phases": sum(1 for w in windows if w.kind != "optimizer"),
             }
         )
-        del engine
+    del runs
+    weight = np.array([1.0 / r["step_s"] for r in rows])
     matrix = np.array([[r["kernels"], r["phases"]] for r in rows], dtype=np.float64)
-    residual = np.array([max(r["step_s"] - r["ops_s"], 0.0) for r in rows])
+    matrix *= weight[:, None]
+    residual = np.array([max(r["step_s"] - r["ops_s"], 0.0) for r in rows]) * weight
     (per_kernel, per_phase), *_ = np.linalg.lstsq(matrix, residual, rcond=None)
     if per_phase < 0:  # all of it per op
         per_kernel, per_phase = float(residual @ matrix[:, 0] / (matrix[:, 0] @ matrix[:, 0])), 0.0
