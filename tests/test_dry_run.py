@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from execution.engine.plan import engine_plan
 from execution.parallel.fake_job import fake_job
 from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import (
+    _step_probes,
     checkpoint_figures,
     estimate,
     measure_planned_step,
@@ -205,7 +207,7 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
     plan = candidate_plans(config, "cuda")[0]
     flops, comm, _, _, phases = extrapolated_step(config, plan, spec)
     with fake_job(0, config.world_size):
-        full = measure_planned_step(config, plan, spec)
+        full = measure_planned_step(config, plan, spec, whole_step=True)
     assert flops == full.flops
     assert comm == full.comm_bytes
     assert comm["host_link"] > 0 and comm["dp"] > 0
@@ -214,6 +216,44 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
     for kind, values in full.phases.items():
         assert phases[kind] == pytest.approx(values, rel=1e-9, abs=1e-12), kind
     assert sum(v[0] for v in full.phases.values()) == full.flops
+
+
+@pytest.mark.parametrize(
+    "layout, flags",
+    [
+        ((1, 1, 1), "--passes 1 --placement resident --global_batch_size 6"),
+        ((1, 1, 1), "--passes 5 --placement remote --global_batch_size 17"),  # uneven passes
+        ((2, 1, 1), "--passes 6 --placement remote --global_batch_size 12"),  # one per pass
+        ((1, 2, 1), "--passes 2 --global_batch_size 34 --context_parallel 2"),
+        ((1, 1, 1), "--passes 5 --global_batch_size 17 --pipeline_parallel 2"),
+    ],
+)
+def test_a_step_measured_from_probes_equals_the_whole_step(layout, flags):
+    """The dry run's step of many micro-batches, from two or three steps of fewer passes and
+    micro-batches (measure_step), against every micro-batch stepped: FLOPs, bytes of every
+    group and of the host link, and buffers equal; the working set within the 4 bytes per
+    micro-batch of a kept loss; each kind of phase's costs, and the estimate, to rounding."""
+    run = ["--layers", "3", "--micro_batch_size", "1", *shlex.split(flags)]
+    config = distributed_config(*layout_flags(*layout), *run)
+    spec = resolve_spec(config)
+    plan = candidate_plans(config, "cuda")[0]
+    probes, _ = _step_probes(engine_plan(config, plan), config.execution.pipeline_parallel)
+    assert sum(m for _, m in probes) < config.gradient_accumulation  # the probes are taken
+    # A pipeline's last stage holds the head.
+    for rank in sorted({0, config.world_size - 1 if "pipeline" in flags else 0}):
+        with fake_job(rank, config.world_size):
+            whole = measure_planned_step(config, plan, spec, whole_step=True)
+            probed = measure_planned_step(config, plan, spec)
+        assert probed.flops == whole.flops > 0
+        assert probed.comm_bytes == whole.comm_bytes
+        assert probed.buffer_bytes == whole.buffer_bytes
+        assert abs(probed.working_set - whole.working_set) <= 4 * config.gradient_accumulation
+        assert probed.phases.keys() == whole.phases.keys()
+        for kind, values in whole.phases.items():
+            # A pipeline's reductions carried into the next phase may land in another kind.
+            assert probed.phases[kind] == pytest.approx(values, rel=1e-9, abs=1e-7), kind
+        step = estimate(config, whole, spec)["step_time_s"]
+        assert estimate(config, probed, spec)["step_time_s"] == pytest.approx(step, rel=1e-6)
 
 
 def _estimate(config):

@@ -144,19 +144,26 @@ class EnginePlan:
     memory: MemoryPlan
     sparsity: SparsitySchedule | None = None
 
-    def shrunk(self, layers: int, micro_batches: int, passes: int) -> EnginePlan:
-        """The same shards and phases with fewer layers (one stage) and micro-batches, and
-        fixed passes: a step to measure quickly."""
+    def with_micro_batches(self, micro_batches: int, passes: int) -> EnginePlan:
+        """The same layers and stages with fewer micro-batches and passes: a step to measure
+        quickly."""
         return dataclasses.replace(
             self,
-            model=dataclasses.replace(self.model, layers=layers),
             gradient_accumulation=micro_batches,
-            stage_layers=(layers,),
             memory=dataclasses.replace(
                 self.memory,
                 passes=passes,
                 micro_batches_per_pass=-(-micro_batches // passes),
             ),
+        )
+
+    def shrunk(self, layers: int, micro_batches: int, passes: int) -> EnginePlan:
+        """The same shards and phases with fewer layers (one stage) and micro-batches, and
+        fixed passes: a step to measure quickly."""
+        return dataclasses.replace(
+            self.with_micro_batches(micro_batches, passes),
+            model=dataclasses.replace(self.model, layers=layers),
+            stage_layers=(layers,),
         )
 
 

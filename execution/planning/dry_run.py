@@ -19,11 +19,13 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.buffers import WEIGHT_STATES, flat_specs
+from execution.engine.engine import PhasedEngine
 from execution.engine.plan import EnginePlan, GiB, MemoryPlan, engine_plan
 from execution.engine.recompute import attention_kernel
 from execution.engine.schedule import Stage
@@ -101,9 +103,81 @@ def measure_planned_step(
     plan: MemoryPlan,
     spec: DeviceSpec,
     measurements: Measurements | None = None,
+    whole_step: bool = False,
 ) -> RankMeasurement:
-    """Set-up and one training step of this fake job's rank under ``config`` and ``plan``."""
-    return measure_engine_step(engine_plan(config, plan), _mesh(config), spec, measurements)
+    """Set-up and one training step of this fake job's rank under ``config`` and ``plan``
+    (:func:`measure_step`; ``whole_step``: every micro-batch stepped, however many)."""
+    measure = measure_engine_step if whole_step else measure_step
+    return measure(engine_plan(config, plan), _mesh(config), spec, measurements)
+
+
+def measure_step(
+    plan: EnginePlan,
+    mesh: MeshShape,
+    spec: DeviceSpec,
+    measurements: Measurements | None = None,
+) -> RankMeasurement:
+    """The rank's step as :func:`measure_engine_step` measures it, from two or three steps of
+    its layers and stages with fewer passes and micro-batches when that is quicker (stepping
+    each of hundreds of micro-batches on meta tensors is what made a dry run take minutes).
+
+    At fixed layers every count of a step (FLOPs, bytes of each collective and of the host
+    link, each kind of phase's costs) is c0 + c1 P + c2 M in its passes P and micro-batches M,
+    since a phase repeats per pass and its body per micro-batch; so is the working set, within
+    one regime: one pass or several (the pass boundary overlaps two), one micro-batch per pass
+    or several (what overlaps the next micro-batch is there from the second on; each further
+    one keeps its loss), and at least as many passes as pipeline stages (the schedule's warm-up
+    and cool-down). :func:`_step_probes` picks probes of the plan's regime, and the counts are
+    combined exactly; the buffers are the full plan's, built without a step.
+    """
+    probes, columns = _step_probes(plan, mesh.pp)
+    if sum(m for _, m in probes) >= plan.gradient_accumulation:
+        return measure_engine_step(plan, mesh, spec, measurements)
+    steps = [
+        measure_engine_step(plan.with_micro_batches(m, p), mesh, spec, measurements)
+        for p, m in probes
+    ]
+    basis = np.array([columns(p, m) for p, m in probes], dtype=np.float64)
+    full = np.array(columns(plan.memory.passes, plan.gradient_accumulation), dtype=np.float64)
+    weights = full @ np.linalg.inv(basis)
+
+    def at_full(values) -> float:
+        return float(weights @ np.array(values, dtype=np.float64))
+
+    first = steps[0]
+    return RankMeasurement(
+        plan=plan.memory,
+        fits=True,
+        why="",
+        buffer_bytes=PhasedEngine(plan, _layout(mesh)).buffer_bytes(),
+        working_set=round(at_full([s.working_set for s in steps])),
+        comm_bytes={k: round(at_full([s.comm_bytes[k] for s in steps])) for k in first.comm_bytes},
+        comm_seconds={k: at_full([s.comm_seconds[k] for s in steps]) for k in first.comm_seconds},
+        flops=round(at_full([s.flops for s in steps])),
+        phases={
+            kind: tuple(
+                at_full(values) for values in zip(*(s.phases[kind] for s in steps), strict=True)
+            )
+            for kind in first.phases
+        },
+    )
+
+
+def _step_probes(plan: EnginePlan, stages: int):
+    """(passes, micro-batches) of the steps that stand for ``plan``'s, of its regime (see
+    :func:`measure_step`), and the basis their counts are linear in."""
+    passes, micro_batches = plan.memory.passes, plan.gradient_accumulation
+    if passes == 1:
+        return ((1, 2), (1, 3)), lambda p, m: (1, m)
+    least = max(2, stages)
+    if micro_batches == passes:  # one micro-batch per pass
+        return ((least, least), (least + 1, least + 1)), lambda p, m: (1, p)
+    probes = ((least, 2 * least), (least, 3 * least), (least + 1, 2 * least + 2))
+    return probes, lambda p, m: (1, p, m)
+
+
+def _layout(mesh: MeshShape) -> ParallelLayout:
+    return ParallelLayout.build(mesh.dp, mesh.tp1, mesh.tp2, META, cp=mesh.cp, pp=mesh.pp)
 
 
 def measure_engine_step(
@@ -114,7 +188,7 @@ def measure_engine_step(
 ) -> RankMeasurement:
     """Set-up and one training step of this fake job's rank, on meta tensors, measured
     (``measurements``: the planning's, whose meta results it replays)."""
-    layout = ParallelLayout.build(mesh.dp, mesh.tp1, mesh.tp2, META, cp=mesh.cp, pp=mesh.pp)
+    layout = _layout(mesh)
     kernel = attention_kernel(spec.device_type, plan.model.dropout_prob)
     step = meta_step(plan, layout, kernel, measurements=measurements)
     comm, seconds = {}, {}
