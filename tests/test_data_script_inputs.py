@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.entry_points import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE = ROOT / "data" / "sample"
@@ -22,8 +23,7 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
 
 
 def _script(name: str, *args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, str(ROOT / "data" / name), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=120)
+    return run_script(ROOT / "data" / name, *args, cwd=Path.cwd(), timeout=120)
 
 
 # (script, arguments with {tmp}, what the one line says)

@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def entry_point(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    """run_pretraining.py as a user runs it."""
+    """run_pretraining.py as a user runs it (a new interpreter: --plan_for forks its workers,
+    which a forked child of the test process must not)."""
     command = [sys.executable, "run_pretraining.py", *flags]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +11,7 @@ import pytest
 import run_finetuning
 from config.loading import ConfigError
 from data.errors import DataError
+from tests.entry_points import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = shlex.split(
@@ -28,13 +27,7 @@ def _fails(argv: list[str], error: type, words: str) -> None:
 
 
 def test_unknown_flag_exits_2_with_one_line():
-    result = subprocess.run(
-        [sys.executable, "run_finetuning.py", "--task", "squad", "--nonsense", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_script("run_finetuning.py", "--task", "squad", "--nonsense", "1")
     assert result.returncode == 2
     assert result.stderr.strip() == (
         "run_finetuning.py: error: unrecognized arguments: --nonsense 1"

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +19,7 @@ from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from modelling.generation import build_model, forward_logits
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch, small_config
+from tests.entry_points import run_script
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers")
@@ -122,8 +121,7 @@ def test_hf_model_flag_evaluates_the_hf_weights_like_transformers(tmp_path):
         "--eval_only --eval_batches 1"
     )
     paths = ["--hf_model", str(tmp_path / "hf"), "--output_dir", str(tmp_path / "out")]
-    command = [sys.executable, "run_pretraining.py", *flags, *paths]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = run_script("run_pretraining.py", *flags, *paths)
     assert result.returncode == 0, result.stderr
     assert f"weights from the HuggingFace model {tmp_path / 'hf'}" in result.stdout
     (row,) = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").open()]

@@ -16,7 +16,6 @@ import functools
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
@@ -54,6 +53,7 @@ from tests.distributed import (
     train_steps,
     world_layout,
 )
+from tests.entry_points import run_script
 from tests.reference import reference_model, reference_optimizer
 from utils.plot import plot_losses
 
@@ -378,8 +378,7 @@ def test_hf_export_writes_the_zeros_and_generation_runs(tmp_path, capsys):
 
 
 def _run(*flags: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "run_pretraining.py", *flags]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return run_script("run_pretraining.py", *flags, timeout=600)
 
 
 def test_a_bad_flag_exits_2_with_one_line():

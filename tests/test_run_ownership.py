@@ -78,7 +78,8 @@ def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_pa
     run.send_signal(stop)
     rest, _ = run.communicate(timeout=120)
     assert run.returncode == 128 + stop, rest
-    (last,) = [line for line in rest.splitlines() if "interrupted" in line]
+    # By the line's start: the test's own folder (test_an_interrupted_...) is in other lines.
+    (last,) = [line for line in rest.splitlines() if line.startswith("run_pretraining.py: ")]
     match = re.fullmatch(
         r"run_pretraining.py: interrupted at step (\d+); the last complete checkpoint is step "
         r"(\d+) \((.*)\); resume with the same flags and --load (.*)",

@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.entry_points import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 METRIC_KEYS = {
@@ -26,8 +27,7 @@ METRIC_KEYS = {
 
 
 def run(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    command = [sys.executable, "run_pretraining.py", *flags]
-    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    return run_script("run_pretraining.py", *flags, timeout=timeout)
 
 
 def read_metrics(output_dir: Path) -> list[dict]:

@@ -53,7 +53,9 @@ class JsonlTracker:
 class ConsoleTracker:
     """A human-readable line per logged training step (every ``every`` steps) and evaluation."""
 
-    def __init__(self, total_steps: int, every: int, stream: TextIO = sys.stdout):
+    def __init__(self, total_steps: int, every: int, stream: TextIO | None = None):
+        # None: the sys.stdout of the moment each line is written (not of the import), so a
+        # redirect_stdout around a run catches its lines.
         self.total_steps, self.every, self.stream = total_steps, every, stream
 
     def log(self, metrics: dict[str, Any]) -> None:
@@ -65,7 +67,7 @@ class ConsoleTracker:
             return
         else:
             line = self._step_line(metrics)
-        print(line, file=self.stream, flush=True)
+        print(line, file=self.stream or sys.stdout, flush=True)
 
     def _step_line(self, metrics: dict[str, Any]) -> str:
         mfu = metrics.get("mfu")
