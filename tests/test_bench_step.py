@@ -71,6 +71,7 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
         assert row["last_loss"] < row["first_loss"]
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_an_out_of_memory_row_is_its_result_in_one_line():
     """A plain loop whose embedding alone needs ~200 GB: its process records the allocator's
     error as the row, and the caller gets the row instead of a crash."""

@@ -32,6 +32,7 @@ def quick_calibration(tmp_path_factory):
     return result, out
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration):
     result, out = quick_calibration
     spec = read_spec_file(out, SPECS["h200"])
@@ -95,6 +96,7 @@ FACTOR = 2.0
         "--passes 2 --placement remote --recompute full",
     ],
 )
+@pytest.mark.slow  # needs the calibration, 12 s
 def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
     """The dry run's step on this machine's calibration, against the median of real steps."""
     _, spec_path = quick_calibration

@@ -141,6 +141,7 @@ def test_close_waits_only_for_the_read_in_progress():
         prefetched.next_batch()
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_a_process_that_never_closes_the_prefetcher_still_exits():
     code = (
         "from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader\n"

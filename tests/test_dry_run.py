@@ -135,6 +135,7 @@ CASES = [
 
 
 @pytest.mark.parametrize(("layout", "flags"), CASES, ids=["1x1x1", "2x2x1", "1x2x2"])
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     """Buffers exactly, and the working set within 10%, of a real CPU step of the same plan."""
     sizes = shlex.split("--global_batch_size 8 --micro_batch_size 1 --hidden_size 64")
@@ -152,6 +153,7 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     assert 0.99 * real["working_set"] <= planned <= 1.5 * real["working_set"], (planned, real)
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_the_planned_working_set_counts_the_gradients_a_reduction_still_reads(tmp_path):
     """dp 8, communication overlapped: while a layer's gradient reduce-scatter runs, the next
     layer's backward starts beside the accumulator it reads. The planner measures on a layout
@@ -172,6 +174,7 @@ def test_the_planned_working_set_counts_the_gradients_a_reduction_still_reads(tm
 
 
 @pytest.mark.parametrize("layout", [(1, 1, 1, 2), (1, 2, 1, 2)], ids=["cp2", "tp1_2-cp2"])
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
     """With the sequence over 2 ranks, the dry run's buffers (activations: half those of one
     rank holding whole sequences) and the bytes each group sends, the context axis's
@@ -229,6 +232,7 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
         ((1, 1, 1), "--passes 5 --global_batch_size 17 --pipeline_parallel 2"),
     ],
 )
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_a_step_measured_from_probes_equals_the_whole_step(layout, flags):
     """The dry run's step of many micro-batches, from two or three steps of fewer passes and
     micro-batches (measure_step), against every micro-batch stepped: FLOPs, bytes of every
@@ -330,6 +334,7 @@ def test_kinds_of_rank_group_equal_shards_and_node_spans():
     assert sorted(r for kind in kinds for r in kind) == list(range(24))
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_plan_for_lists_pipeline_layouts_one_row_each():
     """Pipelines of 2 and 4 stages are searched (tensor axes filling what is left of a node),
     with the bubble in their estimate; the table has one row per layout, with the micro-batch

@@ -144,6 +144,7 @@ def test_best_answer_takes_the_best_valid_span_over_windows(tokenizer):
     )
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_squad_metric_agrees_with_torchmetrics():
     from torchmetrics.text import SQuAD
 

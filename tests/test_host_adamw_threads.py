@@ -57,6 +57,7 @@ def _threads_added(chunk: int, pool: int, engine_pool: bool) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_host_adamw_adds_no_threads_beyond_its_pool():
     assert _threads_added(HOST_CHUNK_ELEMENTS, pool=2, engine_pool=True) <= 2
     # The count catches the bug: a plain pool opens a team in each of its threads.

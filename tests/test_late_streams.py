@@ -74,6 +74,7 @@ def test_late_side_streams_train_bit_for_bit_as_eager(weights, activations, reco
         assert (engine.state.stores.waits > 0) == stored, where
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_host_gradients_are_stored_late_and_read_after_their_store():
     """Gradients in host memory go there on the store stream, pass after pass; the next
     pass's accumulation and the optimizer wait for them: bitwise the eager run."""

@@ -49,6 +49,7 @@ def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
     assert dry == real == MemoryBudget(40 * GiB, 100 * GiB)
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     """gpt3_1.3B's plans: those that fit the spec's whole memory but not a real run's budget
     (within 10% of the 79 GiB device or 128 GiB host, such as everything on the device in 2

@@ -96,6 +96,7 @@ def placement_flags(weights: str, grads: str, activations: str) -> list[str]:
     return flags
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_every_placement_equals_all_remote():
     """Each of the 8 combinations of device and host for weights (with optimizer state),
     gradients and activations, with 2 passes and dropout, is bitwise equal to all-remote."""

@@ -39,6 +39,7 @@ def _measured(config, monkeypatch, replay: bool):
         ((1, 2, 2, 1), "--placement resident --recompute selective"),
     ],
 )
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_replayed_meta_ops_measure_the_same_step(monkeypatch, layout, flags):
     """Replaying recorded meta results (StepMeter) changes none of a step's figures: working
     set, FLOPs, each group's bytes, the per-phase windows and the buffers; and most ops were

@@ -29,6 +29,7 @@ def test_everything_on_the_device_in_one_pass_when_it_fits():
     assert plan.traffic == 0
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_tighter_device_memory_moves_state_off_the_device():
     """gpt3_1.3B on a GPU: with room, everything stays on the device in one pass; as device
     memory shrinks, each chosen plan fits, holds less on the device, moves more bytes over
@@ -95,6 +96,7 @@ def test_host_traffic_grows_with_passes_only_when_weights_stream():
     assert by["host", "device", "device", 16] > by["host", "device", "device", 1] > 0
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_a_misfit_names_the_least_memory_and_the_flags_that_fit():
     config = preset("gpt3_6.7B")
     with pytest.raises(ConfigError) as err:
@@ -119,6 +121,7 @@ def test_passes_beyond_the_micro_batches_are_an_error():
         small_config("--passes", "9")
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed():
     """One pass of gpt3_350M's 32 micro-batches does not fit 21 GiB; the planner's own passes
     would, so that is the first suggestion (before any extra processes)."""
@@ -162,6 +165,7 @@ def test_host_traffic_is_what_the_engine_copies(passes):
 
 
 @pytest.mark.parametrize("recompute", ["full", "none"])
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_the_planned_working_set_holds_however_many_micro_batches_share_a_pass(recompute):
     """The planner measures the working set at one micro-batch per pass. Real CPU steps of 8
     micro-batches in 1, 2, 4 and 8 passes allocate no more beyond their buffers than that, but

@@ -55,6 +55,7 @@ def _train(config) -> dict:
 
 
 @pytest.mark.parametrize("placement", ["resident", "remote"])
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
     """Over 3 steps, selective and none give full's losses, norms, gradients, weights and
     moments within 1e-6; each allocates the bytes planned, fills each layer's entry exactly
@@ -94,6 +95,7 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
     assert kept["full"] == 0 < kept["selective"] < kept["none"]
 
 
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_auto_weighs_recompute_against_memory_and_the_host_link():
     """With room on a CPU device (no link), auto keeps everything (least compute); when the
     kept bytes would cross a GPU's host link, it recomputes in full (a tiny model's compute
