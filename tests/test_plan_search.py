@@ -13,7 +13,7 @@ from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import measure_planned_step
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
-from execution.planning.plan_search import layouts, search
+from execution.planning.plan_search import _inner, layouts, search, tensor_parallel_floor
 from execution.planning.plan_table import print_layouts
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
 from tests.distributed import layout_flags
@@ -108,9 +108,9 @@ def test_workers_find_the_rows_one_process_finds():
     again from nothing."""
     config = small_config("--layers", "1", "--global_batch_size", "4")
     config.planning.plan_workers = 2
-    side_by_side, misfits_by_two = search(config, 2)
+    side_by_side, misfits_by_two, _ = search(config, 2)
     config.planning.plan_workers = 1
-    alone, misfits = search(config, 2, Measurements())  # from nothing
+    alone, misfits, _ = search(config, 2, Measurements())  # from nothing
     assert [m["config"] for m in misfits_by_two] == [m["config"] for m in misfits]
     assert len(side_by_side) == len(alone) > 5
 
@@ -150,3 +150,33 @@ def test_plan_for_where_nothing_fits_says_what_the_nearest_layout_needs(capsys):
     (line,) = [x for x in out.splitlines() if x.startswith("nothing fits")]
     assert "nothing fits on 2 devices: the nearest layout (dp " in line
     assert "GiB of device and" in line and "which may use 0.0 GiB of device memory" in line
+
+
+@pytest.mark.slow
+def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win():
+    """--plan_across_nodes with nodes of 2 devices and a slow network: every layout's
+    tensor-parallel floor is below its own measured estimate (it is a lower bound), and the
+    search that prunes by it measures exactly the spanning layouts whose floor is below the
+    fastest in-node step, and finds the same rows otherwise."""
+    flags = "--layers 1 --global_batch_size 2 --devices_per_node 2 --plan_across_nodes "
+    flags += "--sequence_length 64 --max_positional_length 64"  # activations outweigh weights
+    config = small_config(*shlex.split(flags), "--inter_node_gb_per_s", "0.001")
+    config.planning.plan_workers = 1
+    spec = resolve_spec(config)
+    measurements = Measurements()
+    every, _, none_pruned = search(config, 4, measurements, prune=False)
+    spans = {id(r): _inner(r["config"]) > spec.devices_per_node for r in every}
+    floors = {id(r): tensor_parallel_floor(r["config"], spec) for r in every}
+    assert none_pruned == 0 and any(spans.values()) and not all(spans.values())
+    for row in every:
+        assert floors[id(row)] <= row["step_time_s"], row["config"].execution
+    fastest_within = min(r["step_time_s"] for r in every if not spans[id(r)])
+    dropped = [r for r in every if spans[id(r)] and floors[id(r)] >= fastest_within]
+    assert dropped, "the slow network should leave some layout no chance"
+    kept, _, pruned = search(config, 4, measurements)
+    assert pruned == len(dropped)
+
+    def figures(row):
+        return row["config"].execution, row["plan"], row["step_time_s"]
+
+    assert [figures(r) for r in kept] == [figures(r) for r in every if r not in dropped]

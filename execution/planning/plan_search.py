@@ -48,7 +48,7 @@ from execution.engine.buffers import DTYPES
 from execution.engine.plan import MemoryPlan, Placement, engine_plan
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
-from execution.parallel.mesh import MeshShape
+from execution.parallel.mesh import GroupAxis, MeshShape
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     RankMeasurement,
@@ -63,7 +63,7 @@ from execution.planning.planner import (
     plans_fitting_every_stage,
     shortfall,
 )
-from execution.planning.time_model import COST_INDEX, PHASE_COSTS
+from execution.planning.time_model import COST_INDEX, PHASE_COSTS, collective_seconds
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -227,18 +227,56 @@ def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tup
 
 
 def search(
-    config: PretrainingConfig, devices: int, measurements: Measurements | None = None
-) -> tuple[list[dict], list[dict]]:
-    """Layouts that fit, each with its plan and estimate, fastest first; and those that do not,
-    each with its least-memory plan (``config``, ``plan``, ``shortfall`` in bytes).
+    config: PretrainingConfig,
+    devices: int,
+    measurements: Measurements | None = None,
+    prune: bool = True,
+) -> tuple[list[dict], list[dict], int]:
+    """Layouts that fit, each with its plan and estimate, fastest first; those that do not,
+    each with its least-memory plan (``config``, ``plan``, ``shortfall`` in bytes); and how many
+    layouts spanning nodes were pruned unmeasured.
+
+    Layouts whose tensor and context groups stay inside a node are measured first. A layout
+    whose groups span nodes (``--plan_across_nodes``) is then measured only if its
+    :func:`tensor_parallel_floor` is below the fastest step found (``prune``; without it,
+    every one is measured, as the test of the floor does).
 
     Layouts that share probes (:func:`_probe_group`) are measured together, and groups side by
     side in ``--plan_workers`` forked processes: measuring is single-threaded Python, so each
     further core shortens the search about as much as the first. ``measurements``: what
     this process measured in an earlier planning (forked workers each add to a copy)."""
-    measure_group = functools.partial(_search_group, measurements=measurements or Measurements())
+    measurements = measurements or Measurements()
+    spec = resolve_spec(config)
+    candidates = layouts(config, devices)
+    within = [c for c in candidates if _inner(c) <= spec.devices_per_node]
+    spanning = [c for c in candidates if _inner(c) > spec.devices_per_node]
+    rows, misfits = _measure_layouts(config, within, measurements)
+    pruned = 0
+    if spanning:
+        if prune and rows:
+            fastest = min(row["step_time_s"] for row in rows)
+            kept = [c for c in spanning if tensor_parallel_floor(c, spec) < fastest]
+            pruned = len(spanning) - len(kept)
+            spanning = kept
+        more_rows, more_misfits = _measure_layouts(config, spanning, measurements)
+        rows, misfits = rows + more_rows, misfits + more_misfits
+    rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
+    misfits.sort(key=lambda m: m["shortfall"])
+    return rows, misfits, pruned
+
+
+def _inner(candidate: PretrainingConfig) -> int:
+    ex = candidate.execution
+    return ex.tensor_parallel_1 * ex.tensor_parallel_2 * ex.context_parallel
+
+
+def _measure_layouts(
+    config: PretrainingConfig, candidates: list[PretrainingConfig], measurements: Measurements
+) -> tuple[list[dict], list[dict]]:
+    """:func:`_search_group` of each probe group, in worker processes where there are several."""
+    measure_group = functools.partial(_search_group, measurements=measurements)
     groups: dict[tuple, list[PretrainingConfig]] = {}
-    for candidate in layouts(config, devices):
+    for candidate in candidates:
         groups.setdefault(_probe_group(candidate), []).append(candidate)
     workers = min(config.planning.plan_workers or usable_cores(), len(groups))
     if workers > 1:
@@ -248,10 +286,41 @@ def search(
     else:
         results = [measure_group(group) for group in groups.values()]
     rows = [row for group_rows, _ in results for row in group_rows]
-    rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
-    misfits = [misfit for _, group_misfits in results for misfit in group_misfits]
-    misfits.sort(key=lambda m: m["shortfall"])
-    return rows, misfits
+    return rows, [misfit for _, group_misfits in results for misfit in group_misfits]
+
+
+def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
+    """A lower bound on a layout's step time, from what no plan avoids: the tensor-parallel
+    all-reduces of each decoder layer's four matmuls, which every rank waits for where they are
+    issued (on the critical path, :func:`~execution.planning.time_model.phase_costs`).
+
+    Per layer and micro-batch of ``t`` tokens (2D layout, docs/design.md): forward, over tp2
+    the QKV output ``[t, 3h/tp1]`` and the first feed-forward output ``[t, 4h/tp1]``, over tp1
+    the attention projection's and second feed-forward's ``[t, h/tp2]``; backward, the
+    conjugates: over tp1 the QKV and first feed-forward inputs' gradients ``[t, h/tp2]``, over
+    tp2 the projection's and second feed-forward's ``[t, h/tp1]`` and ``[t, 4h/tp1]``. Each is
+    priced as the time model prices it (across nodes at the network's rate); recompute, layer
+    norm statistics, the embedding and the head only add to it. A test checks the bound
+    against measured steps."""
+    ex, m = config.execution, config.model
+    mesh = MeshShape(
+        ex.data_parallel,
+        ex.tensor_parallel_1,
+        ex.tensor_parallel_2,
+        ex.context_parallel,
+        ex.pipeline_parallel,
+    )
+    tokens = ex.micro_batch_size * m.sequence_length // ex.context_parallel
+    itemsize = DTYPES[config.training.precision].itemsize
+    h, tp1, tp2 = m.hidden_size, ex.tensor_parallel_1, ex.tensor_parallel_2
+    widths = {"tp1": (h // tp2,) * 4, "tp2": (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1)}
+    per_layer = 0.0
+    for name, columns in widths.items():
+        members = mesh.members(name, 0)
+        axis = GroupAxis(name, len(members), 0, members=members, shapes_only=True)
+        for width in columns:
+            per_layer += collective_seconds(axis, "all_reduce", tokens * width * itemsize, spec)
+    return per_layer * min(config.stage_layers) * config.gradient_accumulation
 
 
 def _probe_group(candidate: PretrainingConfig) -> tuple:

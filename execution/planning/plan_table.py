@@ -51,7 +51,7 @@ def layout_rows(rows: list[dict]) -> list[dict]:
 def print_layouts(config: PretrainingConfig, preset: str) -> None:
     devices = config.planning.plan_for
     spec = resolve_spec(config)
-    rows, misfits = search(config, devices)
+    rows, misfits, pruned = search(config, devices)
     shown = layout_rows(rows)
     tokens = config.tokens_per_step
     print(
@@ -93,6 +93,11 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
                 f"not weighed: {spanning} layouts (with their micro-batch sizes) whose tensor "
                 "or context groups would span nodes; --plan_across_nodes weighs them too"
             )
+    if pruned:
+        print(
+            f"not measured: {pruned} layouts (with their micro-batch sizes) whose groups span "
+            "nodes and whose tensor-parallel all-reduces alone take longer than the fastest step"
+        )
     if not rows and not misfits:
         m = config.model
         print(
