@@ -176,17 +176,18 @@ class AdamWDriver:
                         adamw_(w, g, m, v, weight_decay=decay, mask=mask, **hyper)
                 return
             for part, kind, row, piece, tensors in state.host_update_pieces():
-                mask = masks.of(part, kind, row, False) if masks is not None else None
-                # Meta tensors (a dry run) hold nothing to compute: one chunk stands for all.
-                chunk = tensors[0].numel() if tensors[0].is_meta else HOST_CHUNK_ELEMENTS
-                adamw_threaded_(
-                    *tensors,
-                    pool=pool,
-                    chunk_elements=max(chunk, 1),
-                    weight_decay=kind in DECAYED_KINDS,
-                    mask=None if mask is None else mask[piece],
-                    **hyper,
-                )
+                # Meta tensors (a dry run) hold nothing to compute, and the host's update is
+                # priced by its bytes (Window.host_update_bytes), not by its ops.
+                if not tensors[0].is_meta:
+                    mask = masks.of(part, kind, row, False) if masks is not None else None
+                    adamw_threaded_(
+                        *tensors,
+                        pool=pool,
+                        chunk_elements=HOST_CHUNK_ELEMENTS,
+                        weight_decay=kind in DECAYED_KINDS,
+                        mask=None if mask is None else mask[piece],
+                        **hyper,
+                    )
                 state.refresh_weight_copy(part, kind, row, piece)
 
     @contextlib.contextmanager
