@@ -291,7 +291,7 @@ def test_overlap_hides_data_parallel_traffic_in_the_estimate():
 def _search_four_devices() -> tuple[list[dict], list[dict]]:
     """``--plan_for 4`` of a small model with 4 layers (pipelines of up to 4 stages), shared
     by the tests that read its rows."""
-    rows, misfits, _ = search(small_config("--layers", "4", "--global_batch_size", "8"), 4)
+    rows, misfits, _ = search(small_config("--layers", "4", "--global_batch_size", "4"), 4)
     return rows, misfits
 
 

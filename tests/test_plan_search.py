@@ -106,7 +106,7 @@ def test_workers_find_the_rows_one_process_finds():
     """Groups of layouts of 2 devices (dp, pp, cp, tp1, tp2 and micro-batch sizes) measured in
     two forked workers give the same rows, in the same order, as one process measuring them
     again from nothing."""
-    config = small_config("--layers", "1", "--global_batch_size", "4")
+    config = small_config("--layers", "1", "--global_batch_size", "2")
     config.planning.plan_workers = 2
     side_by_side, misfits_by_two, _ = search(config, 2)
     config.planning.plan_workers = 1

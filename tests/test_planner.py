@@ -146,7 +146,7 @@ def test_host_traffic_is_what_the_engine_copies(passes):
     from execution.parallel.mesh import ParallelLayout
 
     run = shlex.split(
-        "--global_batch_size 12 --micro_batch_size 2 --layers 3 --precision bfloat16 "
+        "--global_batch_size 6 --micro_batch_size 2 --layers 3 --precision bfloat16 "
         f"--passes {passes} --tensor_parallel_1 2"
     )
     for where in itertools.product(("device", "host"), repeat=3):
@@ -156,7 +156,7 @@ def test_host_traffic_is_what_the_engine_copies(passes):
         config = small_config(*run, *placement)
         plan = candidate_plans(config, "cuda")[0]
         engine = PhasedEngine(engine_plan(config, plan), ParallelLayout.shapes_only(1, 2, 1))
-        shape = (6, 2, config.model.sequence_length + 1)
+        shape = (3, 2, config.model.sequence_length + 1)
         tokens = torch.zeros(shape, dtype=torch.long, device="meta")
         engine.train_step(tokens, 0, 1e-3)
         moved = engine.state.host_to_device + engine.state.device_to_host
