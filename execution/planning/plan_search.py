@@ -48,7 +48,7 @@ from execution.engine.buffers import DTYPES
 from execution.engine.plan import MemoryPlan, Placement, engine_plan
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
-from execution.parallel.mesh import GroupAxis, MeshShape
+from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run import (
     RankMeasurement,
@@ -220,8 +220,7 @@ def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tup
     per_micro = x_slice + entry if ex.pipeline_parallel > 2 else entry
     nbytes = config.gradient_accumulation * per_micro
     nbytes *= DTYPES[config.training.precision].itemsize
-    inner = ex.context_parallel * ex.tensor_parallel_1 * ex.tensor_parallel_2
-    within = inner * ex.pipeline_parallel <= spec.devices_per_node
+    within = _inner(config) * ex.pipeline_parallel <= spec.devices_per_node
     rate = spec.intra_node_gb_per_s if within else spec.inter_node_gb_per_s
     return nbytes, nbytes / (rate * 1e9)
 
@@ -303,23 +302,21 @@ def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
     norm statistics, the embedding and the head only add to it. A test checks the bound
     against measured steps."""
     ex, m = config.execution, config.model
-    mesh = MeshShape(
-        ex.data_parallel,
-        ex.tensor_parallel_1,
-        ex.tensor_parallel_2,
-        ex.context_parallel,
-        ex.pipeline_parallel,
+    h, tp1, tp2 = m.hidden_size, ex.tensor_parallel_1, ex.tensor_parallel_2
+    layout = ParallelLayout.shapes_only(
+        ex.data_parallel, tp1, tp2, cp=ex.context_parallel, pp=ex.pipeline_parallel
     )
     tokens = ex.micro_batch_size * m.sequence_length // ex.context_parallel
     itemsize = DTYPES[config.training.precision].itemsize
-    h, tp1, tp2 = m.hidden_size, ex.tensor_parallel_1, ex.tensor_parallel_2
-    widths = {"tp1": (h // tp2,) * 4, "tp2": (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1)}
-    per_layer = 0.0
-    for name, columns in widths.items():
-        members = mesh.members(name, 0)
-        axis = GroupAxis(name, len(members), 0, members=members, shapes_only=True)
-        for width in columns:
-            per_layer += collective_seconds(axis, "all_reduce", tokens * width * itemsize, spec)
+    widths = {
+        layout.tp1: (h // tp2,) * 4,
+        layout.tp2: (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1),
+    }
+    per_layer = sum(
+        collective_seconds(axis, "all_reduce", tokens * width * itemsize, spec)
+        for axis, columns in widths.items()
+        for width in columns
+    )
     return per_layer * min(config.stage_layers) * config.gradient_accumulation
 
 
