@@ -12,12 +12,12 @@ from execution.engine.recompute import attention_kernel
 from execution.planning import memory
 from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import MemoryBudget, RankShape, measure_budget, spec_budget
+from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import (
     advisory_plans,
     candidate_plans,
     choose_or_least,
     choose_plan,
-    step_seconds,
 )
 
 

@@ -9,8 +9,16 @@ import pytest
 from config.loading import ConfigError, parse_config
 from execution.engine.plan import GiB, Placement
 from execution.engine.recompute import attention_kernel
+from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget, RankShape, state_bytes
-from execution.planning.planner import candidate_plans, choose_plan, step_seconds
+from execution.planning.plan_ranking import step_seconds
+from execution.planning.planner import (
+    candidate_plans,
+    choose_plan,
+    fastest_fitting,
+    first_fitting_every_stage,
+    plans_fitting_every_stage,
+)
 from tests.reference import small_config
 
 UNLIMITED = MemoryBudget(device=None, host=1 << 50)
@@ -58,6 +66,45 @@ def test_tighter_device_memory_moves_state_off_the_device():
     traffic = [p.traffic for p in chosen]
     assert device == sorted(device, reverse=True) and traffic == sorted(traffic)
     assert chosen[-1].placement.weights == "host"  # 12 GiB cannot hold 1.3B with AdamW state
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        "--global_batch_size 8",
+        pytest.param("--global_batch_size 8 --pipeline_parallel 2", marks=pytest.mark.slow),
+    ],
+)
+def test_the_lazy_walk_chooses_what_measuring_every_mode_chooses(flags):
+    """first_fitting_every_stage measures a recompute mode's working set only when the walk
+    reaches one of its plans. At device budgets from below what the smallest plan needs to
+    above what the largest needs (so the fastest modes stop fitting one by one), on every stage, it
+    chooses the plan that measuring every mode first chooses; with memory to spare it
+    measures one mode."""
+    config = small_config(*shlex.split(flags))
+    stages = range(config.execution.pipeline_parallel)
+    known = Measurements()  # what both ways measure, measured once
+    eager = {
+        s: plans_fitting_every_stage(config, "cuda", UNLIMITED, s, measurements=known)[0]
+        for s in stages
+    }
+    needs = sorted({p.bytes_on("device")["total"] for plans in eager.values() for p in plans})
+    assert len(needs) > 4
+    chosen = set()
+    for device in [needs[0] - 1, *needs[::3], needs[-1], needs[-1] + 1]:
+        budget = MemoryBudget(device, 1 << 50)
+        for stage in stages:
+            _, everywhere = plans_fitting_every_stage(
+                config, "cuda", budget, stage, measurements=known
+            )
+            want = fastest_fitting(everywhere, budget)
+            got = first_fitting_every_stage(config, "cuda", budget, stage, known)
+            assert got == want, (device, stage)
+            chosen.add(None if got is None else got.recompute)
+    assert {None, "none", "full"} <= chosen  # the walk went past unfitting modes
+    measured = Measurements()
+    first_fitting_every_stage(config, "cuda", UNLIMITED, 0, measured)
+    assert len(measured.working_sets) == 1
 
 
 def test_passes_shrink_activations_to_fit_a_cpu():

@@ -12,7 +12,8 @@ from execution.engine.recompute import attention_kernel
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import MemoryBudget, RankShape, host_traffic
-from execution.planning.planner import candidate_plans, choose_plan, step_seconds
+from execution.planning.plan_ranking import step_seconds
+from execution.planning.planner import candidate_plans, choose_plan
 from execution.planning.step_meter import StepMeter
 from tests.distributed import (
     CPU,

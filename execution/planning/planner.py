@@ -30,21 +30,18 @@ from execution.engine.plan import (
     engine_plan,
 )
 from execution.engine.recompute import MODES, attention_kernel
-from execution.parallel.mesh import MeshShape, ParallelLayout
-from execution.planning.device_specs import resolve_spec
-from execution.planning.measure import Measurements, measured_working_set, recompute_flops
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.measure import Measurements, measured_working_set
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
     host_traffic,
-    host_traffic_by_phase,
     measure_budget,
     micro_batches_per_pass,
     state_bytes,
     working_set_bytes,
 )
-from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
-from utils.metrics import flops_per_token
+from execution.planning.plan_ranking import step_timer
 
 
 def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
@@ -66,10 +63,12 @@ def candidate_plans(
     measure_as: PretrainingConfig | None = None,
     budget: MemoryBudget | None = None,
     measurements: Measurements | None = None,
+    measured: bool = True,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow for a rank of pipeline stage ``stage``, fastest first
     (:func:`step_seconds`; then least host traffic, fewest states on the host, fewest passes,
-    least kept), each with its working set measured on the real step.
+    least kept), each with its working set measured on the real step (``measured``; else the
+    quick formula's: the order does not depend on it).
 
     ``measure_as``: the config whose step measures the working set (``--plan_for`` shares one
     across pipeline sizes). ``budget``: measure a recompute mode's working set only if one of
@@ -79,7 +78,7 @@ def candidate_plans(
     """
 
     def working_set(mode: str, plans: list[MemoryPlan]) -> int | None:
-        if budget is not None and not any(budget.fits(plan) for plan in plans):
+        if not measured or (budget is not None and not any(budget.fits(p) for p in plans)):
             return None
         return measured_working_set(measure_as or config, device_type, mode, measurements)
 
@@ -164,66 +163,6 @@ def _plans(
     )
 
 
-def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: MemoryPlan):
-    """What the planner ranks plans by, at ``--device_spec``'s rates (on a CPU device only the
-    relative sizes matter): the forward phases' compute or their host copies, whichever is
-    longer, the same of the backward phases (recompute included), the optimizer's copies,
-    and the data-parallel weight all-gathers that every pass after the first repeats.
-
-    Forward and backward are weighed apart because a phase's copies hide behind its own
-    compute only, as the dry run estimates them: weights streamed in many passes load each
-    layer twice per pass while the forward holds a third of the compute, so copies that
-    would fit behind the step's whole compute still leave the forward waiting on the link
-    (gpt3_1.3B on an H100: 658 GiB a step, 6 s of forward copies behind 4.6 s of compute)."""
-    return step_timer(config, rank, kernel)(plan)
-
-
-def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
-    """:func:`step_seconds` of the plans of one rank, with what they share worked out once."""
-    spec = resolve_spec(config)
-    model = flops_per_token(GPTShapes.of_run(config), rank.sequence)
-    model_flops = model * config.tokens_per_step / config.world_size
-    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
-    link = spec.host_link_gb_per_s * 1e9
-    pass_gathers = _pass_gather_seconds(config, rank, spec)
-    stages = config.execution.pipeline_parallel
-
-    def seconds(plan: MemoryPlan) -> float:
-        recompute = recompute_flops(rank, plan.recompute, kernel)
-        recompute *= rank.shapes.layers * rank.gradient_accumulation
-        copies = {"forward": 0, "backward": 0, "optimizer": 0}
-        if not plan.shared_memory:
-            kept = rank.kept(plan.recompute, kernel)
-            entries = plan.micro_batches_per_pass
-            copies = host_traffic_by_phase(rank, plan.placement, plan.passes, entries, kept)
-        # The forward is a third of a step's model FLOPs (a backward is twice its forward).
-        forward = max(model_flops / 3 / rate, copies["forward"] / link)
-        backward = max((2 * model_flops / 3 + recompute) / rate, copies["backward"] / link)
-        # A pipeline's P passes take P + S - 1 pass-times (the bubble).
-        bubble = (plan.passes + stages - 1) / plan.passes
-        step = (forward + backward) * bubble + copies["optimizer"] / link
-        return step + (plan.passes - 1) * pass_gathers
-
-    return seconds
-
-
-def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
-    """Seconds of one pass's RTS all-gathers: each layer twice, the embedding three times,
-    the head once, in the compute dtype, over the data-parallel group's links."""
-    ex = config.execution
-    loads = {LAYERS: 2, EMBEDDING: 3, HEAD: 1}
-    sent = 0.0
-    for part, specs in rank.specs.items():
-        rows = rank.rows(part)
-        for spec_ in specs.values():
-            share = (spec_.rts_size - 1) / spec_.rts_size
-            sent += loads[part] * rows * spec_.padded * rank.dtype.itemsize * share
-    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    nodes = {member // spec.devices_per_node for member in mesh.members("dp", 0)}
-    rate = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
-    return sent / (rate * 1e9)
-
-
 def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan | None:
     """The first plan of ``plans`` (ranked fastest first) that fits ``budget``."""
     return next((plan for plan in plans if budget.fits(plan)), None)
@@ -269,6 +208,45 @@ def plans_fitting_every_stage(
     return plans, everywhere
 
 
+def first_fitting_every_stage(
+    config: PretrainingConfig,
+    device_type: str,
+    budget: MemoryBudget,
+    stage: int = 0,
+    measurements: Measurements | None = None,
+) -> MemoryPlan | None:
+    """What ``fastest_fitting(plans_fitting_every_stage(...)[1], budget)`` chooses, measuring
+    only the working sets it needs to get there.
+
+    The ranking does not depend on the working sets, and a recompute mode's working set is the
+    same on every stage (:func:`measured_working_set`), so the choices are walked fastest
+    first and a mode is measured when a choice of it comes up: a run with memory to spare
+    measures one mode instead of every one (a step on meta tensors each)."""
+    measurements = measurements or Measurements()
+    stages = {stage}
+    if config.execution.pipeline_parallel > 1:
+        stages |= {0, *deciding_stages(config.stage_layers)}
+    unmeasured = {
+        s: candidate_plans(config, device_type, s, measurements=measurements, measured=False)
+        for s in stages
+    }
+    by_stage = {s: {_same_choice(p): p for p in plans} for s, plans in unmeasured.items()}
+    order = unmeasured[0 if len(stages) > 1 else stage]
+    working_sets: dict[str, int] = {}
+    for choice in map(_same_choice, order):
+        mode = choice[2]
+        if mode not in working_sets:
+            working_sets[mode] = measured_working_set(config, device_type, mode, measurements)
+        measured = {
+            s: dataclasses.replace(plans[choice], working_set=working_sets[mode])
+            for s, plans in by_stage.items()
+            if choice in plans
+        }
+        if len(measured) == len(by_stage) and all(map(budget.fits, measured.values())):
+            return measured[stage]
+    return None
+
+
 def choose_plan(
     config: PretrainingConfig,
     device_type: str,
@@ -281,12 +259,13 @@ def choose_plan(
     With a pipeline, the stages hold different layers and passes in flight but must run the
     same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
     bytes are returned)."""
-    plans, everywhere = plans_fitting_every_stage(
-        config, device_type, budget, stage, measurements=measurements
-    )
-    plan = fastest_fitting(everywhere, budget)
+    measurements = measurements or Measurements()
+    plan = first_fitting_every_stage(config, device_type, budget, stage, measurements)
     if plan is not None:
         return plan
+    plans, _ = plans_fitting_every_stage(
+        config, device_type, budget, stage, measurements=measurements
+    )
     least = min(plans, key=lambda p: shortfall(p, budget))
     need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
     if budget.device is None:
@@ -335,12 +314,11 @@ def choose_or_least(
     """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
     that needs the least device memory and False (so a dry run can show what it would take);
     for a rank of pipeline stage ``stage``."""
-    plans, everywhere = plans_fitting_every_stage(
-        config, "cuda", budget, stage, measurements=measurements
-    )
-    plan = fastest_fitting(everywhere, budget)
+    measurements = measurements or Measurements()
+    plan = first_fitting_every_stage(config, "cuda", budget, stage, measurements)
     if plan is not None:
         return plan, True
+    plans, _ = plans_fitting_every_stage(config, "cuda", budget, stage, measurements=measurements)
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
 
 

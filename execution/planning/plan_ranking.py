@@ -1,0 +1,78 @@
+"""How the planner ranks plans: a quick step time from FLOPs and each phase's host copies.
+
+The dry run's per-op model (:mod:`execution.planning.time_model`) needs a step measured on
+meta tensors per plan; the planner ranks every placement, pass count and recompute mode of a
+rank before it measures anything, so it weighs them by what separates them: compute against
+each phase's host copies, recompute, and the all-gathers that every further pass repeats.
+"""
+
+from __future__ import annotations
+
+from config.schema import PretrainingConfig
+from execution.engine.plan import MemoryPlan
+from execution.parallel.mesh import MeshShape
+from execution.planning.device_specs import resolve_spec
+from execution.planning.measure import recompute_flops
+from execution.planning.memory import RankShape, host_traffic_by_phase
+from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
+from utils.metrics import flops_per_token
+
+
+def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: MemoryPlan):
+    """What the planner ranks plans by, at ``--device_spec``'s rates (on a CPU device only the
+    relative sizes matter): the forward phases' compute or their host copies, whichever is
+    longer, the same of the backward phases (recompute included), the optimizer's copies,
+    and the data-parallel weight all-gathers that every pass after the first repeats.
+
+    Forward and backward are weighed apart because a phase's copies hide behind its own
+    compute only, as the dry run estimates them: weights streamed in many passes load each
+    layer twice per pass while the forward holds a third of the compute, so copies that
+    would fit behind the step's whole compute still leave the forward waiting on the link
+    (gpt3_1.3B on an H100: 658 GiB a step, 6 s of forward copies behind 4.6 s of compute)."""
+    return step_timer(config, rank, kernel)(plan)
+
+
+def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
+    """:func:`step_seconds` of the plans of one rank, with what they share worked out once."""
+    spec = resolve_spec(config)
+    model = flops_per_token(GPTShapes.of_run(config), rank.sequence)
+    model_flops = model * config.tokens_per_step / config.world_size
+    rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
+    link = spec.host_link_gb_per_s * 1e9
+    pass_gathers = _pass_gather_seconds(config, rank, spec)
+    stages = config.execution.pipeline_parallel
+
+    def seconds(plan: MemoryPlan) -> float:
+        recompute = recompute_flops(rank, plan.recompute, kernel)
+        recompute *= rank.shapes.layers * rank.gradient_accumulation
+        copies = {"forward": 0, "backward": 0, "optimizer": 0}
+        if not plan.shared_memory:
+            kept = rank.kept(plan.recompute, kernel)
+            entries = plan.micro_batches_per_pass
+            copies = host_traffic_by_phase(rank, plan.placement, plan.passes, entries, kept)
+        # The forward is a third of a step's model FLOPs (a backward is twice its forward).
+        forward = max(model_flops / 3 / rate, copies["forward"] / link)
+        backward = max((2 * model_flops / 3 + recompute) / rate, copies["backward"] / link)
+        # A pipeline's P passes take P + S - 1 pass-times (the bubble).
+        bubble = (plan.passes + stages - 1) / plan.passes
+        step = (forward + backward) * bubble + copies["optimizer"] / link
+        return step + (plan.passes - 1) * pass_gathers
+
+    return seconds
+
+
+def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
+    """Seconds of one pass's RTS all-gathers: each layer twice, the embedding three times,
+    the head once, in the compute dtype, over the data-parallel group's links."""
+    ex = config.execution
+    loads = {LAYERS: 2, EMBEDDING: 3, HEAD: 1}
+    sent = 0.0
+    for part, specs in rank.specs.items():
+        rows = rank.rows(part)
+        for spec_ in specs.values():
+            share = (spec_.rts_size - 1) / spec_.rts_size
+            sent += loads[part] * rows * spec_.padded * rank.dtype.itemsize * share
+    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    nodes = {member // spec.devices_per_node for member in mesh.members("dp", 0)}
+    rate = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
+    return sent / (rate * 1e9)
