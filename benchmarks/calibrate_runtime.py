@@ -87,7 +87,11 @@ def measure_collectives(device: torch.device, sizes) -> dict:
         out = manager.list()
         store = f"file://{folder}/store"
         args = (store, device.type, sizes.collective_bytes, sizes.repeats, out)
-        mp.start_processes(_collective_rank, args, nprocs=2, start_method="spawn")
+        # A fresh interpreter per rank costs seconds of imports; a forked CPU rank sets its
+        # threads before any op (the parent's OpenMP workers are not forked), and CUDA cannot
+        # be forked once initialised.
+        start = "spawn" if device.type == "cuda" else "fork"
+        mp.start_processes(_collective_rank, args, nprocs=2, start_method=start)
         return {"rates": [list(row) for row in out]}
 
 

@@ -14,7 +14,9 @@ of an entry point or a ``--plan_for`` search is ``slow`` too, in the whole suite
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -30,3 +32,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session")
+def quick_first_run(tmp_path_factory) -> tuple[object, dict, Path]:
+    """``benchmarks/gpu_first_run.py --device cpu --quick`` run once (a forked child, as its
+    user would run it): its result, its report and its calibration's spec file, which is
+    ``calibrate.py --quick``'s output (``tests/test_gpu_first_run.py`` checks the run,
+    ``tests/test_calibrate.py`` the calibration and estimates on it)."""
+    from tests.entry_points import run_script
+
+    out = tmp_path_factory.mktemp("first_run") / "first.json"
+    flags = ("--device", "cpu", "--quick", "--json", str(out))
+    result = run_script("benchmarks/gpu_first_run.py", *flags, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result, json.loads(out.read_text()), out.with_suffix(".spec.json")

@@ -3,6 +3,7 @@ the dry run's step time on that spec holds against steps measured on this machin
 
 from __future__ import annotations
 
+import json
 import shlex
 import statistics
 import sys
@@ -25,17 +26,18 @@ from execution.planning.planner import planned_engine  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def quick_calibration(tmp_path_factory):
-    """One quick calibration of this process's CPU (the suite's one thread), and its file."""
-    out = tmp_path_factory.mktemp("calibration") / "spec.json"
-    result = calibrate.main(["--device", "cpu", "--quick", "--output", str(out), "--base", "h200"])
-    return result, out
+def quick_calibration(quick_first_run):
+    """The quick calibration of this CPU that the GPU first-run script made (``calibrate.py
+    --device cpu --quick``, one thread like this process: tests/conftest.py), and its file."""
+    _, _, spec_file = quick_first_run
+    return json.loads(spec_file.read_text()), spec_file
 
 
 @pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration):
     result, out = quick_calibration
-    spec = read_spec_file(out, SPECS["h200"])
+    base = SPECS[result["base"]]
+    spec = read_spec_file(out, base)
     measured = result["measurements"]
     shapes = measured["matmul"]["shapes"]
     # Every shape of the plan was timed, and its rate is its FLOPs over its time.
@@ -60,7 +62,8 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     assert spec.h2d_gb_per_s == spec.host_link_gb_per_s == spec.host_memory_gb_per_s > 0
     assert spec.launch_overhead_us > 0
     # What the measurements do not cover stays the base entry's.
-    assert spec.inter_node_gb_per_s == SPECS["h200"].inter_node_gb_per_s
+    assert spec.inter_node_gb_per_s == base.inter_node_gb_per_s
+    assert spec.storage_gb_per_s == base.storage_gb_per_s
     assert spec.name == "calibrated cpu"
     # A CPU's copies and collectives take the cores that compute; its attention is its own.
     assert spec.device_type == "cpu" and not spec.copies_overlap

@@ -3,28 +3,16 @@ that the script cannot rot while no GPU is at hand."""
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from execution.planning.device_specs import SPECS, read_spec_file
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.slow
-def test_quick_cpu_first_run_has_every_stage_row_and_estimate(tmp_path):
-    out = tmp_path / "first.json"
-    command = [sys.executable, "benchmarks/gpu_first_run.py", "--device", "cpu", "--quick"]
-    result = subprocess.run(
-        [*command, "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=400
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads(out.read_text())
+def test_quick_cpu_first_run_has_every_stage_row_and_estimate(quick_first_run):
+    result, report, spec_file = quick_first_run
     assert list(report["stages_s"]) == ["checks", "calibration", "rows", "estimates"]
 
     # Checks: the placement checks ran and passed; what needs CUDA was skipped, not failed.
@@ -38,7 +26,7 @@ def test_quick_cpu_first_run_has_every_stage_row_and_estimate(tmp_path):
     assert all(ok is None for ok in list(checks.values())[4:])
 
     # The calibration is a device spec file the dry run reads.
-    spec = read_spec_file(out.with_suffix(".spec.json"), SPECS["h100_sxm"])
+    spec = read_spec_file(spec_file, SPECS["h100_sxm"])
     assert spec.name == "calibrated cpu" and spec.matmul_tflops
 
     rows = report["rows"]
