@@ -68,7 +68,9 @@ class Sizes:
     launches: int
     repeats: int
     attention: tuple[int, int, int, int] = (4, 8, 512, 64)  # batch, heads, sequence, head dim
-    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 24)
+    # The engine's messages reach tens of MB (a vocabulary's gradients in one reduce-scatter).
+    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
+    collective_repeats: int = 9  # a shared machine's collectives vary 2x run to run
     engine_steps: int = 6
     grid: tuple[int, ...] = ()  # every (m, n, k) of these, up to grid_flops
     grid_flops: float = 0.0
@@ -98,7 +100,9 @@ FULL = {
         grid_flops=2e10,
     ),
 }
-QUICK = Sizes((64, 128), (64,), 128, 16 * 2**20, 16 * 2**20, 100, 2, (1, 2, 64, 32), (1 << 16,), 8)
+QUICK = Sizes(
+    (64, 128), (64,), 128, 16 * 2**20, 16 * 2**20, 100, 2, (1, 2, 64, 32), (1 << 16,), 2, 8
+)
 
 
 def _sync(device: torch.device) -> None:

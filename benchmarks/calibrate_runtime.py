@@ -32,24 +32,38 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _collective(op: str, rank: int, full: torch.Tensor) -> None:
-    """One ``op`` whose full-size tensor (the engine's payload count) is ``full``."""
+def _collective_buffers(op: str, rank: int, full: torch.Tensor) -> tuple:
+    """The tensors one ``op`` whose full-size tensor (the engine's payload count) is ``full``
+    reads and writes, made before it is timed: a first touch of fresh memory is priced apart
+    (``fresh_memory``), where the step's own allocations are counted."""
     half = full.numel() // 2
     if op == "all_gather":
-        all_gather_flat(full, full[rank * half : (rank + 1) * half].clone())
+        return full, full[rank * half : (rank + 1) * half].clone()
+    if op == "reduce_scatter":
+        return full[:half].clone(), full
+    if op == "all_to_all":
+        return torch.empty_like(full).fill_(0.0), full
+    return (full,)
+
+
+def _collective(op: str, rank: int, buffers: tuple) -> None:
+    if op == "all_gather":
+        all_gather_flat(*buffers)
     elif op == "reduce_scatter":
-        reduce_scatter_flat(full[:half].clone(), full)
+        reduce_scatter_flat(*buffers)
     elif op == "all_reduce":
-        dist.all_reduce(full)
+        dist.all_reduce(buffers[0])
     elif op == "all_to_all":
-        dist.all_to_all_single(torch.empty_like(full), full)
+        dist.all_to_all_single(*buffers)
     elif rank == 0:  # send: rank 0 sends the whole tensor, rank 1 receives it
-        dist.send(full, 1)
+        dist.send(buffers[0], 1)
     else:
-        dist.recv(full, 0)
+        dist.recv(buffers[0], 0)
 
 
 def _collective_rank(rank: int, store: str, device_type: str, sizes, repeats, out) -> None:
+    """Times every op at every size, in rounds that take each once (a shared machine's speed
+    drifts over seconds: each op and size then sees every phase of it), and keeps the median."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
@@ -58,22 +72,23 @@ def _collective_rank(rank: int, store: str, device_type: str, sizes, repeats, ou
         torch.set_num_threads(1)  # two ranks on the cores of a rank each, as torchrun starts them
     dist.init_process_group(backend, init_method=store, rank=rank, world_size=2)
     try:
-        for op in COLLECTIVES:
-            for nbytes in sizes:
-                full = torch.ones(nbytes // 4, device=device)
-                times = []
-                for attempt in range(repeats + 1):
-                    dist.barrier()
-                    if device_type == "cuda":
-                        torch.cuda.synchronize(device)
-                    started = time.perf_counter()
-                    _collective(op, rank, full)
-                    if device_type == "cuda":
-                        torch.cuda.synchronize(device)
-                    if attempt:  # the first sets up the pair's buffers
-                        times.append(time.perf_counter() - started)
-                if rank == 0:
-                    out.append((op, nbytes, nbytes / statistics.median(times) / 1e9))
+        fulls = {n: torch.ones(n // 4, device=device) for n in sizes}
+        times: dict[tuple, list[float]] = {(op, n): [] for op in COLLECTIVES for n in sizes}
+        for attempt in range(repeats + 1):
+            for op, nbytes in times:
+                buffers = _collective_buffers(op, rank, fulls[nbytes])
+                dist.barrier()
+                if device_type == "cuda":
+                    torch.cuda.synchronize(device)
+                started = time.perf_counter()
+                _collective(op, rank, buffers)
+                if device_type == "cuda":
+                    torch.cuda.synchronize(device)
+                if attempt:  # the first sets up the pair's buffers
+                    times[op, nbytes].append(time.perf_counter() - started)
+        if rank == 0:
+            for (op, nbytes), seconds in times.items():
+                out.append((op, nbytes, nbytes / statistics.median(seconds) / 1e9))
     finally:
         dist.destroy_process_group()
 
@@ -86,7 +101,7 @@ def measure_collectives(device: torch.device, sizes) -> dict:
     with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
         out = manager.list()
         store = f"file://{folder}/store"
-        args = (store, device.type, sizes.collective_bytes, sizes.repeats, out)
+        args = (store, device.type, sizes.collective_bytes, sizes.collective_repeats, out)
         # A fresh interpreter per rank costs seconds of imports; a forked CPU rank sets its
         # threads before any op (the parent's OpenMP workers are not forked), and CUDA cannot
         # be forked once initialised.

@@ -37,7 +37,12 @@ from execution.planning.dry_run_report import STATE_KEYS, format_report
 from execution.planning.measure import Measurements, meta_step
 from execution.planning.memory import MemoryBudget, spec_budget
 from execution.planning.planner import choose_or_least
-from execution.planning.time_model import axis_traffic, estimate_step, phase_costs
+from execution.planning.time_model import (
+    axis_traffic,
+    estimate_step,
+    phase_costs,
+    pipeline_step,
+)
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes
 from utils.metrics import flops_per_token
 
@@ -326,6 +331,8 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
                 "plan": _plan_dict(m.plan),
             }
         )
+    if config.execution.pipeline_parallel > 1:
+        _pipeline_estimates(config, entries, spec)
     report = {
         "world_size": config.world_size,
         "device_spec": vars(spec),
@@ -338,6 +345,23 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     print(format_report(config, report))
     print(f"written: {output_dir / 'plan.json'}")
     return report
+
+
+def _pipeline_estimates(config: PretrainingConfig, entries: list[dict], spec: DeviceSpec) -> None:
+    """Each rank's step, bubble and MFU as the whole pipeline sets them
+    (:func:`~execution.planning.time_model.pipeline_step`): a stage that holds more (the head's
+    vocabulary matmuls, say) sets the pace, and the others wait for it."""
+    mesh = _mesh(config)
+    stages: dict[int, list[dict]] = {}
+    for entry in entries:
+        stages.setdefault(mesh.coords(entry["ranks"][0])["p"], []).append(entry)
+    step = pipeline_step(stages, entries[0]["plan"]["passes"])
+    for entry in entries:
+        own = entry["step_time_s"] - entry["bubble_s"]
+        entry["mfu"] *= entry["step_time_s"] / step
+        entry["bubble_s"] = step - own
+        entry["bubble"] = entry["bubble_s"] / step  # this rank's idle share
+        entry["step_time_s"] = step
 
 
 def _plan_dict(plan: MemoryPlan) -> dict:

@@ -8,8 +8,9 @@ reductions) run behind that where the device has engines of its own for them
 (``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU).
 Collectives waited for where they are issued (tensor-parallel ones, and every one without
 ``--overlap_communication``) are on the critical path. A pipeline stage's phases take
-``(P + S - 1) / P`` of their time (the bubble); the optimizer's window is outside it, and the
-host AdamW runs there at host memory bandwidth.
+``(P + S - 1) / P`` of their time (the bubble) where every stage is alike; a dry run of a
+pipeline, which measures each stage, combines them (:func:`pipeline_step`). The optimizer's
+window is outside it, and the host AdamW runs there at host memory bandwidth.
 """
 
 from __future__ import annotations
@@ -152,6 +153,26 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
         "bubble_s": bubble_s,
         "by_kind": by_kind,
     }
+
+
+def pipeline_step(stages: dict[int, list[dict]], passes: int) -> float:
+    """The step of a pipeline whose stages' estimates (:func:`estimate_step`, each stage's ranks
+    alone, by stage) are ``stages``: every rank waits for it.
+
+    A stage's own phases take ``W_s`` (its estimate less the bubble and the optimizer's window).
+    In the steady state the slowest stage sets the pace, one pass per ``max W / P``; the fill
+    ahead of it and the drain behind it add one pass of every other stage, so the phases take
+    ``max W (P - 1) / P + sum W / P`` (``W (P + S - 1) / P`` when the stages are alike, the
+    bubble :func:`estimate_step` prices each stage with). Then the optimizers run side by side,
+    after the gradients' norm over every stage: the slowest window ends the step."""
+    work, optimizer = [], 0.0
+    for estimates in stages.values():
+        own = [
+            e["step_time_s"] - e["bubble_s"] - e["by_kind"].get("optimizer", 0.0) for e in estimates
+        ]
+        work.append(max(own))
+        optimizer = max(optimizer, *(e["by_kind"].get("optimizer", 0.0) for e in estimates))
+    return max(work) * (passes - 1) / passes + sum(work) / passes + optimizer
 
 
 def collective_seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec) -> float:

@@ -1,0 +1,63 @@
+"""The step-time model's arithmetic against hand computations: a pipeline's stages combined."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from config.loading import parse_config
+from execution.planning.device_specs import SPECS
+from execution.planning.time_model import PHASE_COSTS, estimate_step, pipeline_step
+
+
+def _phases(forward: float, optimizer: float) -> dict[str, tuple]:
+    """Phase costs of a stage whose phases take ``forward`` seconds of matmuls (and the
+    optimizer ``optimizer`` seconds of memory-bound work)."""
+
+    def costs(**seconds) -> tuple:
+        return tuple(seconds.get(name, 0.0) for name in PHASE_COSTS)
+
+    return {
+        "layer_forward": costs(matmul_s=forward),
+        "optimizer": costs(memory_bound_s=optimizer),
+    }
+
+
+@pytest.mark.parametrize("stages, passes", [(2, 4), (4, 8), (3, 3)])
+def test_alike_stages_take_the_bubble_each_stage_is_priced_with(stages, passes):
+    """Stages of the same work: (P + S - 1) / P of it, then the optimizer."""
+    spec = SPECS["h100_sxm"]
+    one = estimate_step(_phases(2.0, 0.5), stages, passes, spec)
+    assert one["step_time_s"] == pytest.approx(2.0 * (passes + stages - 1) / passes + 0.5)
+    combined = pipeline_step({s: [one] for s in range(stages)}, passes)
+    assert combined == pytest.approx(one["step_time_s"])
+
+
+def test_the_slowest_stage_sets_the_pace_and_the_others_add_one_pass_each():
+    """Stages of 1 s and 3 s, 4 passes: the slow one's 3 s take 3 x 3/4 in the steady state,
+    every stage's pass adds (1 + 3) / 4 of fill and drain, then the slower optimizer (0.2 s):
+    3.45 s. Each stage alone would be priced 1.25 + 0.1 and 3.75 + 0.2."""
+    spec = SPECS["h100_sxm"]
+    fast = estimate_step(_phases(1.0, 0.1), 2, 4, spec)
+    slow = estimate_step(_phases(3.0, 0.2), 2, 4, spec)
+    assert (fast["step_time_s"], slow["step_time_s"]) == pytest.approx((1.35, 3.95))
+    assert pipeline_step({0: [fast], 1: [slow]}, 4) == pytest.approx(3.45)
+    # Several kinds of rank in a stage: its slowest counts.
+    assert pipeline_step({0: [fast, fast], 1: [fast, slow]}, 4) == pytest.approx(3.45)
+
+
+def test_a_pipeline_dry_run_gives_every_rank_the_pipeline_s_step(tmp_path):
+    """tiny at 2 stages: the last stage holds the head's vocabulary matmuls and sets the
+    pace; every rank's step is the pipeline's, and each rank's idle time is that step less its
+    own work, so the first stage idles most."""
+    from execution.planning.dry_run import dry_run
+
+    flags = "--config tiny --pipeline_parallel 2 --micro_batch_size 1 --passes 4 --dry_run"
+    config, _ = parse_config(shlex.split(flags + " --device_spec h100_sxm"))
+    ranks = dry_run(config, tmp_path)["ranks"]
+    assert len(ranks) == 2 and len({r["step_time_s"] for r in ranks}) == 1
+    first, last = ranks
+    assert first["bubble_s"] > last["bubble_s"] > 0
+    for r in ranks:
+        assert r["bubble"] == pytest.approx(r["bubble_s"] / r["step_time_s"])
