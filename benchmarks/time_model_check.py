@@ -1,14 +1,17 @@
-"""The dry run's step time against measured steps on this machine, run by run.
+"""The dry run's step time against measured steps on this machine, run by run, and the
+ranking ``--plan_for`` gives 2-rank layouts against their measured order.
 
-    python benchmarks/time_model_check.py [--runs NAME ...] [--steps 6] [--spec_dir DIR]
+    python benchmarks/time_model_check.py [--runs NAME ...] [--steps 6] [--rounds 2]
+        [--spec_dir DIR] [--skip_ranking] [--output rows.json]
 
-For each run: calibrates this machine once per thread count its runs use
-(``benchmarks/calibrate.py --device cpu --threads N``: one process alone has every core,
-torchrun gives each of its ranks one), trains ``--steps`` steps with ``run_pretraining.py`` on
-the shipped sample (torchrun for two ranks), takes the median step time from step 3 onward out
-of ``metrics.jsonl``, and runs the same flags with ``--dry_run --device_spec_file``; the
-estimate is the slowest rank kind's step. Prints measured against estimated with the ratio,
-and writes the rows as JSON (``--output``).
+Calibrates this machine once per thread count its runs use (``benchmarks/calibrate.py
+--device cpu --threads N``: one process alone has every core, torchrun gives each of its ranks
+one). For each run, the dry run of its flags on that calibration (``--dry_run
+--device_spec_file``; the slowest kind of rank, of a pipeline the stage that sets its pace)
+against the median step time from step 3 on of real runs on the shipped sample (torchrun for
+two ranks), trained in ``--rounds`` rounds over all runs. Then ``--plan_for 2`` of ``tiny``:
+each layout it lists trained as it chose it, its order against the measured one. Prints both
+tables and writes them as JSON (``--output``).
 """
 
 from __future__ import annotations
@@ -57,7 +60,23 @@ RUNS = {
     ),
     "tiny cp 2": (2, "--config tiny --context_parallel 2 --placement resident --passes 1"),
 }
+# The layout axes --plan_for weighs, by flag.
+AXES = {
+    "data_parallel": "dp",
+    "pipeline_parallel": "pp",
+    "context_parallel": "cp",
+    "tensor_parallel_1": "tp1",
+    "tensor_parallel_2": "tp2",
+}
 COMMON = "--dropout_prob 0 --precision float32 --eval_every 0 --seed 1"
+MODEL = ["--config", "tiny", *shlex.split(COMMON)]  # the ranking check's
+
+
+def _run(command: list[str]) -> None:
+    """Runs ``command`` quietly (torchrun prints a banner per launch); its stderr if it fails."""
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"failed ({done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
 
 
 def spec_file(threads: int, spec_dir: Path) -> Path:
@@ -66,50 +85,95 @@ def spec_file(threads: int, spec_dir: Path) -> Path:
     if not path.exists():
         command = [sys.executable, "benchmarks/calibrate.py", "--device", "cpu"]
         command += ["--threads", str(threads), "--output", str(path)]
-        subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+        _run(command)
     return path
 
 
-def measured_step(processes: int, flags: list[str], steps: int, folder: Path) -> float:
-    """Median step time from step 3 on of a real run."""
+def step_times(processes: int, flags: list[str], steps: int) -> list[float]:
+    """Step times from step 3 on of a real run."""
     launcher = [sys.executable]
     if processes > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone"]
         launcher += ["--nproc_per_node", str(processes)]
-    command = [*launcher, "run_pretraining.py", *flags, "--steps", str(steps)]
-    command += ["--output_dir", str(folder)]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time"] for r in rows if "step_time" in r and r["step"] >= 3)
-
-
-def estimated_step(flags: list[str], spec: Path, folder: Path) -> dict:
-    """The dry run's estimate: the slowest kind of rank (every rank waits for it)."""
-    command = [sys.executable, "run_pretraining.py", *flags, "--dry_run"]
-    command += ["--device_spec_file", str(spec), "--output_dir", str(folder)]
-    subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
-    ranks = json.loads((folder / "plan.json").read_text())["ranks"]
-    return max(ranks, key=lambda r: r["step_time_s"])
-
-
-def check(name: str, steps: int, spec_dir: Path) -> dict:
-    processes, flags = RUNS[name]
-    flags = [*shlex.split(flags), *shlex.split(COMMON)]
-    threads = (os.cpu_count() or 1) if processes == 1 else 1
-    spec = spec_file(threads, spec_dir)
     with tempfile.TemporaryDirectory() as folder:
-        measured = measured_step(processes, flags, steps, Path(folder) / "run")
-        estimate = estimated_step(flags, spec, Path(folder) / "dry")
-    keys = ("compute_s", "memory_bound_s", "overhead_s", "host_optimizer_s", "copies_s")
-    keys += ("collectives_s", "exposed_comm_s", "bubble_s")
+        command = [*launcher, "run_pretraining.py", *flags, "--steps", str(steps)]
+        _run([*command, "--output_dir", folder])
+        lines = (Path(folder) / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return [r["step_time"] for r in rows if "step_time" in r and r["step"] >= 3]
+
+
+def estimated_step(flags: list[str], spec: Path) -> dict:
+    """The dry run's estimate. Every rank waits for the slowest kind; of a pipeline, whose
+    ranks all report its step, the stage that sets its pace (least idle)."""
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "run_pretraining.py", *flags, "--dry_run"]
+        _run([*command, "--device_spec_file", str(spec), "--output_dir", folder])
+        ranks = json.loads((Path(folder) / "plan.json").read_text())["ranks"]
+    return max(ranks, key=lambda r: (r["step_time_s"], -r["bubble_s"]))
+
+
+def threads_of(processes: int) -> int:
+    """One process alone has every core; torchrun gives each of its ranks one thread."""
+    return (os.cpu_count() or 1) if processes == 1 else 1
+
+
+def ranking_layouts(spec_dir: Path) -> list[dict]:
+    """``--plan_for 2`` of ``tiny`` on this machine's one-thread calibration: each 2-rank layout
+    it lists, fastest first, with the flags of what it chose (micro-batch, passes, placement,
+    recompute) and its estimate."""
+    sys.path.insert(0, str(ROOT))
+    from config.loading import parse_config
+    from execution.planning.plan_search import search
+    from execution.planning.plan_table import layout_rows
+
+    spec = spec_file(1, spec_dir)
+    config, _ = parse_config([*MODEL, "--plan_for", "2", "--device_spec_file", str(spec)])
+    out = []
+    for row in layout_rows(search(config, 2)[0]):
+        ex, plan = row["config"].execution, row["plan"]
+        layout = {flag: getattr(ex, flag) for flag in AXES}
+        chosen = {"micro_batch_size": ex.micro_batch_size, "passes": plan.passes}
+        chosen |= {f"{state}_placement": where for state, where in vars(plan.placement).items()}
+        chosen["recompute"] = plan.recompute
+        out.append(
+            {
+                "layout": " x ".join(f"{AXES[k]} {v}" for k, v in layout.items() if v > 1),
+                "chosen": " ".join(f"--{k} {v}" for k, v in chosen.items()),
+                "flags": [f"--{k}={v}" for k, v in (layout | chosen).items()],
+                "estimated_s": row["step_time_s"],
+            }
+        )
+    return out
+
+
+def ranking_verdict(rows: list[dict]) -> dict:
+    """Whether the search ranks the layouts in their measured order, or puts first one that
+    measures within 5% of the measured fastest."""
+    measured_fastest = min(rows, key=lambda r: r["measured_s"])
+    measured_order = [r["layout"] for r in sorted(rows, key=lambda r: r["measured_s"])]
+    same_order = measured_order == [r["layout"] for r in rows]
+    gap = rows[0]["measured_s"] / measured_fastest["measured_s"] - 1
     return {
-        "run": name,
-        "processes": processes,
-        "measured_s": measured,
-        "estimated_s": estimate["step_time_s"],
-        "ratio": estimate["step_time_s"] / measured,
-        **{key: estimate[key] for key in keys},
+        "rows": rows,
+        "same_order": same_order,
+        "fastest_gap": gap,
+        "holds": same_order or gap <= 0.05,
     }
+
+
+def format_ranking(check: dict) -> str:
+    lines = [f"{'--plan_for 2 (tiny)':<22}{'estimated s':>12}{'measured s':>12}  as chosen"]
+    for r in check["rows"]:
+        lines.append(
+            f"{r['layout']:<22}{r['estimated_s']:>12.3f}{r['measured_s']:>12.3f}  {r['chosen']}"
+        )
+    order = "in the measured order" if check["same_order"] else "not in the measured order"
+    lines.append(
+        f"ranked {order}; its fastest measures {check['fastest_gap']:+.1%} against the "
+        f"measured fastest (holds: {check['holds']})"
+    )
+    return "\n".join(lines)
 
 
 def format_rows(rows: list[dict]) -> str:
@@ -128,26 +192,67 @@ def format_rows(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=2, help="times each run is trained")
     parser.add_argument("--spec_dir", type=Path, help="calibrations to reuse (else made anew)")
     parser.add_argument("--output", type=Path, help="rows as JSON")
+    parser.add_argument(
+        "--skip_ranking", action="store_true", help="leave out the --plan_for 2 ranking check"
+    )
     args = parser.parse_args(argv)
-    if args.steps < 4:
-        parser.error("--steps must be at least 4 (steps 3 on are timed)")
+    if args.steps < 4 or args.rounds < 1:
+        parser.error("--steps must be at least 4 (steps 3 on are timed), --rounds at least 1")
     with tempfile.TemporaryDirectory() as scratch:
         spec_dir = args.spec_dir or Path(scratch)
         spec_dir.mkdir(parents=True, exist_ok=True)
-        rows = []
+        runs = {}
         for name in args.runs:
-            rows.append(check(name, args.steps, spec_dir))
-            print(format_rows(rows[-1:]).splitlines()[-1], flush=True)
+            processes, flags = RUNS[name]
+            flags = [*shlex.split(flags), *shlex.split(COMMON)]
+            spec = spec_file(threads_of(processes), spec_dir)
+            runs[name] = (processes, flags, estimated_step(flags, spec))
+        ranking = [] if args.skip_ranking else ranking_layouts(spec_dir)
+        # Rounds over every run: a shared machine's speed drifts over minutes, and a run's
+        # steps from two rounds see two stretches of it (the median of them all is kept).
+        times: dict[str, list[float]] = {
+            name: [] for name in [*runs, *(r["layout"] for r in ranking)]
+        }
+        for round_ in range(args.rounds):
+            for name, (processes, flags, _) in runs.items():
+                times[name] += step_times(processes, flags, args.steps)
+                print(
+                    f"round {round_ + 1}: {name} {statistics.median(times[name]):.3f} s", flush=True
+                )
+            for r in ranking:
+                times[r["layout"]] += step_times(2, [*MODEL, *r["flags"]], args.steps)
+    keys = ("compute_s", "memory_bound_s", "overhead_s", "host_optimizer_s", "copies_s")
+    keys += ("collectives_s", "exposed_comm_s", "bubble_s")
+    rows = []
+    for name, (processes, _, estimate) in runs.items():
+        measured = statistics.median(times[name])
+        rows.append(
+            {
+                "run": name,
+                "processes": processes,
+                "measured_s": measured,
+                "estimated_s": estimate["step_time_s"],
+                "ratio": estimate["step_time_s"] / measured,
+                **{key: estimate[key] for key in keys},
+            }
+        )
     print(format_rows(rows))
+    verdict = None
+    if ranking:
+        for r in ranking:
+            r["measured_s"] = statistics.median(times[r["layout"]])
+        verdict = ranking_verdict(ranking)
+        print(format_ranking(verdict))
     if args.output:
-        args.output.write_text(json.dumps(rows, indent=1))
-    return rows
+        args.output.write_text(json.dumps({"runs": rows, "ranking": verdict}, indent=1))
+    return {"runs": rows, "ranking": verdict}
 
 
 if __name__ == "__main__":

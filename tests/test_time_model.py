@@ -61,3 +61,25 @@ def test_a_pipeline_dry_run_gives_every_rank_the_pipeline_s_step(tmp_path):
     assert first["bubble_s"] > last["bubble_s"] > 0
     for r in ranks:
         assert r["bubble"] == pytest.approx(r["bubble_s"] / r["step_time_s"])
+
+
+def test_the_ranking_check_holds_on_the_measured_order_or_a_fastest_within_5_percent():
+    """benchmarks/time_model_check.py's verdict on --plan_for 2's order, by hand."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from time_model_check import ranking_verdict
+
+    def rows(*measured):  # listed in the search's order
+        return [{"layout": f"l{i}", "measured_s": m} for i, m in enumerate(measured)]
+
+    same = ranking_verdict(rows(1.0, 1.5, 2.0))
+    assert same["same_order"] and same["holds"] and same["fastest_gap"] == 0.0
+    close = ranking_verdict(rows(1.04, 1.0, 2.0))  # first measures 4% over the fastest
+    assert not close["same_order"] and close["holds"]
+    assert close["fastest_gap"] == pytest.approx(0.04)
+    wrong = ranking_verdict(rows(1.06, 1.0, 2.0))
+    assert not wrong["holds"]
+    tail = ranking_verdict(rows(1.0, 2.0, 1.5))  # the tail out of order, the fastest right
+    assert not tail["same_order"] and tail["holds"]
