@@ -27,7 +27,7 @@ def _measured(config, monkeypatch, replay: bool):
     if not replay:
         monkeypatch.setattr(measurements.meta_results, "key", lambda *args: None)
     spec = resolve_spec(config)
-    plan = candidate_plans(config, "cuda")[0]
+    plan = candidate_plans(config, "cuda", measured=False)[0]
     with fake_job(0, config.world_size):
         return measure_planned_step(config, plan, spec, measurements), measurements
 

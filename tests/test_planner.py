@@ -120,21 +120,21 @@ def test_passes_shrink_activations_to_fit_a_cpu():
 
 def test_flags_fix_what_the_planner_may_choose():
     config = small_config("--placement", "remote", "--passes", "2")
-    plans = candidate_plans(config, "cuda")
+    plans = candidate_plans(config, "cuda", measured=False)
     assert {(p.passes, p.placement) for p in plans} == {(2, Placement("host", "host", "host"))}
     mixed = small_config("--placement", "remote", "--grads_placement", "device")
-    assert {p.placement for p in candidate_plans(mixed, "cuda")} == {
+    assert {p.placement for p in candidate_plans(mixed, "cuda", measured=False)} == {
         Placement("host", "device", "host")
     }
     resident = small_config("--placement", "resident")
-    assert {p.placement for p in candidate_plans(resident, "cpu")} == {
+    assert {p.placement for p in candidate_plans(resident, "cpu", measured=False)} == {
         Placement("device", "device", "device")
     }
 
 
 def test_host_traffic_grows_with_passes_only_when_weights_stream():
     config = small_config("--global_batch_size", "16", "--micro_batch_size", "1")
-    plans = candidate_plans(config, "cuda")
+    plans = candidate_plans(config, "cuda", measured=False)
     by = {
         (p.placement.weights, p.placement.grads, p.placement.activations, p.passes): p.traffic
         for p in plans
@@ -201,7 +201,7 @@ def test_host_traffic_is_what_the_engine_copies(passes):
         for state, place in zip(("weights", "grads", "activations"), where, strict=True):
             placement += [f"--{state}_placement", place]
         config = small_config(*run, *placement)
-        plan = candidate_plans(config, "cuda")[0]
+        plan = candidate_plans(config, "cuda", measured=False)[0]  # traffic: no working set
         engine = PhasedEngine(engine_plan(config, plan), ParallelLayout.shapes_only(1, 2, 1))
         shape = (3, 2, config.model.sequence_length + 1)
         tokens = torch.zeros(shape, dtype=torch.long, device="meta")
