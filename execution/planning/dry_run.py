@@ -332,7 +332,7 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
             }
         )
     if config.execution.pipeline_parallel > 1:
-        _pipeline_estimates(config, entries, spec)
+        _pipeline_estimates(config, entries)
     report = {
         "world_size": config.world_size,
         "device_spec": vars(spec),
@@ -347,7 +347,7 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     return report
 
 
-def _pipeline_estimates(config: PretrainingConfig, entries: list[dict], spec: DeviceSpec) -> None:
+def _pipeline_estimates(config: PretrainingConfig, entries: list[dict]) -> None:
     """Each rank's step, bubble and MFU as the whole pipeline sets them
     (:func:`~execution.planning.time_model.pipeline_step`): a stage that holds more (the head's
     vocabulary matmuls, say) sets the pace, and the others wait for it."""
