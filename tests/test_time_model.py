@@ -1,14 +1,19 @@
-"""The step-time model's arithmetic against hand computations: a pipeline's stages combined."""
+"""The step-time model's arithmetic against hand computations: collectives priced call by call,
+a pipeline's stages combined."""
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
+from collections import Counter
 
 import pytest
 
 from config.loading import parse_config
+from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
-from execution.planning.time_model import PHASE_COSTS, estimate_step, pipeline_step
+from execution.planning.measure import Window
+from execution.planning.time_model import PHASE_COSTS, estimate_step, phase_costs, pipeline_step
 
 
 def _phases(forward: float, optimizer: float) -> dict[str, tuple]:
@@ -22,6 +27,42 @@ def _phases(forward: float, optimizer: float) -> dict[str, tuple]:
         "layer_forward": costs(matmul_s=forward),
         "optimizer": costs(memory_bound_s=optimizer),
     }
+
+
+def test_waited_collectives_cost_each_call_and_background_ones_their_bytes():
+    """Two ranks of tensor-parallel 1 on a CPU-like spec whose all-reduce takes 1 ms at 4 KB
+    (all latency) and 1 ms at 1 MB (its bandwidth, 1 MB per ms). A layer waits for three 4 KB
+    all-reduces: between idle ranks, 3 x 1 ms, not one 12 KB call's 1.008 ms; with waiting
+    measured in real steps at 100 us per call, 3 x (100 us + 4 KB at the bandwidth). It also
+    starts four 256 KB reduce-scatters in the background, whose latency is spent waiting while
+    the cores compute: their 1 MB at the 1 MB rate, 1 ms, runs in the next window."""
+    rates = [(op, n, n / 1e6) for op in ("all_reduce", "reduce_scatter") for n in (4096, 1 << 20)]
+    idle = dataclasses.replace(
+        SPECS["h100_sxm"], collective_gb_per_s=tuple(rates), copies_overlap=False
+    )
+    in_steps = dataclasses.replace(idle, waited_collective_us=100.0)
+    layout = ParallelLayout.shapes_only(1, 2, 1)
+    calls = Counter({("all_reduce_sum", 4096, False): 3, ("reduce_scatter", 1 << 18, True): 4})
+
+    def window(kind: str, tp1: Counter) -> Window:
+        return Window(kind, calls={a.name: tp1 if a.name == "tp1" else Counter() for a in axes})
+
+    def costs(spec, kind: str) -> dict[str, float]:
+        return dict(zip(PHASE_COSTS, phase_costs(windows, layout, spec)[kind], strict=True))
+
+    axes = layout.axes()
+    windows = [window("layer_forward", calls), window("optimizer", Counter())]
+    assert costs(idle, "layer_forward")["critical_comm_s"] == pytest.approx(3e-3)
+    waited = 3 * (1e-4 + 4096 / (1 << 20) * 1e-3)
+    assert costs(in_steps, "layer_forward")["critical_comm_s"] == pytest.approx(waited)
+    for spec in (idle, in_steps):
+        assert costs(spec, "layer_forward")["overlappable_comm_s"] == 0.0
+        assert costs(spec, "optimizer")["overlappable_comm_s"] == pytest.approx(1e-3)
+    # One process: nothing to wait for.
+    layout = ParallelLayout.shapes_only(1, 1, 1)
+    axes = layout.axes()
+    windows = [window("layer_forward", calls)]
+    assert costs(in_steps, "layer_forward")["critical_comm_s"] == 0
 
 
 @pytest.mark.parametrize("stages, passes", [(2, 4), (4, 8), (3, 3)])

@@ -169,7 +169,8 @@ class GroupAxis:
     ``payload_bytes`` adds up their full-size tensors (the all-reduced tensor, the gathered
     output, the reduce-scattered input) for the dry run's traffic figures; ``async_bytes`` is
     the part of them issued with ``async_op`` (the ``start_`` methods), which may run behind
-    compute.
+    compute. ``sized_calls`` counts them by (op, payload bytes, issued with ``async_op``): a
+    call's time depends on its own size (a small one is all latency), not on the total's.
     """
 
     name: str
@@ -192,11 +193,13 @@ class GroupAxis:
     calls: collections.Counter = field(default_factory=collections.Counter)
     payload_bytes: collections.Counter = field(default_factory=collections.Counter)
     async_bytes: collections.Counter = field(default_factory=collections.Counter)
+    sized_calls: collections.Counter = field(default_factory=collections.Counter)
 
     def _count(self, op: str, full: torch.Tensor, async_op: bool = False) -> None:
         self.calls[op] += 1
         nbytes = full.numel() * full.element_size()
         self.payload_bytes[op] += nbytes
+        self.sized_calls[op, nbytes, async_op] += 1
         if async_op:
             self.async_bytes[op] += nbytes
 

@@ -56,6 +56,10 @@ class DeviceSpec:
             (Python: the schedule, the store's bookkeeping, hooks).
         collective_gb_per_s: ``(op, bytes, GB/s)`` of collectives measured between two ranks
             of one node, bytes of payload per second (empty: the link rates above).
+        waited_collective_us: What a collective waited for where it is issued costs in a real
+            step besides its payload at the op's bandwidth, per call: its latency, the peer's
+            lateness (its share of the machine's jitter) and waking the communication thread
+            (None: not measured; such a call costs what it does between idle ranks).
         copies_overlap: Whether host copies and asynchronous collectives run beside compute (a
             GPU's copy engines and NCCL's kernels); on a CPU the same cores do both, so they
             add to the phase's time.
@@ -85,6 +89,7 @@ class DeviceSpec:
     attention_efficiency: float = 0.0
     phase_overhead_us: float = 0.0
     collective_gb_per_s: tuple[tuple[str, int, float], ...] = ()
+    waited_collective_us: float | None = None
     copies_overlap: bool = True
     device_type: str = "cuda"
     fresh_memory_gb_per_s: float = 0.0
@@ -107,6 +112,13 @@ class DeviceSpec:
                 return t0 + (t1 - t0) * (nbytes - n0) / (n1 - n0)
         n, t = measured[-1]
         return t * nbytes / n
+
+    def collective_bandwidth(self, op: str) -> float | None:
+        """Payload bytes per second of ``op`` once its latency no longer counts: the fastest
+        rate measured for it (one size's can come out slow on a shared machine); None where
+        ``op`` was not measured."""
+        rates = [rate for name, _, rate in self.collective_gb_per_s if name == op]
+        return max(rates) * 1e9 if rates else None
 
     def matmul_rate(self, m: int, n: int, k: int) -> float:
         """TFLOPS of ``(m, k) @ (k, n)``: from the measured shapes nearest in each dimension

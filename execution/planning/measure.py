@@ -44,8 +44,9 @@ class Window:
         flops: Floating-point operations executed.
         attention_flops: The part of them the fused attention kernels ran.
         host_bytes: Bytes copied over the host link.
-        sync_bytes: Per axis and op, payload bytes of the collectives waited for where issued.
-        async_bytes: Per axis and op, payload bytes of the collectives issued asynchronously.
+        calls: Per axis, the collectives issued, counted by (op, payload bytes, issued
+            asynchronously): each is priced at its own size, and waited for where issued or
+            not.
         costs: The kernels, bytes and matmul shapes of its ops (:mod:`~.op_costs`).
         host_update_bytes: Bytes the host AdamW reads and writes (the optimizer's window,
             where weights live on the host: its threads are not metered).
@@ -55,8 +56,7 @@ class Window:
     flops: int = 0
     host_bytes: int = 0
     attention_flops: int = 0
-    sync_bytes: dict[str, Counter] = field(default_factory=dict)
-    async_bytes: dict[str, Counter] = field(default_factory=dict)
+    calls: dict[str, Counter] = field(default_factory=dict)
     costs: OpCosts = field(default_factory=OpCosts)
     host_update_bytes: int = 0
 
@@ -76,8 +76,7 @@ class PhaseRecorder:
         return (
             self.meter.flops,
             store.host_to_device + store.device_to_host,
-            {a.name: Counter(a.payload_bytes) for a in axes},
-            {a.name: Counter(a.async_bytes) for a in axes},
+            {a.name: Counter(a.sized_calls) for a in axes},
             self.meter.attention_flops,
             self.meter.costs.copy(),
         )
@@ -85,14 +84,12 @@ class PhaseRecorder:
     def _close(self) -> None:
         now = self._counters()
         if self._kind is not None:
-            flops, host, payload, asynchronous = (
+            flops, host, calls, attention = (
                 now[0] - self._last[0],
                 now[1] - self._last[1],
                 {a: now[2][a] - self._last[2][a] for a in now[2]},
-                {a: now[3][a] - self._last[3][a] for a in now[3]},
+                now[3] - self._last[3],
             )
-            sync = {a: payload[a] - asynchronous[a] for a in payload}
-            attention = now[4] - self._last[4]
             host_update = 0
             if self._kind == "optimizer":
                 host_update = host_update_bytes(self.engine)
@@ -101,9 +98,8 @@ class PhaseRecorder:
                 flops=flops,
                 host_bytes=host,
                 attention_flops=attention,
-                sync_bytes=sync,
-                async_bytes=asynchronous,
-                costs=now[5] - self._last[5],
+                calls=calls,
+                costs=now[4] - self._last[4],
                 host_update_bytes=host_update,
             )
             self.windows.append(window)

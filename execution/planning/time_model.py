@@ -7,13 +7,16 @@ copies and asynchronous collectives (the next phase's all-gathers, the previous 
 reductions) run behind that where the device has engines of its own for them
 (``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU).
 Collectives waited for where they are issued (tensor-parallel ones, and every one without
-``--overlap_communication``) are on the critical path. A pipeline stage's phases take
+``--overlap_communication``) are on the critical path, call by call
+(:func:`waited_call_seconds`). A pipeline stage's phases take
 ``(P + S - 1) / P`` of their time (the bubble) where every stage is alike; a dry run of a
 pipeline, which measures each stage, combines them (:func:`pipeline_step`). The optimizer's
 window is outside it, and the host AdamW runs there at host memory bandwidth.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 from execution.parallel.mesh import GroupAxis, ParallelLayout
 from execution.planning.device_specs import DeviceSpec
@@ -66,14 +69,20 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
     for window in windows:
         gathers = reductions = critical = 0.0
         for name, axis in axes.items():
-            for op, nbytes in window.async_bytes[name].items():
+            # Waited for: each call's own time, latency and all, is on the critical path. In
+            # the background: a call's latency is waiting, hidden; what its bytes take is
+            # priced at the rate of the window's total of that op.
+            in_background = Counter()
+            for (op, nbytes, asynchronous), count in window.calls[name].items():
+                if asynchronous:
+                    in_background[op] += nbytes * count
+                else:
+                    critical += count * waited_call_seconds(axis, op, nbytes, spec)
+            for op, nbytes in in_background.items():
                 if op == "all_gather":
                     gathers += collective_seconds(axis, op, nbytes, spec)
                 else:
                     reductions += collective_seconds(axis, op, nbytes, spec)
-            critical += sum(
-                collective_seconds(axis, op, n, spec) for op, n in window.sync_bytes[name].items()
-            )
         device = device_seconds(window.costs, window.attention_flops, spec)
         costs = {
             "flops": window.flops,
@@ -175,11 +184,13 @@ def pipeline_step(stages: dict[int, list[dict]], passes: int) -> float:
     return max(work) * (passes - 1) / passes + sum(work) / passes + optimizer
 
 
-def collective_seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec) -> float:
+def collective_seconds(
+    axis: GroupAxis, op: str, payload: int, spec: DeviceSpec, bandwidth_only: bool = False
+) -> float:
     """Seconds of one op's ``payload`` bytes on the group: a ring over NVLink inside a node and
     the network across nodes; inside a node as measured for the op and size
     (:meth:`DeviceSpec.collective_seconds`, two ranks: scaled to ``axis.size`` by the ring's
-    bytes)."""
+    bytes), or with ``bandwidth_only`` at the op's measured bandwidth, latency left out."""
     if axis.size == 1 or not payload:
         return 0.0
     family = "all_reduce" if op.startswith("all_reduce") else op
@@ -189,19 +200,35 @@ def collective_seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec)
     nodes = {member // spec.devices_per_node for member in axis.members}
     if len(nodes) > 1:
         return ring(axis.size) * payload / (spec.inter_node_gb_per_s * 1e9)
+    bandwidth = spec.collective_bandwidth(family) if bandwidth_only else None
+    if bandwidth is not None:
+        return ring(axis.size) / ring(2) * payload / bandwidth
     measured = spec.collective_seconds(family, payload)
     if measured is None:
         return ring(axis.size) * payload / (spec.intra_node_gb_per_s * 1e9)
     return ring(axis.size) / ring(2) * measured
 
 
+def waited_call_seconds(axis: GroupAxis, op: str, payload: int, spec: DeviceSpec) -> float:
+    """One collective waited for where it is issued. Where calibrate.py measured waiting in
+    real steps (``DeviceSpec.waited_collective_us``): that, per call, plus the payload at the
+    op's bandwidth. It holds the call's latency as a step sees it, the peer's lateness and the
+    communication thread's wake-up; the latency between idle ranks, which moved 5x from one
+    calibration to the next on a shared VM, does not enter. Else as between idle ranks."""
+    if axis.size == 1 or spec.waited_collective_us is None:
+        return collective_seconds(axis, op, payload, spec)
+    transfer = collective_seconds(axis, op, payload, spec, bandwidth_only=True)
+    return spec.waited_collective_us * 1e-6 + transfer
+
+
 def axis_traffic(axis: GroupAxis, spec: DeviceSpec) -> tuple[int, float]:
-    """Bytes this rank sends over a group in the step, and the seconds that takes."""
+    """Bytes this rank sends over a group in the step, and the seconds that takes (each call
+    at its own size)."""
     if axis.size == 1:
         return 0, 0.0
     sent = seconds = 0.0
-    for op, nbytes in axis.payload_bytes.items():
+    for (op, nbytes, _), count in axis.sized_calls.items():
         family = "all_reduce" if op.startswith("all_reduce") else op
-        sent += RING_FACTOR[family](axis.size) * nbytes
-        seconds += collective_seconds(axis, op, nbytes, spec)
+        sent += RING_FACTOR[family](axis.size) * nbytes * count
+        seconds += collective_seconds(axis, op, nbytes, spec) * count
     return int(sent), seconds
