@@ -24,6 +24,10 @@ rates, say) is one more entry in both places.
   than their launch, at three micro-batch counts, less what the ops' FLOPs and bytes take;
   what is left is fitted as (ops x launch) + (phases x phase overhead), so ``launch`` is the
   engine's cost per op as its modules issue them, not only a bare kernel's.
+- waited_collectives: real steps of that model at tensor-parallel 2 on two ranks, less the time
+  model's step on the rates above, per collective waited for where it is issued: what such a
+  call costs in a step besides its payload at the op's bandwidth (its latency as a step sees
+  it, the peer's lateness, waking the communication thread).
 
 On a CPU the "device" is the host: its measured best matmul rate stands in for the peak (no
 data sheet), and memory and host_link are host memory.
@@ -47,7 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from calibrate_runtime import measure_collectives, measure_engine
+from calibrate_runtime import measure_collectives, measure_engine, measure_waited_collectives
 
 from execution.parallel.launch import select_device
 from execution.planning.device_specs import SPECS, spec_file_dict
@@ -68,8 +72,9 @@ class Sizes:
     launches: int
     repeats: int
     attention: tuple[int, int, int, int] = (4, 8, 512, 64)  # batch, heads, sequence, head dim
-    # The engine's messages reach tens of MB (a vocabulary's gradients in one reduce-scatter).
-    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 26)
+    # The engine's messages reach tens of MB (a vocabulary's gradients in one reduce-scatter,
+    # its weights in one all-gather); rates between 16 and 64 MB are far from linear.
+    collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 25, 1 << 26)
     collective_repeats: int = 9  # a shared machine's collectives vary 2x run to run
     engine_steps: int = 6
     grid: tuple[int, ...] = ()  # every (m, n, k) of these, up to grid_flops
@@ -140,24 +145,34 @@ def matmul_shapes(sizes: Sizes) -> list[tuple[str, int, int, int]]:
 
 
 def measure_matmul(device: torch.device, sizes: Sizes) -> dict:
+    """Each shape's median time, timed in rounds that take every shape once: a shared
+    machine's speed drifts over seconds, and shapes timed one after another had put a slow
+    stretch on a block of them (two calibrations' rates differed 18% on ``tiny``'s step)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shapes = matmul_shapes(sizes)
+    times: list[list[float]] = [[] for _ in shapes]
+    for _ in range(sizes.repeats):
+        for (_, m, n, k), seconds in zip(shapes, times, strict=True):
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
+            out = torch.empty(m, n, device=device, dtype=dtype)
+            seconds.append(_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device, 1))
+            del a, b, out
     rows = []
-    for kind, m, n, k in matmul_shapes(sizes):
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        out = torch.empty(m, n, device=device, dtype=dtype)
-        seconds = _seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device, sizes.repeats)
-        rows.append({"kind": kind, "m": m, "n": n, "k": k, "seconds": seconds})
-        rows[-1]["tflops"] = 2 * m * n * k / seconds / 1e12
-        del a, b, out
+    for (kind, m, n, k), seconds in zip(shapes, times, strict=True):
+        median = statistics.median(seconds)
+        rows.append({"kind": kind, "m": m, "n": n, "k": k, "seconds": median})
+        rows[-1]["tflops"] = 2 * m * n * k / median / 1e12
     return {"dtype": str(dtype).removeprefix("torch."), "shapes": rows}
 
 
 def measure_memory(device: torch.device, sizes: Sizes) -> dict:
-    """One large copy: it reads and writes every byte, so 2 x bytes over the time."""
+    """One large copy: it reads and writes every byte, so 2 x bytes over the time (the median
+    of three times the repeats: each takes milliseconds, and two calibrations had put
+    tiny's memory-bound ops 40% apart)."""
     src = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    seconds = _seconds(lambda: dst.copy_(src), device, sizes.repeats)
+    seconds = _seconds(lambda: dst.copy_(src), device, 3 * sizes.repeats)
     return {
         "bytes": sizes.copy_bytes,
         "seconds": seconds,
@@ -311,6 +326,13 @@ def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
         launch_overhead_us=measured["engine"]["launch_us"],
         phase_overhead_us=measured["engine"]["phase_us"],
     )
+    # Waiting for a collective inside a step, against the engine's time just measured.
+    started = time.perf_counter()
+    measured["waited_collectives"] = measure_waited_collectives(device, sizes, spec)
+    print(f"calibrate: waited_collectives {time.perf_counter() - started:.1f} s", flush=True)
+    spec = dataclasses.replace(
+        spec, waited_collective_us=measured["waited_collectives"]["waited_us"]
+    )
     return {"device_spec": spec_file_dict(spec), "base": base, "measurements": measured}
 
 
@@ -323,7 +345,8 @@ def summary(result: dict) -> str:
         f"{s['launch_overhead_us']:.1f} us per op, {s['phase_overhead_us']:.0f} us per phase; "
         f"host memory {s['host_memory_gb_per_s']:.1f} GB/s; attention at "
         f"{s['attention_efficiency']:.0%} of the peak; "
-        f"{len(s['collective_gb_per_s'])} collective rates"
+        f"{len(s['collective_gb_per_s'])} collective rates, "
+        f"{s['waited_collective_us'] or 0:.0f} us per waited-for collective"
     )
 
 

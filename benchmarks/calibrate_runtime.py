@@ -1,5 +1,6 @@
 """calibrate.py's measurements of the runtime around the kernels: collectives between two local
-ranks and the engine's own host time (see calibrate.py's docstring)."""
+ranks, the engine's own host time, and what waiting for a collective costs inside a step (see
+calibrate.py's docstring)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from execution.planning.device_specs import DeviceSpec
 from execution.planning.measure import meta_step
 from execution.planning.op_costs import device_seconds
 from execution.planning.planner import planned_engine
+from execution.planning.time_model import estimate_step, phase_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 # The engine's own calls (execution/parallel/mesh.py): torch 2.13's names, else the older ones.
@@ -173,3 +175,91 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     if per_phase < 0:  # all of it per op
         per_kernel, per_phase = float(residual @ matrix[:, 0] / (matrix[:, 0] @ matrix[:, 0])), 0.0
     return {"rows": rows, "launch_us": per_kernel * 1e6, "phase_us": per_phase * 1e6}
+
+
+# (layers, micro-batches) of the engine model's tensor-parallel steps: waited-for collectives
+# grow with both.
+WAITED_SHAPES = ((2, 4), (6, 4))
+
+
+def _waited_rank(rank: int, store: str, device_type: str, steps: int, spec, out) -> None:
+    """Real steps of the engine model at tensor-parallel 2 (every layer waits for all-reduces
+    and all-gathers where it issues them), each shape in turn; rank 0 adds each shape's rows:
+    median step, the time model's step without the wait's cost, and the waited-for calls."""
+    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(1)  # as torchrun starts each of two ranks
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=store, rank=rank, world_size=2)
+    try:
+        layout = ParallelLayout.build(1, 2, 1, device)
+        runs = []
+        for layers, micro_batches in WAITED_SHAPES:
+            flags = [*ENGINE_FLAGS, "--layers", str(layers), "--tensor_parallel_1", "2"]
+            flags += ["--global_batch_size", str(micro_batches), "--device", device_type]
+            engine = planned_engine(parse_config(flags)[0], layout)
+            plan = engine.plan
+            row = plan.sequence_length + plan.model.label_columns
+            shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
+            tokens = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(0))
+            runs.append((engine, tokens.to(device), []))
+        for step in range(steps + 2):
+            for engine, tokens, times in runs:
+                dist.barrier()
+                _sync(device)
+                started = time.perf_counter()
+                engine.train_step(tokens, step=step, lr=1e-3)
+                _sync(device)
+                times.append(time.perf_counter() - started)
+        if rank == 0:
+            shapes_only = ParallelLayout.shapes_only(1, 2, 1)
+            kernel = attention_kernel(device_type, 0.0)
+            for (layers, micro_batches), (engine, _, times) in zip(
+                WAITED_SHAPES, runs, strict=True
+            ):
+                windows = meta_step(engine.plan, shapes_only, kernel).windows
+                modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)
+                waited = sum(
+                    count
+                    for w in windows
+                    for calls in w.calls.values()
+                    for (_, _, asynchronous), count in calls.items()
+                    if not asynchronous
+                )
+                row = {"layers": layers, "micro_batches": micro_batches}
+                row |= {"step_s": statistics.median(times[2:]), "waited_calls": waited}
+                out.append(row | {"modelled_s": modelled["step_time_s"]})
+    finally:
+        dist.destroy_process_group()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_waited_collectives(device: torch.device, sizes, spec: DeviceSpec) -> dict:
+    """What a collective waited for where it is issued costs in a real step besides its
+    payload at the op's bandwidth (the collectives measurement's fastest rate): its latency as
+    a step sees it, the peer arriving late with its share of the machine's jitter, and the
+    communication thread waking. Two ranks run the engine model at tensor-parallel 2 at two
+    sizes; each step's excess over the time model without that cost (``spec``: this machine's
+    rates and engine overhead, waited-for calls at bandwidth alone) is fitted as calls x cost
+    per call, each row's residual relative to its step. Nothing where two ranks of this kind
+    are not available (one GPU)."""
+    if device.type == "cuda" and torch.cuda.device_count() < 2:
+        return {"rows": [], "waited_us": None, "why": "one GPU: no pair to measure"}
+    spec = dataclasses.replace(spec, waited_collective_us=0.0)
+    with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
+        out = manager.list()
+        args = (f"file://{folder}/store", device.type, sizes.engine_steps, spec, out)
+        start = "spawn" if device.type == "cuda" else "fork"  # see measure_collectives
+        mp.start_processes(_waited_rank, args, nprocs=2, start_method=start)
+        rows = list(out)
+    weights = np.array([1.0 / r["step_s"] ** 2 for r in rows])
+    calls = np.array([r["waited_calls"] for r in rows], dtype=np.float64)
+    excess = np.array([r["step_s"] - r["modelled_s"] for r in rows])
+    per_call = float((weights * excess * calls).sum() / (weights * calls * calls).sum())
+    return {"rows": rows, "waited_us": max(per_call, 0.0) * 1e6}

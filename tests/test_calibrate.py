@@ -75,6 +75,15 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     for row in engine["rows"]:
         overhead = row["kernels"] * spec.launch_overhead_us + row["phases"] * spec.phase_overhead_us
         assert row["ops_s"] + overhead * 1e-6 == pytest.approx(row["step_s"], rel=0.5)
+    # Waiting for a collective inside a step: two ranks' steps at tensor-parallel 2, the larger
+    # model waiting for more calls; the cost per call is the fit through them, each residual
+    # over the modelled step relative to its step, by hand.
+    rows = measured["waited_collectives"]["rows"]
+    assert [r["layers"] for r in rows] == [2, 6]
+    assert 0 < rows[0]["waited_calls"] < rows[1]["waited_calls"]
+    excess = [(r["step_s"] - r["modelled_s"], r["waited_calls"], r["step_s"]) for r in rows]
+    fit = sum(e * n / t**2 for e, n, t in excess) / sum(n * n / t**2 for _, n, t in excess)
+    assert spec.waited_collective_us == pytest.approx(max(fit, 0.0) * 1e6)
 
 
 # A model whose matmuls are near the quick calibration's shapes (hidden 64, 128 rows).
