@@ -4,14 +4,16 @@ ranking ``--plan_for`` gives 2-rank layouts against their measured order.
     python benchmarks/time_model_check.py [--runs NAME ...] [--steps 6] [--rounds 2]
         [--spec_dir DIR] [--skip_ranking] [--output rows.json]
 
-Calibrates this machine once per thread count its runs use (``benchmarks/calibrate.py
---device cpu --threads N``: one process alone has every core, torchrun gives each of its ranks
-one). For each run, the dry run of its flags on that calibration (``--dry_run
---device_spec_file``; the slowest kind of rank, of a pipeline the stage that sets its pace)
-against the median step time from step 3 on of real runs on the shipped sample (torchrun for
-two ranks), trained in ``--rounds`` rounds over all runs. Then ``--plan_for 2`` of ``tiny``:
-each layout it lists trained as it chose it, its order against the measured one. Prints both
-tables and writes them as JSON (``--output``).
+Works in ``--rounds`` rounds over all runs (a shared machine's speed drifts over minutes; each
+side of the comparison then sees several stretches of it). Each round calibrates this machine
+once per thread count its runs use (``benchmarks/calibrate.py --device cpu --threads N``: one
+process alone has every core, torchrun gives each of its ranks one), takes each run's dry run
+on that calibration (``--dry_run --device_spec_file``; the slowest kind of rank, of a pipeline
+the stage that sets its pace) and trains each run on the shipped sample (torchrun for two
+ranks). A run's estimate is the mean of its rounds' dry runs, its measured step the median of
+every round's steps from step 3 on. Then ``--plan_for 2`` of ``tiny`` on the first round's
+calibration: each layout it lists trained as it chose it, its order against the measured one.
+Prints both tables and writes them as JSON (``--output``).
 """
 
 from __future__ import annotations
@@ -79,9 +81,10 @@ def _run(command: list[str]) -> None:
         sys.exit(f"failed ({done.returncode}): {shlex.join(command)}\n{done.stderr[-3000:]}")
 
 
-def spec_file(threads: int, spec_dir: Path) -> Path:
-    """This machine's calibration for ranks of ``threads`` threads (made once, then reused)."""
-    path = spec_dir / f"cpu_threads{threads}.json"
+def spec_file(threads: int, spec_dir: Path, round_: int = 0) -> Path:
+    """This machine's calibration for ranks of ``threads`` threads in round ``round_`` (made
+    once, then reused)."""
+    path = spec_dir / f"cpu_threads{threads}_round{round_ + 1}.json"
     if not path.exists():
         command = [sys.executable, "benchmarks/calibrate.py", "--device", "cpu"]
         command += ["--threads", str(threads), "--output", str(path)]
@@ -196,7 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", nargs="+", choices=sorted(RUNS), default=list(RUNS))
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--rounds", type=int, default=2, help="times each run is trained")
+    rounds_help = "rounds over all runs, each calibrating, estimating and training each run"
+    parser.add_argument("--rounds", type=int, default=2, help=rounds_help)
     parser.add_argument("--spec_dir", type=Path, help="calibrations to reuse (else made anew)")
     parser.add_argument("--output", type=Path, help="rows as JSON")
     parser.add_argument(
@@ -205,34 +209,37 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.steps < 4 or args.rounds < 1:
         parser.error("--steps must be at least 4 (steps 3 on are timed), --rounds at least 1")
+    runs = {}
+    for name in args.runs:
+        processes, flags = RUNS[name]
+        runs[name] = (processes, [*shlex.split(flags), *shlex.split(COMMON)])
+    keys = ("step_time_s", "compute_s", "memory_bound_s", "overhead_s", "host_optimizer_s")
+    keys += ("copies_s", "collectives_s", "exposed_comm_s", "bubble_s")
+    estimates: dict[str, list[dict]] = {name: [] for name in runs}
     with tempfile.TemporaryDirectory() as scratch:
         spec_dir = args.spec_dir or Path(scratch)
         spec_dir.mkdir(parents=True, exist_ok=True)
-        runs = {}
-        for name in args.runs:
-            processes, flags = RUNS[name]
-            flags = [*shlex.split(flags), *shlex.split(COMMON)]
-            spec = spec_file(threads_of(processes), spec_dir)
-            runs[name] = (processes, flags, estimated_step(flags, spec))
         ranking = [] if args.skip_ranking else ranking_layouts(spec_dir)
-        # Rounds over every run: a shared machine's speed drifts over minutes, and a run's
-        # steps from two rounds see two stretches of it (the median of them all is kept).
         times: dict[str, list[float]] = {
             name: [] for name in [*runs, *(r["layout"] for r in ranking)]
         }
         for round_ in range(args.rounds):
-            for name, (processes, flags, _) in runs.items():
+            for name, (processes, flags) in runs.items():
+                spec = spec_file(threads_of(processes), spec_dir, round_)
+                estimate = estimated_step(flags, spec)
+                estimates[name].append({key: estimate[key] for key in keys})
                 times[name] += step_times(processes, flags, args.steps)
                 print(
-                    f"round {round_ + 1}: {name} {statistics.median(times[name]):.3f} s", flush=True
+                    f"round {round_ + 1}: {name} {statistics.median(times[name]):.3f} s "
+                    f"(estimated {estimate['step_time_s']:.3f} s)",
+                    flush=True,
                 )
             for r in ranking:
                 times[r["layout"]] += step_times(2, [*MODEL, *r["flags"]], args.steps)
-    keys = ("compute_s", "memory_bound_s", "overhead_s", "host_optimizer_s", "copies_s")
-    keys += ("collectives_s", "exposed_comm_s", "bubble_s")
     rows = []
-    for name, (processes, _, estimate) in runs.items():
+    for name, (processes, _) in runs.items():
         measured = statistics.median(times[name])
+        estimate = {key: statistics.mean(e[key] for e in estimates[name]) for key in keys}
         rows.append(
             {
                 "run": name,
@@ -240,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "measured_s": measured,
                 "estimated_s": estimate["step_time_s"],
                 "ratio": estimate["step_time_s"] / measured,
-                **{key: estimate[key] for key in keys},
+                **{key: estimate[key] for key in keys[1:]},
             }
         )
     print(format_rows(rows))
