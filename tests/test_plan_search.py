@@ -3,6 +3,7 @@ only where a plan may fit, layouts measured in worker processes; and which layou
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
@@ -152,14 +153,20 @@ def test_plan_for_where_nothing_fits_says_what_the_nearest_layout_needs(capsys):
     assert "GiB of device and" in line and "which may use 0.0 GiB of device memory" in line
 
 
+@pytest.mark.parametrize("waited_us", [None, 2000.0])
 @pytest.mark.slow
-def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win():
+def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win(tmp_path, waited_us):
     """--plan_across_nodes with nodes of 2 devices and a slow network: every layout's
     tensor-parallel floor is below its own measured estimate (it is a lower bound), and the
     search that prunes by it measures exactly the spanning layouts whose floor is below the
-    fastest in-node step, and finds the same rows otherwise."""
+    fastest in-node step, and finds the same rows otherwise. Also on a spec that measured what
+    waiting for a collective costs (a calibration file's ``waited_collective_us``)."""
     flags = "--layers 1 --global_batch_size 2 --devices_per_node 2 --plan_across_nodes "
     flags += "--sequence_length 64 --max_positional_length 64"  # activations outweigh weights
+    if waited_us is not None:
+        spec_file = tmp_path / "spec.json"
+        spec_file.write_text(json.dumps({"device_spec": {"waited_collective_us": waited_us}}))
+        flags += f" --device_spec_file {spec_file}"
     config = small_config(*shlex.split(flags), "--inter_node_gb_per_s", "0.001")
     config.planning.plan_workers = 1
     spec = resolve_spec(config)

@@ -63,7 +63,7 @@ from execution.planning.planner import (
     plans_fitting_every_stage,
     shortfall,
 )
-from execution.planning.time_model import COST_INDEX, PHASE_COSTS, collective_seconds
+from execution.planning.time_model import COST_INDEX, PHASE_COSTS, waited_call_seconds
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -313,7 +313,7 @@ def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
         layout.tp2: (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1),
     }
     per_layer = sum(
-        collective_seconds(axis, "all_reduce", tokens * width * itemsize, spec)
+        waited_call_seconds(axis, "all_reduce", tokens * width * itemsize, spec)
         for axis, columns in widths.items()
         for width in columns
     )
