@@ -77,6 +77,9 @@ class Sizes:
     collective_bytes: tuple[int, ...] = (1 << 12, 1 << 16, 1 << 20, 1 << 24, 1 << 25, 1 << 26)
     collective_repeats: int = 9  # a shared machine's collectives vary 2x run to run
     engine_steps: int = 6
+    # (layers, micro-batches) of the engine model's tensor-parallel steps (waited_collectives):
+    # its waited-for collectives grow with both.
+    waited_shapes: tuple[tuple[int, int], ...] = ((2, 4), (6, 4))
     grid: tuple[int, ...] = ()  # every (m, n, k) of these, up to grid_flops
     grid_flops: float = 0.0
 
@@ -106,7 +109,18 @@ FULL = {
     ),
 }
 QUICK = Sizes(
-    (64, 128), (64,), 128, 16 * 2**20, 16 * 2**20, 100, 2, (1, 2, 64, 32), (1 << 16,), 2, 8
+    (64, 128),
+    (64,),
+    128,
+    16 * 2**20,
+    16 * 2**20,
+    100,
+    2,
+    attention=(1, 2, 64, 32),
+    collective_bytes=(1 << 16,),
+    collective_repeats=2,
+    engine_steps=8,
+    waited_shapes=((1, 2), (3, 2)),
 )
 
 

@@ -79,7 +79,7 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     # model waiting for more calls; the cost per call is the fit through them, each residual
     # over the modelled step relative to its step, by hand.
     rows = measured["waited_collectives"]["rows"]
-    assert [r["layers"] for r in rows] == [2, 6]
+    assert [(r["layers"], r["micro_batches"]) for r in rows] == [(1, 2), (3, 2)]
     assert 0 < rows[0]["waited_calls"] < rows[1]["waited_calls"]
     excess = [(r["step_s"] - r["modelled_s"], r["waited_calls"], r["step_s"]) for r in rows]
     fit = sum(e * n / t**2 for e, n, t in excess) / sum(n * n / t**2 for _, n, t in excess)

@@ -3,7 +3,7 @@ only where a plan may fit, layouts measured in worker processes; and which layou
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import shlex
 
 import pytest
@@ -153,20 +153,26 @@ def test_plan_for_where_nothing_fits_says_what_the_nearest_layout_needs(capsys):
     assert "GiB of device and" in line and "which may use 0.0 GiB of device memory" in line
 
 
-@pytest.mark.parametrize("waited_us", [None, 2000.0])
+def test_the_floor_prices_each_all_reduce_as_a_waited_for_call():
+    """On a calibration that measured waiting for a collective (``waited_collective_us``),
+    the time model adds that to every waited-for call, so the floor does to each of its
+    eight all-reduces per layer and micro-batch: 8 x 1 ms x layers x micro-batches more."""
+    flags = "--tensor_parallel_1 2 --tensor_parallel_2 2 --layers 3 --global_batch_size 8"
+    config = small_config(*shlex.split(flags), "--micro_batch_size", "2")
+    spec = resolve_spec(config)
+    waited = dataclasses.replace(spec, waited_collective_us=1000.0)
+    extra = tensor_parallel_floor(config, waited) - tensor_parallel_floor(config, spec)
+    assert extra == pytest.approx(8 * 1e-3 * 3 * 4)
+
+
 @pytest.mark.slow
-def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win(tmp_path, waited_us):
+def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win():
     """--plan_across_nodes with nodes of 2 devices and a slow network: every layout's
     tensor-parallel floor is below its own measured estimate (it is a lower bound), and the
     search that prunes by it measures exactly the spanning layouts whose floor is below the
-    fastest in-node step, and finds the same rows otherwise. Also on a spec that measured what
-    waiting for a collective costs (a calibration file's ``waited_collective_us``)."""
+    fastest in-node step, and finds the same rows otherwise."""
     flags = "--layers 1 --global_batch_size 2 --devices_per_node 2 --plan_across_nodes "
     flags += "--sequence_length 64 --max_positional_length 64"  # activations outweigh weights
-    if waited_us is not None:
-        spec_file = tmp_path / "spec.json"
-        spec_file.write_text(json.dumps({"device_spec": {"waited_collective_us": waited_us}}))
-        flags += f" --device_spec_file {spec_file}"
     config = small_config(*shlex.split(flags), "--inter_node_gb_per_s", "0.001")
     config.planning.plan_workers = 1
     spec = resolve_spec(config)
