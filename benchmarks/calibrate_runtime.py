@@ -177,7 +177,7 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     return {"rows": rows, "launch_us": per_kernel * 1e6, "phase_us": per_phase * 1e6}
 
 
-def _waited_rank(rank: int, store: str, device_type: str, sizes, spec, out) -> None:
+def _waited_rank(rank: int, store: str, device_type: str, shapes, steps, spec, out) -> None:
     """Real steps of the engine model at tensor-parallel 2 (every layer waits for all-reduces
     and all-gathers where it issues them), each shape in turn; rank 0 adds each shape's rows:
     median step, the time model's step without the wait's cost, and the waited-for calls."""
@@ -191,7 +191,7 @@ def _waited_rank(rank: int, store: str, device_type: str, sizes, spec, out) -> N
     try:
         layout = ParallelLayout.build(1, 2, 1, device)
         runs = []
-        for layers, micro_batches in sizes.waited_shapes:
+        for layers, micro_batches in shapes:
             flags = [*ENGINE_FLAGS, "--layers", str(layers), "--tensor_parallel_1", "2"]
             flags += ["--global_batch_size", str(micro_batches), "--device", device_type]
             engine = planned_engine(parse_config(flags)[0], layout)
@@ -200,7 +200,7 @@ def _waited_rank(rank: int, store: str, device_type: str, sizes, spec, out) -> N
             shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
             tokens = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(0))
             runs.append((engine, tokens.to(device), []))
-        for step in range(sizes.engine_steps + 2):
+        for step in range(steps + 2):
             for engine, tokens, times in runs:
                 dist.barrier()
                 _sync(device)
@@ -211,9 +211,7 @@ def _waited_rank(rank: int, store: str, device_type: str, sizes, spec, out) -> N
         if rank == 0:
             shapes_only = ParallelLayout.shapes_only(1, 2, 1)
             kernel = attention_kernel(device_type, 0.0)
-            for (layers, micro_batches), (engine, _, times) in zip(
-                sizes.waited_shapes, runs, strict=True
-            ):
+            for (layers, micro_batches), (engine, _, times) in zip(shapes, runs, strict=True):
                 windows = meta_step(engine.plan, shapes_only, kernel).windows
                 modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)
                 waited = sum(
@@ -249,7 +247,8 @@ def measure_waited_collectives(device: torch.device, sizes, spec: DeviceSpec) ->
     spec = dataclasses.replace(spec, waited_collective_us=0.0)
     with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
         out = manager.list()
-        args = (f"file://{folder}/store", device.type, sizes, spec, out)
+        store = f"file://{folder}/store"
+        args = (store, device.type, sizes.waited_shapes, sizes.engine_steps, spec, out)
         start = "spawn" if device.type == "cuda" else "fork"  # see measure_collectives
         mp.start_processes(_waited_rank, args, nprocs=2, start_method=start)
         rows = list(out)
