@@ -48,7 +48,12 @@ def _train(config, layout: ParallelLayout) -> dict:
         "losses": [r.loss for r in results],
         "norms": [r.grad_norm for r in results],
         "buffers": buffers,
-        "async": sum(sum(a.async_bytes.values()) for a in layout.axes()),
+        "async": sum(
+            nbytes * count
+            for a in layout.axes()
+            for (_, nbytes, asynchronous), count in a.sized_calls.items()
+            if asynchronous
+        ),
         "recompute": engine.memory.recompute,
     }
 

@@ -166,11 +166,11 @@ class GroupAxis:
     """One communication group as seen by this rank; size 1 makes every collective a no-op.
 
     ``calls`` counts the collectives issued (by op name) so tests can check the schedule, and
-    ``payload_bytes`` adds up their full-size tensors (the all-reduced tensor, the gathered
-    output, the reduce-scattered input) for the dry run's traffic figures; ``async_bytes`` is
-    the part of them issued with ``async_op`` (the ``start_`` methods), which may run behind
-    compute. ``sized_calls`` counts them by (op, payload bytes, issued with ``async_op``): a
-    call's time depends on its own size (a small one is all latency), not on the total's.
+    ``sized_calls`` counts them by (op, payload bytes, issued with ``async_op``) for the dry
+    run's traffic and time: the payload is the full-size tensor (the all-reduced tensor, the
+    gathered output, the reduce-scattered input); the ``start_`` methods issue with
+    ``async_op``, and those may run behind compute; and a call's time depends on its own size
+    (a small one is all latency), not on the total's.
     """
 
     name: str
@@ -191,17 +191,11 @@ class GroupAxis:
     upward_group: dist.ProcessGroup | None = None
     downward_group: dist.ProcessGroup | None = None
     calls: collections.Counter = field(default_factory=collections.Counter)
-    payload_bytes: collections.Counter = field(default_factory=collections.Counter)
-    async_bytes: collections.Counter = field(default_factory=collections.Counter)
     sized_calls: collections.Counter = field(default_factory=collections.Counter)
 
     def _count(self, op: str, full: torch.Tensor, async_op: bool = False) -> None:
         self.calls[op] += 1
-        nbytes = full.numel() * full.element_size()
-        self.payload_bytes[op] += nbytes
-        self.sized_calls[op, nbytes, async_op] += 1
-        if async_op:
-            self.async_bytes[op] += nbytes
+        self.sized_calls[op, full.numel() * full.element_size(), async_op] += 1
 
     def _shapes_only(self, tensor: torch.Tensor) -> bool:
         assert not self.shapes_only or tensor.is_meta, "a shapes-only axis takes meta tensors"
