@@ -318,13 +318,17 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
     }
 
 
+def _timed(name: str, measure: Callable[..., dict], *args) -> dict:
+    """``measure(*args)``, printing how long it took."""
+    started = time.perf_counter()
+    result = measure(*args)
+    print(f"calibrate: {name} {time.perf_counter() - started:.1f} s", flush=True)
+    return result
+
+
 def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
     """Every measurement, and the device spec they give on top of ``base``."""
-    measured = {}
-    for name, measure in MEASUREMENTS.items():
-        started = time.perf_counter()
-        measured[name] = measure(device, sizes)
-        print(f"calibrate: {name} {time.perf_counter() - started:.1f} s", flush=True)
+    measured = {name: _timed(name, fn, device, sizes) for name, fn in MEASUREMENTS.items()}
     spec = dataclasses.replace(SPECS[base], **spec_fields(measured, device))
     spec = dataclasses.replace(
         spec,
@@ -332,21 +336,14 @@ def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
         collective_gb_per_s=tuple(map(tuple, spec.collective_gb_per_s)),
     )
     # The engine's own time, measured against the kernels' rates just measured.
-    started = time.perf_counter()
-    measured["engine"] = measure_engine(device, sizes, spec)
-    print(f"calibrate: engine {time.perf_counter() - started:.1f} s", flush=True)
+    engine = measured["engine"] = _timed("engine", measure_engine, device, sizes, spec)
     spec = dataclasses.replace(
-        spec,
-        launch_overhead_us=measured["engine"]["launch_us"],
-        phase_overhead_us=measured["engine"]["phase_us"],
+        spec, launch_overhead_us=engine["launch_us"], phase_overhead_us=engine["phase_us"]
     )
     # Waiting for a collective inside a step, against the engine's time just measured.
-    started = time.perf_counter()
-    measured["waited_collectives"] = measure_waited_collectives(device, sizes, spec)
-    print(f"calibrate: waited_collectives {time.perf_counter() - started:.1f} s", flush=True)
-    spec = dataclasses.replace(
-        spec, waited_collective_us=measured["waited_collectives"]["waited_us"]
-    )
+    waited = _timed("waited_collectives", measure_waited_collectives, device, sizes, spec)
+    measured["waited_collectives"] = waited
+    spec = dataclasses.replace(spec, waited_collective_us=waited["waited_us"])
     return {"device_spec": spec_file_dict(spec), "base": base, "measurements": measured}
 
 

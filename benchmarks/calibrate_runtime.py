@@ -63,53 +63,74 @@ def _collective(op: str, rank: int, buffers: tuple) -> None:
         dist.recv(buffers[0], 0)
 
 
-def _collective_rank(rank: int, store: str, device_type: str, sizes, repeats, out) -> None:
-    """Times every op at every size, in rounds that take each once (a shared machine's speed
-    drifts over seconds: each op and size then sees every phase of it), and keeps the median."""
-    backend = "nccl" if device_type == "cuda" else "gloo"
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _has_pair(device: torch.device) -> bool:
+    """Whether two ranks of this device kind can run here (not on one GPU)."""
+    return device.type != "cuda" or torch.cuda.device_count() >= 2
+
+
+def _pair_rank(rank: int, store: str, device_type: str, work, args: tuple, out) -> None:
+    """One of two ranks: its device (a GPU each, or one CPU thread each, as torchrun starts
+    two ranks), the process group (NCCL or gloo), then ``work(rank, device, *args, out)``."""
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(1)  # two ranks on the cores of a rank each, as torchrun starts them
+        torch.set_num_threads(1)
+    backend = "nccl" if device_type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=store, rank=rank, world_size=2)
     try:
-        fulls = {n: torch.ones(n // 4, device=device) for n in sizes}
-        times: dict[tuple, list[float]] = {(op, n): [] for op in COLLECTIVES for n in sizes}
-        for attempt in range(repeats + 1):
-            for op, nbytes in times:
-                buffers = _collective_buffers(op, rank, fulls[nbytes])
-                dist.barrier()
-                if device_type == "cuda":
-                    torch.cuda.synchronize(device)
-                started = time.perf_counter()
-                _collective(op, rank, buffers)
-                if device_type == "cuda":
-                    torch.cuda.synchronize(device)
-                if attempt:  # the first sets up the pair's buffers
-                    times[op, nbytes].append(time.perf_counter() - started)
-        if rank == 0:
-            for (op, nbytes), seconds in times.items():
-                out.append((op, nbytes, nbytes / statistics.median(seconds) / 1e9))
+        work(rank, device, *args, out)
     finally:
         dist.destroy_process_group()
+
+
+def _on_pair(device: torch.device, work, *args) -> list:
+    """Runs ``work`` on two local ranks of ``device``'s kind; what they append to ``out``."""
+    with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
+        out = manager.list()
+        store = f"file://{folder}/store"
+        # A fresh interpreter per rank costs seconds of imports; a forked CPU rank sets its
+        # threads before any op (the parent's OpenMP workers are not forked), and CUDA cannot
+        # be forked once initialised.
+        start = "spawn" if device.type == "cuda" else "fork"
+        mp.start_processes(
+            _pair_rank, (store, device.type, work, args, out), nprocs=2, start_method=start
+        )
+        return list(out)
+
+
+def _time_collectives(rank: int, device: torch.device, sizes, repeats, out) -> None:
+    """Times every op at every size, in rounds that take each once (a shared machine's speed
+    drifts over seconds: each op and size then sees every phase of it), and keeps the median."""
+    fulls = {n: torch.ones(n // 4, device=device) for n in sizes}
+    times: dict[tuple, list[float]] = {(op, n): [] for op in COLLECTIVES for n in sizes}
+    for attempt in range(repeats + 1):
+        for op, nbytes in times:
+            buffers = _collective_buffers(op, rank, fulls[nbytes])
+            dist.barrier()
+            _sync(device)
+            started = time.perf_counter()
+            _collective(op, rank, buffers)
+            _sync(device)
+            if attempt:  # the first sets up the pair's buffers
+                times[op, nbytes].append(time.perf_counter() - started)
+    if rank == 0:
+        for (op, nbytes), seconds in times.items():
+            out.append((op, nbytes, nbytes / statistics.median(seconds) / 1e9))
 
 
 def measure_collectives(device: torch.device, sizes) -> dict:
     """Payload GB/s of each op at each size between two local ranks; nothing where two ranks
     of this device kind are not available (one GPU)."""
-    if device.type == "cuda" and torch.cuda.device_count() < 2:
+    if not _has_pair(device):
         return {"rates": [], "why": "one GPU: no pair to measure"}
-    with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
-        out = manager.list()
-        store = f"file://{folder}/store"
-        args = (store, device.type, sizes.collective_bytes, sizes.collective_repeats, out)
-        # A fresh interpreter per rank costs seconds of imports; a forked CPU rank sets its
-        # threads before any op (the parent's OpenMP workers are not forked), and CUDA cannot
-        # be forked once initialised.
-        start = "spawn" if device.type == "cuda" else "fork"
-        mp.start_processes(_collective_rank, args, nprocs=2, start_method=start)
-        return {"rates": [list(row) for row in out]}
+    args = (sizes.collective_bytes, sizes.collective_repeats)
+    return {"rates": [list(row) for row in _on_pair(device, _time_collectives, *args)]}
 
 
 # A model whose every op is small: its step is the engine's host time and the ops' launches.
@@ -144,12 +165,10 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
         runs.append((engine, torch.randint(0, 512, shape, device=device), windows, []))
     for step in range(sizes.engine_steps + 2):
         for engine, tokens, _, times in runs:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _sync(device)
             started = time.perf_counter()
             engine.train_step(tokens, step=step, lr=1e-3)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            _sync(device)
             times.append(time.perf_counter() - started)
     rows = []
     for (layers, micro_batches), (_, _, windows, times) in zip(ENGINE_SHAPES, runs, strict=True):
@@ -177,60 +196,45 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     return {"rows": rows, "launch_us": per_kernel * 1e6, "phase_us": per_phase * 1e6}
 
 
-def _waited_rank(rank: int, store: str, device_type: str, shapes, steps, spec, out) -> None:
+def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> None:
     """Real steps of the engine model at tensor-parallel 2 (every layer waits for all-reduces
     and all-gathers where it issues them), each shape in turn; rank 0 adds each shape's rows:
     median step, the time model's step without the wait's cost, and the waited-for calls."""
-    device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    if device_type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # as torchrun starts each of two ranks
-    backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=store, rank=rank, world_size=2)
-    try:
-        layout = ParallelLayout.build(1, 2, 1, device)
-        runs = []
-        for layers, micro_batches in shapes:
-            flags = [*ENGINE_FLAGS, "--layers", str(layers), "--tensor_parallel_1", "2"]
-            flags += ["--global_batch_size", str(micro_batches), "--device", device_type]
-            engine = planned_engine(parse_config(flags)[0], layout)
-            plan = engine.plan
-            row = plan.sequence_length + plan.model.label_columns
-            shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
-            tokens = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(0))
-            runs.append((engine, tokens.to(device), []))
-        for step in range(steps + 2):
-            for engine, tokens, times in runs:
-                dist.barrier()
-                _sync(device)
-                started = time.perf_counter()
-                engine.train_step(tokens, step=step, lr=1e-3)
-                _sync(device)
-                times.append(time.perf_counter() - started)
-        if rank == 0:
-            shapes_only = ParallelLayout.shapes_only(1, 2, 1)
-            kernel = attention_kernel(device_type, 0.0)
-            for (layers, micro_batches), (engine, _, times) in zip(shapes, runs, strict=True):
-                windows = meta_step(engine.plan, shapes_only, kernel).windows
-                modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)
-                waited = sum(
-                    count
-                    for w in windows
-                    for calls in w.calls.values()
-                    for (_, _, asynchronous), count in calls.items()
-                    if not asynchronous
-                )
-                row = {"layers": layers, "micro_batches": micro_batches}
-                row |= {"step_s": statistics.median(times[2:]), "waited_calls": waited}
-                out.append(row | {"modelled_s": modelled["step_time_s"]})
-    finally:
-        dist.destroy_process_group()
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    layout = ParallelLayout.build(1, 2, 1, device)
+    runs = []
+    for layers, micro_batches in shapes:
+        flags = [*ENGINE_FLAGS, "--layers", str(layers), "--tensor_parallel_1", "2"]
+        flags += ["--global_batch_size", str(micro_batches), "--device", device.type]
+        engine = planned_engine(parse_config(flags)[0], layout)
+        plan = engine.plan
+        row = plan.sequence_length + plan.model.label_columns
+        shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
+        tokens = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(0))
+        runs.append((engine, tokens.to(device), []))
+    for step in range(steps + 2):
+        for engine, tokens, times in runs:
+            dist.barrier()
+            _sync(device)
+            started = time.perf_counter()
+            engine.train_step(tokens, step=step, lr=1e-3)
+            _sync(device)
+            times.append(time.perf_counter() - started)
+    if rank == 0:
+        shapes_only = ParallelLayout.shapes_only(1, 2, 1)
+        kernel = attention_kernel(device.type, 0.0)
+        for (layers, micro_batches), (engine, _, times) in zip(shapes, runs, strict=True):
+            windows = meta_step(engine.plan, shapes_only, kernel).windows
+            modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)
+            waited = sum(
+                count
+                for w in windows
+                for calls in w.calls.values()
+                for (_, _, asynchronous), count in calls.items()
+                if not asynchronous
+            )
+            row = {"layers": layers, "micro_batches": micro_batches}
+            row |= {"step_s": statistics.median(times[2:]), "waited_calls": waited}
+            out.append(row | {"modelled_s": modelled["step_time_s"]})
 
 
 def measure_waited_collectives(device: torch.device, sizes, spec: DeviceSpec) -> dict:
@@ -242,16 +246,10 @@ def measure_waited_collectives(device: torch.device, sizes, spec: DeviceSpec) ->
     rates and engine overhead, waited-for calls at bandwidth alone) is fitted as calls x cost
     per call, each row's residual relative to its step. Nothing where two ranks of this kind
     are not available (one GPU)."""
-    if device.type == "cuda" and torch.cuda.device_count() < 2:
+    if not _has_pair(device):
         return {"rows": [], "waited_us": None, "why": "one GPU: no pair to measure"}
     spec = dataclasses.replace(spec, waited_collective_us=0.0)
-    with tempfile.TemporaryDirectory() as folder, mp.Manager() as manager:
-        out = manager.list()
-        store = f"file://{folder}/store"
-        args = (store, device.type, sizes.waited_shapes, sizes.engine_steps, spec, out)
-        start = "spawn" if device.type == "cuda" else "fork"  # see measure_collectives
-        mp.start_processes(_waited_rank, args, nprocs=2, start_method=start)
-        rows = list(out)
+    rows = _on_pair(device, _time_waited, sizes.waited_shapes, sizes.engine_steps, spec)
     weights = np.array([1.0 / r["step_s"] ** 2 for r in rows])
     calls = np.array([r["waited_calls"] for r in rows], dtype=np.float64)
     excess = np.array([r["step_s"] - r["modelled_s"] for r in rows])
