@@ -20,8 +20,9 @@ import struct
 from pathlib import Path
 from typing import BinaryIO
 
-import crc32c
 import numpy as np
+
+from utils.checksum import crc32c
 
 FEATURE_NAME = "input_ids"
 INDEX_SUFFIX = ".index"
@@ -46,7 +47,7 @@ def masked_crc32c(data: bytes) -> int:
     Returns:
         The masked checksum as an unsigned 32-bit integer.
     """
-    crc = crc32c.crc32c(data)
+    crc = crc32c(data)
     return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 

@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import torch
 
 from config.loading import ConfigError, one_line
 from execution.engine.buffers import WEIGHT_STATES
 from modelling.gpt import LAYERS, GPTShapes, logical_shapes, qualified_name
 from modelling.sparsity import SPARSE_WEIGHTS
+from utils.checksum import crc32c
 
 FORMAT = 1
 # What a checkpoint holds of each parameter: the weights and both AdamW moments.
@@ -73,7 +73,7 @@ def file_crc(path: Path) -> int:
     crc = 0
     with open(path, "rb") as f:
         while chunk := f.read(1 << 22):  # 4 MiB: a load's extra memory stays small
-            crc = crc32c.crc32c(chunk, crc)
+            crc = crc32c(chunk, crc)
     return crc
 
 
