@@ -152,7 +152,7 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     VM) slows every row alike rather than one; the fit weighs each row's residual relative to
     its step, so the short rows count as much as the long ones."""
     no_launch = dataclasses.replace(spec, launch_overhead_us=0.0)
-    kernel = attention_kernel(device.type, 0.0)
+    kernel = attention_kernel(device.type, 0.0, torch.float32)  # ENGINE_FLAGS' precision
     runs = []
     for layers, micro_batches in ENGINE_SHAPES:
         flags = [*ENGINE_FLAGS, "--layers", str(layers), "--global_batch_size", str(micro_batches)]
@@ -221,7 +221,7 @@ def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> N
             times.append(time.perf_counter() - started)
     if rank == 0:
         shapes_only = ParallelLayout.shapes_only(1, 2, 1)
-        kernel = attention_kernel(device.type, 0.0)
+        kernel = attention_kernel(device.type, 0.0, torch.float32)  # ENGINE_FLAGS' precision
         for (layers, micro_batches), (engine, _, times) in zip(shapes, runs, strict=True):
             windows = meta_step(engine.plan, shapes_only, kernel).windows
             modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)

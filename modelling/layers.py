@@ -23,6 +23,7 @@ or a cp head group draws exactly the single process's masks: for the layout-pari
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -30,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from modelling.parallel import (
     LOCAL,
@@ -178,6 +180,11 @@ class Attention(nn.Module):
         # op a device's kernel runs on meta tensors, where SDPA itself would take the math path
         # (execution/engine/recompute.py: attention_on_meta), and no other module sees it.
         self.sdpa: Callable[..., torch.Tensor] | None = None
+        # The one SDPA backend attention may run (None: torch chooses). Whoever builds the
+        # model pins the kernel its plan measured (execution/engine/recompute.py:
+        # pin_attention), so torch cannot pick another that saves other tensors. The pin sets
+        # process-wide flags while it runs: one thread at a time runs a step's attention.
+        self.backend: SDPBackend | None = None
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
@@ -205,13 +212,16 @@ class Attention(nn.Module):
         """
         p = self.dropout_prob if seeds is not None else 0.0
         sdpa = self.sdpa or F.scaled_dot_product_attention
-        if not p:
-            return sdpa(q, k, v, is_causal=True)
-        # This tp1 shard's first head, then this cp group's: the global index of head 0 here.
-        first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
-        if self.dropout_parity:
-            return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
-        return fused_attention_with_dropout(q, k, v, p, mix_seed(seeds.attention, first), sdpa)
+        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
+        with pinned:
+            if not p:
+                return sdpa(q, k, v, is_causal=True)
+            # This tp1 shard's first head, then this cp group's: the global index of head 0.
+            first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
+            if self.dropout_parity:
+                return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
+            seed = mix_seed(seeds.attention, first)
+            return fused_attention_with_dropout(q, k, v, p, seed, sdpa)
 
 
 def fused_attention_with_dropout(

@@ -51,7 +51,7 @@ def test_tighter_device_memory_moves_state_off_the_device():
     everything = sum(one_pass.values())
     roomy = choose_plan(config, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
     assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
-    chosen, kernel = [], attention_kernel("cuda", config.model.dropout_prob)
+    chosen, kernel = [], attention_kernel("cuda", config.model.dropout_prob, rank.dtype)
     for device_gib in (80, 40, 20, 12):
         budget = MemoryBudget(device_gib * GiB, 512 * GiB)
         plan = choose_plan(config, "cuda", budget)

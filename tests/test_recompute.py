@@ -6,15 +6,26 @@ from __future__ import annotations
 import shlex
 
 import pytest
+import torch
+from torch.nn.attention import SDPBackend
 
 from execution.checkpoint.logical import full_state
-from execution.engine.recompute import attention_kernel
+from execution.engine.recompute import (
+    ALIGN,
+    _Packer,
+    attention_kernel,
+    kept_bytes,
+    meta_block,
+    pin_attention,
+)
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import MemoryBudget, RankShape, host_traffic
 from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import candidate_plans, choose_plan
 from execution.planning.step_meter import StepMeter
+from modelling.gpt import GPTShapes
+from modelling.layers import BlockSeeds
 from tests.distributed import (
     CPU,
     assert_states_close,
@@ -73,7 +84,7 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
             assert plan.kept > 0 and engine.kept.overflow == 0
             assert engine.kept.largest == plan.kept
         rank = RankShape.from_config(config)
-        kept = rank.kept(mode, attention_kernel("cpu", 0.1))
+        kept = rank.kept(mode, attention_kernel("cpu", 0.1, torch.float32))
         entries = plan.micro_batches_per_pass
         want = host_traffic(rank, plan.placement, plan.passes, entries, kept)
         assert run["copied"] == want, (mode, run["copied"], want)
@@ -109,7 +120,7 @@ def test_auto_weighs_recompute_against_memory_and_the_host_link():
     plan = choose_plan(hosted, "cuda", gpu)
     assert plan.recompute == "full"
     rank = RankShape.from_config(hosted)
-    kernel = attention_kernel("cuda", 0.1)
+    kernel = attention_kernel("cuda", 0.1, rank.dtype)
     plans = candidate_plans(hosted, "cuda")
     assert {p.recompute for p in plans} == set(MODES)
     assert step_seconds(hosted, rank, kernel, plan) == min(
@@ -119,3 +130,81 @@ def test_auto_weighs_recompute_against_memory_and_the_host_link():
     full = next(p for p in plans if p.recompute == "full" and p.passes == 2)
     tight = MemoryBudget(device=full.bytes_on("device")["total"], host=1 << 40)
     assert tight.fits(choose_plan(hosted, "cuda", tight))
+
+
+def test_the_attention_kernel_follows_the_device_and_the_precision():
+    """FlashAttention takes 16 bits only: float32 on CUDA runs the memory-efficient kernel. A
+    CPU runs its flash kernel without dropout and the math path with it, in any precision."""
+    for p in (0.0, 0.1):
+        assert attention_kernel("cuda", p, torch.bfloat16) == "flash"
+        assert attention_kernel("cuda", p, torch.float16) == "flash"
+        assert attention_kernel("cuda", p, torch.float32) == "efficient"
+        for dtype in (torch.float32, torch.bfloat16):
+            assert attention_kernel("cpu", p, dtype) == ("math" if p else "cpu_flash")
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_layer_keeps_what_the_fused_kernel_saves(dropout):
+    """Keeping everything (``none``) against checkpointing the attention core (``selective``,
+    which keeps the core's q, k and v, as the kernel does) differs by what the kernel alone
+    saves for its backward (torch's attention.cu and derivatives.yaml), each in its own
+    16-byte-aligned region, at 2 x 4 heads x 20 tokens x 16 dims:
+
+    - memory-efficient (float32): the output, the logsumexp over the sequence padded to a
+      multiple of 32 (kAlignLSE) in float32, and the philox seed and offset (int64 scalars);
+    - flash (bfloat16): the output, the logsumexp in float32, and its rng state (two uint64)
+      and an unused uint64 scalar.
+    """
+    batch, heads, seq, head_dim = 2, 4, 20, 16
+    shapes = GPTShapes(1, heads * head_dim, heads, 128, seq, dropout, 1e-5)
+    out = batch * heads * seq * head_dim
+    lse = {"efficient": batch * heads * 32 * 4, "flash": batch * heads * seq * 4}
+    saved = {
+        "efficient": (_aligned(4 * out), _aligned(lse["efficient"]), _aligned(8), _aligned(8)),
+        "flash": (_aligned(2 * out), _aligned(lse["flash"]), _aligned(16), _aligned(8)),
+    }
+    for kernel, dtype in (("efficient", torch.float32), ("flash", torch.bfloat16)):
+        kept = {m: kept_bytes(shapes, batch, seq, dtype, m, kernel) for m in ("none", "selective")}
+        assert kept["none"].entry - kept["selective"].entry == sum(saved[kernel]), kernel
+
+
+def test_pinned_attention_runs_only_its_kernel():
+    """On CUDA the engine pins the kernel its plan measured, so torch cannot choose cuDNN's
+    (Hopper) or the math path instead: inside the module's SDPA call only that backend is
+    enabled, with dropout or without, and every backend is again afterwards. A CPU kernel
+    pins nothing."""
+    block = meta_block(GPTShapes(2, 32, 4, 64, 16, 0.1, 1e-5))
+    pin_attention("cpu_flash", block)
+    assert block.attn.backend is None
+    pin_attention("efficient", block)
+    assert block.attn.backend == SDPBackend.EFFICIENT_ATTENTION
+    enabled = []
+
+    def sdpa(q, k, v, dropout_p=0.0, is_causal=False):
+        cuda = torch.backends.cuda
+        flags = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled())
+        enabled.append((*flags, cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled()))
+        return q
+
+    block.attn.sdpa = sdpa
+    q = torch.zeros(1, 4, 16, 8)
+    for seeds in (None, BlockSeeds(1, 2, 3)):
+        block.attn.core(q, q, q, seeds)
+    assert enabled == [(False, True, False, False)] * 2
+    assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
+
+
+def test_a_host_scalar_a_kernel_saves_stays_on_the_host():
+    """The memory-efficient kernel's philox seed and offset are CPU scalars its backward reads
+    on the host: a layer computing elsewhere keeps them where they are, outside its entry."""
+    flats = {"layers": torch.empty(8, device="meta")}
+    entry = torch.empty(64, dtype=torch.uint8, device="meta")
+    packer = _Packer(entry, lambda region, t: None, flats)
+    seed = torch.tensor(7)
+    assert packer.pack(seed) == ("host", seed) and packer.used == packer.copied == 0
+    packer.pack(torch.empty(3, device="meta"))
+    assert packer.used == ALIGN and packer.copied == 12

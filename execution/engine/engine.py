@@ -28,7 +28,7 @@ from execution.engine.bodies import BODIES
 from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
 from execution.engine.optimizer import AdamWDriver, clip_coefficient
 from execution.engine.plan import PLACED_STATES, EnginePlan
-from execution.engine.recompute import KeptLayers, prepare_block
+from execution.engine.recompute import KeptLayers, attention_kernel, pin_attention, prepare_block
 from execution.engine.rigl import RigL
 from execution.engine.schedule import Phase, Stage
 from execution.engine.state import StateStore
@@ -93,6 +93,9 @@ class PhasedEngine:
             LAYERS: template.layers[0],
             HEAD: template.head,
         }
+        # Attention runs the kernel the plan was measured with, chosen by this device and dtype.
+        kernel = attention_kernel(self.device.type, plan.model.dropout_prob, self.dtype)
+        pin_attention(kernel, template.layers[0])
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.

@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.func import functional_call
+from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
 from execution.engine.buffers import FlatSpec, flat_specs
@@ -46,14 +47,41 @@ ALIGN = 16
 META = torch.device("meta")
 
 
-def attention_kernel(device_type: str, dropout_prob: float) -> str:
-    """The attention kernel ``scaled_dot_product_attention`` runs on a device, which decides
-    what it saves: ``flash`` on CUDA (with dropout too: the fused kernel draws it), ``cpu_flash``
-    on a CPU without dropout, else ``math``. (``--dropout_parity`` writes attention with
+def attention_kernel(device_type: str, dropout_prob: float, dtype: torch.dtype) -> str:
+    """The attention kernel ``scaled_dot_product_attention`` runs on a device in ``dtype``,
+    which decides what it saves. On CUDA: ``flash`` in 16 bits, ``efficient`` (the
+    memory-efficient kernel) in float32, which FlashAttention does not take; with dropout too,
+    which both draw (the engine pins the kernel: :func:`pin_attention`). On a CPU:
+    ``cpu_flash`` without dropout, else ``math``. (``--dropout_parity`` writes attention with
     dropout out instead of calling it: matmuls and a [heads, seq, seq] tensor anywhere.)"""
     if device_type == "cuda":
-        return "flash"
+        return "efficient" if dtype == torch.float32 else "flash"
     return "cpu_flash" if dropout_prob == 0.0 else "math"
+
+
+# The SDPA backend each CUDA kernel is; a CPU's kernels are left to torch (its choice there is
+# the one attention_kernel names, and pinning it would change nothing).
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def pin_attention(kernel: str, *modules: torch.nn.Module) -> None:
+    """Makes every :class:`~modelling.layers.Attention` among ``modules`` run ``kernel`` and no
+    other: on Hopper torch would otherwise prefer cuDNN's attention, which saves other
+    tensors than the plan measured, and fall back to the math path where the kernel cannot
+    run. Whoever builds the model decides (the engine, from its device and dtype)."""
+    backend = SDPA_BACKENDS.get(kernel)
+    for module in modules:
+        for m in module.modules():
+            if isinstance(m, Attention):
+                m.backend = backend
+
+
+def _efficient_attention(q, k, v, dropout_p, is_causal):
+    # SDPA asks for the logsumexp only where a backward will need it (should_compute_logsumexp
+    # in torch's attention.cpp); without it the kernel returns an empty one.
+    backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    return efficient(q, k, v, None, backward, dropout_p, is_causal)
 
 
 @contextlib.contextmanager
@@ -69,6 +97,7 @@ def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
     """
     op = {
         "flash": torch.ops.aten._scaled_dot_product_flash_attention,
+        "efficient": _efficient_attention,
         "cpu_flash": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
     }.get(kernel)
     attentions = [m for module in modules for m in module.modules() if isinstance(m, Attention)]
@@ -142,11 +171,16 @@ class _Packer:
     weights become their place in a gathered vector of ``flats``.
 
     ``entry`` None measures only. A tensor that does not fit (the kernel saved more than was
-    measured) stays where it is and is counted in ``overflow``.
+    measured) stays where it is and is counted in ``overflow``. A tensor on the CPU while the
+    layer runs elsewhere stays there too, uncounted: the memory-efficient kernel's philox seed
+    and offset, which its backward reads on the host (Note [Seed and Offset Device] in torch's
+    attention.cu), so a copy on the device would be read as a host address. The meta
+    measurement cannot tell their place and counts them: 32 bytes of the entry stay unused.
     """
 
     def __init__(self, entry, store, flats: dict[str, torch.Tensor]):
         self.entry, self.store = entry, store
+        self.device = next(iter(flats.values())).device if flats else None
         self.weights = {flat.untyped_storage()._cdata: kind for kind, flat in flats.items()}
         self.offsets = {kind: flat.storage_offset() for kind, flat in flats.items()}
         self.used = self.copied = self.overflow = 0
@@ -160,6 +194,8 @@ class _Packer:
         kind = self.weights.get(storage)
         if kind is not None:
             return ("weight", kind, t.size(), t.stride(), t.storage_offset() - self.offsets[kind])
+        if t.device.type == "cpu" and self.device is not None and t.device != self.device:
+            return ("host", t)
         key = (storage, t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
         if key in self._seen:
             return self._seen[key]

@@ -24,7 +24,7 @@ import torch
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
-from execution.engine.buffers import WEIGHT_STATES, flat_specs
+from execution.engine.buffers import DTYPES, WEIGHT_STATES, flat_specs
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import EnginePlan, GiB, MemoryPlan, engine_plan
 from execution.engine.recompute import attention_kernel
@@ -194,7 +194,7 @@ def measure_engine_step(
     """Set-up and one training step of this fake job's rank, on meta tensors, measured
     (``measurements``: the planning's, whose meta results it replays)."""
     layout = _layout(mesh)
-    kernel = attention_kernel(spec.device_type, plan.model.dropout_prob)
+    kernel = attention_kernel(spec.device_type, plan.model.dropout_prob, DTYPES[plan.precision])
     step = meta_step(plan, layout, kernel, measurements=measurements)
     comm, seconds = {}, {}
     for axis in layout.axes():

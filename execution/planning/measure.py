@@ -230,9 +230,9 @@ def measured_working_set(
     measurements = measurements or Measurements()
     known = measurements.working_sets
     ex = config.execution
-    kernel = attention_kernel(device_type, config.model.dropout_prob)
     layers = min(3, config.model.layers)
     whole = RankShape.from_config(config, layer_memo=measurements.layers)
+    kernel = attention_kernel(device_type, config.model.dropout_prob, whole.dtype)
     # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
     rank = dataclasses.replace(
         whole,

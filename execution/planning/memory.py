@@ -47,7 +47,7 @@ from execution.engine.buffers import (
 from execution.engine.gradient_store import needs_staging, staging_elements
 from execution.engine.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.engine.plan import GiB, MemoryPlan, Placement
-from execution.engine.recompute import KeptBytes, kept_bytes
+from execution.engine.recompute import KeptBytes, attention_kernel, kept_bytes
 from execution.engine.schedule import Stage
 from execution.parallel.sharding import rts_sizes
 from execution.planning.device_specs import DeviceSpec
@@ -55,8 +55,68 @@ from modelling.gpt import PARTS, GPTShapes
 
 # Host memory the planner leaves to the interpreter, torch and the data loader.
 HOST_HEADROOM = 0.10
-# Free device memory it leaves to the CUDA context and the caching allocator's fragmentation.
+# Free device memory it leaves to the caching allocator's fragmentation and to what the CUDA
+# context adds after the budget is measured (NCCL's communicator buffers, kernels loaded on
+# first use). A rule of thumb, not derived: fragmentation depends on the order of the step's
+# allocations, which the meta measurement does not replay through the allocator.
 DEVICE_HEADROOM = 0.10
+# cuBLAS's workspace: torch's default on Hopper (sm90) and later, 4096 * 8 * 1024 bytes = 32 MiB
+# (parseChosenWorkspaceSize in aten/src/ATen/cuda/CublasHandlePool.cpp, "32MiB for Hopper",
+# with CUBLAS_WORKSPACE_CONFIG unset; ":4096:2:16:8", 8.125 MiB, before Hopper). cuBLASLt
+# reuses it (TORCH_CUBLASLT_UNIFIED_WORKSPACE, on by default: the docstring of
+# torch.backends.cuda.blas_workspace_size in torch 2.13).
+CUBLAS_WORKSPACE = 4096 * 8 * 1024
+# One per (handle, stream) that runs a matmul, and torch's pool gives each thread its own
+# handle: a step's forward runs on the main thread, its backward on autograd's thread for the
+# device, both on the compute stream (the side streams only copy and communicate).
+CUBLAS_WORKSPACES = 2
+
+
+def attention_workspace_bytes(kernel: str, batch: int, heads: int, seq: int, head_dim: int) -> int:
+    """Device bytes a fused attention kernel's backward allocates for itself, beyond the
+    gradients the meta step counts, on ``batch`` x ``heads`` x ``seq`` x ``head_dim``; 0 for a
+    CPU's kernels, whose temporaries are torch ops the meta step counts. Rounded-up sizes are
+    written S128 (``seq`` to a multiple of 128), D32, D128.
+
+    - ``flash`` (``mha_bwd``, torch's flash_api.cpp): ``dq_accum`` float32 [B, S128, H, D32]
+      and ``softmax_d`` float32 [B, H, S128].
+    - ``efficient`` (``_efficient_attention_backward``, attention_backward.cu; float32): the
+      dQ accumulator its split keys add into, per batch and head a tile of floats and a
+      16-byte header for each tile of at least 32 x 32 over at most S128 x D128
+      (GradQTempStorage, kernel_backward.h); and ``delta`` float32 [B, H, S]. While delta is
+      computed, its float32 product [B, S, H, D] (no larger than the accumulator), the sum and
+      delta are live; then delta beside the accumulator: the accumulator and 2 S floats per
+      batch and head bound both.
+    """
+    if kernel == "flash":
+        rows = _round_up(seq, 128)
+        return 4 * batch * heads * rows * (_round_up(head_dim, 32) + 1)
+    if kernel == "efficient":
+        tiles = math.ceil(seq / 32) * math.ceil(head_dim / 32)
+        accumulator = _round_up(seq, 128) * _round_up(head_dim, 128) + 4 * tiles
+        return 4 * batch * heads * (accumulator + 2 * seq)
+    return 0
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def device_reserve(config: PretrainingConfig, device_type: str) -> int:
+    """Device bytes a run allocates outside its plan, which its budget leaves free: the cuBLAS
+    workspaces and one attention backward's workspace at this rank's shapes (one runs at a
+    time; its heads are a tp1 shard's, over cp ranks' whole sequence). 0 on a CPU."""
+    if device_type != "cuda":
+        return 0
+    model, ex = config.model, config.execution
+    dtype = DTYPES[config.training.precision]
+    kernel = attention_kernel(device_type, model.dropout_prob, dtype)
+    heads = model.heads // ex.tensor_parallel_1 // ex.context_parallel
+    head_dim = model.hidden_size // model.heads
+    attention = attention_workspace_bytes(
+        kernel, ex.micro_batch_size, heads, model.sequence_length, head_dim
+    )
+    return CUBLAS_WORKSPACES * CUBLAS_WORKSPACE + attention
 
 
 @dataclass(frozen=True)
@@ -84,21 +144,24 @@ def plan_budget(
     device_available: int | None,
     host_available: int,
     processes_per_node: int = 1,
+    *,
+    device_type: str,
 ) -> MemoryBudget:
     """The memory a process may plan with: the one rule of a real run, the dry run and
     ``--plan_for`` (a plan one accepts, the others accept too).
 
-    ``--device_memory_gb`` and ``--host_memory_gb`` are taken as given. Otherwise the process
-    may use what is available less the headroom: of the device (None: the CPU is the device),
-    ``DEVICE_HEADROOM`` is left to the CUDA context and the caching allocator's
-    fragmentation; of the host, shared by the node's processes, each gets its share less
-    ``HOST_HEADROOM``.
+    Of the device (None: the CPU is the device), the process may use ``--device_memory_gb``,
+    else what is available less ``DEVICE_HEADROOM``; on a GPU, less again what the run
+    allocates outside its plan (:func:`device_reserve`: the cuBLAS and attention
+    workspaces), so that no plan fills what they need. Of the host, shared by the node's
+    processes, ``--host_memory_gb``, else its share less ``HOST_HEADROOM``.
 
     Args:
         device_available: Free device bytes (a real run measures them; a dry run takes the
             spec's memory, what a process can allocate on an idle device).
         host_available: Available host bytes of the node (a dry run: of one device's share).
         processes_per_node: Processes sharing ``host_available``.
+        device_type: ``cuda`` or ``cpu``: whether the workspaces are reserved.
     """
     ex = config.execution
     host = ex.host_memory_gb * GiB
@@ -106,7 +169,8 @@ def plan_budget(
     device = None
     if device_available is not None:
         device = ex.device_memory_gb * GiB or device_available * (1 - DEVICE_HEADROOM)
-    return MemoryBudget(None if device is None else int(device), int(host))
+        device = max(int(device) - device_reserve(config, device_type), 0)
+    return MemoryBudget(device, int(host))
 
 
 def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
@@ -120,13 +184,14 @@ def measure_budget(config: PretrainingConfig, device: torch.device, processes_pe
         )
     free = torch.cuda.mem_get_info(device)[0] if device.type != "cpu" else None
     host = _host_memory_available() or 0
-    return plan_budget(config, free, host, processes_per_node)
+    return plan_budget(config, free, host, processes_per_node, device_type=device.type)
 
 
 def spec_budget(config: PretrainingConfig, spec: DeviceSpec) -> MemoryBudget:
     """:func:`plan_budget` of one idle device of ``spec`` and its share of host memory (the
     dry run and ``--plan_for``)."""
-    return plan_budget(config, int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB))
+    device, host = int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB)
+    return plan_budget(config, device, host, device_type=spec.device_type)
 
 
 def _host_memory_available() -> int | None:

@@ -117,7 +117,7 @@ def _plans(
     if ex.passes:
         pass_options = [ex.passes]
     places = [[fixed[s]] if fixed[s] else list(PLACES) for s in PLACED_STATES]
-    kernel = attention_kernel(device_type, config.model.dropout_prob)
+    kernel = attention_kernel(device_type, config.model.dropout_prob, rank.dtype)
     modes = list(MODES) if ex.recompute == "auto" else [ex.recompute]
     if ex.context_parallel > 1:  # kept tensors are not planned around the all-to-all yet
         modes = ["full"]
