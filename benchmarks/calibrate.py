@@ -12,9 +12,14 @@ rates, say) is one more entry in both places.
   attention output, both MLP matmuls) at a few hidden sizes, in bfloat16 on a GPU and float32 on
   a CPU. ``compute_efficiency`` is the GPT shapes' FLOPs over their time, against the peak.
 - memory: device memory bandwidth from a large copy (bytes read + written per second).
-- host_link (CUDA only): pinned host-to-device and device-to-host copy rates.
+- host_link (CUDA only): host-to-device and device-to-host copy rates on host memory allocated
+  as the engine's buffers are (registered pages), each direction alone and both at once on two
+  streams, as the engine's loads and stores run.
 - launch: host time per small kernel, from a long run of tiny in-place adds.
-- host_memory: host memory bandwidth from a large host copy (what host AdamW runs at).
+- host_memory: host memory bandwidth from a large host copy.
+- host_adamw: elements per second of the engine's host AdamW update itself (its thread pool,
+  its chunks), what the time model prices a host update at.
+- free_memory: device and host memory free to use when the calibration starts.
 - attention: causal ``scaled_dot_product_attention``, forward and backward, at a GPT shape;
   its FLOPs (half the square) over its time, against the peak, is ``attention_efficiency``.
 - collectives: all-gather, reduce-scatter, all-reduce, all-to-all and send/receive between two
@@ -51,10 +56,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from calibrate_runtime import measure_collectives, measure_engine, measure_waited_collectives
+from calibrate_runtime import (
+    measure_collectives,
+    measure_engine,
+    measure_host_adamw,
+    measure_host_link,
+    measure_waited_collectives,
+    median_seconds,
+)
 
 from execution.parallel.launch import select_device
 from execution.planning.device_specs import SPECS, spec_file_dict
+from execution.planning.memory import _host_memory_available
 from utils.metrics import device_peak_tflops
 
 GiB = 2**30
@@ -82,6 +95,9 @@ class Sizes:
     waited_shapes: tuple[tuple[int, int], ...] = ((2, 4), (6, 4))
     grid: tuple[int, ...] = ()  # every (m, n, k) of these, up to grid_flops
     grid_flops: float = 0.0
+    # float32 elements of the host AdamW update: large enough that its four tensors stream
+    # from memory rather than sit in cache, as a rank's shards do.
+    adamw_elements: int = 1 << 20
 
 
 FULL = {
@@ -95,6 +111,7 @@ FULL = {
         10,
         grid=(256, 1024, 4096, 16384, 65536),
         grid_flops=4e12,
+        adamw_elements=1 << 26,
     ),
     "cpu": Sizes(
         (512, 1024),
@@ -106,6 +123,7 @@ FULL = {
         3,
         grid=(32, 128, 512, 2048, 8192, 32768),
         grid_flops=2e10,
+        adamw_elements=1 << 24,
     ),
 }
 QUICK = Sizes(
@@ -122,24 +140,6 @@ QUICK = Sizes(
     engine_steps=8,
     waited_shapes=((1, 2), (3, 2)),
 )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` after one untimed call (allocation, kernel selection)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
 
 
 def matmul_shapes(sizes: Sizes) -> list[tuple[str, int, int, int]]:
@@ -170,7 +170,9 @@ def measure_matmul(device: torch.device, sizes: Sizes) -> dict:
             a = torch.randn(m, k, device=device, dtype=dtype)
             b = torch.randn(k, n, device=device, dtype=dtype)
             out = torch.empty(m, n, device=device, dtype=dtype)
-            seconds.append(_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device, 1))
+            seconds.append(
+                median_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device, 1)
+            )
             del a, b, out
     rows = []
     for (kind, m, n, k), seconds in zip(shapes, times, strict=True):
@@ -186,25 +188,12 @@ def measure_memory(device: torch.device, sizes: Sizes) -> dict:
     tiny's memory-bound ops 40% apart)."""
     src = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    seconds = _seconds(lambda: dst.copy_(src), device, 3 * sizes.repeats)
+    seconds = median_seconds(lambda: dst.copy_(src), device, 3 * sizes.repeats)
     return {
         "bytes": sizes.copy_bytes,
         "seconds": seconds,
         "gb_per_s": 2 * src.numel() / seconds / 1e9,
     }
-
-
-def measure_host_link(device: torch.device, sizes: Sizes) -> dict:
-    """Pinned host <-> device copies, each direction alone (as the engine's copy stream runs
-    them); absent on a CPU, where there is no link."""
-    if device.type != "cuda":
-        return {}
-    host = torch.empty(sizes.link_bytes, dtype=torch.uint8).pin_memory()
-    on_device = torch.empty(sizes.link_bytes, dtype=torch.uint8, device=device)
-    h2d = _seconds(lambda: on_device.copy_(host, non_blocking=True), device, sizes.repeats)
-    d2h = _seconds(lambda: host.copy_(on_device, non_blocking=True), device, sizes.repeats)
-    n = sizes.link_bytes
-    return {"bytes": n, "h2d_gb_per_s": n / h2d / 1e9, "d2h_gb_per_s": n / d2h / 1e9}
 
 
 def measure_launch(device: torch.device, sizes: Sizes) -> dict:
@@ -216,7 +205,7 @@ def measure_launch(device: torch.device, sizes: Sizes) -> dict:
         for _ in range(sizes.launches):
             x.add_(1.0)
 
-    seconds = _seconds(launches, device, sizes.repeats)
+    seconds = median_seconds(launches, device, sizes.repeats)
     return {"launches": sizes.launches, "overhead_us": seconds / sizes.launches * 1e6}
 
 
@@ -237,7 +226,7 @@ def measure_attention(device: torch.device, sizes: Sizes) -> dict:
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out.sum(), (q, k, v))
 
-    seconds = _seconds(step, device, sizes.repeats)
+    seconds = median_seconds(step, device, sizes.repeats)
     forward = 2 * (2 * b * h * s * s * d)
     flops = (forward + 5 * forward // 2) // 2
     return {"shape": [b, h, s, d], "seconds": seconds, "tflops": flops / seconds / 1e12}
@@ -254,8 +243,8 @@ def measure_fresh_memory(device: torch.device, sizes: Sizes) -> dict:
     for shift in range(20, 29):  # 1 MiB to 256 MiB
         n = (1 << shift) // 4
         kept = torch.empty(n)
-        reused = _seconds(lambda kept=kept: kept.fill_(1.0), device, sizes.repeats + 4)
-        fresh = _seconds(lambda n=n: torch.empty(n).fill_(1.0), device, sizes.repeats + 4)
+        reused = median_seconds(lambda kept=kept: kept.fill_(1.0), device, sizes.repeats + 4)
+        fresh = median_seconds(lambda n=n: torch.empty(n).fill_(1.0), device, sizes.repeats + 4)
         rows.append({"bytes": 4 * n, "extra_s": max(fresh - reused, 1e-9)})
         del kept
     largest = rows[-1]["bytes"] / rows[-1]["extra_s"]  # bytes per second of first touch
@@ -263,7 +252,24 @@ def measure_fresh_memory(device: torch.device, sizes: Sizes) -> dict:
     return {"gb_per_s": largest / 1e9, "threshold": threshold, "sizes": rows}
 
 
+def measure_free_memory(device: torch.device, sizes: Sizes) -> dict:
+    """GiB free to use, before any other measurement holds memory: what a run plans with
+    (execution/planning/memory.py: ``measure_budget``), not what the machine has installed.
+    On a GPU, ``mem_get_info``'s free bytes once the caching allocator has returned its blocks:
+    the CUDA context (made by then) and other processes' memory are already outside them. Of
+    the host, ``MemAvailable`` (page cache the kernel would reclaim counts, other processes'
+    memory does not); physical pages where ``/proc/meminfo`` is missing. On a CPU the two
+    are one pool."""
+    host = _host_memory_available() or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(device)
+        return {"device_gib": free / GiB, "device_total_gib": total / GiB, "host_gib": host / GiB}
+    return {"device_gib": host / GiB, "host_gib": host / GiB}
+
+
 MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
+    "free_memory": measure_free_memory,
     "matmul": measure_matmul,
     "memory": measure_memory,
     "host_link": measure_host_link,
@@ -271,14 +277,9 @@ MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
     "host_memory": measure_host_memory,
     "attention": measure_attention,
     "fresh_memory": measure_fresh_memory,
+    "host_adamw": measure_host_adamw,
     "collectives": measure_collectives,
 }
-
-
-def _memory_gib(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[1] / GiB
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
 
 
 def spec_fields(measured: dict, device: torch.device) -> dict:
@@ -288,20 +289,27 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
     gpt = [s for s in shapes if s["kind"] not in ("square", "grid")]
     gpt_rate = sum(2 * s["m"] * s["n"] * s["k"] for s in gpt) / sum(s["seconds"] for s in gpt)
     peak = device_peak_tflops(device, 0.0) or best  # no data sheet (a CPU): the best measured
-    host_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     host_bw = measured["host_memory"]["gb_per_s"]
     link = measured["host_link"]
+    # Each direction's rate while the other runs too: the engine's loads and stores share the
+    # link (and host memory) on two streams, so a rate timed alone overstates what either
+    # gets in a phase that moves both.
     h2d, d2h = link.get("h2d_gb_per_s", host_bw), link.get("d2h_gb_per_s", host_bw)
+    # The time model prices a phase's loads and stores together at this one rate: the
+    # bytes per second of both directions at once prices a phase that moves both ways, a
+    # direction alone one that only loads (gpt3_6.7B streamed keeps its gradients on the
+    # device); the slowest of these prices no phase faster than the link runs it.
+    alone_and_both = ("h2d_alone_gb_per_s", "d2h_alone_gb_per_s", "both_gb_per_s")
+    one_rate = min(link[key] for key in alone_and_both) if link else host_bw
+    free = measured["free_memory"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
         "name": f"calibrated {name}",
         "peak_tflops": peak,
         "compute_efficiency": min(1.0, gpt_rate / 1e12 / peak),
-        "memory_gb": _memory_gib(device),
-        "host_memory_gb": host_gb,
-        # The dry run has one host-link rate for both directions; the slower one bounds a phase
-        # that moves weights in and gradients out.
-        "host_link_gb_per_s": min(h2d, d2h),
+        "memory_gb": free["device_gib"],
+        "host_memory_gb": free["host_gib"],
+        "host_link_gb_per_s": one_rate,
         "matmul_tflops": [[s["m"], s["n"], s["k"], s["tflops"]] for s in shapes],
         "device_memory_gb_per_s": measured["memory"]["gb_per_s"],
         "h2d_gb_per_s": h2d,
@@ -315,6 +323,7 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
         "copies_overlap": device.type == "cuda",
         "fresh_memory_gb_per_s": measured["fresh_memory"]["gb_per_s"],
         "fresh_memory_threshold": measured["fresh_memory"]["threshold"],
+        "host_adamw_elements_per_s": measured["host_adamw"]["elements_per_s"],
     }
 
 
@@ -354,7 +363,8 @@ def summary(result: dict) -> str:
         f"{s['compute_efficiency']:.0%} of it; memory {s['device_memory_gb_per_s']:.0f} GB/s; "
         f"H2D {s['h2d_gb_per_s']:.1f} GB/s, D2H {s['d2h_gb_per_s']:.1f} GB/s; launch "
         f"{s['launch_overhead_us']:.1f} us per op, {s['phase_overhead_us']:.0f} us per phase; "
-        f"host memory {s['host_memory_gb_per_s']:.1f} GB/s; attention at "
+        f"host memory {s['host_memory_gb_per_s']:.1f} GB/s, host AdamW "
+        f"{s['host_adamw_elements_per_s'] / 1e6:.0f} M elements/s; attention at "
         f"{s['attention_efficiency']:.0%} of the peak; "
         f"{len(s['collective_gb_per_s'])} collective rates, "
         f"{s['waited_collective_us'] or 0:.0f} us per waited-for collective"

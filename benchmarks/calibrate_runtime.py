@@ -1,16 +1,20 @@
-"""calibrate.py's measurements of the runtime around the kernels: collectives between two local
-ranks, the engine's own host time, and what waiting for a collective costs inside a step (see
-calibrate.py's docstring)."""
+"""calibrate.py's measurements of the runtime around the kernels, as the engine runs it: host
+link copies on the engine's own host memory, the engine's host AdamW, collectives between two
+local ranks, the engine's own host time, and what waiting for a collective costs inside a step
+(see calibrate.py's docstring)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -20,7 +24,12 @@ import torch.multiprocessing as mp
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
+from config.schema import OptimizerConfig
+from execution.engine.gradient_store import STAGING_ELEMENTS
+from execution.engine.host_memory import host_memory_for
+from execution.engine.optimizer import AdamWDriver
 from execution.engine.recompute import attention_kernel
+from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.measure import meta_step
@@ -66,6 +75,120 @@ def _collective(op: str, rank: int, buffers: tuple) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of ``fn`` after one untimed call (allocation, kernel selection)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+def measure_host_link(device: torch.device, sizes) -> dict:
+    """Host <-> device copies as the engine makes them: on host memory allocated as its
+    buffers are (:func:`host_memory_for`: pages registered with ``cudaHostRegister``, not
+    ``pin_memory()``'s caching allocator) and on side streams, each direction alone and then
+    both at once on two streams, as the engine loads a phase's weights while it stores
+    another's gradients and activations. Absent on a CPU, where there is no link."""
+    if device.type != "cuda":
+        return {}
+    n = sizes.link_bytes
+    host = host_memory_for(device)
+    loaded_from, stored_into = host.empty((n,), torch.uint8).fill_(1), host.empty((n,), torch.uint8)
+    loaded_into = torch.empty(n, dtype=torch.uint8, device=device)
+    stored_from = torch.ones(n, dtype=torch.uint8, device=device)
+    load_stream, store_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    _sync(device)  # the side streams do not wait for the default stream's fill
+
+    def load() -> None:
+        with torch.cuda.stream(load_stream):
+            loaded_into.copy_(loaded_from, non_blocking=True)
+
+    def store() -> None:
+        with torch.cuda.stream(store_stream):
+            stored_into.copy_(stored_from, non_blocking=True)
+
+    def both() -> None:
+        load()
+        store()
+
+    alone = [median_seconds(copy, device, sizes.repeats) for copy in (load, store)]
+    together = median_seconds(both, device, sizes.repeats)
+    return {
+        "bytes": n,
+        "h2d_alone_gb_per_s": n / alone[0] / 1e9,
+        "d2h_alone_gb_per_s": n / alone[1] / 1e9,
+        "both_seconds": together,
+        # Each direction moved n bytes by the time both were done: what a phase that waits for
+        # its loads and its stores sees of each, and of the two together.
+        "h2d_gb_per_s": n / together / 1e9,
+        "d2h_gb_per_s": n / together / 1e9,
+        "both_gb_per_s": 2 * n / together / 1e9,
+    }
+
+
+class HostUpdateState:
+    """What :meth:`AdamWDriver.update` reads of a :class:`StateStore` whose weights live on the
+    host: one row of a decayed kind (``weights, grads, exp_avg, exp_avg_sq``), yielded in
+    pieces of the gradient staging buffers' size (the pieces of gradients kept on the device,
+    as gpt3_6.7B streamed keeps them), and its 16-bit weight copy, refreshed after each piece,
+    where ``copy`` is given."""
+
+    def __init__(self, tensors: list[torch.Tensor], copy: torch.Tensor | None):
+        self.tensors, self.copy = tensors, copy
+        self.places = {"weights": SimpleNamespace(remote=True)}
+        self.masks = None  # dense
+
+    def host_update_pieces(self):
+        n = self.tensors[0].numel()
+        for start in range(0, n, STAGING_ELEMENTS):
+            piece = slice(start, min(start + STAGING_ELEMENTS, n))
+            yield "layers", "matrix", 0, piece, [t[piece] for t in self.tensors]
+
+    def refresh_weight_copy(self, part: str, kind: str, row: int, piece: slice) -> None:
+        if self.copy is not None:
+            self.copy[piece].copy_(self.tensors[0][piece])
+
+
+def host_update_threads(device: torch.device) -> int:
+    """The threads one rank's host AdamW gets (the engine: the node's cores over its local
+    ranks). A GPU machine starts a rank per GPU; a CPU spec describes one rank of the threads
+    ``calibrate.py --threads`` gives it."""
+    if device.type == "cuda":
+        return max(1, usable_cores() // max(torch.cuda.device_count(), 1))
+    return max(1, min(torch.get_num_threads(), usable_cores()))
+
+
+def measure_host_adamw(device: torch.device, sizes) -> dict:
+    """Elements per second of the engine's host AdamW: :meth:`AdamWDriver.update` itself
+    (its thread pool made per update, :func:`adamw_threaded_` over cache-sized chunks, each
+    piece's weight copy refreshed) on ``sizes.adamw_elements`` float32 elements in host
+    memory allocated as the engine's buffers are. A GPU run computes in 16 bits and so keeps
+    a bfloat16 copy of host weights; a CPU run (float32) keeps none. The gradients are scaled
+    (clipping, a loss scale), which costs the update one multiply more than an unscaled one."""
+    n = sizes.adamw_elements
+    host = host_memory_for(device)
+    weights, grads = (host.empty((n,), torch.float32).normal_() for _ in range(2))
+    exp_avg, exp_avg_sq = (host.zeros((n,), torch.float32) for _ in range(2))
+    copy = host.empty((n,), torch.bfloat16) if device.type == "cuda" else None
+    threads = host_update_threads(device)
+    state = HostUpdateState([weights, grads, exp_avg, exp_avg_sq], copy)
+    driver = AdamWDriver(state, OptimizerConfig(), threads)
+    update = functools.partial(driver.update, lr=1e-4, grad_scale=0.5)
+    seconds = median_seconds(update, torch.device("cpu"), sizes.repeats)
+    return {
+        "elements": n,
+        "threads": threads,
+        "weight_copy": None if copy is None else "bfloat16",
+        "seconds": seconds,
+        "elements_per_s": n / seconds,
+    }
 
 
 def _has_pair(device: torch.device) -> bool:
@@ -191,8 +314,12 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     matrix *= weight[:, None]
     residual = np.array([max(r["step_s"] - r["ops_s"], 0.0) for r in rows]) * weight
     (per_kernel, per_phase), *_ = np.linalg.lstsq(matrix, residual, rcond=None)
-    if per_phase < 0:  # all of it per op
+    # Neither cost can be negative (a spec file refuses it): a fit that says so puts it all on
+    # the other.
+    if per_phase < 0:
         per_kernel, per_phase = float(residual @ matrix[:, 0] / (matrix[:, 0] @ matrix[:, 0])), 0.0
+    elif per_kernel < 0:
+        per_kernel, per_phase = 0.0, float(residual @ matrix[:, 1] / (matrix[:, 1] @ matrix[:, 1]))
     return {"rows": rows, "launch_us": per_kernel * 1e6, "phase_us": per_phase * 1e6}
 
 

@@ -3,6 +3,7 @@ the dry run's step time on that spec holds against steps measured on this machin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 import statistics
@@ -17,8 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibrate  # noqa: E402
+import calibrate_runtime  # noqa: E402
 
 from config.loading import parse_config  # noqa: E402
+from config.schema import OptimizerConfig  # noqa: E402
+from execution.engine.optimizer import AdamWDriver  # noqa: E402
 from execution.parallel.mesh import ParallelLayout  # noqa: E402
 from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec  # noqa: E402
 from execution.planning.dry_run import estimate, measure_rank  # noqa: E402
@@ -60,6 +64,9 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     )
     assert measured["host_link"] == {}
     assert spec.h2d_gb_per_s == spec.host_link_gb_per_s == spec.host_memory_gb_per_s > 0
+    # Memory free to use and the host AdamW's rate, as measured (their own tests below).
+    assert spec.memory_gb == spec.host_memory_gb == measured["free_memory"]["host_gib"] > 0
+    assert spec.host_adamw_elements_per_s == measured["host_adamw"]["elements_per_s"] > 0
     assert spec.launch_overhead_us > 0
     # What the measurements do not cover stays the base entry's.
     assert spec.inter_node_gb_per_s == base.inter_node_gb_per_s
@@ -126,3 +133,124 @@ def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
     spec = resolve_spec(config)
     estimated = estimate(config, measure_rank(config, 0, spec), spec)["step_time_s"]
     assert 1 / FACTOR <= estimated / measured <= FACTOR, (estimated, measured)
+
+
+CPU = torch.device("cpu")
+GiB = 2**30
+
+
+def test_the_timed_host_update_is_the_engine_s_adamw_piece_by_piece(monkeypatch):
+    """What measure_host_adamw times: the engine's own AdamWDriver.update on a one-row state
+    in pieces of the staging size (shrunk here to 1000 elements: 2500 make three pieces),
+    refreshing a bfloat16 weight copy after each. Against torch.optim.AdamW on the same
+    numbers: the same elementwise arithmetic, so float32 rounding only (rtol 1e-6 is several
+    ulps at these magnitudes, as test_optimizer_and_metrics compares adamw_)."""
+    monkeypatch.setattr(calibrate_runtime, "STAGING_ELEMENTS", 1000)
+    n, lr = 2500, 1e-2
+    generator = torch.Generator().manual_seed(0)
+    weights, grads = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    tensors = [weights.clone(), grads.clone(), torch.zeros(n), torch.zeros(n)]
+    copy = torch.zeros(n, dtype=torch.bfloat16)
+    state = calibrate_runtime.HostUpdateState(tensors, copy)
+    pieces = [piece for *_, piece, _ in state.host_update_pieces()]
+    assert pieces == [slice(0, 1000), slice(1000, 2000), slice(2000, 2500)]
+    optim = OptimizerConfig()
+    AdamWDriver(state, optim, host_threads=2).update(lr=lr, grad_scale=0.5)
+    reference = torch.nn.Parameter(weights.clone())
+    betas = (optim.beta1, optim.beta2)
+    wd = optim.weight_decay
+    torch_adamw = torch.optim.AdamW(
+        [reference], lr=lr, betas=betas, eps=optim.eps, weight_decay=wd, foreach=False
+    )
+    reference.grad = grads * 0.5  # a power of two: exact
+    torch_adamw.step()
+    torch.testing.assert_close(tensors[0], reference.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(copy, tensors[0].to(torch.bfloat16))
+
+
+def test_the_host_adamw_rate_is_its_elements_over_the_update_s_time():
+    """A small update (3 chunks of 64 Ki), on the threads of a rank of this process's (one,
+    tests/conftest.py), with no weight copy on a CPU (a float32 run keeps none)."""
+    sizes = dataclasses.replace(calibrate.QUICK, adamw_elements=3 << 16, repeats=2)
+    measured = calibrate_runtime.measure_host_adamw(CPU, sizes)
+    assert measured["elements"] == 3 << 16 and measured["threads"] == torch.get_num_threads()
+    assert measured["weight_copy"] is None
+    assert measured["elements_per_s"] == pytest.approx(measured["elements"] / measured["seconds"])
+
+
+def _meminfo_bytes(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        name, value = line.split(":")
+        if name == key:
+            return int(value.split()[0]) * 1024  # kB
+    raise KeyError(key)
+
+
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc/meminfo")
+def test_free_memory_is_what_the_host_has_available_not_its_installed_pages():
+    """On a CPU the device is the host, one pool: MemAvailable, read before and after the
+    measurement by hand here. Other workers on the machine may allocate in the microseconds
+    between the reads: 1% of the installed memory (hundreds of MiB) allows for that."""
+    before = _meminfo_bytes("MemAvailable")
+    measured = calibrate.measure_free_memory(CPU, calibrate.QUICK)
+    after = _meminfo_bytes("MemAvailable")
+    installed = _meminfo_bytes("MemTotal")
+    available = measured["host_gib"] * GiB
+    assert measured["device_gib"] == measured["host_gib"]
+    slack = 0.01 * installed
+    assert min(before, after) - slack <= available <= max(before, after) + slack
+    assert available < installed
+
+
+def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_share_it():
+    """spec_fields on measurements made up by hand. Without a link (a CPU) host memory stands
+    in for it. With one: each direction's rate is the one it had while the other ran (1 GB
+    each way in 40 ms: 25 GB/s), and the one rate the time model prices loads and stores
+    together at is the slowest of each direction alone (50 and 45 GB/s) and both at once
+    (2 GB in 40 ms: 50 GB/s): 45 GB/s; were both at once slower (2 GB in 50 ms: 40 GB/s),
+    that."""
+    measured = {
+        "free_memory": {"device_gib": 70.5, "host_gib": 100.25},
+        "matmul": {"shapes": [{"kind": "qkv", "m": 8, "n": 8, "k": 8, "seconds": 1e-3}]},
+        "memory": {"gb_per_s": 20.0},
+        "host_memory": {"gb_per_s": 12.0},
+        "host_link": {},
+        "launch": {"overhead_us": 3.0},
+        "attention": {"tflops": 1e-7},
+        "collectives": {"rates": []},
+        "fresh_memory": {"gb_per_s": 0.0, "threshold": 0},
+        "host_adamw": {"elements_per_s": 3.5e8},
+    }
+    measured["matmul"]["shapes"][0]["tflops"] = 2 * 8**3 / 1e-3 / 1e12
+    assert calibrate_runtime.measure_host_link(CPU, calibrate.QUICK) == {}
+    fields = calibrate.spec_fields(measured, CPU)
+    assert (fields["memory_gb"], fields["host_memory_gb"]) == (70.5, 100.25)
+    assert fields["host_adamw_elements_per_s"] == 3.5e8
+    assert fields["h2d_gb_per_s"] == fields["d2h_gb_per_s"] == fields["host_link_gb_per_s"] == 12.0
+
+    def link(both_seconds: float) -> dict:
+        return {
+            "h2d_alone_gb_per_s": 50.0,
+            "d2h_alone_gb_per_s": 45.0,
+            "h2d_gb_per_s": 1.0 / 0.04,
+            "d2h_gb_per_s": 1.0 / 0.04,
+            "both_gb_per_s": 2.0 / both_seconds,
+        }
+
+    fields = calibrate.spec_fields(measured | {"host_link": link(0.04)}, CPU)
+    assert fields["h2d_gb_per_s"] == fields["d2h_gb_per_s"] == pytest.approx(25.0)
+    assert fields["host_link_gb_per_s"] == pytest.approx(45.0)
+    fields = calibrate.spec_fields(measured | {"host_link": link(0.05)}, CPU)
+    assert fields["host_link_gb_per_s"] == pytest.approx(40.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's host link")
+def test_the_host_link_is_timed_on_registered_pages_each_way_alone_and_both_at_once():
+    """On a GPU only (the suite's CPU runs import and parse it): both directions at once move
+    twice the bytes in their time, and no direction runs faster beside the other than alone
+    by more than timing noise (10%)."""
+    sizes = dataclasses.replace(calibrate.QUICK, link_bytes=64 * 2**20, repeats=5)
+    link = calibrate_runtime.measure_host_link(torch.device("cuda", 0), sizes)
+    assert link["both_gb_per_s"] == pytest.approx(2 * link["h2d_gb_per_s"])
+    assert link["h2d_gb_per_s"] <= 1.1 * link["h2d_alone_gb_per_s"]
+    assert link["d2h_gb_per_s"] <= 1.1 * link["d2h_alone_gb_per_s"]

@@ -9,7 +9,14 @@ import math
 import pytest
 
 from config.loading import ConfigError, parse_config
-from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec, spec_file_dict
+from execution.planning.device_specs import (
+    FIELD_RULES,
+    SPECS,
+    DeviceSpec,
+    read_spec_file,
+    resolve_spec,
+    spec_file_dict,
+)
 from execution.planning.dry_run import estimate, measure_rank
 
 TINY = ["--config", "tiny", "--device", "cpu"]
@@ -79,3 +86,62 @@ def test_the_dry_run_estimates_with_the_measured_rate(tmp_path):
     expected = m.flops / (sheet.peak_tflops / 2 * 1e12 * sheet.compute_efficiency)
     assert by_file["compute_s"] == pytest.approx(expected)
     assert by_file["compute_s"] == pytest.approx(2 * by_sheet["compute_s"])
+
+
+def test_every_field_a_spec_file_can_name_has_a_rule():
+    assert set(FIELD_RULES) == {f.name for f in dataclasses.fields(DeviceSpec)}
+
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("peak_tflops", 0, "a finite number > 0"),  # divided by: was a ZeroDivisionError
+        ("host_link_gb_per_s", -55.0, "a finite number > 0"),
+        ("device_memory_gb_per_s", math.nan, "a finite number > 0"),
+        ("host_memory_gb_per_s", math.inf, "a finite number > 0"),
+        ("memory_gb", True, "a finite number > 0"),  # JSON's true is no number of GiB
+        ("compute_efficiency", 1.5, r"a number in \(0, 1\]"),
+        ("compute_efficiency", 0.0, r"a number in \(0, 1\]"),
+        ("attention_efficiency", -0.1, r"a number in \[0, 1\] \(0: as compute_efficiency\)"),
+        ("devices_per_node", 2.5, "an integer >= 1"),
+        ("launch_overhead_us", -1.0, "a finite number >= 0"),
+        ("host_adamw_elements_per_s", -1.0, r"a finite number >= 0 \(0: not measured\)"),
+        ("waited_collective_us", math.nan, "null"),
+        ("matmul_tflops", [[64, 64, 64, 1.5], [64, 64, 0, 2.0]], r"a list of \[m, n, k, TFLOPS\]"),
+        ("collective_gb_per_s", [["all_reduce", 4096, 0.0]], r"a list of \[op, bytes, GB/s\]"),
+        ("device_type", "tpu", '"cuda" or "cpu"'),
+        ("copies_overlap", "yes", "true or false"),
+    ],
+)
+def test_a_value_out_of_range_is_one_config_error_naming_field_and_range(
+    tmp_path, field, value, allowed
+):
+    """NaN and infinity reach the file as JSON's NaN and Infinity, which json reads back."""
+    path = write_spec(tmp_path, **{field: value})
+    with pytest.raises(ConfigError, match=f"{field} is .*; it must be {allowed}") as raised:
+        read_spec_file(path, SPECS["h100_sxm"])
+    assert "\n" not in str(raised.value)
+    config, _ = parse_config([*TINY, "--dry_run", "--device_spec_file", path])
+    with pytest.raises(ConfigError, match=f"it must be {allowed}"):  # what a dry run plans on
+        resolve_spec(config)
+
+
+def test_not_measured_may_be_zero_or_null(tmp_path):
+    unmeasured = dict(
+        h2d_gb_per_s=0,
+        d2h_gb_per_s=0.0,
+        attention_efficiency=0.0,
+        launch_overhead_us=0.0,
+        phase_overhead_us=0,
+        waited_collective_us=None,
+        fresh_memory_gb_per_s=0.0,
+        fresh_memory_threshold=0,
+        host_adamw_elements_per_s=0.0,
+        matmul_tflops=[],
+        collective_gb_per_s=[],
+    )
+    spec = read_spec_file(write_spec(tmp_path, **unmeasured), SPECS["h100_sxm"])
+    assert spec.host_adamw_elements_per_s == 0.0 and spec.waited_collective_us is None
+    # Every shipped spec passes its own rules, as a calibration file of it.
+    for sheet in SPECS.values():
+        assert read_spec_file(write_spec(tmp_path, **spec_file_dict(sheet)), sheet) == sheet

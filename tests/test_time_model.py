@@ -124,3 +124,46 @@ def test_the_ranking_check_holds_on_the_measured_order_or_a_fastest_within_5_per
     assert not wrong["holds"]
     tail = ranking_verdict(rows(1.0, 2.0, 1.5))  # the tail out of order, the fastest right
     assert not tail["same_order"] and tail["holds"]
+
+
+def test_the_host_update_is_priced_by_its_elements_where_a_rate_was_measured():
+    """3 M elements of host AdamW that move 68 bytes each: on the data sheet's 40 GB/s of host
+    memory 3e6 x 68 / 40e9 = 5.1 ms; at a measured 2e8 elements/s, 3e6 / 2e8 = 15 ms, whatever
+    the bytes. A window without a host update costs nothing either way."""
+    layout = ParallelLayout.shapes_only(1, 1, 1)
+    no_calls = {a.name: Counter() for a in layout.axes()}
+    update = Window(
+        "optimizer",
+        calls=no_calls,
+        host_update_elements=3_000_000,
+        host_update_bytes=3_000_000 * 68,
+    )
+    windows = [Window("layer_forward", calls=no_calls), update]
+    sheet = SPECS["h100_sxm"]
+    measured = dataclasses.replace(sheet, host_adamw_elements_per_s=2e8)
+    index = PHASE_COSTS.index("host_optimizer_s")
+    for spec, seconds in ((sheet, 3e6 * 68 / 40e9), (measured, 3e6 / 2e8)):
+        phases = phase_costs(windows, layout, spec)
+        assert phases["optimizer"][index] == pytest.approx(seconds, rel=1e-12)
+        assert phases["layer_forward"][index] == 0.0
+        assert estimate_step(phases, 1, 1, spec)["host_optimizer_s"] == pytest.approx(seconds)
+
+
+def test_a_dry_run_counts_the_elements_of_the_weights_on_the_host():
+    """tiny with its weights on the host: the update's elements are the float32 masters the
+    rank holds (its buffers' weight bytes / 4), priced at the measured rate; on the data
+    sheet, what adamw_ moves per element over 40 GB/s, as before."""
+    from execution.planning.dry_run import measure_rank
+    from execution.planning.measure import Measurements, _adamw_bytes_per_element
+
+    config, _ = parse_config(shlex.split("--config tiny --device cpu --placement remote"))
+    sheet = SPECS["h100_sxm"]
+    measured = dataclasses.replace(sheet, host_adamw_elements_per_s=1e9)
+    planning = Measurements()
+    index = PHASE_COSTS.index("host_optimizer_s")
+    by_sheet, by_rate = (measure_rank(config, 0, s, planning) for s in (sheet, measured))
+    elements = by_rate.buffer_bytes["weights"] // 4
+    assert by_rate.plan.placement.weights == "host" and elements > 0
+    assert by_rate.phases["optimizer"][index] == pytest.approx(elements / 1e9, rel=1e-9)
+    bytes_moved = elements * _adamw_bytes_per_element()
+    assert by_sheet.phases["optimizer"][index] == pytest.approx(bytes_moved / 40e9, rel=1e-9)

@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import json
 import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,8 +51,8 @@ class DeviceSpec:
         d2h_gb_per_s: Device-to-host copies into pinned memory.
         launch_overhead_us: Host time to launch one small kernel (what a phase of many small ops
             pays besides its FLOPs and bytes).
-        host_memory_gb_per_s: Host memory bandwidth (what host AdamW runs at), with the host
-            AdamW's threads.
+        host_memory_gb_per_s: Host memory bandwidth: what the host AdamW's bytes are priced at
+            where ``host_adamw_elements_per_s`` is 0.
         phase_overhead_us: The engine's own host time per phase, beyond its ops' launches
             (Python: the schedule, the store's bookkeeping, hooks).
         collective_gb_per_s: ``(op, bytes, GB/s)`` of collectives measured between two ranks
@@ -68,6 +69,10 @@ class DeviceSpec:
         fresh_memory_gb_per_s: Rate at which a new block of ``fresh_memory_threshold`` bytes
             or more is first touched (a CPU's allocator maps such blocks anew each time and
             their pages fault in; 0: blocks are reused, as CUDA's caching allocator does).
+        host_adamw_elements_per_s: Elements the engine's host AdamW updates per second, as one
+            rank runs it (its thread pool over cache-sized chunks, the 16-bit weight copy
+            refreshed on a GPU); 0: not measured, the update's bytes at
+            ``host_memory_gb_per_s`` instead.
     """
 
     name: str
@@ -94,6 +99,7 @@ class DeviceSpec:
     device_type: str = "cuda"
     fresh_memory_gb_per_s: float = 0.0
     fresh_memory_threshold: int = 0
+    host_adamw_elements_per_s: float = 0.0
 
     def collective_seconds(self, op: str, nbytes: int) -> float | None:
         """Seconds of ``op`` moving ``nbytes`` of payload between two ranks of a node, from the
@@ -209,11 +215,90 @@ SPECS = {
 }
 
 
+def _finite(value) -> bool:
+    """A JSON number (not a bool, which Python counts as one) other than NaN or infinity."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive(value) -> bool:
+    return _finite(value) and value > 0
+
+
+def _non_negative(value) -> bool:
+    return _finite(value) and value >= 0
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _table(*columns):
+    """A check of a list of rows whose entries pass ``columns``' checks, one each."""
+
+    def check(value) -> bool:
+        return isinstance(value, list | tuple) and all(
+            isinstance(row, list | tuple)
+            and len(row) == len(columns)
+            and all(column(entry) for column, entry in zip(columns, row, strict=True))
+            for row in value
+        )
+
+    return check
+
+
+# What each field of a spec file may hold, and how an error says it. A rate or size the time
+# model divides by must be above 0; a field whose 0 (or null) means "not measured" may be 0;
+# an efficiency is a share of the peak.
+RATE = (_positive, "a finite number > 0")
+UNMEASURED_OK = (_non_negative, "a finite number >= 0 (0: not measured)")
+FIELD_RULES = {
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "peak_tflops": RATE,
+    "memory_gb": RATE,
+    "host_memory_gb": RATE,
+    "host_link_gb_per_s": RATE,
+    "intra_node_gb_per_s": RATE,
+    "inter_node_gb_per_s": RATE,
+    "devices_per_node": (_count, "an integer >= 1"),
+    "compute_efficiency": (lambda v: _positive(v) and v <= 1, "a number in (0, 1]"),
+    "storage_gb_per_s": RATE,
+    "matmul_tflops": (
+        _table(_count, _count, _count, _positive),
+        "a list of [m, n, k, TFLOPS]: m, n, k integers >= 1, TFLOPS a finite number > 0",
+    ),
+    "device_memory_gb_per_s": RATE,
+    "h2d_gb_per_s": UNMEASURED_OK,
+    "d2h_gb_per_s": UNMEASURED_OK,
+    "launch_overhead_us": (_non_negative, "a finite number >= 0"),
+    "host_memory_gb_per_s": RATE,
+    "attention_efficiency": (
+        lambda v: _non_negative(v) and v <= 1,
+        "a number in [0, 1] (0: as compute_efficiency)",
+    ),
+    "phase_overhead_us": (_non_negative, "a finite number >= 0"),
+    "collective_gb_per_s": (
+        _table(lambda op: isinstance(op, str), _count, _positive),
+        "a list of [op, bytes, GB/s]: bytes an integer >= 1, GB/s a finite number > 0",
+    ),
+    "waited_collective_us": (
+        lambda v: v is None or _non_negative(v),
+        "null (not measured) or a finite number >= 0",
+    ),
+    "copies_overlap": (lambda v: isinstance(v, bool), "true or false"),
+    "device_type": (lambda v: v in ("cuda", "cpu"), '"cuda" or "cpu"'),
+    "fresh_memory_gb_per_s": UNMEASURED_OK,
+    "fresh_memory_threshold": (lambda v: v == 0 or _count(v), "an integer >= 0"),
+    "host_adamw_elements_per_s": UNMEASURED_OK,
+}
+
+
 def read_spec_file(path: str | Path, base: DeviceSpec) -> DeviceSpec:
     """``base`` with the fields a calibration file (``{"device_spec": {...}}``) gives.
 
     Raises:
-        ConfigError: the file cannot be read, is not such an object, or names unknown fields.
+        ConfigError: the file cannot be read, is not such an object, names unknown fields, or
+            gives a field a value outside what it may hold (:data:`FIELD_RULES`: a 0 the time
+            model would divide by, a NaN, an efficiency above 1).
     """
     try:
         given = json.loads(Path(path).read_text())["device_spec"]
@@ -225,6 +310,11 @@ def read_spec_file(path: str | Path, base: DeviceSpec) -> DeviceSpec:
     unknown = sorted(set(given) - known)
     if unknown:
         raise ConfigError(f"--device_spec_file {path}: unknown fields {', '.join(unknown)}")
+    for name, value in given.items():
+        allowed, must_be = FIELD_RULES[name]
+        if not allowed(value):
+            shown = reprlib.repr(value)  # a table's first rows, not all of them
+            raise ConfigError(f"--device_spec_file {path}: {name} is {shown}; it must be {must_be}")
     for name in ("matmul_tflops", "collective_gb_per_s"):  # JSON has lists; keep it hashable
         if name in given:
             given[name] = tuple(tuple(entry) for entry in given[name])

@@ -11,6 +11,7 @@ extrapolates.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -48,8 +49,11 @@ class Window:
             asynchronously): each is priced at its own size, and waited for where issued or
             not.
         costs: The kernels, bytes and matmul shapes of its ops (:mod:`~.op_costs`).
-        host_update_bytes: Bytes the host AdamW reads and writes (the optimizer's window,
-            where weights live on the host: its threads are not metered).
+        host_update_elements: Elements the host AdamW updates (the optimizer's window, where
+            weights live on the host: its threads are not metered), priced at the measured
+            update rate where there is one.
+        host_update_bytes: Bytes those updates read and write, priced at host memory
+            bandwidth where no update rate was measured.
     """
 
     kind: str
@@ -58,6 +62,7 @@ class Window:
     attention_flops: int = 0
     calls: dict[str, Counter] = field(default_factory=dict)
     costs: OpCosts = field(default_factory=OpCosts)
+    host_update_elements: int = 0
     host_update_bytes: int = 0
 
 
@@ -90,9 +95,7 @@ class PhaseRecorder:
                 {a: now[2][a] - self._last[2][a] for a in now[2]},
                 now[3] - self._last[3],
             )
-            host_update = 0
-            if self._kind == "optimizer":
-                host_update = host_update_bytes(self.engine)
+            host_update = host_update_elements(self.engine) if self._kind == "optimizer" else 0
             window = Window(
                 kind=self._kind,
                 flops=flops,
@@ -100,7 +103,8 @@ class PhaseRecorder:
                 attention_flops=attention,
                 calls=calls,
                 costs=now[4] - self._last[4],
-                host_update_bytes=host_update,
+                host_update_elements=host_update,
+                host_update_bytes=host_update * _adamw_bytes_per_element(),
             )
             self.windows.append(window)
         self._last = now
@@ -116,19 +120,20 @@ class PhaseRecorder:
         self._kind = None
 
 
-def host_update_bytes(engine: PhasedEngine) -> int:
-    """Bytes one AdamW update of the engine's host-placed weights reads and writes: its
-    elements times what :func:`adamw_` moves per element (metered once on meta tensors)."""
+def host_update_elements(engine: PhasedEngine) -> int:
+    """Elements one AdamW update of the engine's host-placed weights updates (0 where the
+    weights live on the device)."""
     state = engine.state
     if not state.places["weights"].remote:
         return 0
-    elements = sum(
+    return sum(
         tensor.numel() for buffers in state.parts.values() for tensor in buffers.weights.values()
     )
-    return elements * _adamw_bytes_per_element()
 
 
+@functools.cache
 def _adamw_bytes_per_element() -> int:
+    """Bytes :func:`adamw_` reads and writes per element (metered on meta tensors)."""
     n = 1 << 10
     w, g, m, v = (torch.empty(n, device="meta") for _ in range(4))
     with StepMeter() as meter:

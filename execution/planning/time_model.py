@@ -11,7 +11,7 @@ Collectives waited for where they are issued (tensor-parallel ones, and every on
 (:func:`waited_call_seconds`). A pipeline stage's phases take
 ``(P + S - 1) / P`` of their time (the bubble) where every stage is alike; a dry run of a
 pipeline, which measures each stage, combines them (:func:`pipeline_step`). The optimizer's
-window is outside it, and the host AdamW runs there at host memory bandwidth.
+window is outside it, and the host AdamW runs there (:func:`host_update_seconds`).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             "launch_s": device["launch"],
             "fresh_memory_s": device["fresh_memory"],
             "engine_s": spec.phase_overhead_us * 1e-6 if window.kind != "optimizer" else 0.0,
-            "host_optimizer_s": window.host_update_bytes / (spec.host_memory_gb_per_s * 1e9),
+            "host_optimizer_s": host_update_seconds(window, spec),
             "copies_s": _copy_seconds(window.host_bytes, spec),
             "overlappable_comm_s": gathers + carried,
             "critical_comm_s": critical,
@@ -107,6 +107,19 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             carried
         )
     return {kind: tuple(sums) for kind, sums in out.items()}
+
+
+def host_update_seconds(window, spec: DeviceSpec) -> float:
+    """The host AdamW of a window: its elements at the rate calibrate.py measured on the
+    engine's own update (thread pool, chunks, the 16-bit copy), or, where nothing was
+    measured (a data sheet), its bytes at host memory bandwidth. A bandwidth leaves out what
+    the update spends besides streaming memory: Python per chunk, the pool's hand-offs, the
+    cast of the weight copy."""
+    if spec.host_adamw_elements_per_s:
+        return window.host_update_elements / spec.host_adamw_elements_per_s
+    if not window.host_update_bytes:
+        return 0.0
+    return window.host_update_bytes / (spec.host_memory_gb_per_s * 1e9)
 
 
 def _copy_seconds(nbytes: int, spec: DeviceSpec) -> float:
