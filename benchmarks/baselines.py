@@ -19,8 +19,9 @@ from torch.utils.checkpoint import checkpoint
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
 from execution.engine.optimizer import learning_rate
-from execution.parallel.sharding import shard_part
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
+from execution.parallel.launch import usable_cores
+from execution.parallel.sharding import init_model_shard
+from modelling.gpt import GPT, GPTShapes
 from modelling.layers import BlockSeeds, mix_seed
 
 StepFn = Callable[[int], float]  # runs step i on batch i, returns its mean loss
@@ -51,16 +52,15 @@ class Checkpointed(nn.Module):
 
 def initial_model(config: PretrainingConfig) -> GPT:
     """The single-device GPT with our engine's initial weights, each layer checkpointed unless
-    ``--recompute none``."""
+    ``--recompute none``. The weights are drawn once, on every core this process may use, into
+    a model built without storage: one built on the host would first allocate weights of its
+    own and fill its embeddings with torch's random numbers, only to have them replaced."""
     shapes = GPTShapes.from_config(config.model)
-    model = GPT(shapes)
+    with torch.device("meta"):
+        model = GPT(shapes)
     seed, std = config.training.seed, config.model.init_std
-    for part, module in ((EMBEDDING, model.embedding), (HEAD, model.head)):
-        full = init_full_part(shapes, part, 0, seed, std)
-        module.load_state_dict(shard_part(part, full, shapes, 0, 0))
-    for n, layer in enumerate(model.layers):
-        full = init_full_part(shapes, LAYERS, n, seed, std)
-        layer.load_state_dict(shard_part(LAYERS, full, shapes, 0, 0))
+    weights = init_model_shard(shapes, seed, std, workers=usable_cores())
+    model.load_state_dict(weights, assign=True)
     if config.execution.recompute != "none":
         model.layers = nn.ModuleList(Checkpointed(layer) for layer in model.layers)
     return model

@@ -9,6 +9,14 @@ resident memory is reset (``/proc/self/clear_refs``) after importing torch and r
 (torch's allocations are invisible to tracemalloc). "drawn" counts the elements of every tile
 the call draws, "held" those it returns. When the machine has too little free memory for the
 whole layer, that row is measured at the largest hidden size that fits and says so.
+
+    python benchmarks/init_shard.py --model gpt3_6.7B [--model_layers 2] [--workers 1 2]
+
+instead times drawing a preset's whole model for one device (``init_full_part`` of the
+embedding, the first ``--model_layers`` decoder layers and the head, each dropped before the
+next) with each number of tile-drawing threads, and extrapolates to every layer. Every worker
+count draws the same numbers (tests/test_weight_drawing.py); "peak extra" minus "largest part"
+is what the drawing held beyond its result: about one tile per worker.
 """
 
 from __future__ import annotations
@@ -25,8 +33,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from config.loading import parse_config
 from execution.parallel.sharding import init_part_shard, shard_index
-from modelling.gpt import INIT_TILE, LAYERS, GPTShapes, init_full_part, part_inits, tile_groups
+from modelling.gpt import (
+    EMBEDDING,
+    HEAD,
+    INIT_TILE,
+    LAYERS,
+    GPTShapes,
+    init_full_part,
+    part_inits,
+    tile_groups,
+)
 
 SEED, INIT_STD = 1234, 0.006
 # gpt3_175B's depth, vocabulary and context; the width, heads and tensor layout are flags.
@@ -61,6 +79,58 @@ def _measure(args: argparse.Namespace) -> None:
     peak = _status_kib("VmHWM")
     held = sum(t.numel() for t in out.values())
     print(json.dumps({"seconds": seconds, "peak_extra_kib": peak - before, "held": held}))
+
+
+def _measure_model(args: argparse.Namespace) -> None:
+    """Child process: the embedding, ``--model_layers`` layers and the head drawn whole by
+    ``--workers`` threads, one part at a time; a JSON line of seconds per part and memory."""
+    torch.set_num_threads(args.threads)
+    config, _ = parse_config(["--config", args.model])
+    shapes = GPTShapes.from_config(config.model)
+    seed, std = config.training.seed, config.model.init_std
+    parts = [(EMBEDDING, 0), *((LAYERS, n) for n in range(args.model_layers)), (HEAD, 0)]
+    with open("/proc/self/clear_refs", "w") as clear:
+        clear.write("5")
+    before = _status_kib("VmRSS")
+    seconds, largest = {EMBEDDING: 0.0, LAYERS: 0.0, HEAD: 0.0}, 0
+    for part, row in parts:
+        start = time.perf_counter()
+        out = init_full_part(shapes, part, row, seed, std, args.workers[0])
+        seconds[part] += time.perf_counter() - start
+        largest = max(largest, sum(t.numel() * t.element_size() for t in out.values()))
+        del out
+    peak = _status_kib("VmHWM")
+    result = {"seconds": seconds, "peak_extra_kib": peak - before, "largest_kib": largest / 1024}
+    print(json.dumps({**result, "layers": shapes.layers}))
+
+
+def _model_table(args: argparse.Namespace) -> None:
+    """The whole-model table: one child process per worker count."""
+    print(
+        f"{args.model}: initial weights drawn whole (init_full_part), embedding + "
+        f"{args.model_layers} layer(s) + head timed, layers extrapolated to all; "
+        f"{args.threads} torch thread(s), {os.cpu_count()} core(s) visible"
+    )
+    header = f"{'workers':>7} {'embedding s':>11} {'per layer s':>11} {'head s':>7} "
+    print(
+        header
+        + f"{'whole model s':>13} {'speed-up':>8} {'peak extra MiB':>14} {'largest part MiB':>16}"
+    )
+    first = None
+    for workers in args.workers:
+        flags = ["--measure", "model", "--model", args.model, "--workers", str(workers)]
+        flags += ["--model_layers", str(args.model_layers), "--threads", str(args.threads)]
+        done = subprocess.run(
+            [sys.executable, __file__, *flags], check=True, capture_output=True, text=True
+        )
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        seconds = result["seconds"]
+        per_layer = seconds[LAYERS] / args.model_layers
+        whole = seconds[EMBEDDING] + result["layers"] * per_layer + seconds[HEAD]
+        first = first or whole
+        cost = f"{workers:>7} {seconds[EMBEDDING]:>11.2f} {per_layer:>11.2f} {seconds[HEAD]:>7.3f} "
+        memory = f"{result['peak_extra_kib'] / 1024:>14,.0f} {result['largest_kib'] / 1024:>16,.0f}"
+        print(cost + f"{whole:>13.1f} {first / whole:>8.2f} " + memory)
 
 
 def _drawn(shapes: GPTShapes, which: str, i: int, j: int) -> int:
@@ -113,10 +183,21 @@ def main() -> None:
     parser.add_argument("--tp1", type=int, default=8)
     parser.add_argument("--tp2", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per measurement")
-    parser.add_argument("--measure", choices=["shard", "full"], help=argparse.SUPPRESS)
+    parser.add_argument("--model", help="a preset: time drawing its whole model instead")
+    parser.add_argument("--model_layers", type=int, default=2, help="layers timed (--model)")
+    parser.add_argument(
+        "--workers", type=int, nargs="+", default=[1, 2], help="tile-drawing threads (--model)"
+    )
+    parser.add_argument("--measure", choices=["shard", "full", "model"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.measure == "model":
+        _measure_model(args)
+        return
     if args.measure:
         _measure(args)
+        return
+    if args.model:
+        _model_table(args)
         return
 
     full_hidden = args.hidden

@@ -9,14 +9,17 @@ every parallel layout holds the same numbers and no process ever draws the whole
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from modelling.host_threads import one_core_pool
 from modelling.layers import BlockSeeds, DecoderBlock, Embedding, LMHead
 from modelling.parallel import LOCAL, Axis
 from modelling.task_heads import TARGET_WIDTH, head_parameter_shapes, task_head
@@ -241,12 +244,12 @@ def logical_shapes(shapes: GPTShapes) -> dict[str, tuple[int, ...]]:
 
 
 def init_full_part(
-    shapes: GPTShapes, part: str, layer: int, seed: int, init_std: float
+    shapes: GPTShapes, part: str, layer: int, seed: int, init_std: float, workers: int = 1
 ) -> dict[str, torch.Tensor]:
     """Unsharded, unpadded initial weights of one part (see :func:`part_inits` for the rules).
 
     Assembled from the same per-tile draws as :func:`init_part_region`, so slicing this result
-    and drawing a region directly give bit-identical numbers.
+    and drawing a region directly give bit-identical numbers, whatever ``workers`` is.
 
     Returns:
         dict of parameter name (within the part) -> float32 tensor.
@@ -255,7 +258,7 @@ def init_full_part(
         name: tuple(torch.arange(n) for n in p.shape)
         for name, p in part_inits(shapes, part, init_std).items()
     }
-    return init_part_region(shapes, part, layer, seed, init_std, whole)
+    return init_part_region(shapes, part, layer, seed, init_std, whole, workers)
 
 
 def init_part_region(
@@ -265,22 +268,28 @@ def init_part_region(
     seed: int,
     init_std: float,
     positions: dict[str, tuple[torch.Tensor, ...]],
+    workers: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Initial values of a part's parameters at given positions, drawing only the tiles needed.
 
     The result for ``name`` is ``full[positions[0]][:, positions[1]]...`` of the unsharded
     tensor, where a position of -1 is padding and gives zero. Each tile of ``INIT_TILE`` along
-    every dim is drawn from its own generator, so beyond the result only one tile is held.
+    every dim is drawn from its own generator and written straight into the result, so beyond
+    the result each worker holds one tile at a time, and the numbers do not depend on how many
+    workers draw them or in which order.
 
     Args:
         shapes, part, layer, seed, init_std: As for :func:`init_full_part`.
         positions: Parameter name -> one int64 tensor of full-tensor indices per dim.
+        workers: Threads drawing tiles at once, each on one core (torch releases the GIL
+            inside its ops; :func:`modelling.host_threads.one_core_pool`); 1 draws them in
+            this thread, one after another.
 
     Returns:
         dict of parameter name -> float32 tensor of shape ``[len(p) for p in positions[name]]``.
     """
     inits = part_inits(shapes, part, init_std)
-    out = {}
+    out, draws = {}, []
     for name, index in positions.items():
         init = inits[name]
         assert len(index) == len(init.shape), f"{name}: {len(index)} index dims for {init.shape}"
@@ -288,13 +297,45 @@ def init_part_region(
         if init.fill == ONES:
             region[_outer(*(p >= 0 for p in index))] = 1.0
         elif init.fill == NORMAL:
-            for tiles in itertools.product(*(tile_groups(p) for p in index)):
-                tile = _draw_tile(init, tuple(t for t, _, _ in tiles), (seed, part, layer, name))
-                region[_where(*(at for _, at, _ in tiles))] = tile[
-                    _where(*(offset for _, _, offset in tiles))
-                ]
+            key = (seed, part, layer, name)
+            draws += [
+                functools.partial(_draw_into, region, init, key, tiles)
+                for tiles in itertools.product(*(tile_groups(p) for p in index))
+            ]
         out[name] = region
+    _run_all(draws, workers)
     return out
+
+
+def _draw_into(
+    region: torch.Tensor,
+    init: ParamInit,
+    key: tuple,
+    tiles: tuple[tuple[int, torch.Tensor, torch.Tensor], ...],
+) -> None:
+    """Draws one tile and writes the part of it a region keeps (per dim: :func:`tile_groups`).
+
+    Tiles write disjoint elements of the region (each position belongs to one tile per dim),
+    so several threads may fill one region at once.
+    """
+    tile = _draw_tile(init, tuple(t for t, _, _ in tiles), key)
+    region[_where(*(at for _, at, _ in tiles))] = tile[_where(*(offset for _, _, offset in tiles))]
+
+
+def _run_all(tasks: list[Callable[[], None]], workers: int) -> None:
+    """Runs every task: in order in this thread for one worker, else spread over a pool."""
+    if workers <= 1 or len(tasks) <= 1:
+        for task in tasks:
+            task()
+        return
+    with one_core_pool(min(workers, len(tasks)), "init-tile") as pool:
+        futures = [pool.submit(task) for task in tasks]
+        try:
+            for future in futures:
+                future.result()  # re-raises a worker's error here
+        except BaseException:
+            pool.shutdown(cancel_futures=True)  # out of memory or ^C: draw no more tiles
+            raise
 
 
 def tile_groups(index: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:

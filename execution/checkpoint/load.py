@@ -226,13 +226,16 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
     """
     hf = HFWeights(folder)
     hf.check_shape(engine.plan.model)
+    drawn_head: dict[str, torch.Tensor] = {}  # the run's own initial head, drawn at most once
     for part, row in engine.state.part_rows():
         full = {}
         for name, init in part_inits(engine.shapes, part).items():
             ours = qualified_name(part, engine.state.logical_row(part, row), name)
             if ours in TASK_NAMES and not hf.has(ours):  # a GPT2LMHeadModel: no projection
-                plan = engine.plan
-                full[name] = init_full_part(engine.shapes, HEAD, 0, plan.seed, plan.init_std)[name]
+                if not drawn_head:
+                    plan = engine.plan
+                    drawn_head = init_full_part(engine.shapes, HEAD, 0, plan.seed, plan.init_std)
+                full[name] = drawn_head[name]
                 continue
             t = hf.get(ours)
             if tuple(t.shape) != init.shape:

@@ -118,7 +118,7 @@ class PhasedEngine:
             first = self.stage.first_layer
             self.rigl = RigL(plan.sparsity, self.state, self.shapes, layout, first)
         if self.device.type != "meta":  # a dry run draws no weights
-            self._initialise_weights()
+            self._initialise_weights(max(1, host_threads))
             if self.rigl is not None:
                 self.rigl.initialise(plan.seed)
 
@@ -148,18 +148,18 @@ class PhasedEngine:
             sparse=plan.sparsity is not None,
         )
 
-    def _initialise_weights(self) -> None:
+    def _initialise_weights(self, workers: int) -> None:
         """Draws only this rank's tensor-parallel shard of each part, keeps its RTS slice.
 
         The shard holds the same numbers as a slice of the full part (per-tile seeds), so every
-        layout starts identically while no rank draws or holds a whole part.
+        layout starts identically while no rank draws or holds a whole part. ``workers``
+        threads draw the tiles (the same numbers as one thread would).
         """
         i, j = self.layout.tp1.rank, self.layout.tp2.rank
+        seed, std = self.plan.seed, self.plan.init_std
         for part, row in self.state.part_rows():
             layer = self.state.logical_row(part, row)
-            local = init_part_shard(
-                self.shapes, part, layer, self.plan.seed, self.plan.init_std, i, j
-            )
+            local = init_part_shard(self.shapes, part, layer, seed, std, i, j, workers)
             self.state.write_shard(part, row, "weights", local)
 
     @property

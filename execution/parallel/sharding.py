@@ -22,7 +22,16 @@ from dataclasses import dataclass
 
 import torch
 
-from modelling.gpt import EMBEDDING, HEAD, LAYERS, PARTS, GPTShapes, init_part_region, part_inits
+from modelling.gpt import (
+    EMBEDDING,
+    HEAD,
+    LAYERS,
+    PARTS,
+    GPTShapes,
+    init_part_region,
+    part_inits,
+    qualified_name,
+)
 from modelling.parallel import Axis
 
 MATRIX, TP2_VECTOR, TP1_VECTOR = "matrix", "tp2_vector", "tp1_vector"
@@ -216,23 +225,48 @@ def init_part_shard(
     init_std: float,
     tp1_rank: int,
     tp2_rank: int,
+    workers: int = 1,
 ) -> dict[str, torch.Tensor]:
     """This rank's shard of a part's initial weights, drawing only the tiles it touches.
 
     Bit-identical to ``shard_part(part, init_full_part(...), shapes, tp1_rank, tp2_rank)``
-    (padding rows zero) without ever holding the whole part: the extra memory is one tile.
+    (padding rows zero) without ever holding the whole part: the extra memory is one tile per
+    worker.
 
     Args:
         shapes: Model and layout sizes.
         part, layer: Which part (``layer`` is the decoder layer for ``layers``, else 0).
         seed, init_std: As for :func:`modelling.gpt.init_full_part`.
         tp1_rank, tp2_rank: This rank's tensor-parallel coordinates.
+        workers: Threads drawing tiles at once (:func:`modelling.gpt.init_part_region`).
 
     Returns:
         dict of parameter name -> this rank's float32 shard, as :func:`shard_part` gives it.
     """
     index = shard_index(part, shapes, tp1_rank, tp2_rank)
-    return init_part_region(shapes, part, layer, seed, init_std, index)
+    return init_part_region(shapes, part, layer, seed, init_std, index, workers)
+
+
+def init_model_shard(
+    shapes: GPTShapes,
+    seed: int,
+    init_std: float,
+    tp1_rank: int = 0,
+    tp2_rank: int = 0,
+    workers: int = 1,
+) -> dict[str, torch.Tensor]:
+    """Every part's :func:`init_part_shard`, named as in :class:`~modelling.gpt.GPT`'s
+    ``state_dict`` (``layers.3.attn.qkv.weight``): with the default ranks, the whole padded
+    model for one device. Load it into a GPT built on the ``meta`` device with
+    ``load_state_dict(..., assign=True)``, so that no other random initialisation runs."""
+    return {
+        qualified_name(part, row, name): tensor
+        for part in PARTS
+        for row in range(shapes.layers if part == LAYERS else 1)
+        for name, tensor in init_part_shard(
+            shapes, part, row, seed, init_std, tp1_rank, tp2_rank, workers
+        ).items()
+    }
 
 
 def _take(full: torch.Tensor, index: ShardIndex) -> torch.Tensor:
