@@ -10,6 +10,7 @@ and removing any one wait must show.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -128,3 +129,34 @@ def _wait_except(skipped: str):
         original(self, event, tensors)
 
     return wait
+
+
+def test_a_late_cuda_stream_queues_a_spin_before_each_submission(monkeypatch):
+    """The GPU twin of the stand-in, with CUDA's calls recorded instead of made (no GPU here):
+    each submission on a late stream queues ``torch.cuda._sleep`` on the side stream before
+    its work, and an ordinary stream queues none."""
+    from execution.engine import streams
+
+    calls = []
+
+    class Recorded:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: calls.append(name)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorded)
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Recorded())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("sleep", cycles)))
+    late = streams.side_streams(torch.device("cuda", 0), late=True)
+    for stream in late:
+        calls.clear()
+        stream.submit(lambda: calls.append("work"))
+        assert calls == ["wait_stream", ("sleep", streams.LATE_CUDA_CYCLES), "work", "record"]
+    calls.clear()
+    on_time, _ = streams.side_streams(torch.device("cuda", 0), late=False)
+    on_time.submit(lambda: calls.append("work"))
+    assert calls == ["wait_stream", "work", "record"]

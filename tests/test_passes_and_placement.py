@@ -316,7 +316,7 @@ class _Event:
 def _cuda_side_stream(stand_in: _Stream) -> CudaStream:
     """The engine's CUDA side stream around a stand-in stream (no GPU needed)."""
     side = CudaStream.__new__(CudaStream)
-    side.device, side.stream = CPU, stand_in
+    side.device, side.stream, side.delay_cycles = CPU, stand_in, 0
     return side
 
 

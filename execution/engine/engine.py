@@ -72,8 +72,9 @@ class PhasedEngine:
         plan: How this rank executes (:func:`~execution.engine.plan.engine_plan`); the
             engine reads nothing else.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
-        late_streams: On a CPU, copies on the side streams complete only when waited for
-            (:class:`~execution.engine.streams.LateStream`: tests of the GPU's ordering).
+        late_streams: Copies on the side streams complete late: on a CPU only when waited for
+            (:class:`~execution.engine.streams.LateStream`), on a GPU after a spin queued
+            before each (checks of the GPU's ordering; never for training).
     """
 
     def __init__(self, plan: EnginePlan, layout: ParallelLayout, late_streams: bool = False):

@@ -85,8 +85,8 @@ class StateStore:
     ):
         """``rows``: buffer rows of each part (default: every part, ``layers`` decoder layers);
         a pipeline stage holds some parts only. ``first_layer``: the global index of its first
-        decoder layer. ``late_streams``: on a CPU, side-stream work completes only when
-        waited for (:class:`~execution.engine.streams.LateStream`, the tests' stand-in).
+        decoder layer. ``late_streams``: side-stream work completes late (on a CPU only when
+        waited for, on a GPU after a queued spin: :func:`~execution.engine.streams.side_streams`).
         ``sparse``: keep RigL's masks of the decoder layers' matrices (:attr:`masks`)."""
         self.specs = specs
         self.first_layer = first_layer

@@ -6,7 +6,11 @@ A missing wait there is a race that a GPU may or may not show. On a CPU every co
 once, in program order, so no test could catch it. :class:`LateStream` is the CPU stand-in that
 applies the GPU's rule strictly: work submitted to a side stream runs only when something waits
 for it (or for work queued after it), and until then its outputs hold NaN. A run whose waits
-are all in place computes the eager run's numbers bit for bit; a missing wait reads NaN.
+are all in place computes the eager run's numbers bit for bit; a missing wait reads NaN. Its
+GPU twin is a :class:`CudaStream` with ``delay_cycles``: each side-stream submission first
+queues a spin of that many GPU cycles, so every copy lands long after the compute stream could
+have read its destination, and a missing wait reads stale or uninitialised memory instead of
+winning the race by luck.
 
 Each implementation has the same operations:
 
@@ -50,18 +54,26 @@ class EagerStream:
         return contextlib.nullcontext()
 
 
-class CudaStream:
-    """A CUDA side stream of ``device``."""
+# A late CUDA side stream spins this long before each submission: about 10 ms at the 1.5-2 GHz
+# of an H100's SMs, longer than a small model's whole phase, so no copy beats a missing wait.
+LATE_CUDA_CYCLES = 20_000_000
 
-    def __init__(self, device: torch.device):
+
+class CudaStream:
+    """A CUDA side stream of ``device``; ``delay_cycles`` > 0 makes it late (module docstring)."""
+
+    def __init__(self, device: torch.device, delay_cycles: int = 0):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.delay_cycles = delay_cycles
 
     def submit(self, work: Work, outputs: Sequence[torch.Tensor] = (), inputs=()):
         # After the compute stream's work so far (what made the inputs; earlier reads of the
         # outputs' memory).
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            if self.delay_cycles:
+                torch.cuda._sleep(self.delay_cycles)  # queued before the work, on this stream
             work()
             done = torch.cuda.Event()
             done.record(self.stream)
@@ -143,10 +155,12 @@ class LateStream:
 
 
 def side_streams(device: torch.device, late: bool = False):
-    """Two side streams (loads, stores) for ``device``: CUDA streams on a GPU; on a CPU, eager
-    ones, or with ``late`` the stand-in whose work completes only when waited for."""
+    """Two side streams (loads, stores) for ``device``: CUDA streams on a GPU (with ``late``,
+    each submission delayed by :data:`LATE_CUDA_CYCLES`); on a CPU, eager ones, or with
+    ``late`` the stand-in whose work completes only when waited for."""
     if device.type == "cuda":
-        return CudaStream(device), CudaStream(device)
+        delay = LATE_CUDA_CYCLES if late else 0
+        return CudaStream(device, delay), CudaStream(device, delay)
     if late:
         return LateStream("loads"), LateStream("stores")
     return EagerStream(), EagerStream()
