@@ -35,16 +35,14 @@ On a CPU, MFU, host<->device rates and GPU idle share are "-" (no known peak, no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
-import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -56,15 +54,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import FSDP2_OFFLOAD, StepFn, fsdp2_offload, plain_loop_label, pytorch_loop
+from bench_profile import _synchronize, gpu_activity, profile_step
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
+from child_process import run_child
 
 from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
+from execution.engine.engine import PhasedEngine
 from execution.engine.optimizer import adamw_, adamw_threaded_, learning_rate
+from execution.engine.plan import engine_plan
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import planned_engine
+from execution.planning.planner import plan_for_process
 from modelling.gpt import GPTShapes
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
 
@@ -97,105 +99,43 @@ VARIANTS = {
 }
 COMPARE = ("auto", "streamed", "no_overlap", "plain", "fsdp2")
 FSDP2_NEEDS_CUDA = "needs CUDA (its offload moves state between host and GPU)"
+# What a row's process runs with on CUDA: the allocator maps segments that grow in place, so
+# the phases' changing working sets fragment less (and the row says it ran so).
+ROW_ALLOCATOR = "expandable_segments:True"
+__all__ = ["gpu_activity", "profile_step"]  # re-exported: a row's profile is part of its run
 
 
 def row_label(key: str, config: PretrainingConfig) -> str:
     return plain_loop_label(config) if VARIANTS[key].kind == "plain" else VARIANTS[key].label
 
 
-# ---------------------------------------------------------------------------- profiler
-
-
-def gpu_activity(events: list[dict], wall_seconds: float) -> dict[str, float | None]:
-    """Copy rates and idle share of one profiled step from a Kineto (chrome) trace's events.
-
-    Args:
-        events: ``traceEvents`` of ``torch.profiler.profile.export_chrome_trace``.
-        wall_seconds: Wall time of the profiled step.
-
-    Returns:
-        ``h2d_GBps`` / ``d2h_GBps``: bytes copied / time spent copying in that direction (the
-        link rate the copies achieved; None when none ran); ``h2d_GB`` / ``d2h_GB``: bytes per
-        step; ``gpu_idle``: share of the wall time in which no kernel ran on any stream.
-    """
-    copied = {"HtoD": [0, 0.0], "DtoH": [0, 0.0]}  # bytes, microseconds
-    kernels = []
-    for e in events:
-        if e.get("ph") != "X" or "dur" not in e:
-            continue
-        if e.get("cat") == "gpu_memcpy":
-            for direction, total in copied.items():
-                if direction in e.get("name", ""):
-                    total[0] += int(e.get("args", {}).get("bytes", 0))
-                    total[1] += float(e["dur"])
-        elif e.get("cat") == "kernel":
-            kernels.append((float(e["ts"]), float(e["ts"]) + float(e["dur"])))
-    busy, end = 0.0, -math.inf
-    for start, stop in sorted(kernels):  # length of the union of the kernel intervals
-        if stop > end:
-            busy += stop - max(start, end)
-            end = stop
-    out: dict[str, float | None] = {}
-    for direction, key in (("HtoD", "h2d"), ("DtoH", "d2h")):
-        nbytes, micros = copied[direction]
-        out[f"{key}_GBps"] = nbytes / micros / 1e3 if nbytes and micros else None
-        out[f"{key}_GB"] = nbytes / 1e9
-    out["gpu_idle"] = max(0.0, 1.0 - busy / 1e6 / wall_seconds)
-    return out
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def profile_step(step_fn: StepFn, step: int, device: torch.device) -> dict[str, float | None]:
-    """Profiles step ``step + 1`` after a profiler warm-up on step ``step``; its GPU activity.
-
-    The warm-up step keeps the profiler's start-up (CUPTI initialisation) out of the recorded
-    step's wall time. Kernels are only recorded on CUDA; elsewhere the idle share comes out 1.
-    """
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    activities = [ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        with (
-            warnings.catch_warnings(),
-            profile(
-                activities=activities,
-                schedule=schedule(wait=0, warmup=1, active=1),
-                on_trace_ready=lambda prof: prof.export_chrome_trace(path),
-            ) as prof,
-        ):
-            # Only the recorded step's events are wanted, which the profiler warns about.
-            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
-            step_fn(step)
-            prof.step()
-            _synchronize(device)
-            started = time.perf_counter()
-            step_fn(step + 1)
-            _synchronize(device)
-            wall = time.perf_counter() - started
-            prof.step()
-        with open(path) as trace:
-            events = json.load(trace)["traceEvents"]
-    return gpu_activity(events, wall)
-
-
 # ---------------------------------------------------------------------------- variants
 
 
 def our_engine(config: PretrainingConfig, device: torch.device, batches) -> StepFn:
-    engine = planned_engine(config, ParallelLayout.single(device))
+    """Our engine under the planner's choice; the step function carries the plan it ran
+    (``step.plan``: passes, placements, recompute, micro-batch and the budget planned
+    against)."""
+    layout = ParallelLayout.single(device)
+    memory, budget = plan_for_process(config, layout)
+    engine = PhasedEngine(engine_plan(config, memory), layout)
     t = config.training
 
     def step(i: int) -> float:
         lr = learning_rate(i, t.optimizer, config.tokens_per_step, t.steps)
         return engine.train_step(batches[i], i, lr).loss
 
+    step.plan = {
+        "passes": memory.passes,
+        "micro_batches_per_pass": memory.micro_batches_per_pass,
+        "micro_batch_size": config.execution.micro_batch_size,
+        "gradient_accumulation": config.gradient_accumulation,
+        "placement": dataclasses.asdict(memory.placement),
+        "recompute": memory.recompute,
+        "planned_device_GiB": memory.bytes_on("device")["total"] / 2**30,
+        "budget_device_GiB": None if budget.device is None else budget.device / 2**30,
+        "budget_host_GiB": budget.host / 2**30,
+    }
     return step
 
 
@@ -210,6 +150,7 @@ class Run:
     steps: int
     warmup: int
     profile: bool = True
+    progress: Path | None = None  # each step's time is appended here as it ends
 
 
 def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
@@ -219,16 +160,22 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     reset_peak_memory(device)
+    started = time.perf_counter()
     step_fn: StepFn = build()
+    _note_progress(run.progress, {"built_s": time.perf_counter() - started})
     times, losses = [], []
     for i in range(run.warmup + run.steps):
         _synchronize(device)
         started = time.perf_counter()
         losses.append(step_fn(i))
         _synchronize(device)
+        seconds = time.perf_counter() - started
         if i >= run.warmup:
-            times.append(time.perf_counter() - started)
+            times.append(seconds)
+        _note_progress(run.progress, {"step": i, "seconds": seconds, "loss": losses[-1]})
     row = {"variant": label, "device": str(device), "pid": os.getpid()}
+    if getattr(step_fn, "plan", None) is not None:
+        row["plan"] = step_fn.plan
     row["step_s"] = statistics.median(times)
     row.update(first_loss=losses[0], last_loss=losses[-1])
     m = config.model
@@ -242,12 +189,22 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     )
     row.update(tokens_per_s=rates["tokens_per_sec"], tflops=rates["tflops"], mfu=rates["mfu"])
     row["peak_mem_GiB"] = peak_memory(device) / 2**30
+    if device.type == "cuda":
+        row["peak_reserved_GiB"] = torch.cuda.max_memory_reserved(device) / 2**30
+        row["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row["host_rss_GiB"] = (proc_status_bytes("VmRSS") or 0) / 2**30 or None
     if device.type == "cuda" and run.profile:
         row.update(profile_step(step_fn, run.warmup + run.steps, device))
     else:  # no copies to time and no kernels to count
         row.update(dict.fromkeys(("h2d_GBps", "d2h_GBps", "h2d_GB", "d2h_GB", "gpu_idle")))
     return row
+
+
+def _note_progress(path: Path | None, entry: dict) -> None:
+    """One JSON line, flushed: what survives a row killed by its time limit."""
+    if path is not None:
+        with open(path, "a") as progress:
+            progress.write(json.dumps(entry) + "\n")
 
 
 def read_batches(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
@@ -278,7 +235,8 @@ def measure_row(key: str, flags: list[str], run_args: argparse.Namespace) -> dic
     kind = VARIANTS[key].kind
     if kind == "fsdp2" and device.type != "cuda":
         return {"variant": label, "skipped": FSDP2_NEEDS_CUDA}
-    run = Run(device, run_args.steps, run_args.warmup, not run_args.no_profile)
+    progress = getattr(run_args, "progress", None)
+    run = Run(device, run_args.steps, run_args.warmup, not run_args.no_profile, progress)
     batches = read_batches(config, run.warmup + run.steps + 2)  # + 2: the profiled steps
     build = {"ours": our_engine, "plain": pytorch_loop, "fsdp2": fsdp2_offload}[kind]
     try:
@@ -294,39 +252,51 @@ def measure_row(key: str, flags: list[str], run_args: argparse.Namespace) -> dic
 
 
 def run_row(
-    key: str, flags: list[str], run_args: argparse.Namespace, timeout: float | None
+    key: str,
+    flags: list[str],
+    run_args: argparse.Namespace,
+    timeout: float | None,
+    env: dict[str, str] | None = None,
 ) -> dict:
     """Row ``key`` measured by a fresh ``bench_step.py`` process; its failure is its result.
 
-    The process runs the row with ``--in_process`` and writes it to a file of its own. If it
-    dies before writing (killed by the kernel's OOM killer, a crash, ``timeout`` seconds
-    passed), the row says so in one line, with the last line the process printed.
+    The process runs the row with ``--in_process`` and writes it to a file of its own, and
+    each step's time to a progress file as it ends. If it dies before writing (killed by the
+    kernel's OOM killer, a crash, ``timeout`` seconds passed), the row says so in one line and
+    keeps the steps that did end (``progress``) and the end of its output (``output_tail``).
+    On CUDA the process allocates with :data:`ROW_ALLOCATOR`; ``env`` adds to its environment.
     """
     config, _ = parse_config([*flags, *VARIANTS[key].flags])
     label = row_label(key, config)
     with tempfile.TemporaryDirectory(prefix="bench_row_") as tmp:
-        out = Path(tmp) / "row.json"
+        out, progress = Path(tmp) / "row.json", Path(tmp) / "progress.jsonl"
         steps = ["--steps", str(run_args.steps), "--warmup", str(run_args.warmup)]
         mode = ["--rows", key, "--in_process", "--adamw_elements", "0", "--json", str(out)]
-        command = [sys.executable, __file__, *mode, *steps, *flags]
+        command = [sys.executable, __file__, *mode, *steps, "--progress", str(progress), *flags]
         if run_args.no_profile:
             command.append("--no_profile")
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            return {"variant": label, "error": f"timed out after {timeout:.0f} s"}
+        done = run_child(
+            command, timeout, {"PYTORCH_CUDA_ALLOC_CONF": ROW_ALLOCATOR, **(env or {})}
+        )
         if done.returncode == 0 and out.exists():
             return json.loads(out.read_text())[0]
-        print(done.stdout + done.stderr, file=sys.stderr)  # the whole story, for the log
-        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1][:300]
-        if done.returncode < 0:
+        print(done.output, file=sys.stderr)  # the whole story, for the log
+        last = done.last_line()
+        if done.timed_out:
+            error = f"timed out after {timeout:.0f} s: {last}"
+        elif done.returncode < 0:
             signal = -done.returncode
             error = f"killed by signal {signal} (the OOM killer, if host memory ran out): {last}"
         elif "out of memory" in last.lower():
             error = f"out of memory: {last}"
         else:
             error = f"failed: exit code {done.returncode}: {last}"
-        return {"variant": label, "error": error}
+        ended = (
+            [json.loads(line) for line in progress.read_text().splitlines()]
+            if progress.exists()
+            else []
+        )
+        return {"variant": label, "error": error, "progress": ended, "output_tail": done.tail}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -347,6 +317,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--row_timeout", type=float, help="seconds a row's process may take")
     parser.add_argument("--no_profile", action="store_true", help="skip the profiled steps")
     parser.add_argument("--json", help="also write the rows to this JSON file, row by row")
+    progress_help = "append each step's time to this file as it ends (one JSON line each)"
+    parser.add_argument("--progress", type=Path, help=progress_help)
     adamw_help = "time host AdamW implementations on a flat vector this long (0 skips)"
     parser.add_argument("--adamw_elements", type=int, default=1 << 24, help=adamw_help)
     args, extra = parser.parse_known_args(argv)

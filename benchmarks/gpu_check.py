@@ -2,29 +2,31 @@
 
     python benchmarks/gpu_check.py [--steps 4]
 
-1. Phased (remote placement, host buffers) and resident placement give the same losses on the
-   GPU within a bfloat16 tolerance, and in float32 the GPU's losses match the CPU's. Each state
-   on the host alone gives resident's losses too: activations and gradients in float32 (where a
-   copy that runs late shows as a different loss), bfloat16 weight copies on the host within
-   the bfloat16 tolerance; two passes, so that every layer is loaded and stored twice a step.
+1. Phased (every state remote: host buffers) and resident placement give the same losses on
+   the GPU within a bfloat16 tolerance, and in float32 the GPU's losses match the CPU's. Each
+   state on the host alone gives resident's losses too: activations and gradients in float32,
+   bfloat16 weight copies on the host within the bfloat16 tolerance; two passes, so that every
+   layer is loaded and stored twice a step. The placed runs use late side streams
+   (``late_streams``: on the GPU each copy is queued behind a spin of the GPU's clock, on a CPU
+   it completes only when waited for), so a copy whose wait is missing shows as a different
+   loss instead of winning its race by luck.
 2. The NCCL path works for a world of one: a process group from a file:// store,
    ``ParallelLayout.build(1, 1, 1, device)``, a training step with the same loss as the
    single-process layout, and the collectives the engine uses (all-reduce, all-gather,
    reduce-scatter) on the world group.
 3. The prefetching loader hands out pinned batches.
-4. ``bench_step.py --compare`` runs every row (FSDP2 with CPU offload included) and the PyTorch
-   baselines' first loss equals ours in float32.
 
 Prints one line per check and a verdict; exits 1 if any check fails. Without CUDA it says so
-and exits 0 (nothing to check), so it can sit in scripts that also run on CPU machines.
-:func:`run_checks` runs the checks that need no GPU on a CPU too (gpu_first_run.py --device
-cpu), and skips the others.
+in one line and exits 2, unless ``--device cpu`` asks for the checks a CPU can run (the others
+are skipped). ``--json`` appends each check's result as it ends, so a check that kills the
+process (a sticky CUDA error) leaves the earlier ones' results (gpu_first_run.py reads them).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import json
 import math
 import os
 import shlex
@@ -45,11 +47,13 @@ from config.loading import parse_config
 from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
+from execution.engine.engine import PhasedEngine
 from execution.engine.optimizer import learning_rate
+from execution.engine.plan import engine_plan
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
-from execution.planning.planner import planned_engine
+from execution.planning.planner import plan_for_process
 
-NO_GPU_EXIT = 0  # "nothing to check" is not a failure
+NO_GPU_EXIT = 2  # asked to check a GPU where there is none: a usage error
 BF16_LOSS_TOLERANCE = 2e-2  # absolute, on losses near ln(50257) = 10.8 (bf16 has 8 bits)
 FP32_LOSS_TOLERANCE = 1e-4
 
@@ -57,6 +61,8 @@ SMALL = shlex.split(
     "--config tiny --layers 2 --hidden_size 64 --heads 4 --sequence_length 64 "
     "--max_positional_length 64 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0"
 )
+# gpu_first_run.py --quick: the same checks on a smaller model still (tests on a CPU).
+QUICK = shlex.split("--hidden_size 32 --sequence_length 32 --max_positional_length 32")
 
 
 def small_config(*flags: str) -> PretrainingConfig:
@@ -75,8 +81,13 @@ def batches_for(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
     return [loader.next_batch() for _ in range(count)]
 
 
-def losses(config: PretrainingConfig, layout: ParallelLayout, batches) -> list[float]:
-    engine = planned_engine(config, layout)
+def losses(
+    config: PretrainingConfig, layout: ParallelLayout, batches, late: bool = False
+) -> list[float]:
+    """Losses of ``batches``, one step each, under the planner's choice; ``late``: with late
+    side streams (module docstring)."""
+    plan, _ = plan_for_process(config, layout)
+    engine = PhasedEngine(engine_plan(config, plan), layout, late_streams=late)
     t = config.training
     out = []
     for step, batch in enumerate(batches):
@@ -111,18 +122,20 @@ def resident_losses(flags: tuple[str, ...], device: torch.device, steps: int) ->
 def against_resident(
     device: torch.device, steps: int, precision: str, flags: list[str], tolerance: float
 ) -> tuple[bool, str]:
-    """Losses of the run with ``flags`` against the same run with every state resident."""
+    """Losses of the run with ``flags`` (its side streams late) against the same run with
+    every state resident."""
     common = ["--precision", precision, "--device", device.type]
     config = small_config(*common, *flags)
-    placed = losses(config, ParallelLayout.single(device), batches_for(config, steps))
+    placed = losses(config, ParallelLayout.single(device), batches_for(config, steps), late=True)
     resident = resident_losses((*SMALL, *common), device, steps)
     ok, detail = compare(placed, resident, tolerance)
     return ok, f"{detail}; {placed[0]:.4f} -> {placed[-1]:.4f}"
 
 
 def check_placements(device: torch.device, steps: int) -> tuple[bool, str]:
-    """Remote (phased, host buffers) vs resident, bfloat16."""
-    return against_resident(device, steps, "bfloat16", [], BF16_LOSS_TOLERANCE)
+    """Every state remote (phased, host buffers) vs every state resident, bfloat16."""
+    flags = ["--placement", "remote"]
+    return against_resident(device, steps, "bfloat16", flags, BF16_LOSS_TOLERANCE)
 
 
 def check_host_activations(device: torch.device, steps: int) -> tuple[bool, str]:
@@ -197,21 +210,6 @@ def check_pinned_prefetch(device: torch.device, steps: int) -> tuple[bool, str]:
     return same and pinned, f"{steps} batches, pinned {pinned}, equal to the plain loader {same}"
 
 
-def check_bench(device: torch.device, steps: int) -> tuple[bool, str]:
-    import bench_step
-
-    rows = bench_step.main([*SMALL, "--device", "cuda", "--steps", "2", "--compare"])
-    missing = [r["variant"] for r in rows if "tokens_per_s" not in r]
-    ours = rows[0]["first_loss"]
-    worst = max(abs(r["first_loss"] - ours) for r in rows if "first_loss" in r)
-    profiled = all(r["gpu_idle"] is not None for r in rows if "tokens_per_s" in r)
-    ok = not missing and worst <= FP32_LOSS_TOLERANCE and profiled
-    return ok, (
-        f"{len(rows)} rows, not run: {missing or 'none'}; max |first loss - ours| {worst:.1e}; "
-        f"profiled {profiled}"
-    )
-
-
 Check = Callable[[torch.device, int], tuple[bool, str]]
 CHECKS: dict[str, Check] = {
     "remote vs resident (bf16)": check_placements,
@@ -221,58 +219,85 @@ CHECKS: dict[str, Check] = {
     "GPU vs CPU (float32)": check_gpu_matches_cpu,
     "NCCL world of one": check_nccl_world_of_one,
     "pinned prefetch": check_pinned_prefetch,
-    "bench_step --compare": check_bench,
 }
-# What a CPU cannot check: a second device to compare with, NCCL, pinned memory, FSDP2.
-CUDA_ONLY = ("GPU vs CPU (float32)", "NCCL world of one", "pinned prefetch", "bench_step --compare")
+# What a CPU cannot check: a second device to compare with, NCCL, pinned memory.
+CUDA_ONLY = ("GPU vs CPU (float32)", "NCCL world of one", "pinned prefetch")
 
 
-def run_checks(device: torch.device, steps: int, extra_flags: Sequence[str] = ()) -> list[dict]:
-    """Runs every check ``device`` can run, printing one line each: name, ok, detail, seconds.
+def run_checks(
+    device: torch.device,
+    steps: int,
+    extra_flags: Sequence[str] = (),
+    names: Sequence[str] | None = None,
+    record: Path | None = None,
+) -> list[dict]:
+    """Runs every check of ``names`` (default: all) that ``device`` can run, printing one line
+    each: name, ok, detail, seconds; appends each result to ``record`` (JSON lines) as it ends.
 
-    A crash is a failed check; the others still run. On a CPU, :data:`CUDA_ONLY` are skipped
-    (``ok`` None). ``extra_flags`` shrink (or change) every check's model further.
+    A check that raises is a failed check; the others still run. On a CPU, :data:`CUDA_ONLY`
+    are skipped (``ok`` None). ``extra_flags`` shrink (or change) every check's model further.
     """
     global SMALL
     small, SMALL = SMALL, [*SMALL, *extra_flags]
     try:
-        return _run_checks(device, steps)
+        return _run_checks(device, steps, names or list(CHECKS), record)
     finally:
         SMALL = small
 
 
-def _run_checks(device: torch.device, steps: int) -> list[dict]:
+def _run_checks(
+    device: torch.device, steps: int, names: Sequence[str], record: Path | None
+) -> list[dict]:
     results = []
-    for name, check in CHECKS.items():
+    for name in names:
         started = time.perf_counter()
         if device.type != "cuda" and name in CUDA_ONLY:
             ok, detail = None, "skipped: needs CUDA"
         else:
             try:
-                ok, detail = check(device, steps)
+                ok, detail = CHECKS[name](device, steps)
             except Exception as err:
                 traceback.print_exc()
                 ok, detail = False, f"{type(err).__name__}: {err}"
         seconds = time.perf_counter() - started
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
         print(f"{verdict}  {name:<32} {detail} ({seconds:.0f} s)", flush=True)
-        results.append({"check": name, "ok": ok, "detail": detail, "seconds": seconds})
+        result = {"check": name, "ok": ok, "detail": detail, "seconds": seconds}
+        results.append(result)
+        if record is not None:
+            with open(record, "a") as lines:
+                lines.write(json.dumps(result) + "\n")
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="training steps per comparison")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="a smaller model still (tests)")
+    parser.add_argument("--checks", nargs="+", choices=list(CHECKS), help="run only these")
+    parser.add_argument("--json", type=Path, help="append each result here as it ends")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("gpu_check: needs a CUDA GPU and none is available; nothing was checked.")
+    if args.steps < 1:
+        parser.error("--steps must be 1 or more")
+    if args.device == "cpu":
+        device = torch.device("cpu")
+        print(f"gpu_check on the CPU (the checks that need CUDA are skipped), {torch.__version__}")
+    elif not torch.cuda.is_available():
+        print(
+            "gpu_check: needs a CUDA GPU and none is available; nothing was checked "
+            "(--device cpu runs the checks a CPU can run).",
+            file=sys.stderr,
+        )
         return NO_GPU_EXIT
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    name = torch.cuda.get_device_name(device)
-    versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
-    print(f"gpu_check on {name}, {versions}, NCCL {torch.cuda.nccl.version()}")
-    results = [r["ok"] for r in run_checks(device, args.steps)]
+    else:
+        device = torch.device("cuda", 0)
+        torch.cuda.set_device(device)
+        name = torch.cuda.get_device_name(device)
+        versions = f"torch {torch.__version__}, CUDA {torch.version.cuda}"
+        print(f"gpu_check on {name}, {versions}, NCCL {torch.cuda.nccl.version()}")
+    extra = QUICK if args.quick else ()
+    results = [r["ok"] for r in run_checks(device, args.steps, extra, args.checks, args.json)]
     failed = results.count(False)
     total = len(results)
     verdict = f"{failed} of {total} checks FAILED" if failed else f"all {total} checks passed"

@@ -1,277 +1,365 @@
-"""The first run on a GPU, in one command: checks, calibration, step rows, estimates beside them.
+"""The first run on a GPU, in one command that fits a lent GPU's minutes and cannot lose them.
 
-    python benchmarks/gpu_first_run.py --json out.json          # one H100: at most 20 minutes
+    python benchmarks/gpu_first_run.py --results_dir DIR          # one H100: about 7 minutes
     python benchmarks/gpu_first_run.py --device cpu --quick --json out.json   # tiny, for tests
 
-Stages, in order, each timed and written to ``--json`` as it ends (rows one by one):
+Stages, in order (:func:`stages`), each in a process of its own with its own time limit:
 
-1. checks: gpu_check.py's correctness checks (remote, host activations, host gradients and
-   bfloat16 host weights against resident; GPU against CPU; NCCL; pinned prefetch; the
-   baselines' first loss) -- on a CPU, those that need no GPU;
-2. calibration: calibrate.py's constants, written as ``<json stem>.spec.json``, the device spec
-   file the estimates read;
-3. rows: bench_step.py rows, each in a process of its own (:data:`BUDGET` lists them): ours
-   with gpt3_1.3B resident, the plain PyTorch loop at the same size, ours with gpt3_6.7B's
-   weights streamed, and FSDP2 with CPU offload at the largest size whose host state fits this
-   machine's free memory (with ours streamed at that size too when it is smaller than 6.7B);
-4. estimates: the dry run of each row's run with the calibrated spec, beside the measured
-   step. The baselines are estimated as ours with the nearest flags (resident or remote, every
-   layer recomputed), since the dry run models only our engine.
+1. probe: the device, its free memory, torch's and CUDA's versions;
+2. checks: gpu_check.py's correctness checks (remote, host activations, host gradients and
+   bfloat16 host weights against resident, with late side streams; GPU against CPU; NCCL;
+   pinned prefetch). A check that kills its process is recorded as failed and the remaining
+   checks run in a fresh one;
+3. parity: ours, the plain PyTorch loop and FSDP2 with CPU offload at a small size in float32,
+   each in its own process: their first losses must agree (the baselines train our model);
+4. calibration: calibrate.py's constants, written beside the results as ``<name>.spec.json``;
+5. rows: ours with gpt3_1.3B resident, ours streaming the weights of a model at gpt3_6.7B's
+   width with 8 layers, and FSDP2 with CPU offload on that same model, at a global batch of 64.
 
-The 20 minutes are budgeted: each row has a time limit, cut to what is left of the budget
-after a reserve for the estimates, so a slow row ends as "timed out" rather than running over.
-Global batches are cut (64 sequences) so that a row fits its minutes; the estimates are of the
-same reduced runs, and at the presets' batches the per-step AdamW and weight loads weigh less.
+This process never touches CUDA: a fault in one stage cannot poison another. The results file
+is rewritten atomically after every stage. A stage starts only when the budget (``--budget_s``)
+leaves the time it needs (``need_s``), and is otherwise recorded as skipped; its limit is cut
+so that the stages after it keep theirs. A row keeps the steps that ended and the end of its
+output if it is killed at its limit. ``benchmarks/estimate_rows.py`` later prices exactly the
+plans the rows ran with the calibrated spec, on any CPU, and ``benchmarks/gpu_table.py``
+renders the README's table from the results.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
+import datetime
 import json
+import os
+import re
 import shlex
 import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
-import calibrate
-import gpu_check
 from baselines import fsdp2_host_bytes
+from child_process import run_child
 
 from config.loading import parse_config
-from execution.planning.dry_run import dry_run
 
-BUDGET_S = 20 * 60
-ESTIMATE_RESERVE_S = 150  # the dry runs of stage 4, on the GPU machine's host CPU
+HERE = Path(__file__).resolve().parent
+DEFAULT_BUDGET_S = 420  # with the machine's start, one command of 8 minutes at most
 CHECK_STEPS = 2  # the second step's loss shows the first update's gradients
-FSDP2_CANDIDATES = ("gpt3_6.7B", "gpt3_2.7B", "gpt3_1.3B")
+PARITY_TOLERANCE = 1e-4  # float32 first losses near ln(50257); summation order only
 HOST_HEADROOM = 1.15  # Python, CUDA context, batches and the allocator's slack beside FSDP2's
 REDUCED_BATCH = ("--global_batch_size", "64")
+PARITY_SIZE = shlex.split(
+    "--config tiny --layers 2 --hidden_size 256 --heads 4 --sequence_length 256 "
+    "--max_positional_length 256 --global_batch_size 8 --micro_batch_size 2 "
+    "--dropout_prob 0 --precision float32"
+)
 QUICK = shlex.split(
     "--config tiny --hidden_size 32 --sequence_length 32 --max_positional_length 32 "
     "--global_batch_size 4 --micro_batch_size 2"
 )
-# How the dry run estimates each kind of row: ours by its own flags, a baseline as ours with
-# the nearest placement and every layer recomputed (as the baselines checkpoint each layer).
-ESTIMATE_AS = {
-    "plain": ("--placement", "resident", "--recompute", "full"),
-    "fsdp2": ("--placement", "remote", "--recompute", "full"),
-}
+PROBE = """
+import json, os, sys, torch
+out = {"torch": torch.__version__, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
+with open("/proc/meminfo") as meminfo:
+    out["host_available_GiB"] = next(
+        int(line.split()[1]) / 2**20 for line in meminfo if line.startswith("MemAvailable:"))
+if sys.argv[1] == "cuda":
+    free, total = torch.cuda.mem_get_info(0)
+    props = torch.cuda.get_device_properties(0)
+    out.update(name=props.name, capability=list(torch.cuda.get_device_capability(0)),
+               cuda=torch.version.cuda, free_GiB=free / 2**30, total_GiB=total / 2**30,
+               gpus=torch.cuda.device_count())
+else:
+    out.update(name="cpu", cuda=None)
+print("PROBE " + json.dumps(out))
+"""
 
 
 @dataclass(frozen=True)
-class Row:
-    """One bench_step row of stage 3 and how long it may take."""
+class Stage:
+    """One process of the run: ``need_s`` is what it must be left to start, ``limit_s`` the
+    most it may take."""
 
-    key: str  # bench_step.VARIANTS
-    flags: tuple[str, ...]  # preset and sizes
-    warmup: int
-    steps: int
-    profile: bool
+    name: str
+    need_s: float
     limit_s: float
+    row: str = ""  # a bench_step.VARIANTS key, for the parity and measured rows
+    flags: tuple[str, ...] = ()
+    warmup: int = 1
+    steps: int = 2
+    profile: bool = False
 
     @property
-    def preset(self) -> str:
-        return self.flags[self.flags.index("--config") + 1]
+    def kind(self) -> str:
+        return self.name.split(":")[0]
+
+
+def stages(device: str, quick: bool) -> list[Stage]:
+    """What the run does, in order, with the time each needs and may take. The needs and
+    limits of the real run are for one H100 (16 host cores)."""
+    on = ("--device", device)
+    if quick:
+        small, rows = (*QUICK, *on), (*QUICK, "--layers", "2", *on)
+        return [
+            Stage("probe", 0, 60),
+            Stage("checks", 10, 200),
+            *(Stage(f"parity:{r}", 5, 120, r, small, 0, 1) for r in ("ours", "plain", "fsdp2")),
+            Stage("calibration", 10, 200),
+            Stage("row:resident", 5, 120, "resident", rows, 0, 1),
+            Stage("row:streamed", 5, 120, "streamed", rows, 0, 1),
+            Stage("row:fsdp2", 5, 120, "fsdp2", rows, 0, 1),
+        ]
+    parity = (*PARITY_SIZE, *on)
+    wide = ("--config", "gpt3_6.7B", "--layers", "8", *REDUCED_BATCH, *on)
+    return [
+        Stage("probe", 0, 60),
+        Stage("checks", 45, 120),
+        *(Stage(f"parity:{r}", 15, 60, r, parity, 0, 2) for r in ("ours", "plain", "fsdp2")),
+        Stage("calibration", 60, 150),
+        Stage(
+            "row:resident",
+            60,
+            150,
+            "resident",
+            ("--config", "gpt3_1.3B", *REDUCED_BATCH, *on),
+            1,
+            3,
+            True,
+        ),
+        Stage("row:streamed", 60, 150, "streamed", wide, 1, 2, True),
+        Stage("row:fsdp2", 60, 150, "fsdp2", wide, 1, 2),
+    ]
 
 
 @dataclass
 class Report:
-    """What --json holds, rewritten as each stage and row ends."""
+    """What the results file holds, rewritten atomically after every stage."""
 
-    path: Path | None
+    path: Path
     device: str
+    budget_s: float
     started: float = field(default_factory=time.perf_counter)
-    stages_s: dict[str, float] = field(default_factory=dict)
+    probe: dict = field(default_factory=dict)
+    stages: dict[str, dict] = field(default_factory=dict)
     checks: list[dict] = field(default_factory=list)
-    calibration: dict = field(default_factory=dict)
     rows: list[dict] = field(default_factory=list)
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
     def write(self) -> None:
-        if self.path is not None:
-            data = {k: v for k, v in asdict(self).items() if k not in ("path", "started")}
-            self.path.write_text(json.dumps(data, indent=1))
+        data = {
+            "device": self.device,
+            "budget_s": self.budget_s,
+            "elapsed_s": self.elapsed(),
+            "probe": self.probe,
+            "stages": self.stages,
+            "checks": self.checks,
+            "rows": self.rows,
+        }
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, self.path)  # a reader (or a kill) never sees half a file
 
-    def stage_done(self, name: str, since: float) -> None:
-        if torch.cuda.is_available():  # leave the rows' processes the whole GPU
-            torch.cuda.empty_cache()
-        self.stages_s[name] = time.perf_counter() - since
-        print(
-            f"== stage {name}: {self.stages_s[name]:.0f} s (elapsed {self.elapsed():.0f} s "
-            f"of {BUDGET_S} s)",
-            flush=True,
+    @property
+    def spec_file(self) -> Path:
+        return self.path.with_suffix(".spec.json")
+
+
+def run_probe(stage: Stage, report: Report, timeout: float) -> dict:
+    done = run_child([sys.executable, "-c", PROBE, report.device], timeout)
+    found = re.search(r"^PROBE (.*)$", done.output, re.MULTILINE)
+    if done.returncode == 0 and found:
+        report.probe = json.loads(found.group(1))
+        return {"ok": True}
+    return {"ok": False, "error": done.last_line(), "output_tail": done.tail}
+
+
+def run_checks(stage: Stage, report: Report, timeout: float, quick: bool) -> dict:
+    """gpu_check.py in a process; after a crash, the remaining checks in a fresh one."""
+    import gpu_check
+
+    names, record = list(gpu_check.CHECKS), report.path.with_suffix(".checks.jsonl")
+    record.unlink(missing_ok=True)
+    deadline, crashes = time.perf_counter() + timeout, []
+    while names:
+        command = [sys.executable, str(HERE / "gpu_check.py"), "--device", report.device]
+        command += ["--steps", str(CHECK_STEPS), "--json", str(record), "--checks", *names]
+        done = run_child(
+            [*command, *(["--quick"] if quick else [])], deadline - time.perf_counter()
         )
-        self.write()
-
-
-def free_host_bytes() -> int:
-    """MemAvailable: what the rows' processes may still take (none of ours is alive then)."""
-    with open("/proc/meminfo") as meminfo:
-        for line in meminfo:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("no MemAvailable in /proc/meminfo")
-
-
-def fsdp2_preset(available: int) -> str:
-    """The largest candidate whose FSDP2 host state (with headroom) fits ``available`` bytes."""
-    for preset in FSDP2_CANDIDATES:
-        config, _ = parse_config(["--config", preset])
-        if fsdp2_host_bytes(config) * HOST_HEADROOM <= available:
-            return preset
-    return FSDP2_CANDIDATES[-1]  # it will fail and say so, as its row's result
-
-
-def budget(device: str, quick: bool) -> list[Row]:
-    """Stage 3's rows with their steps and limits (the real run's fit its 20 minutes)."""
-    if quick:
-        small = (*QUICK, "--device", device)
-        keys = ("resident", "plain", "streamed", "fsdp2")
-        return [Row(key, small, 0, 1, False, 120) for key in keys]
-    on = ("--device", device, *REDUCED_BATCH)
-    size = fsdp2_preset(free_host_bytes())
-    rows = [
-        Row("resident", ("--config", "gpt3_1.3B", *on), 1, 3, True, 210),
-        Row("plain", ("--config", "gpt3_1.3B", *on), 1, 3, True, 210),
-        Row("streamed", ("--config", "gpt3_6.7B", *on), 1, 2, True, 300),
-    ]
-    if size != "gpt3_6.7B":  # the 2x comparison is at equal size
-        rows.append(Row("streamed", ("--config", size, *on), 1, 2, False, 200))
-    rows.append(Row("fsdp2", ("--config", size, *on), 1, 2, False, 300))
-    return rows
-
-
-def run_bench_row(row: Row, report: Report) -> dict:
-    left = BUDGET_S - ESTIMATE_RESERVE_S - report.elapsed()
-    if left < 30:
-        return {"variant": row.key, "skipped": "the 20-minute budget is spent"}
-    if row.key == "fsdp2" and report.device == "cpu":  # no process to start for it
-        return {"variant": bench_step.FSDP2_OFFLOAD, "skipped": bench_step.FSDP2_NEEDS_CUDA}
-    args = argparse.Namespace(steps=row.steps, warmup=row.warmup, no_profile=not row.profile)
-    return bench_step.run_row(row.key, list(row.flags), args, timeout=min(row.limit_s, left))
-
-
-def estimate_row(row: Row, spec_file: Path) -> dict:
-    """The dry run of the row's run with the calibrated spec: its step time and MFU."""
-    flags = ESTIMATE_AS.get(row.key, bench_step.VARIANTS[row.key].flags)
-    argv = [*row.flags, *flags, "--dry_run", "--device_spec_file", str(spec_file)]
-    config, _ = parse_config(argv)
-    with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        rank = dry_run(config, Path(tmp))["ranks"][0]
-    return {"estimated_step_s": rank["step_time_s"], "estimated_mfu": rank["mfu"]}
-
-
-def table(rows: list[dict]) -> str:
-    head = f"{'row':<34} {'preset':<10} {'step s':>8} {'est. s':>8} {'est/meas':>8} {'MFU':>6}"
-    lines = [head]
-    for row in rows:
-        if "step_s" not in row:
-            lines.append(f"{row['variant']:<34} {row['preset']:<10} {row.get('why', '')}")
-            continue
-        est = row.get("estimated_step_s")
-        ratio = f"{est / row['step_s']:.2f}" if est else "-"
-        mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
-        lines.append(
-            f"{row['variant']:<34} {row['preset']:<10} {row['step_s']:8.3f} "
-            f"{est if est is not None else float('nan'):8.3f} {ratio:>8} {mfu:>6}"
+        ended = (
+            [json.loads(line) for line in record.read_text().splitlines()]
+            if record.exists()
+            else []
         )
-    return "\n".join(lines)
+        report.checks = ended + crashes
+        names = [n for n in gpu_check.CHECKS if n not in {c["check"] for c in report.checks}]
+        if done.returncode in (0, 1) or not names:
+            break
+        why = "timed out" if done.timed_out else f"its process ended with {done.returncode}"
+        crashes.append(
+            {
+                "check": names[0],
+                "ok": False,
+                "detail": f"{why}: {done.last_line()}",
+                "output_tail": done.tail,
+            }
+        )
+        report.checks = ended + crashes
+        names = names[1:]
+        if done.timed_out or time.perf_counter() >= deadline:
+            break
+    record.unlink(missing_ok=True)
+    return {"ok": all(c["ok"] is not False for c in report.checks)}
 
 
-def targets(rows: list[dict]) -> list[str]:
-    """The issue's targets, read off the rows that ran."""
-    got = {(r["key"], r["preset"]): r for r in rows if "step_s" in r}
-    lines = []
-    resident = got.get(("resident", "gpt3_1.3B"))
-    if resident and resident.get("mfu") is not None:
-        lines.append(f"1.3B resident MFU {resident['mfu']:.1%} (target >= 55%)")
-    streamed = got.get(("streamed", "gpt3_6.7B"))
-    if streamed and streamed.get("mfu") is not None:
-        lines.append(f"6.7B streamed MFU {streamed['mfu']:.1%} (target >= 45%)")
-    for (key, preset), fsdp in got.items():
-        ours = got.get(("streamed", preset))
-        if key == "fsdp2" and ours:
-            ratio = ours["tokens_per_s"] / fsdp["tokens_per_s"]
-            lines.append(f"{preset} streamed vs FSDP2 offload: {ratio:.2f}x (target >= 2x)")
-    for r in got.values():
-        if r["key"] not in ESTIMATE_AS and r.get("estimated_step_s"):
-            off = r["estimated_step_s"] / r["step_s"] - 1
-            lines.append(
-                f"dry run vs measured, {r['variant']} {r['preset']}: {off:+.1%} (target within 10%)"
-            )
-    return lines
+def run_calibration(stage: Stage, report: Report, timeout: float, quick: bool) -> dict:
+    command = [sys.executable, str(HERE / "calibrate.py"), "--device", report.device]
+    command += ["--output", str(report.spec_file), *(["--quick"] if quick else [])]
+    if "h200" in report.probe.get("name", "").lower():
+        command += ["--base", "h200"]
+    done = run_child(command, timeout)
+    if done.returncode == 0 and report.spec_file.exists():
+        return {"ok": True, "spec_file": report.spec_file.name}
+    why = "timed out" if done.timed_out else f"exit code {done.returncode}"
+    return {"ok": False, "error": f"{why}: {done.last_line()}", "output_tail": done.tail}
+
+
+def run_row(stage: Stage, report: Report, timeout: float) -> dict:
+    if stage.row == "fsdp2":
+        if report.device != "cuda":
+            row = {"variant": bench_step.FSDP2_OFFLOAD, "skipped": bench_step.FSDP2_NEEDS_CUDA}
+            return _record_row(stage, report, row)
+        config, _ = parse_config(list(stage.flags))
+        needed = fsdp2_host_bytes(config) * HOST_HEADROOM / 2**30
+        available = report.probe.get("host_available_GiB", float("inf"))
+        if needed > available:
+            why = f"FSDP2's host state needs {needed:.0f} GiB, {available:.0f} GiB available"
+            return _record_row(stage, report, {"variant": bench_step.FSDP2_OFFLOAD, "skipped": why})
+    run_args = argparse.Namespace(
+        steps=stage.steps, warmup=stage.warmup, no_profile=not stage.profile
+    )
+    row = bench_step.run_row(stage.row, list(stage.flags), run_args, timeout)
+    return _record_row(stage, report, row)
+
+
+def _record_row(stage: Stage, report: Report, row: dict) -> dict:
+    row.pop("ratio", None)  # against itself: each row ran alone
+    row.update(stage=stage.name, key=stage.row, flags=list(stage.flags))
+    report.rows.append(row)
+    return {"ok": "error" not in row}
+
+
+def run_stage(stage: Stage, report: Report, timeout: float, quick: bool) -> dict:
+    if stage.kind == "probe":
+        return run_probe(stage, report, timeout)
+    if stage.kind == "checks":
+        return run_checks(stage, report, timeout, quick)
+    if stage.kind == "calibration":
+        return run_calibration(stage, report, timeout, quick)
+    return run_row(stage, report, timeout)
+
+
+def parity_verdict(rows: list[dict]) -> dict:
+    """The parity stage as one check: each baseline's first loss against ours."""
+    parity = {r["key"]: r for r in rows if r["stage"].startswith("parity:")}
+    ours = parity.get("ours", {}).get("first_loss")
+    others = {k: r["first_loss"] for k, r in parity.items() if k != "ours" and "first_loss" in r}
+    if ours is None or not others:
+        return {"check": "parity: first losses", "ok": None, "detail": "not enough rows ran"}
+    worst = max(abs(loss - ours) for loss in others.values())
+    detail = f"max |first loss - ours| {worst:.1e} over {', '.join(others)} (tolerance 1e-4)"
+    return {"check": "parity: first losses", "ok": worst <= PARITY_TOLERANCE, "detail": detail}
+
+
+def results_path(args: argparse.Namespace, probe: dict) -> Path:
+    """``--json``, or ``<results_dir>/<date>-<device name>.json``."""
+    if args.json:
+        return Path(args.json)
+    name = re.sub(r"[^a-z0-9]+", "-", probe.get("name", args.device).lower()).strip("-")
+    return Path(args.results_dir) / f"{datetime.date.today().isoformat()}-{name}.json"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", help="write everything measured here, stage by stage")
+    parser.add_argument("--json", help="the results file (default: in --results_dir)")
+    parser.add_argument(
+        "--results_dir",
+        default=str(HERE / "results"),
+        help="where <date>-<device>.json and .spec.json go without --json",
+    )
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (tests)")
+    parser.add_argument(
+        "--budget_s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help="seconds the stages may take in all (stages that do not fit are skipped)",
+    )
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available (try --device cpu --quick)")
-    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-    out = Path(args.json) if args.json else None
-    report = Report(out, args.device)
-    spec_file = (out or Path(tempfile.mkdtemp()) / "run.json").with_suffix(".spec.json")
-
-    since = time.perf_counter()
-    extra = QUICK[2:] if args.quick else []
-    report.checks = gpu_check.run_checks(device, CHECK_STEPS, extra)
-    report.stage_done("checks", since)
-
-    since = time.perf_counter()
-    cal = [
-        "--device",
-        args.device,
-        "--output",
-        str(spec_file),
-        *(["--quick"] if args.quick else []),
-    ]
-    report.calibration = calibrate.main(cal)["device_spec"]
-    report.stage_done("calibration", since)
-
-    since = time.perf_counter()
-    rows = budget(args.device, args.quick)
-    for row in rows:
-        started = time.perf_counter()
-        result = run_bench_row(row, report)
-        result.update(key=row.key, preset=row.preset, flags=list(row.flags))
-        result["seconds"] = time.perf_counter() - started
-        report.rows.append(result)
-        print(f"row {result['variant']} {row.preset}: {result['seconds']:.0f} s", flush=True)
-        report.write()
-    report.stage_done("rows", since)
-
-    since = time.perf_counter()
-    for row, result in zip(rows, report.rows, strict=True):
-        if "step_s" in result and report.elapsed() > BUDGET_S:
-            result["why"] = "not estimated: the 20-minute budget is spent"
-        elif "step_s" in result:
-            result.update(estimate_row(row, spec_file))
+    if args.budget_s <= 0:
+        parser.error("--budget_s must be a positive number of seconds")
+    target = Path(args.json) if args.json else Path(args.results_dir)
+    if not (target.parent if args.json else target).is_dir():
+        parser.error(f"{target}: its folder does not exist")
+    plan = stages(args.device, args.quick)
+    report = Report(Path(os.devnull), args.device, args.budget_s)
+    for n, stage in enumerate(plan):
+        left = args.budget_s - report.elapsed()
+        later = sum(s.need_s for s in plan[n + 1 :])
+        if left < stage.need_s and stage.kind != "probe":  # the probe names the results
+            outcome = {"skipped": f"{left:.0f} s of the budget left, it needs {stage.need_s:.0f} s"}
+            if stage.row:
+                row = {
+                    "variant": bench_step.VARIANTS[stage.row].label,
+                    "skipped": outcome["skipped"],
+                }
+                _record_row(stage, report, row)
         else:
-            result["why"] = result.get("error") or f"skipped: {result.get('skipped')}"
+            timeout = min(stage.limit_s, max(stage.need_s, left - later, 0), max(left, 0))
+            if stage.kind == "probe":
+                timeout = stage.limit_s
+            started = time.perf_counter()
+            outcome = run_stage(stage, report, timeout, args.quick)
+            outcome["seconds"] = time.perf_counter() - started
+        if stage.kind == "probe":
+            if not outcome.get("ok"):
+                print(
+                    f"gpu_first_run: the {args.device} device cannot be used: "
+                    f"{outcome.get('error', outcome.get('skipped'))}",
+                    file=sys.stderr,
+                )
+                return 2
+            report.path = results_path(args, report.probe)
+        report.stages[stage.name] = outcome
+        print(
+            f"== {stage.name}: {_outcome_line(outcome)} (elapsed {report.elapsed():.0f} s "
+            f"of {args.budget_s:.0f} s)",
+            flush=True,
+        )
+        if stage.name == "parity:fsdp2":
+            report.checks.append(parity_verdict(report.rows))
         report.write()
-    report.stage_done("estimates", since)
 
-    print(table(report.rows))
-    print("\n".join(targets(report.rows)))
+    print(bench_step.format_table(report.rows))
     failed = [c["check"] for c in report.checks if c["ok"] is False]
     print(f"checks failed: {', '.join(failed)}" if failed else "checks: none failed")
-    print(f"total {report.elapsed():.0f} s" + (f"; written: {out}" if out else ""))
+    spec = f" and {report.spec_file.name}" if report.spec_file.exists() else ""
+    print(f"total {report.elapsed():.0f} s; written: {report.path}{spec}")
     return 1 if failed else 0
+
+
+def _outcome_line(outcome: dict) -> str:
+    if "skipped" in outcome:
+        return f"skipped: {outcome['skipped']}"
+    verdict = "ok" if outcome.get("ok") else f"FAILED {outcome.get('error', '')}".strip()
+    return f"{verdict}, {outcome['seconds']:.0f} s"
 
 
 if __name__ == "__main__":

@@ -36,14 +36,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def quick_first_run(tmp_path_factory) -> tuple[object, dict, Path]:
-    """``benchmarks/gpu_first_run.py --device cpu --quick`` run once (a forked child, as its
-    user would run it): its result, its report and its calibration's spec file, which is
-    ``calibrate.py --quick``'s output (``tests/test_gpu_first_run.py`` checks the run,
-    ``tests/test_calibrate.py`` the calibration and estimates on it)."""
-    from tests.entry_points import run_script
+    """``benchmarks/gpu_first_run.py --device cpu --quick`` run once, as a new process with
+    the packages the lent GPU machines lack blocked (``tests/fixtures/blocked_imports`` first
+    on its PYTHONPATH, which its stages inherit): its result, its report and its calibration's
+    spec file, which is ``calibrate.py --quick``'s output (``tests/test_gpu_first_run.py``
+    checks the run, ``tests/test_calibrate.py`` the calibration and estimates on it)."""
+    import subprocess
+    import sys
 
+    root = Path(__file__).resolve().parents[1]
+    blocked = root / "tests" / "fixtures" / "blocked_imports"
+    path = os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))
     out = tmp_path_factory.mktemp("first_run") / "first.json"
-    flags = ("--device", "cpu", "--quick", "--json", str(out))
-    result = run_script("benchmarks/gpu_first_run.py", *flags, timeout=400)
+    command = [sys.executable, "benchmarks/gpu_first_run.py", "--device", "cpu", "--quick"]
+    result = subprocess.run(
+        [*command, "--json", str(out)],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result, json.loads(out.read_text()), out.with_suffix(".spec.json")

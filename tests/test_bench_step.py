@@ -29,6 +29,7 @@ NOTHING_RECORDED = {
     "d2h_GBps": None,
     "d2h_GB": 0.0,
     "gpu_idle": 1.0,
+    "attention_kernels": [],
 }
 
 
@@ -97,6 +98,8 @@ def test_gpu_activity_from_a_hand_made_trace():
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 1000.0, "dur": 30.0},
         {"ph": "X", "cat": "kernel", "name": "gelu", "ts": 1020.0, "dur": 30.0},
         {"ph": "X", "cat": "kernel", "name": "add", "ts": 1080.0, "dur": 10.0},
+        # a fused attention kernel inside the first: counted once, and named
+        {"ph": "X", "cat": "kernel", "name": "fmha_cutlassF_f32", "ts": 1005.0, "dur": 5.0},
         # 4 MB host-to-device in 100 us + 2 MB in 100 us: 30 GB/s; 1 MB back in 50 us: 20 GB/s
         _copy(h2d, ts=900.0, dur=100.0, nbytes=4_000_000),
         _copy(h2d, ts=1000.0, dur=100.0, nbytes=2_000_000),
@@ -109,18 +112,20 @@ def test_gpu_activity_from_a_hand_made_trace():
     assert activity["d2h_GBps"] == pytest.approx(20.0)
     assert activity["h2d_GB"] == pytest.approx(0.006) and activity["d2h_GB"] == pytest.approx(0.001)
     assert activity["gpu_idle"] == pytest.approx(1 - 60 / 200)
+    assert activity["attention_kernels"] == ["fmha_cutlassF_f32"]
     assert bench_step.gpu_activity([], 1.0) == NOTHING_RECORDED
 
 
-def test_gpu_check_says_it_needs_a_gpu_and_does_not_fail_without_one():
+def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2():
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
     command = [sys.executable, "benchmarks/gpu_check.py"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    assert "needs a CUDA GPU" in result.stdout and "nothing was checked" in result.stdout
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "--device cpu" in lines[0]
 
 
 def test_profile_step_records_only_the_step_after_the_profiler_warm_up():
