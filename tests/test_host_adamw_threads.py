@@ -2,7 +2,8 @@
 
 A chunk above torch's grain size makes the elementwise ops of the update open an OpenMP team
 in the pool thread that calls them, so a pool of T threads on C cores would run up to T x C
-threads. The engine's pool (:func:`host_pool`) sets each of its threads' team size to one.
+threads. The engine's pool (:func:`~modelling.host_threads.one_core_pool`) sets each of its
+threads' team size to one.
 Counted in a fresh process: the threads a process has are listed in /proc/self/task, and
 OpenMP keeps a team's threads alive while the thread that opened it lives.
 """
@@ -25,7 +26,8 @@ import json, os, sys
 from concurrent.futures import ThreadPoolExecutor
 import torch
 from config.schema import OptimizerConfig
-from execution.engine.optimizer import adamw_threaded_, host_pool, openmp_team_setter
+from execution.engine.optimizer import adamw_threaded_
+from modelling.host_threads import one_core_pool
 
 def threads():
     return len(os.listdir("/proc/self/task"))
@@ -34,7 +36,7 @@ chunk, pool_size, engine_pool = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] 
 w, g, m, v = (torch.rand(1 << 20) for _ in range(4))
 torch.ones(1 << 20).add_(1)  # the main thread's own team, before counting
 before = threads()
-with host_pool(pool_size, openmp_team_setter()) if engine_pool else ThreadPoolExecutor(pool_size) as pool:
+with one_core_pool(pool_size, 'host-adamw') if engine_pool else ThreadPoolExecutor(pool_size) as pool:
     hyper = dict(step=1, lr=1e-3, optim=OptimizerConfig(), weight_decay=True, grad_scale=1.0)
     adamw_threaded_(w, g, m, v, pool=pool, chunk_elements=chunk, **hyper)
     during = threads()

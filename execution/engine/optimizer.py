@@ -4,17 +4,15 @@ updates every shard a rank holds (:class:`AdamWDriver`)."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import math
-from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, ThreadPoolExecutor
-from pathlib import Path
+from collections.abc import Iterator
+from concurrent.futures import Executor
 from typing import TYPE_CHECKING
 
 import torch
 
 from execution.parallel.sharding import DECAYED_KINDS
+from modelling.host_threads import one_core_pool
 
 if TYPE_CHECKING:
     from config.schema import OptimizerConfig
@@ -157,7 +155,6 @@ class AdamWDriver:
     def __init__(self, state: StateStore, optim: OptimizerConfig, host_threads: int):
         self.state, self.optim, self.host_threads = state, optim, max(1, host_threads)
         self.steps = 0  # updates applied (AdamW's bias correction counts them)
-        self._set_team_size = openmp_team_setter()
 
     def update(self, lr: float, grad_scale: float) -> None:
         """One update of every shard with the step's gradients times ``grad_scale``."""
@@ -177,7 +174,7 @@ class AdamWDriver:
                 return
             for part, kind, row, piece, tensors in state.host_update_pieces():
                 # Meta tensors (a dry run) hold nothing to compute, and the host's update is
-                # priced by its bytes (Window.host_update_bytes), not by its ops.
+                # priced by its elements (Window.host_update_elements), not by its ops.
                 if not tensors[0].is_meta:
                     mask = masks.of(part, kind, row, False) if masks is not None else None
                     adamw_threaded_(
@@ -192,33 +189,5 @@ class AdamWDriver:
 
     @contextlib.contextmanager
     def _pool(self) -> Iterator[Executor]:
-        with host_pool(self.host_threads, self._set_team_size) as pool:
+        with one_core_pool(self.host_threads, "host-adamw") as pool:
             yield pool
-
-
-def host_pool(threads: int, set_team_size: Callable[[int], None] | None) -> ThreadPoolExecutor:
-    """Threads for host updates, each running torch's ops on itself alone.
-
-    Torch parallelises an elementwise op over an OpenMP team once it is large enough (32 Ki
-    elements; 2 Ki for sqrt's vector kernel), and a thread that is not OpenMP's own starts
-    with the process's default team size, the core count. Every pool thread would then open a
-    team of its own: up to cores x cores threads on the host. The pool already spreads the
-    chunks over the cores, so each of its threads sets its own OpenMP team size to one
-    (``omp_set_num_threads`` acts on the calling thread only; the main thread keeps its team).
-    ``set_team_size``: :func:`openmp_team_setter`'s, looked up once by the pool's owner.
-    """
-    initializer = None if set_team_size is None else functools.partial(set_team_size, 1)
-    return ThreadPoolExecutor(threads, thread_name_prefix="host-adamw", initializer=initializer)
-
-
-def openmp_team_setter() -> Callable[[int], None] | None:
-    """``omp_set_num_threads`` of the OpenMP runtime torch ships and loaded (GNU's libgomp on
-    Linux, LLVM's libomp elsewhere), or None where torch has none (a build without OpenMP)."""
-    libraries = Path(torch.__file__).parent / "lib"
-    for pattern in ("libgomp*.so*", "libomp*", "libiomp*"):
-        for library in sorted(libraries.glob(pattern)):
-            try:
-                return ctypes.CDLL(str(library)).omp_set_num_threads
-            except (OSError, AttributeError):
-                continue
-    return None
