@@ -20,6 +20,7 @@ from execution.parallel.launch import setup_layout, teardown
 from execution.training.entry import Job, run_entry_point
 from execution.training.finetuning import build_finetuning, evaluate_only
 from execution.training.loop import train
+from execution.training.starting_weights import check_starting_weights
 
 PROGRAM = "run_finetuning.py"
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None, job: Job | None = None) -> None:
     if config.planning.dry_run or config.planning.plan_for:
         plan_without_launching(config, preset)
         return
+    check_starting_weights(config)  # a mismatch is said before the set-up, not after it
     layout, launch = setup_layout(config)
     job.joined = layout.world.size > 1
     try:

@@ -9,6 +9,7 @@ The prompt is encoded with GPT-2's BPE, so the model must have GPT-2's vocabular
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import NoReturn
@@ -43,9 +44,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if args.temperature < 0 or args.top_k < 0 or not 0 < args.top_p <= 1:
-        raise ConfigError("--temperature and --top_k must be >= 0 and --top_p in (0, 1]")
+    if not (0 <= args.temperature < math.inf):  # nan and inf would make every probability nan
+        raise ConfigError(
+            f"--temperature must be a finite number >= 0 (0 is greedy), got {args.temperature}"
+        )
+    if args.top_k < 0:
+        raise ConfigError(f"--top_k must be >= 0 (0: every token), got {args.top_k}")
+    if not 0 < args.top_p <= 1:
+        raise ConfigError(f"--top_p must be in (0, 1], got {args.top_p}")
+    if not 0 <= args.seed < 2**64:
+        raise ConfigError(f"--seed must be in [0, 2^64), got {args.seed}")
+    check_prompt(args.prompt)
     return args
+
+
+def check_prompt(prompt: str) -> None:
+    """One line for a prompt that cannot be encoded: empty, or not UTF-8 (bytes that are not
+    UTF-8 reach ``sys.argv`` as lone surrogates, which the tokenizer cannot take)."""
+    if not prompt:
+        raise ConfigError("--prompt is empty; give the text to continue")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(prompt[err.start])
+        escaped = 0xDC80 <= code <= 0xDCFF  # Python's stand-in for the undecodable byte
+        what = f"byte 0x{code - 0xDC00:02x}" if escaped else f"lone surrogate U+{code:04X}"
+        raise ConfigError(
+            f"--prompt is not valid UTF-8 ({what} at character {err.start + 1}); give the "
+            "prompt as UTF-8 text"
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -54,21 +81,19 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError("--device cuda, but no GPU is available")
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     model_config, weights = read_weights(args.load)
-    model = build_model(model_config, weights, device)
     tokenizer, _, vocab = load_tokenizer(TokenizerSpec())
-    if model.shapes.vocab < vocab:
+    if model_config["vocab_size"] < vocab:
         raise ConfigError(
-            f"the checkpoint's vocabulary has {model.shapes.vocab} tokens; the GPT-2 tokenizer "
-            f"needs {vocab}"
+            f"the checkpoint's vocabulary has {model_config['vocab_size']} tokens; the GPT-2 "
+            f"tokenizer needs {vocab}"
         )
     prompt = tokenizer.encode(args.prompt).ids
-    if not prompt:
-        raise ConfigError("--prompt is empty")
-    if len(prompt) >= model.shapes.positions:
+    positions = model_config["max_positional_length"]
+    if len(prompt) >= positions:
         raise ConfigError(
-            f"--prompt has {len(prompt)} tokens; the model sees at most "
-            f"{model.shapes.positions} positions"
+            f"--prompt has {len(prompt)} tokens; the model sees at most {positions} positions"
         )
+    model = build_model(model_config, weights, device)
     options = {
         "temperature": args.temperature,
         "top_k": args.top_k,

@@ -17,6 +17,7 @@ from execution.parallel.launch import setup_layout, teardown
 from execution.training.build import build
 from execution.training.entry import Job, run_entry_point
 from execution.training.loop import evaluate_only, train
+from execution.training.starting_weights import check_starting_weights
 
 
 def main(argv: list[str] | None = None, job: Job | None = None) -> None:
@@ -25,6 +26,7 @@ def main(argv: list[str] | None = None, job: Job | None = None) -> None:
     if config.planning.dry_run or config.planning.plan_for:
         plan_without_launching(config, preset)
         return
+    check_starting_weights(config)  # a mismatch is said before the set-up, not after it
     layout, launch = setup_layout(config)
     job.joined = layout.world.size > 1
     try:

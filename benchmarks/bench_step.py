@@ -57,8 +57,9 @@ from baselines import FSDP2_OFFLOAD, StepFn, fsdp2_offload, plain_loop_label, py
 from bench_profile import _synchronize, gpu_activity, profile_step
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 from child_process import run_child
+from command_line import check_output_file, exit_on_bad_input
 
-from config.loading import parse_config
+from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.engine import PhasedEngine
@@ -307,7 +308,7 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny", help="preset of config/pretraining.yml")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
@@ -327,6 +328,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     flags = ["--config", args.config, *extra]
     keys = args.rows or (COMPARE if args.compare else ("ours",))
     base, _ = parse_config(flags)
+    for key in keys:  # each row's own flags too, before any row runs
+        parse_config([*flags, *VARIANTS[key].flags])
+    for flag, path in (("--json", args.json), ("--progress", args.progress)):
+        if path:
+            check_output_file(flag, path)
 
     rows: list[dict] = []
     for key in keys:
@@ -377,4 +383,4 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main, "bench_step.py")

@@ -4,12 +4,14 @@
 the layout, the optimizer, checkpoints, wandb) and adds ``--task`` with the task's own flags.
 ``--input_files`` names the task's training file and ``--validation_files`` its evaluation
 files; without them the task's shipped samples are used. Unless ``--sequence_length`` is given,
-a task runs at its usual length (SQuAD 384, MNLI 128), capped by the model's positions.
+a task runs at its usual length (SQuAD 384, MNLI 128), capped by the model's positions, and
+unless ``--doc_stride`` is given, SQuAD's windows overlap by a third of that length (128 of 384,
+as BERT's and HuggingFace's run_qa; 42 of ``tiny``'s 128).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
@@ -34,6 +36,13 @@ SAMPLE_FILES = {
 }
 # The length each task is usually fine-tuned at (BERT's and HuggingFace's run_qa / run_glue).
 TASK_SEQUENCE_LENGTH = {SQUAD: 384, MNLI: 128}
+# Without --doc_stride, SQuAD's windows overlap by their length over this (384 / 3 = 128).
+DOC_STRIDE_DIVISOR = 3
+# The flags that shape SQuAD's windows and answers, which MNLI has no use for.
+SQUAD_ONLY_FLAGS = ("doc_stride", "n_best_size", "max_answer_length")
+# What a SQuAD window holds besides its context at the least: one question token, the
+# separator and the padding token at its end.
+LEAST_WINDOW_OVERHEAD = 3
 
 
 @dataclass
@@ -49,7 +58,10 @@ class FinetuningConfig:
     )
     doc_stride: int = field(
         default=128,
-        metadata=_doc("SQuAD: tokens each window of a long context shares with the previous one."),
+        metadata=_doc(
+            "SQuAD: tokens each window of a long context shares with the previous one; "
+            "default: a third of --sequence_length (128 at SQuAD's usual 384)."
+        ),
     )
     n_best_size: int = field(
         default=20, metadata=_doc("SQuAD: start and end candidates per window for an answer.")
@@ -93,25 +105,52 @@ def parse_finetuning_config(argv: Sequence[str] | None = None) -> tuple[Finetuni
         ConfigError: As :func:`config.loading.parse_config`, and for settings a fine-tuning run
             cannot use (one line each).
     """
-    config, preset = parse_config(argv, FinetuningRunConfig, _task_length)
+    given: set[str] = set()
+
+    def task_defaults(config: FinetuningRunConfig, flags: set[str]) -> None:
+        given.update(flags)
+        _task_defaults(config, flags)
+
+    config, preset = parse_config(argv, FinetuningRunConfig, task_defaults)
     assert isinstance(config, FinetuningRunConfig)
-    validate_finetuning(config)
+    validate_finetuning(config, given)
     return config, preset
 
 
-def _task_length(config: FinetuningRunConfig, given: set[str]) -> None:
-    """Without ``--sequence_length``, the task's usual length, capped by the positions."""
+def _task_defaults(config: FinetuningRunConfig, given: set[str]) -> None:
+    """Without ``--sequence_length``, the task's usual length, capped by the positions;
+    without ``--doc_stride``, a third of that length (module docstring)."""
+    m = config.model
     if "model.sequence_length" not in given:
-        m = config.model
         m.sequence_length = min(TASK_SEQUENCE_LENGTH[config.task], m.max_positional_length)
+    if "finetuning.doc_stride" not in given:
+        config.finetuning.doc_stride = max(1, m.sequence_length // DOC_STRIDE_DIVISOR)
 
 
-def validate_finetuning(config: FinetuningRunConfig) -> None:
-    """What a fine-tuning run cannot use, each as one line naming the flag."""
+def validate_finetuning(config: FinetuningRunConfig, given: Collection[str] = ()) -> None:
+    """What a fine-tuning run cannot use, each as one line naming the flag; ``given`` holds
+    the dotted paths of the flags on the command line (a flag the task ignores is refused)."""
     f, ex, d = config.finetuning, config.execution, config.data
-    for name in ("doc_stride", "n_best_size", "max_answer_length"):
+    for name in SQUAD_ONLY_FLAGS:
         if getattr(f, name) < 1:
             raise ConfigError(f"--{name} must be at least 1, got {getattr(f, name)}")
+    if config.task != SQUAD:
+        unused = [f"--{name}" for name in SQUAD_ONLY_FLAGS if f"finetuning.{name}" in given]
+        if unused:
+            applies, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
+            raise ConfigError(
+                f"{' and '.join(unused)} only {applies} to --task squad (its windows and "
+                f"answers), not to --task {config.task}; leave {them} out"
+            )
+    length = config.model.sequence_length
+    if config.task == SQUAD and f.doc_stride > length - LEAST_WINDOW_OVERHEAD - 1:
+        raise ConfigError(
+            f"--doc_stride {f.doc_stride} does not fit a SQuAD window of --sequence_length "
+            f"{length}: besides its question, a separator and a padding token, a window needs "
+            f"more context than the overlap (--doc_stride at most "
+            f"{length - LEAST_WINDOW_OVERHEAD - 1}, less for longer questions); lower "
+            "--doc_stride or raise --sequence_length"
+        )
     if ex.context_parallel > 1:
         raise ConfigError(
             f"--context_parallel {ex.context_parallel}: fine-tuning heads read whole sequences "

@@ -19,7 +19,15 @@ from config.schema import PretrainingConfig, leaf_fields
 from config.strict_yaml import load_strict
 from config.validation import validate
 
-__all__ = ["ConfigError", "config_to_dict", "load_presets", "one_line", "parse_config", "validate"]
+__all__ = [
+    "ConfigError",
+    "OneLineParser",
+    "config_to_dict",
+    "load_presets",
+    "one_line",
+    "parse_config",
+    "validate",
+]
 
 PRESETS_FILE = Path(__file__).with_name("pretraining.yml")
 DEFAULT_PRESET = "tiny"
@@ -161,7 +169,7 @@ def _parse_bool(value: Any) -> bool:
     raise ValueError
 
 
-class _OneLineParser(argparse.ArgumentParser):
+class OneLineParser(argparse.ArgumentParser):
     """argparse that raises instead of printing usage, so errors stay one line."""
 
     def error(self, message: str) -> NoReturn:
@@ -172,7 +180,7 @@ def build_parser(
     presets: Sequence[str], root: type[PretrainingConfig] = PretrainingConfig
 ) -> argparse.ArgumentParser:
     """The command line: ``--config``, ``--config_file`` and one flag per leaf of ``root``."""
-    parser = _OneLineParser(
+    parser = OneLineParser(
         prog=root.PROGRAM,
         description=root.DESCRIPTION,
         allow_abbrev=False,
@@ -219,7 +227,7 @@ def parse_config(
     Raises:
         ConfigError: Unknown flag or preset, malformed value or inconsistent sizes.
     """
-    pre = _OneLineParser(add_help=False, allow_abbrev=False)
+    pre = OneLineParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config", default=DEFAULT_PRESET)
     pre.add_argument("--config_file", default=str(PRESETS_FILE))
     known, _ = pre.parse_known_args(argv)
@@ -237,9 +245,10 @@ def parse_config(
             continue
         owner, f = leaves[path]
         setattr(owner, f.name, _coerce(value, f, f"--{f.name}"))
+    given = set(args) - {"config", "config_file"}
     if adjust is not None:
-        adjust(config, set(args))
-    validate(config)
+        adjust(config, given)
+    validate(config, given)
     return config, known.config
 
 

@@ -4,6 +4,7 @@ the flags involved (:class:`~config.errors.ConfigError`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from pathlib import Path
 
 from config.errors import ConfigError
@@ -13,11 +14,31 @@ from config.schema import PretrainingConfig
 MOST_DEVICES = 1 << 20
 
 
-def validate(config: PretrainingConfig) -> None:
-    """Checks that the sizes fit together; raises ConfigError naming the flags involved."""
+def validate(config: PretrainingConfig, given: Collection[str] = ()) -> None:
+    """Checks that the sizes fit together; raises ConfigError naming the flags involved.
+
+    Args:
+        config: The whole tree, defaults, preset and flags applied.
+        given: The dotted paths of the flags on the command line (``rigl.rigl_every``): a flag
+            that would do nothing with the others given is refused rather than ignored.
+    """
+    _validate_counts(config)
+    _validate_rates(config)
+    _validate_machine(config)
+    _validate_planning(config)
+    _validate_data(config)
+    _validate_checkpoint(config)
+    _validate_model(config)
+    _validate_layout(config)
+    _validate_pipeline(config)
+    _validate_rigl(config, given)
+    _validate_context_parallel(config)
+
+
+def _validate_counts(config: PretrainingConfig) -> None:
+    """Sizes and counts at least 1, amounts at least 0."""
     m, t, o, d = config.model, config.training, config.training.optimizer, config.data
     ex = config.execution
-
     positive = {
         "layers": m.layers,
         "hidden_size": m.hidden_size,
@@ -63,6 +84,11 @@ def validate(config: PretrainingConfig) -> None:
     for name, value in non_negative.items():
         if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
             raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
+
+
+def _validate_rates(config: PretrainingConfig) -> None:
+    """Rates, fractions and seeds in their ranges; sizes that fit in int32."""
+    m, t, o, d = config.model, config.training, config.training.optimizer, config.data
     for name, value in {"learning_rate": o.learning_rate, "eps": o.eps}.items():
         if not (value > 0 and math.isfinite(value)):
             raise ConfigError(f"--{name} must be a finite number > 0, got {value}")
@@ -101,6 +127,10 @@ def validate(config: PretrainingConfig) -> None:
         if value >= 2**31:
             raise ConfigError(f"--{name} {value} is too large (the limit is 2^31 - 1)")
 
+
+def _validate_machine(config: PretrainingConfig) -> None:
+    """Device figures within what any machine has."""
+    ex = config.execution
     # Sizes and rates no machine has would make the plan search run without end or the time
     # model divide by next to nothing: a typo, said so in one line.
     bounded = {
@@ -120,6 +150,10 @@ def validate(config: PretrainingConfig) -> None:
                 f"{_number(most)}); "
                 "check the number, or leave it out for the device spec's"
             )
+
+
+def _validate_planning(config: PretrainingConfig) -> None:
+    """--dry_run and --plan_for, and the device spec they read."""
     if config.planning.compute_efficiency > 1:
         raise ConfigError(
             f"--compute_efficiency is a fraction of the peak, at most 1, got "
@@ -137,11 +171,19 @@ def validate(config: PretrainingConfig) -> None:
             mode = "--dry_run" if config.planning.dry_run else "--plan_for"
             reason = f"{mode} plans without training"
             raise ConfigError(f"{reason}, so {' and '.join(used)} would do nothing; leave them out")
+
+
+def _validate_data(config: PretrainingConfig) -> None:
+    """Evaluation data: one source, and a schedule that reads it."""
+    d = config.data
     if d.validation_files and d.validation_fraction:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
     if d.validation_files and not d.eval_every and not config.EVALUATES_AT_END:
         raise ConfigError("--validation_files is only used with --eval_every N (N > 0)")
 
+
+def _validate_checkpoint(config: PretrainingConfig) -> None:
+    """What --load, --hf_model, --save and --eval_only need of each other."""
     c = config.checkpoint
     if c.load and c.hf_model:
         raise ConfigError("give either --load (a checkpoint) or --hf_model (HuggingFace weights)")
@@ -154,6 +196,10 @@ def validate(config: PretrainingConfig) -> None:
     if c.eval_only and c.save:
         raise ConfigError("--eval_only trains nothing, so there is nothing to --save")
 
+
+def _validate_model(config: PretrainingConfig) -> None:
+    """Heads of one width, and positions for every token."""
+    m = config.model
     if m.hidden_size % m.heads:
         raise ConfigError(
             f"--hidden_size {m.hidden_size} is not divisible by --heads {m.heads}; "
@@ -164,6 +210,11 @@ def validate(config: PretrainingConfig) -> None:
             f"--sequence_length {m.sequence_length} exceeds --max_positional_length "
             f"{m.max_positional_length}; the position embedding has no rows for later tokens"
         )
+
+
+def _validate_layout(config: PretrainingConfig) -> None:
+    """Batches that split over the replicas and passes, shapes over the tensor axes."""
+    m, t, ex = config.model, config.training, config.execution
     per_step = ex.micro_batch_size * ex.data_parallel
     if t.global_batch_size % per_step:
         raise ConfigError(
@@ -187,8 +238,11 @@ def validate(config: PretrainingConfig) -> None:
             f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
             f"{ex.tensor_parallel_2}"
         )
-    _validate_pipeline(config)
-    _validate_rigl(config)
+
+
+def _validate_context_parallel(config: PretrainingConfig) -> None:
+    """A sequence and its heads split evenly over the context axis."""
+    m, ex = config.model, config.execution
     cp = ex.context_parallel
     if m.sequence_length % cp:
         raise ConfigError(
@@ -246,8 +300,9 @@ def _validate_pipeline(config: PretrainingConfig) -> None:
         )
 
 
-def _validate_rigl(config: PretrainingConfig) -> None:
-    """One line for a sparsity or RigL schedule that cannot train."""
+def _validate_rigl(config: PretrainingConfig, given: Collection[str]) -> None:
+    """One line for a sparsity or RigL schedule that cannot train, or that a dense run would
+    ignore."""
     r = config.rigl
     if not (0.0 <= r.sparsity < 1.0):
         raise ConfigError(
@@ -266,6 +321,51 @@ def _validate_rigl(config: PretrainingConfig) -> None:
             f"--rigl_end_fraction must be in (0, 1], got {r.rigl_end_fraction}; "
             "the default 0.75 stops changing the connectivity after 3/4 of the steps"
         )
+    if not r.enabled:
+        unused = [f"--{name}" for name in SPARSE_ONLY_FLAGS if f"rigl.{name}" in given]
+        if unused:
+            applies, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
+            raise ConfigError(
+                f"{' and '.join(unused)} only {applies} to sparse training, and --sparsity is 0 "
+                f"(dense); add --sparsity S (e.g. 0.9) or leave {them} out"
+            )
+        return
+    _validate_kept_weights(config)
+
+
+# The RigL flags that a dense run (--sparsity 0) has no use for.
+SPARSE_ONLY_FLAGS = (
+    "sparsity_distribution",
+    "rigl_every",
+    "rigl_drop_fraction",
+    "rigl_end_fraction",
+)
+
+
+def _validate_kept_weights(config: PretrainingConfig) -> None:
+    """Every sparse matrix keeps at least one weight: a matrix rounded to none would train as
+    a constant zero, and RigL could never grow it back (it replaces as many as it keeps)."""
+    from modelling.gpt import GPTShapes  # torch: only for a sparse run
+    from modelling.sparsity import active_counts, highest_sparsity_keeping_every_matrix
+
+    r = config.rigl
+    shapes = GPTShapes.from_config(config.model)
+    counts = active_counts(shapes, r.sparsity, r.sparsity_distribution)
+    empty = [name for name, count in counts.items() if count < 1]
+    if empty:
+        which = "every sparse matrix" if len(empty) == len(counts) else ", ".join(empty)
+        highest = highest_sparsity_keeping_every_matrix(shapes, r.sparsity_distribution)
+        raise ConfigError(
+            f"--sparsity {r.sparsity} leaves {which} without a single weight "
+            f"({r.sparsity_distribution} densities at --hidden_size {config.model.hidden_size}); "
+            f"the highest that keeps one in every matrix is {_floored(highest)}: lower --sparsity"
+        )
+
+
+def _floored(fraction: float) -> str:
+    """``fraction`` (< 1) rounded down, with two digits past its first one below 1."""
+    digits = max(2, math.ceil(-math.log10(1.0 - fraction)) + 2)
+    return f"{math.floor(fraction * 10**digits) / 10**digits:.{digits}f}"
 
 
 def _number(value: float) -> str:

@@ -139,13 +139,19 @@ class TaskDataLoader:
             DataError: the state belongs to other rows, another seed or batch size.
         """
         mine = self.state_dict()
-        for key in ("format", "seed", "global_batch_size", "rows_digest"):
+        for key in ("format", "seed", "global_batch_size"):
             if state.get(key) != mine[key]:
                 raise DataError(
                     f"cannot resume the fine-tuning data: the checkpoint has {key} "
                     f"{state.get(key)}, this run has {mine[key]}; use the same task files, "
                     "sequence length, seed and global_batch_size"
                 )
+        if state.get("rows_digest") != mine["rows_digest"]:  # two fingerprints tell no one why
+            raise DataError(
+                "cannot resume the fine-tuning data: this run's rows are not the ones the "
+                "checkpoint was trained on (other task files or contents, --sequence_length or "
+                "--doc_stride); use the saved run's files and flags"
+            )
         self.step = int(state["step"])
 
 

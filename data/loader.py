@@ -212,19 +212,19 @@ class PretrainingDataLoader:
                 f"data loader state has format {state.get('format')}, expected {STATE_FORMAT}"
             )
         mine = self.state_dict()
-        for key in (
-            "seed",
-            "global_batch_size",
-            "sequence_length",
-            "samples_per_epoch",
-            "data_digest",
-        ):
+        for key in ("seed", "global_batch_size", "sequence_length", "samples_per_epoch"):
             if state.get(key) != mine[key]:
                 raise DataError(
                     f"cannot resume the data loader: the checkpoint has {key} {state.get(key)}, this "
                     f"run has {mine[key]}; resuming would change the batches (use the same data "
                     f"files, seed, global_batch_size and sequence_length)"
                 )
+        if state.get("data_digest") != mine["data_digest"]:  # two fingerprints tell no one why
+            raise DataError(
+                "cannot resume the data loader: this run's data files are not the ones the "
+                "checkpoint was trained on (other file names or record counts); resuming would "
+                "change the batches: give the saved run's --input_files"
+            )
         self.step = int(state["step"])
         self._skipped_before = int(state["skipped_records"]) - self._windows.skipped_records
 

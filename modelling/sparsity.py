@@ -56,6 +56,20 @@ def active_counts(shapes: GPTShapes, sparsity: float, distribution: str) -> dict
     }
 
 
+def highest_sparsity_keeping_every_matrix(shapes: GPTShapes, distribution: str) -> float:
+    """The highest sparsity (to float precision) at which :func:`active_counts` keeps at least
+    one weight of every sparse matrix; a higher one leaves some matrix without any."""
+    keeps, empties = 0.0, 1.0
+    while True:
+        middle = (keeps + empties) / 2
+        if middle in (keeps, empties):
+            return keeps
+        if min(active_counts(shapes, middle, distribution).values()) >= 1:
+            keeps = middle
+        else:
+            empties = middle
+
+
 def update_end(total_steps: int, end_fraction: float) -> int:
     """The step from which the connectivity no longer changes."""
     return math.floor(end_fraction * total_steps)

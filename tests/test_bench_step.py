@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_step  # noqa: E402
 
+from tests.entry_points import run_script  # noqa: E402
+
 SMALL = shlex.split(
     "--hidden_size 32 --sequence_length 32 --max_positional_length 32 "
     "--global_batch_size 4 --micro_batch_size 2 --device cpu"
@@ -126,6 +128,24 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2():
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "needs a CUDA GPU" in lines[0] and "--device cpu" in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--layers 0", "--layers must be at least 1, got 0"),
+        ("--nonsense 1", "unrecognized arguments: --nonsense 1"),
+        ("--steps 0", "--steps must be >= 1"),
+        ("--json {tmp}/missing/rows.json", "--json {tmp}/missing/rows.json: its folder"),
+    ],
+)
+def test_bad_flags_are_one_line_and_exit_2_before_any_row_runs(tmp_path, flags, message):
+    command = shlex.split(flags.format(tmp=tmp_path))
+    result = run_script("benchmarks/bench_step.py", *command, "--adamw_elements", "0")
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith(f"bench_step.py: error: {message.format(tmp=tmp_path)}")
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_profile_step_records_only_the_step_after_the_profiler_warm_up():

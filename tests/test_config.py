@@ -9,6 +9,9 @@ import torch
 
 from config.loading import ConfigError, config_to_dict, load_presets, parse_config
 from execution.parallel.launch import check_world_size, read_launch_environment, select_device
+from modelling.gpt import GPTShapes
+from modelling.sparsity import active_counts
+from tests.entry_points import run_script
 
 PRESETS = sorted(load_presets())
 
@@ -287,3 +290,40 @@ def test_device_selection_without_enough_gpus():
 def test_recompute_other_than_full_with_context_parallel_is_one_line():
     with pytest.raises(ConfigError, match="--recompute none with --context_parallel 2"):
         parse_config(["--config", "tiny", "--context_parallel", "2", "--recompute", "none"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # A dense run has no connectivity to update: the schedule would be ignored.
+        ("--rigl_every 20", "--rigl_every only applies to sparse training, and --sparsity is 0"),
+        (
+            "--sparsity 0 --sparsity_distribution uniform --rigl_end_fraction 0.5",
+            "--sparsity_distribution and --rigl_end_fraction only apply to sparse training",
+        ),
+        # Every matrix of tiny's layers would keep round(density x size) = 0 weights.
+        (
+            "--sparsity 0.999999",
+            "--sparsity 0.999999 leaves every sparse matrix without a single weight (erk "
+            "densities at --hidden_size 128); the highest that keeps one in every matrix is "
+            "0.9999796",
+        ),
+        ("--sparsity 0.99999 --sparsity_distribution uniform", "attn.out.weight without a single"),
+    ],
+)
+def test_rigl_flags_a_run_would_ignore_or_that_empty_a_matrix_exit_2(flags, message):
+    result = run_script("run_pretraining.py", "--config", "tiny", *shlex.split(flags))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("run_pretraining.py: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+@pytest.mark.parametrize("distribution", ["erk", "uniform"])
+def test_the_highest_sparsity_named_keeps_a_weight_in_every_matrix(distribution):
+    flags = ["--config", "tiny", "--sparsity_distribution", distribution, "--sparsity"]
+    with pytest.raises(ConfigError) as err:
+        parse_config([*flags, "0.9999999"])
+    highest = str(err.value).split("the highest that keeps one in every matrix is ")[1]
+    config, _ = parse_config([*flags, highest.split(":")[0]])
+    shapes = GPTShapes.from_config(config.model)
+    assert min(active_counts(shapes, config.rigl.sparsity, distribution).values()) == 1

@@ -162,8 +162,9 @@ def test_resume_refuses_other_data_seed_or_batch(numbered, tmp_path):
     with pytest.raises(DataError, match="checkpoint has seed 5, this run has 6"):
         loader(numbered, seed=6).load_state_dict(state)
     other = write_numbered_shards(tmp_path, [30], RECORD_LENGTH)
-    with pytest.raises(DataError, match="data_digest"):
+    with pytest.raises(DataError, match="data files are not the ones the checkpoint") as err:
         loader([str(other[0])]).load_state_dict(state)
+    assert state["data_digest"] not in str(err.value)
 
 
 def test_records_split_into_windows_for_shorter_sequences(tmp_path):

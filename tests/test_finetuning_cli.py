@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 
 import run_finetuning
-from config.loading import ConfigError
+from config.finetuning import parse_finetuning_config
+from config.loading import ConfigError, load_presets
 from data.errors import DataError
 from tests.entry_points import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = shlex.split(
     "--config tiny --layers 1 --hidden_size 32 --heads 2 --global_batch_size 4 "
-    "--micro_batch_size 2 --steps 1 --device cpu --doc_stride 32"
+    "--micro_batch_size 2 --steps 1 --device cpu"
 )
 
 
@@ -52,3 +53,44 @@ def test_bad_task_files_fail_before_training(tmp_path):
     mnli = [*SMALL, *out, "--task", "mnli", "--input_files", str(labels)]
     _fails(mnli, DataError, "label 'unsure' is not one of")
     _fails([*SMALL, *out, "--context_parallel", "2"], ConfigError, "--context_parallel 2")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # MNLI has no windows or answer spans: the flags would be ignored.
+        ("--task mnli --doc_stride 32", "--doc_stride only applies to --task squad"),
+        (
+            "--task mnli --n_best_size 5 --max_answer_length 9",
+            "--n_best_size and --max_answer_length only apply to --task squad",
+        ),
+        # A window of 128 tokens cannot overlap the next by 128 and still move on.
+        ("--task squad --doc_stride 128", "--doc_stride 128 does not fit a SQuAD window of"),
+    ],
+)
+def test_squad_flags_that_mnli_ignores_or_no_window_fits_exit_2(flags, message):
+    result = run_script("run_finetuning.py", "--config", "tiny", *shlex.split(flags))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("run_finetuning.py: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1, result.stderr
+
+
+def test_squad_runs_on_every_preset_with_the_default_doc_stride():
+    """The overlap is a third of the window unless given: 128 of SQuAD's usual 384, 42 of
+    tiny's 128 (a fixed 128 left no room for context there); the sample's windows build."""
+    from data.finetuning_data import read_task_file
+    from data.tokenizer import TokenizerSpec, load_tokenizer
+
+    strides = {}
+    for preset in load_presets():
+        config, _ = parse_finetuning_config(["--config", preset, "--task", "squad"])
+        strides[config.model.sequence_length] = config.finetuning.doc_stride
+    assert strides == {128: 42, 384: 128}
+    config, _ = parse_finetuning_config(["--config", "tiny", "--task", "squad"])
+    tokenizer = load_tokenizer(TokenizerSpec())[0]
+    for path in (*config.training_files, *config.evaluation_files):
+        read_task_file("squad", path, tokenizer, 128, config.finetuning.doc_stride)
+    given, _ = parse_finetuning_config(
+        ["--config", "tiny", "--task", "squad", "--doc_stride", "32"]
+    )
+    assert given.finetuning.doc_stride == 32

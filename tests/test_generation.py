@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shlex
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -16,6 +17,7 @@ from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from modelling.generation import KVCache, forward_logits, generate, sample_next
 from tests.distributed import CPU, planned_engine
+from tests.entry_points import run_script
 from tests.reference import reference_model, relative_error, small_config
 
 
@@ -85,3 +87,22 @@ def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     prompt = torch.tensor([tokenizer.encode("Hello world").ids])
     ids = [int(t[0]) for t in generate(model, prompt, 6, use_cache=False)]
     assert out.startswith("Hello world" + tokenizer.decode(ids) + "\n[6 tokens in ")
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        # nan and inf made every probability nan: torch.multinomial raised.
+        (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+        # Bytes that are not UTF-8 reach sys.argv as lone surrogates, as here for 0xff.
+        (["--prompt", "ab\udcff"], "--prompt is not valid UTF-8 (byte 0xff at character 3)"),
+        (["--seed", str(2**64)], "--seed must be in [0, 2^64)"),
+    ],
+)
+def test_bad_sampling_flags_and_prompts_exit_2_before_loading(tmp_path, flags, message):
+    missing = tmp_path / "no_checkpoint"  # never read: the flags are checked first
+    result = run_script("run_generation.py", "--load", str(missing), "--prompt", "Hi", *flags)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("run_generation.py: error: ") and message in result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

@@ -1,0 +1,97 @@
+"""Whether ``--load`` or ``--hf_model`` fits the run, checked from their small files (the
+checkpoint's ``trainer.json`` and tensor index, the HuggingFace ``config.json``) before the
+run reads its data, plans its memory or draws its initial weights.
+
+The loaders check shapes once the engine exists, and building it draws every initial weight:
+7 to 10 s at the ``gpt3_125M`` and ``test`` sizes on two idle CPU cores, growing with the model
+and the machine's load. The loaders keep their checks; these find the same mismatches first,
+and name the flag to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from config.schema import PretrainingConfig
+from execution.checkpoint.files import (
+    SAVED_STATES,
+    CheckpointError,
+    check_shapes,
+    read_trainer_state,
+    resolve,
+)
+from execution.training.finetuning import saved_task
+from modelling.gpt import GPTShapes
+from modelling.hf_interchange import HFWeights
+from modelling.task_heads import SQUAD
+
+# The model flags that give the tensors their shapes.
+SHAPE_FLAGS = ("layers", "hidden_size", "vocab_size", "max_positional_length")
+# What a resumed fine-tuning run's rows are cut by, besides the task files: another value
+# gives other rows, which its data position does not point into. Where each flag's value
+# comes from when it is not given (config/finetuning.py).
+ROW_FLAGS = {
+    ("model", "sequence_length"): "the task's usual length, capped by --max_positional_length",
+    ("finetuning", "doc_stride"): "a third of --sequence_length",
+}
+
+
+def check_starting_weights(config: PretrainingConfig) -> None:
+    """Raises a one-line ConfigError when ``--load`` or ``--hf_model`` cannot start the run
+    ``config`` describes (a pretraining or a fine-tuning run)."""
+    c = config.checkpoint
+    if c.load:
+        _check_checkpoint(config, c.load)
+    elif c.hf_model and Path(c.hf_model).is_dir():  # not a folder: said by the run's assembly
+        HFWeights(c.hf_model).check_shape(GPTShapes.of_run(config))
+
+
+def _check_checkpoint(config: PretrainingConfig, path: str) -> None:
+    folder = resolve(path)
+    trainer = read_trainer_state(folder)
+    saved: dict[str, Any] = trainer.get("config", {})
+    task = saved_task(trainer)
+    if task and not config.task:
+        raise CheckpointError(
+            f"--load {path} is a checkpoint of a fine-tuning run (--task {task}): its {task} "
+            "head replaced the language model's, so pretraining cannot go on from it; continue "
+            f"it with run_finetuning.py --task {task} --load {path}, or give a pretraining "
+            "checkpoint"
+        )
+    if task and task != config.task:
+        return  # another task's: refused by the fine-tuning run before its set-up
+    _check_flags(path, saved.get("model", {}), config)
+    resumes = bool(task) or not config.task  # else a fine-tuning run takes pretrained weights
+    if task and not config.checkpoint.eval_only:
+        _check_rows(path, saved, config)
+    shapes = GPTShapes.of_run(config)
+    if not resumes:
+        shapes = dataclasses.replace(shapes, task="")
+    check_shapes(folder, shapes, SAVED_STATES if resumes else ("weights",))
+
+
+def _check_flags(path: str, saved_model: dict[str, Any], config: PretrainingConfig) -> None:
+    for name in SHAPE_FLAGS:
+        theirs, ours = saved_model.get(name), getattr(config.model, name)
+        if theirs is not None and theirs != ours:
+            raise CheckpointError(
+                f"--load {path} was saved by a model of --{name} {theirs}, this run has --{name} "
+                f"{ours}: pass --{name} {theirs} (a checkpoint's tensors have the sizes of the "
+                "model that saved them)"
+            )
+
+
+def _check_rows(path: str, saved: dict[str, Any], config: PretrainingConfig) -> None:
+    for (section, name), default in ROW_FLAGS.items():
+        if name == "doc_stride" and config.task != SQUAD:
+            continue
+        theirs = saved.get(section, {}).get(name)
+        ours = getattr(getattr(config, section), name)
+        if theirs is not None and theirs != ours:
+            raise CheckpointError(
+                f"--load {path} resumes a run whose rows were cut with --{name} {theirs}; this "
+                f"run has --{name} {ours} (unless given: {default}), which cuts other rows: "
+                f"pass --{name} {theirs}"
+            )
