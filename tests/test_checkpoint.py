@@ -91,7 +91,13 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     for step in (4, 5, 6):  # float32 on CPU, dropout on, the data order from the loader state
         assert got[step] == expected[step], (step, got[step], expected[step])
     # The resumed run removed the killed write and committed its own step 6.
-    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "run.json", "step_3", "step_6"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "latest",
+        "run.json",
+        "run.lock",
+        "step_3",
+        "step_6",
+    ]
 
     # --eval_only on the saved step 6 reproduces the resumed run's evaluation after step 6.
     evaluate = ["--load", str(ckpt), "--output_dir", str(eval_dir)]
@@ -135,7 +141,8 @@ def saved(tmp_path_factory):
 
 def test_resume_in_process_matches_and_restores_state(saved):
     folder, config, engine, _ = saved
-    assert sorted(p.name for p in folder.iterdir()) == ["latest", "run.json", "step_1", "step_2"]
+    names = ["latest", "run.json", "run.lock", "step_1", "step_2"]
+    assert sorted(p.name for p in folder.iterdir()) == names
     resumed = _engine(with_execution(config, placement="resident"))
     trainer = load_checkpoint(folder, resumed)
     assert trainer["step"] == 2 and trainer["loader"] == {"step": 2}
@@ -150,13 +157,36 @@ def test_resume_in_process_matches_and_restores_state(saved):
     )
 
 
-def test_keep_checkpoints_prunes_the_oldest(tmp_path):
+def test_keep_checkpoints_prunes_the_oldest_and_after_a_rollback_the_abandoned_first(tmp_path):
     config = small_config("--layers", "1")
-    checkpointer = Checkpointer(tmp_path, _engine(config), config, keep=2, log=lambda _: None)
+    engine = _engine(config)
+    checkpointer = Checkpointer(tmp_path, engine, config, keep=2, log=lambda _: None)
     for step in (1, 2, 3):
         checkpointer.save(step, None)
     checkpointer.close()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "run.json", "step_2", "step_3"]
+
+    def steps() -> list[str]:
+        return sorted(p.name for p in tmp_path.glob("step_*"))
+
+    assert steps() == ["step_2", "step_3"] and (tmp_path / "run.json").is_file()
+    # The run resumed from step_2 and saves step 3 again, then 4 (step 5 of an abandoned
+    # attempt lies there too): the checkpoints of its history are kept before abandoned ones.
+    (tmp_path / "step_5").mkdir()
+    quiet, run_id = (lambda _: None), checkpointer.run_id
+    again = Checkpointer(tmp_path, engine, config, keep=2, log=quiet, run_id=run_id)
+    for step in (3, 4):
+        again.save(step, None)
+    again.close()
+    assert steps() == ["step_3", "step_4"]
+
+
+def test_load_of_a_step_folder_is_that_checkpoint_whatever_lies_in_it(saved, tmp_path):
+    """A `latest` written into a checkpoint (by another run given it as its folder) is not
+    followed: the checkpoint is the folder itself."""
+    folder = _copy(saved[0] / "step_2", tmp_path)
+    (folder / "latest").write_text("step_1\n")
+    (folder / "step_1").mkdir()
+    assert resolve(folder) == folder
 
 
 def _copy(folder: Path, tmp_path: Path) -> Path:

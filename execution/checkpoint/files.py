@@ -18,7 +18,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +90,9 @@ def resolve(path: str | Path) -> Path:
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint {path} does not exist")
-    if (path / LATEST_FILE).is_file():
+    # A checkpoint is itself, whatever else is in its folder: a `latest` there is a stray
+    # file (it would make the manifest check refuse it), never a pointer to follow.
+    if (path / LATEST_FILE).is_file() and not (path / MANIFEST_FILE).is_file():
         name = (path / LATEST_FILE).read_text().strip()
         path = path / name
         if not path.is_dir():
@@ -102,6 +104,29 @@ def resolve(path: str | Path) -> Path:
             f"{path} holds no checkpoint (no {MANIFEST_FILE}, and no {LATEST_FILE} file naming one)"
         )
     return path
+
+
+def newest_intact(path: str | Path, problem: Callable[[Path], str | None]) -> str:
+    """Where to go on from when the checkpoint ``--load path`` means is damaged or missing:
+    "; the newest intact checkpoint is step_N: --load DIR/step_N", or "" if there is none.
+
+    Only checkpoints before the damaged one count (a later one belongs to steps a run resumed
+    from an earlier checkpoint abandoned); ``problem`` checks one (collective if the load is).
+    """
+    path = Path(path)
+    if _STEP_DIR.match(path.name) or (path / MANIFEST_FILE).is_file():
+        save, damaged = path.parent, path.name
+    else:
+        try:
+            save, damaged = path, (path / LATEST_FILE).read_text().strip()
+        except OSError:
+            save, damaged = path, ""
+    named = _STEP_DIR.match(damaged)
+    before = int(named.group(1)) if named else None
+    for step, folder in reversed(step_folders(save)):
+        if (before is None or step < before) and problem(folder) is None:
+            return f"; the newest intact checkpoint is {folder.name}: --load {folder}"
+    return ""
 
 
 def verify(path: Path, rank: int = 0, world_size: int = 1) -> str | None:

@@ -24,6 +24,7 @@ from execution.checkpoint.files import (
     CheckpointError,
     check_shapes,
     dcp_load,
+    newest_intact,
     read_trainer_state,
     resolve,
     single_process_quiet,
@@ -95,14 +96,24 @@ def _verified(path: str | Path, layout) -> Path:
         problem = verify(folder, layout.world.rank, layout.world.size)
     except CheckpointError as err:
         folder, problem = None, str(err)
+    problem = _agreed(problem, layout)
+    if problem:
+        # Every rank checks the same earlier checkpoints, each its share of their files.
+        def other_problem(other: Path) -> str | None:
+            return _agreed(verify(other, layout.world.rank, layout.world.size), layout)
+
+        raise CheckpointError(problem + newest_intact(path, other_problem))
+    assert folder is not None
+    return folder
+
+
+def _agreed(problem: str | None, layout) -> str | None:
+    """The first rank's problem, on every rank (collective when there are several)."""
     if layout.world.size > 1:
         problems: list[str | None] = [None] * layout.world.size
         dist.all_gather_object(problems, problem, group=layout.world.group)
         problem = next((p for p in problems if p), None)
-    if problem:
-        raise CheckpointError(problem)
-    assert folder is not None
-    return folder
+    return problem
 
 
 def _read_held_chunks(
@@ -208,10 +219,13 @@ def read_weights(path: str | Path) -> tuple[dict[str, Any], SavedWeights]:
     Returns:
         (the saved run's ``model`` config section as a dict, the weights by name).
     """
-    folder = resolve(path)
-    problem = verify(folder)
+    try:
+        folder = resolve(path)
+        problem = verify(folder)
+    except CheckpointError as err:
+        problem = str(err)
     if problem:
-        raise CheckpointError(problem)
+        raise CheckpointError(problem + newest_intact(path, verify))
     trainer = read_trainer_state(folder)
     return trainer["config"]["model"], SavedWeights(folder)
 

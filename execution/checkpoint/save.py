@@ -52,7 +52,13 @@ from execution.checkpoint.files import (
     step_folders,
     write_atomic,
 )
-from execution.checkpoint.ownership import check_save_folder, claim, new_run_id
+from execution.checkpoint.ownership import (
+    SAVE_FLAG,
+    check_run_folder,
+    claim_folder,
+    new_run_id,
+    record_owner,
+)
 from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.masks import SPARSE_KIND, SPARSE_PART
 
@@ -105,11 +111,14 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo") if distributed else None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: concurrent.futures.Future | None = None
-        if self.layout.is_main:
-            check_save_folder(self.directory, self.run_id)
+        self._claim = None
+        if self.layout.is_main:  # the folder is this process's while it saves (ownership)
+            check_run_folder(self.directory, self.run_id, SAVE_FLAG)
+            self._claim = claim_folder(self.directory, self.run_id, SAVE_FLAG)
             try:
-                claim(self.directory, self.run_id)
+                record_owner(self.directory, self.run_id)
             except OSError as err:
+                self._claim.release(undo=True)
                 raise ConfigError(
                     f"cannot create --save {self.directory}: {err.strerror}"
                 ) from None
@@ -293,7 +302,7 @@ class Checkpointer:
             tmp.rename(final)
         write_atomic(self.directory / LATEST_FILE, final.name + "\n")
         fsync(self.directory)
-        self._prune(final)
+        self._prune(trainer["step"])
         seconds = time.perf_counter() - started
         gb = sum(size for size, _ in manifest.values()) / 1e9
         self.log(
@@ -302,12 +311,19 @@ class Checkpointer:
             f"{self.held_seconds:.2f} s for the copy off the device)"
         )
 
-    def _prune(self, newest: Path) -> None:
+    def _prune(self, saved: int) -> None:
+        """Keeps the newest ``keep`` checkpoints of the run's history, ``saved`` the newest.
+
+        Checkpoints of later steps are from steps the run abandoned when it resumed from an
+        earlier checkpoint: they count as older than any of the history, so the checkpoint it
+        resumed from is kept before them."""
         if not self.keep:
             return
-        for _, folder in step_folders(self.directory)[: -self.keep]:
-            if folder != newest:
-                shutil.rmtree(folder, ignore_errors=True)
+        folders = step_folders(self.directory)
+        abandoned = [folder for step, folder in folders if step > saved]
+        history = [folder for step, folder in folders if step <= saved]
+        for folder in [*abandoned, *history][: -self.keep]:
+            shutil.rmtree(folder, ignore_errors=True)
 
     def wait(self) -> None:
         """Blocks until the save in flight (if any) is committed; re-raises its error."""
@@ -327,3 +343,5 @@ class Checkpointer:
             self.wait()
         finally:
             self._executor.shutdown()
+            if self._claim is not None:
+                self._claim.release()

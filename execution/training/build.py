@@ -9,9 +9,11 @@ steps through. What differs between pretraining and fine-tuning (the data, the e
 
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,15 +27,20 @@ from data.loader import (
     training_loader,
     validation_source,
 )
-from execution.checkpoint.files import read_trainer_state
+from execution.checkpoint.files import read_trainer_state, write_atomic
 from execution.checkpoint.files import resolve as resolve_checkpoint
 from execution.checkpoint.load import load_checkpoint, load_hf_weights
 from execution.checkpoint.ownership import (
-    check_output_folder,
-    check_save_folder,
+    METRICS_FILE,
+    OUTPUT_FLAG,
+    SAVE_FLAG,
+    FolderClaim,
+    check_run_folder,
     checkpoint_run_id,
-    claim,
+    claim_folder,
+    claim_new_folder,
     new_run_id,
+    record_owner,
 )
 from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine
@@ -42,6 +49,7 @@ from execution.engine.plan import engine_plan
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
+from execution.training.checkpoint_flags import check_checkpoint_flags, check_resumed_sparsity
 from utils.tracking import NullTracker, Tracker, run_trackers
 
 # Evaluates the current weights after a number of steps: the metrics to log. Collective.
@@ -61,6 +69,7 @@ class Run:
         tracker: Where metrics go (a no-op on every rank but the main one).
         checkpointer: Saves with ``--save``; None otherwise.
         start_step: Steps already done (by the checkpoint resumed from).
+        claims: The run's folders, held by this process until :meth:`close` (main rank).
     """
 
     config: PretrainingConfig
@@ -70,14 +79,19 @@ class Run:
     tracker: Tracker
     checkpointer: Checkpointer | None
     start_step: int
+    claims: list[FolderClaim] = field(default_factory=list)
 
     def close(self) -> None:
-        """Waits for the last checkpoint and closes the trackers."""
+        """Waits for the last checkpoint, closes the trackers and lets the folders go."""
         try:
             self.tracker.close()
         finally:
-            if self.checkpointer is not None:
-                self.checkpointer.close()
+            try:
+                if self.checkpointer is not None:
+                    self.checkpointer.close()
+            finally:
+                for claim in self.claims:
+                    claim.release()
 
 
 @dataclass
@@ -144,42 +158,58 @@ def assemble(
     inputs: RunInputs,
 ) -> Run:
     """Builds this rank's run from a kind of run's inputs (:func:`build`'s arguments)."""
-    output_dir = Path(
-        config.logging.output_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}"
-    )
+    check_checkpoint_flags(config)
     c = config.checkpoint
     run_id = new_run_id()
+    continues = False  # the run resumes --load's run: its id, folders and metrics go on
     if c.load:  # a missing checkpoint is reported before minutes of set-up, not after
         folder = resolve_checkpoint(c.load)
         trainer = read_trainer_state(folder)
-        if inputs.continues(trainer):
-            run_id = checkpoint_run_id(folder, trainer)  # the run it resumes
+        # An evaluation is a run of its own: it never writes into the evaluated run's folders.
+        continues = inputs.continues(trainer) and not c.eval_only
+        if continues:
+            run_id = checkpoint_run_id(folder, trainer)
+            check_resumed_sparsity(config, trainer, folder)
     elif c.hf_model and not Path(c.hf_model).is_dir():
         raise ConfigError(f"--hf_model {c.hf_model} is not a folder (a local HuggingFace GPT-2)")
+    default_output = Path(f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{preset}")
+    output_dir = Path(config.logging.output_dir) if config.logging.output_dir else default_output
+    save = Path(c.save) if c.save and not c.eval_only else None
+    claims: list[FolderClaim] = []
     if layout.is_main:  # another run's files are never written over (ownership module)
-        check_output_folder(output_dir, run_id)
-        if c.save and not c.eval_only:
-            check_save_folder(Path(c.save), run_id)
-    # Planned before any output: a run that cannot fit says so and leaves nothing behind.
-    plan, budget = plan_for_process(config, layout)
-    if layout.is_main:
-        print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
-    engine = PhasedEngine(engine_plan(config, plan), layout)
-    start_step, restored = inputs.restore(engine, inputs.loader)
+        check_run_folder(output_dir, run_id, OUTPUT_FLAG)
+        if save is not None:
+            check_run_folder(save, run_id, SAVE_FLAG)
+        output_dir, claims = _claim_folders(config, output_dir, save, run_id)
     checkpointer = None
-    if c.save and not c.eval_only:  # before any output: a bad --save must not leave a run behind
-        checkpointer = Checkpointer(
-            c.save,
-            engine,
-            config,
-            c.keep_checkpoints,
-            commit_delay=c.checkpoint_commit_delay,
-            run_id=run_id,
-        )
-    tracker: Tracker = NullTracker()
+    try:
+        # Before any output: a run that cannot fit says so, and the claims' folders go.
+        plan, budget = plan_for_process(config, layout)
+        if layout.is_main:
+            print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
+        engine = PhasedEngine(engine_plan(config, plan), layout)
+        start_step, restored = inputs.restore(engine, inputs.loader)
+        if save is not None:
+            checkpointer = Checkpointer(
+                save,
+                engine,
+                config,
+                c.keep_checkpoints,
+                commit_delay=c.checkpoint_commit_delay,
+                run_id=run_id,
+            )
+        tracker: Tracker = NullTracker()
+        if layout.is_main:
+            total_steps = max(config.training.steps, start_step)
+            resumed_at = start_step if continues else None
+            tracker = _main_tracker(config, output_dir, total_steps, run_id, resumed_at)
+    except BaseException:
+        if checkpointer is not None:
+            checkpointer.close()
+        for claim in claims:  # what the claims made goes: a refused run leaves nothing
+            claim.release(undo=True)
+        raise
     if layout.is_main:
-        total_steps = max(config.training.steps, start_step)
-        tracker = _main_tracker(config, output_dir, total_steps, run_id)
         buffers = sum(engine.buffer_bytes().values()) / 2**30
         print(
             f"preset {preset}: {config.model.layers} layers x {config.model.hidden_size} hidden, "
@@ -199,7 +229,27 @@ def assemble(
         tracker=tracker,
         checkpointer=checkpointer,
         start_step=start_step,
+        claims=claims,
     )
+
+
+def _claim_folders(
+    config: PretrainingConfig, output_dir: Path, save: Path | None, run_id: str
+) -> tuple[Path, list[FolderClaim]]:
+    """This process's claims of the run's folders (the main rank's): the output folder (a new
+    one under runs/ unless given) and the ``--save`` folder, if any."""
+    if config.logging.output_dir:
+        claims = [claim_folder(output_dir, run_id, OUTPUT_FLAG)]
+    else:
+        output_dir, claim = claim_new_folder(output_dir, run_id)
+        claims = [claim]
+    if save is not None:
+        try:
+            claims.append(claim_folder(save, run_id, SAVE_FLAG))
+        except BaseException:
+            claims[0].release(undo=True)
+            raise
+    return output_dir, claims
 
 
 def _restore(
@@ -251,14 +301,47 @@ def _pipeline_line(config: PretrainingConfig, passes: int) -> str:
 
 
 def _main_tracker(
-    config: PretrainingConfig, output_dir: Path, total_steps: int, run_id: str
+    config: PretrainingConfig,
+    output_dir: Path,
+    total_steps: int,
+    run_id: str,
+    resumed_at: int | None,
 ) -> Tracker:
     """The output folder with the run's ``config.yml``, and the trackers that write into it
-    (a resumed run appends to its own ``metrics.jsonl``)."""
+    (a resumed run appends to its own ``metrics.jsonl``, after the step it resumed from)."""
     run_config = config_to_dict(config)
     try:
-        claim(output_dir, run_id)
+        record_owner(output_dir, run_id)
         (output_dir / "config.yml").write_text(yaml.safe_dump(run_config))
+        if resumed_at is not None:
+            _drop_metrics_after(output_dir / METRICS_FILE, resumed_at)
     except OSError as err:
         raise ConfigError(f"cannot write to --output_dir {output_dir}: {err.strerror}") from None
     return run_trackers(config.logging, output_dir, total_steps, run_config)
+
+
+def _drop_metrics_after(metrics: Path, step: int) -> None:
+    """Drops the lines of steps after ``step`` from a resumed run's ``metrics.jsonl``.
+
+    The run trains those steps again (an earlier attempt logged them before it stopped, or
+    before the run rolled back to an earlier checkpoint), so each step keeps one line: the one
+    of the history the checkpoints hold. A line cut short by a killed run goes too.
+    """
+    if not metrics.is_file():
+        return
+    lines = metrics.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if _logged_step(line) <= step]
+    if len(kept) != len(lines):
+        write_atomic(metrics, "".join(kept))
+
+
+def _logged_step(line: str) -> float:
+    """The step a metrics line was logged at: 0 for a line that names none (kept), infinity
+    for a last line cut short (dropped)."""
+    if not line.endswith("\n"):
+        return math.inf
+    try:
+        step = json.loads(line)["step"]
+    except (ValueError, KeyError, TypeError):
+        return 0
+    return step if isinstance(step, int | float) else 0

@@ -12,7 +12,7 @@ back into file order. Then:
 - MNLI: label logits -> ``accuracy`` in percent. ``eval.json`` maps each file's name to its
   scores, ``predictions.json`` each file's name to ``{pairID: label}``.
 
-Scores carry the number of examples and the step they were taken at. Only the main rank
+Scores carry the number of examples, the step they were taken at and the file scored. Only the main rank
 writes.
 """
 
@@ -78,10 +78,11 @@ def evaluate_task(
     metrics: dict[str, float] = {}
     scores: dict[str, dict] = {}
     predictions: dict[str, dict] = {}
-    for task_set in sets:
+    for task_set, path in zip(sets, config.evaluation_files, strict=True):
         outputs = task_outputs(engine, task_set.rows, config.execution.micro_batch_size)
         file_scores, predictions[task_set.name] = score_task(task, task_set, outputs, config)
-        scores[task_set.name] = {**file_scores, "examples": len(task_set.examples), "step": step}
+        counts = {"examples": len(task_set.examples), "step": step}
+        scores[task_set.name] = {**file_scores, **counts, "file": path}
         metrics.update({f"{task_set.name}/{k}": v for k, v in file_scores.items()})
     if engine.layout.is_main and output_dir is not None:
         write_results(task, output_dir, scores, predictions)
