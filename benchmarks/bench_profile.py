@@ -97,8 +97,8 @@ def profile_step(step_fn: Callable[[int], float], step: int, device: torch.devic
             # Only the recorded step's events are wanted, which the profiler warns about.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
             step_fn(step)
+            _synchronize(device)  # the warm-up step's kernels stay out of the recorded one
             prof.step()
-            _synchronize(device)
             started = time.perf_counter()
             step_fn(step + 1)
             _synchronize(device)
@@ -106,4 +106,7 @@ def profile_step(step_fn: Callable[[int], float], step: int, device: torch.devic
             prof.step()
         with open(path) as trace:
             events = json.load(trace)["traceEvents"]
-    return gpu_activity(events, wall)
+    activity = gpu_activity(events, wall)
+    if on_cuda and not any(e.get("cat") == "kernel" for e in events):
+        activity["gpu_idle"] = None  # no kernel recorded: the profiler missed them, not idle
+    return activity

@@ -250,6 +250,8 @@ def measure_row(key: str, flags: list[str], run_args: argparse.Namespace) -> dic
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        if torch.distributed.is_initialized():  # FSDP2's group of one: not left to exit
+            torch.distributed.destroy_process_group()
 
 
 def run_row(
@@ -279,7 +281,7 @@ def run_row(
         done = run_child(
             command, timeout, {"PYTORCH_CUDA_ALLOC_CONF": ROW_ALLOCATOR, **(env or {})}
         )
-        if done.returncode == 0 and out.exists():
+        if out.exists():  # written once the row ended: whatever its exit (teardown) did
             return json.loads(out.read_text())[0]
         print(done.output, file=sys.stderr)  # the whole story, for the log
         last = done.last_line()

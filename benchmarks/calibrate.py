@@ -40,7 +40,7 @@ data sheet), and memory and host_link are host memory.
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -64,7 +65,10 @@ from calibrate_runtime import (
     measure_waited_collectives,
     median_seconds,
 )
+from command_line import check_output_file, exit_on_bad_input
 
+from config.loading import OneLineParser
+from execution.engine.recompute import SDPA_BACKENDS, attention_kernel
 from execution.parallel.launch import select_device
 from execution.planning.device_specs import SPECS, spec_file_dict
 from execution.planning.memory import _host_memory_available
@@ -214,16 +218,19 @@ def measure_host_memory(device: torch.device, sizes: Sizes) -> dict:
 
 
 def measure_attention(device: torch.device, sizes: Sizes) -> dict:
-    """Causal SDPA forward and backward: FLOPs as the step meter counts them (torch's
-    formula, halved for the causal kernel) over the time."""
+    """Causal SDPA forward and backward, on the kernel a run of this device and dtype is
+    pinned to (on Hopper torch would otherwise prefer cuDNN's): FLOPs as the step meter
+    counts them (torch's formula, halved for the causal kernel) over the time."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     b, h, s, d = sizes.attention
     q, k, v = (
         torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in "qkv"
     )
+    backend = SDPA_BACKENDS.get(attention_kernel(device.type, 0.0, dtype))
 
     def step() -> None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out.sum(), (q, k, v))
 
     seconds = median_seconds(step, device, sizes.repeats)
@@ -372,7 +379,7 @@ def summary(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda")
     parser.add_argument("--output", required=True, help="device spec file to write (JSON)")
     base_help = "data-sheet entry whose fields the measurements do not cover (network, storage)"
@@ -384,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--threads", type=int, default=0, help=threads_help)
     args = parser.parse_args(argv)
+    check_output_file("--output", args.output)  # written after minutes of measuring
     if args.threads < 0:
         parser.error("--threads must be 0 (torch's default) or more")
     if args.threads:
@@ -401,4 +409,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main, "calibrate.py")

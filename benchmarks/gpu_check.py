@@ -54,6 +54,8 @@ from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_sc
 from execution.planning.planner import plan_for_process
 
 NO_GPU_EXIT = 2  # asked to check a GPU where there is none: a usage error
+# A check left a sticky CUDA error: its result is recorded, the checks after it did not run.
+CUDA_POISONED_EXIT = 3
 BF16_LOSS_TOLERANCE = 2e-2  # absolute, on losses near ln(50257) = 10.8 (bf16 has 8 bits)
 FP32_LOSS_TOLERANCE = 1e-4
 
@@ -156,10 +158,10 @@ def check_bf16_host_weights(device: torch.device, steps: int) -> tuple[bool, str
 
 def check_gpu_matches_cpu(device: torch.device, steps: int) -> tuple[bool, str]:
     """float32 remote placement: the GPU's losses are the CPU's."""
-    gpu_config = small_config("--device", "cuda")
+    gpu_config = small_config("--device", "cuda", "--placement", "remote")
     batches = batches_for(gpu_config, steps)
     gpu = losses(gpu_config, ParallelLayout.single(device), batches)
-    cpu_config = small_config("--device", "cpu")
+    cpu_config = small_config("--device", "cpu", "--placement", "remote")
     cpu = losses(cpu_config, ParallelLayout.single(torch.device("cpu")), batches)
     return compare(gpu, cpu, FP32_LOSS_TOLERANCE)
 
@@ -250,7 +252,7 @@ def _run_checks(
 ) -> list[dict]:
     results = []
     for name in names:
-        started = time.perf_counter()
+        started, poisoned = time.perf_counter(), False
         if device.type != "cuda" and name in CUDA_ONLY:
             ok, detail = None, "skipped: needs CUDA"
         else:
@@ -259,6 +261,7 @@ def _run_checks(
             except Exception as err:
                 traceback.print_exc()
                 ok, detail = False, f"{type(err).__name__}: {err}"
+                poisoned = device.type == "cuda" and _sticky_cuda_error(err)
         seconds = time.perf_counter() - started
         verdict = {True: "PASS", False: "FAIL", None: "SKIP"}[ok]
         print(f"{verdict}  {name:<32} {detail} ({seconds:.0f} s)", flush=True)
@@ -267,7 +270,22 @@ def _run_checks(
         if record is not None:
             with open(record, "a") as lines:
                 lines.write(json.dumps(result) + "\n")
+        if poisoned and record is not None:
+            # Every later CUDA call of this process would fail the same way: end it, and let
+            # the caller run the remaining checks in a fresh one.
+            sys.stdout.flush()
+            os._exit(CUDA_POISONED_EXIT)
     return results
+
+
+def _sticky_cuda_error(err: Exception) -> bool:
+    """A CUDA error that leaves the process's context unusable (an illegal access, a launch
+    failure), as opposed to a wrong number or an out-of-memory error it can go on after."""
+    sticky = getattr(torch, "AcceleratorError", ())  # torch >= 2.9 raises these as such
+    text = str(err)
+    return (sticky and isinstance(err, sticky)) or (
+        "CUDA error" in text and "out of memory" not in text
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

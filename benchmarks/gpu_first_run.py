@@ -35,6 +35,7 @@ import re
 import shlex
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -202,6 +203,8 @@ def run_checks(stage: Stage, report: Report, timeout: float, quick: bool) -> dic
         names = [n for n in gpu_check.CHECKS if n not in {c["check"] for c in report.checks}]
         if done.returncode in (0, 1) or not names:
             break
+        if done.returncode == gpu_check.CUDA_POISONED_EXIT:
+            continue  # the failed check is recorded; the rest run in a fresh process
         why = "timed out" if done.timed_out else f"its process ended with {done.returncode}"
         crashes.append(
             {
@@ -326,18 +329,20 @@ def main(argv: list[str] | None = None) -> int:
             if stage.kind == "probe":
                 timeout = stage.limit_s
             started = time.perf_counter()
-            outcome = run_stage(stage, report, timeout, args.quick)
+            try:
+                outcome = run_stage(stage, report, timeout, args.quick)
+            except Exception as err:  # reading a stage's output: the stages after it still run
+                outcome = {"ok": False, "error": f"{type(err).__name__}: {err}"}
+                outcome["traceback"] = traceback.format_exc()
             outcome["seconds"] = time.perf_counter() - started
         if stage.kind == "probe":
-            if not outcome.get("ok"):
-                print(
-                    f"gpu_first_run: the {args.device} device cannot be used: "
-                    f"{outcome.get('error', outcome.get('skipped'))}",
-                    file=sys.stderr,
-                )
-                return 2
             report.path = results_path(args, report.probe)
         report.stages[stage.name] = outcome
+        if stage.kind == "probe" and not outcome.get("ok"):
+            report.write()  # what the probe printed is the one thing to read
+            why = outcome.get("error", outcome.get("skipped"))
+            print(f"gpu_first_run: the {args.device} device cannot be used: {why}", file=sys.stderr)
+            return 2
         print(
             f"== {stage.name}: {_outcome_line(outcome)} (elapsed {report.elapsed():.0f} s "
             f"of {args.budget_s:.0f} s)",

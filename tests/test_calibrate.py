@@ -27,6 +27,7 @@ from execution.parallel.mesh import ParallelLayout  # noqa: E402
 from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec  # noqa: E402
 from execution.planning.dry_run import estimate, measure_rank  # noqa: E402
 from execution.planning.planner import planned_engine  # noqa: E402
+from tests.entry_points import run_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,21 @@ def quick_calibration(quick_first_run):
     --device cpu --quick``, one thread like this process: tests/conftest.py), and its file."""
     _, _, spec_file = quick_first_run
     return json.loads(spec_file.read_text()), spec_file
+
+
+@pytest.mark.parametrize(
+    ("output", "words"),
+    [("missing/spec.json", "its folder {tmp}/missing does not exist"), (".", "is a folder")],
+)
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, output, words):
+    """The file is written after minutes of measuring: its path is checked first."""
+    result = run_script(
+        "benchmarks/calibrate.py", "--device", "cpu", "--quick", "--output", str(tmp_path / output)
+    )
+    assert result.returncode == 2 and result.stdout == ""  # no measurement ran
+    assert result.stderr.startswith(f"calibrate.py: error: --output {tmp_path / output}")
+    assert words.format(tmp=tmp_path) in result.stderr and result.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's

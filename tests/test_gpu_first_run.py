@@ -164,3 +164,19 @@ def test_a_missing_results_folder_is_refused_before_any_work(tmp_path):
     result = run_script("benchmarks/gpu_first_run.py", "--json", str(missing), timeout=60)
     assert result.returncode == 2 and "its folder does not exist" in result.stderr
     assert not missing.parent.exists()
+
+
+def test_without_a_gpu_the_probe_says_so_in_one_line_and_leaves_its_output(tmp_path):
+    """--device cuda on a machine without one: the probe's process fails (the parent never
+    touches CUDA), the run stops with exit 2, and the results file keeps what it printed."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    out = tmp_path / "first.json"
+    result = run_script("benchmarks/gpu_first_run.py", "--json", str(out), timeout=120)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "the cuda device cannot be used" in lines[0]
+    probe = json.loads(out.read_text())["stages"]["probe"]
+    assert probe["ok"] is False and probe["output_tail"]

@@ -167,11 +167,32 @@ def test_registered_memory_locks_exactly_its_pages_and_unlocks_them_after_the_la
     assert not _mapped(address)
 
 
-def test_a_failed_registration_says_how_much_and_why():
-    memory = RegisteredHostMemory(cudart=FakeCudart(error=2), synchronize=lambda d: None)
-    with pytest.raises(RuntimeError, match=r"cudaHostRegister of 4,096 bytes .*: error 2"):
-        memory.empty((1024,), torch.float32)
-    assert memory.empty((0, 7), torch.float32).shape == (0, 7)  # nothing to pin
+def test_a_failed_registration_says_so_once_and_falls_back_to_torchs_pinned_memory(
+    monkeypatch, capsys
+):
+    """A host that refuses to register pages (a sandboxed VM, a locked-memory limit): one note
+    line naming the bytes and the error, then every buffer from torch's pinned allocator (here
+    a stand-in: this machine has no CUDA to pin with), zeroed where asked, never unregistered."""
+    cudart = FakeCudart(error=2)
+    cudart.cudaGetLastError = lambda: cudart.calls.append(("clear",))
+    memory = RegisteredHostMemory(cudart=cudart, synchronize=lambda d: None)
+    pinned = []
+    empty = torch.empty
+
+    def pinned_empty(shape, dtype, pin_memory=False):
+        pinned.append((tuple(shape), pin_memory))
+        return empty(shape, dtype=dtype).fill_(7)  # torch's blocks come back used
+
+    monkeypatch.setattr(torch, "empty", pinned_empty)
+    first = memory.empty((1024,), torch.float32)
+    second = memory.zeros((3, 5), torch.bfloat16)
+    assert pinned == [((1024,), True), ((3, 5), True)]
+    assert torch.equal(second, torch.zeros(3, 5, dtype=torch.bfloat16)) and first.shape == (1024,)
+    assert [c[0] for c in cudart.calls] == ["register", "clear"]  # registered once, not again
+    note = capsys.readouterr().err.strip().splitlines()
+    assert len(note) == 1 and "cudaHostRegister of 4,096 bytes" in note[0] and "error 2" in note[0]
+    gc.collect()
+    assert all(c[0] != "unregister" for c in cudart.calls)
 
 
 def test_host_buffers_are_pinned_on_a_gpu_only():

@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import math
 import mmap
+import sys
 from collections.abc import Callable
 
 import torch
@@ -51,6 +52,10 @@ class HostMemory:
         return self.empty(shape, dtype).zero_()
 
 
+class RegistrationError(RuntimeError):
+    """``cudaHostRegister`` refused the pages."""
+
+
 class RegisteredHostMemory(HostMemory):
     """Page-locked host memory of exactly the bytes asked for (see the module docstring).
 
@@ -76,6 +81,7 @@ class RegisteredHostMemory(HostMemory):
         self.device = device
         self._cudart = cudart
         self._synchronize = synchronize or torch.cuda.synchronize
+        self.registration_failed = False
 
     @property
     def cudart(self):
@@ -87,13 +93,30 @@ class RegisteredHostMemory(HostMemory):
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes == 0:  # nothing to copy from; mmap refuses an empty mapping
             return torch.empty(shape, dtype=dtype)
-        pages = _LockedPages.of(nbytes, self)
-        # frombuffer keeps ``pages`` alive for as long as the tensor's storage (and every view
-        # of it) lives, so its finaliser runs only when no tensor can reach the pages.
-        flat = torch.frombuffer(pages, dtype=torch.uint8)
-        return flat.view(dtype).view(shape)
+        if not self.registration_failed:
+            try:
+                pages = _LockedPages.of(nbytes, self)
+            except RegistrationError as err:
+                # A host (a sandboxed VM, a locked-memory limit) that refuses to register
+                # pages still pins through torch's own allocator, at its rounding: the run
+                # goes on, slower to plan against, and says so once.
+                self.registration_failed = True
+                print(
+                    f"note: {err}; host buffers fall back to pin_memory=True, which pins up "
+                    "to twice the bytes the plan counts",
+                    file=sys.stderr,
+                )
+            else:
+                # frombuffer keeps ``pages`` alive for as long as the tensor's storage (and
+                # every view of it) lives, so its finaliser runs only when no tensor can reach
+                # the pages.
+                flat = torch.frombuffer(pages, dtype=torch.uint8)
+                return flat.view(dtype).view(shape)
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
 
     def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.registration_failed:  # torch's pinned blocks are reused, not fresh
+            return self.empty(shape, dtype).zero_()
         # Fresh anonymous pages read as zeros: writing them again would only cost a pass over
         # the memory.
         return self.empty(shape, dtype)
@@ -119,7 +142,10 @@ class _LockedPages:
         address = ctypes.addressof(pages)
         error = owner.cudart.cudaHostRegister(address, nbytes, 0)
         if int(error) != 0:  # cudaSuccess (a pybind enum: equal only to itself, hence int)
-            raise RuntimeError(
+            with contextlib.suppress(Exception):
+                owner.cudart.cudaGetLastError()  # the refusal is handled: clear it
+            pages.owner = None  # nothing to unregister when the pages go
+            raise RegistrationError(
                 f"cudaHostRegister of {nbytes:,} bytes of host memory failed: "
                 f"{owner.cudart.cudaGetErrorString(error)}"
             )
@@ -129,8 +155,10 @@ class _LockedPages:
 
 def _unregister(pages) -> None:
     # At interpreter exit CUDA may be torn down first; the OS then frees the pages anyway.
-    with contextlib.suppress(Exception):
-        pages.owner.release(pages.address)
+    owner = getattr(pages, "owner", None)
+    if owner is not None:
+        with contextlib.suppress(Exception):
+            owner.release(pages.address)
 
 
 class RecordingHostMemory(HostMemory):
