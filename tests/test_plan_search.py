@@ -14,6 +14,7 @@ from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import measure_planned_step
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
+from execution.planning.micro_batch_limits import divisors_of
 from execution.planning.plan_search import _inner, layouts, search, tensor_parallel_floor
 from execution.planning.plan_table import print_layouts
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
@@ -193,3 +194,38 @@ def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win():
         return row["config"].execution, row["plan"], row["step_time_s"]
 
     assert [figures(r) for r in kept] == [figures(r) for r in every if r not in dropped]
+
+
+def test_divisors_come_in_pairs_up_to_the_square_root():
+    assert divisors_of(1) == [1]
+    assert divisors_of(97) == [1, 97]
+    assert divisors_of(12) == [1, 2, 3, 4, 6, 12]
+    assert divisors_of(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
+    assert len(divisors_of(720720)) == 240  # 2^4 3^2 5 7 11 13: 5 x 3 x 2 x 2 x 2 x 2
+
+
+def test_layouts_leave_out_steps_of_too_many_micro_batches():
+    """131,072 sequences on 2 devices, at most 16,384 micro-batches per replica: a replica of
+    dp 2 takes micro-batches of 4 and more, one of dp 1 (tensor, context or pipeline axis of
+    2) 8 and more, so no pipeline layout (micro-batches of 1 or 2) is left."""
+    config = small_config("--global_batch_size", "131072")
+    candidates = layouts(config, 2)
+    pairs = {(c.execution.data_parallel, c.execution.micro_batch_size) for c in candidates}
+    assert pairs == {(2, 4), (2, 8), (2, 16), (1, 8), (1, 16)}
+    assert all(c.execution.pipeline_parallel == 1 for c in candidates)
+
+
+def test_layouts_of_a_count_with_many_divisors_keep_to_what_the_model_divides():
+    """720720 devices (240 divisors: 240^4 combinations of the four axes before) and 16
+    sequences per device: the small model's 4 heads allow tensor_parallel_1 of 1, 2 or 4, and
+    with 8 devices a node the tensor and context axes stay within 8; a pipeline only beside
+    axes that fill a node, and 720720 = 2^4 x 45045 leaves it 2 of them."""
+    candidates = layouts(small_config("--global_batch_size", str(720720 * 16)), 720720)
+    assert candidates
+    for c in candidates:
+        ex = c.execution
+        inner = ex.tensor_parallel_1 * ex.tensor_parallel_2 * ex.context_parallel
+        assert ex.data_parallel * ex.pipeline_parallel * inner == 720720
+        assert ex.tensor_parallel_1 in (1, 2, 4) and inner in (1, 2, 4, 8)
+        assert ex.pipeline_parallel == 1 or (ex.pipeline_parallel == 2 and inner == 8)
+    assert {c.execution.pipeline_parallel for c in candidates} == {1, 2}

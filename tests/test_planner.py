@@ -11,6 +11,7 @@ from execution.engine.plan import GiB, Placement
 from execution.engine.recompute import attention_kernel
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget, RankShape, state_bytes
+from execution.planning.micro_batch_limits import check_micro_batches, pass_counts
 from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import (
     candidate_plans,
@@ -242,3 +243,47 @@ def test_the_planned_working_set_holds_however_many_micro_batches_share_a_pass(r
         peaks[passes] = meter.peak
     planned = measured_working_set(config, "cpu", recompute)
     assert max(peaks.values()) <= planned + 64, (planned, peaks)
+
+
+@pytest.mark.parametrize(
+    "micro_batches, passes",
+    [
+        (1, [1]),
+        (12, [1, 2, 3, 4, 6, 12]),  # every count divides 12
+        (7, [1, 2, 3, 4, 7]),  # 4 passes of 2, 2, 2 and 1; 5 or 6 passes hold 2 too
+        (13, [1, 2, 3, 4, 5, 7, 13]),
+        # Per pass 128, 64, 43, 32, 26, 22, 19, 16, 15, 13, 12, 11, 10, then 9 (15 passes),
+        # 8, 7 (19), 6 (22), 5 (26), 4, 3 (43: gpt3_1.3B's plan), 2 and 1.
+        (128, [*range(1, 14), 15, 16, 19, 22, 26, 32, 43, 64, 128]),
+    ],
+)
+def test_pass_counts_are_the_fewest_passes_of_each_pass_size(micro_batches, passes):
+    """The planner weighs, for each distinct number of micro-batches per pass, the fewest
+    passes that hold it: the divisors, and the counts whose last pass runs short. Hand lists."""
+    assert pass_counts(micro_batches) == passes
+
+
+def test_pass_counts_include_every_divisor():
+    """720720 has 240 divisors; the walk from count to count meets each of them."""
+    micro_batches = 720720
+    divisors = [n for n in range(1, micro_batches + 1) if micro_batches % n == 0]
+    assert len(divisors) == 240
+    assert set(divisors) <= set(pass_counts(micro_batches))
+
+
+def test_a_step_of_too_many_micro_batches_is_refused_in_one_line():
+    """tiny's micro-batches of 4 on one replica: 10^9 sequences are 250,000,000 micro-batches,
+    and 16,384 x 4 = 65,536 sequences the most the planner takes (65,540 is refused)."""
+    config = preset("tiny", "--global_batch_size", "1000000000")
+    with pytest.raises(ConfigError) as err:
+        candidate_plans(config, "cuda", measured=False)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "is 250,000,000 micro-batches per replica per step" in message
+    assert "the planner takes 1 to 16,384" in message
+    assert "use --global_batch_size at most 65,536" in message
+    # 129 int64 tokens per sequence: 10^9 x 129 x 8 bytes.
+    assert "1,032.0 GB here" in message
+    check_micro_batches(preset("tiny", "--global_batch_size", "65536"))
+    with pytest.raises(ConfigError, match="at most 65,536"):
+        check_micro_batches(preset("tiny", "--global_batch_size", "65540"))

@@ -16,26 +16,29 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.buffers import DTYPES, WEIGHT_STATES, flat_specs
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import EnginePlan, GiB, MemoryPlan, engine_plan
+from execution.engine.plan import EnginePlan, MemoryPlan, engine_plan
 from execution.engine.recompute import attention_kernel
 from execution.engine.schedule import Stage
 from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec, resolve_spec
-from execution.planning.dry_run_report import STATE_KEYS, format_report
+from execution.planning.dry_run_report import STATE_KEYS, fit_line, format_report
 from execution.planning.measure import Measurements, meta_step
-from execution.planning.memory import MemoryBudget, spec_budget
+from execution.planning.memory import spec_budget
 from execution.planning.planner import choose_or_least
 from execution.planning.time_model import (
     axis_traffic,
@@ -109,11 +112,14 @@ def measure_planned_step(
     spec: DeviceSpec,
     measurements: Measurements | None = None,
     whole_step: bool = False,
+    progress: Callable[[str], None] | None = None,
 ) -> RankMeasurement:
     """Set-up and one training step of this fake job's rank under ``config`` and ``plan``
-    (:func:`measure_step`; ``whole_step``: every micro-batch stepped, however many)."""
-    measure = measure_engine_step if whole_step else measure_step
-    return measure(engine_plan(config, plan), _mesh(config), spec, measurements)
+    (:func:`measure_step`; ``whole_step``: every micro-batch and layer stepped, however many;
+    ``progress``: told what is being measured)."""
+    if whole_step:
+        return measure_engine_step(engine_plan(config, plan), _mesh(config), spec, measurements)
+    return measure_step(engine_plan(config, plan), _mesh(config), spec, measurements, progress)
 
 
 def measure_step(
@@ -121,29 +127,49 @@ def measure_step(
     mesh: MeshShape,
     spec: DeviceSpec,
     measurements: Measurements | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RankMeasurement:
-    """The rank's step as :func:`measure_engine_step` measures it, from two or three steps of
-    its layers and stages with fewer passes and micro-batches when that is quicker (stepping
-    each of hundreds of micro-batches on meta tensors is what made a dry run take minutes).
+    """The rank's step as :func:`measure_engine_step` measures it, from a few steps of fewer
+    layers, passes and micro-batches when that is quicker (stepping each of hundreds of
+    micro-batches, or of thousands of layers, on meta tensors is what made a dry run take
+    minutes).
 
-    At fixed layers every count of a step (FLOPs, bytes of each collective and of the host
-    link, each kind of phase's costs) is c0 + c1 P + c2 M in its passes P and micro-batches M,
-    since a phase repeats per pass and its body per micro-batch; so is the working set, within
+    Every count of a step (FLOPs, bytes of each collective and of the host link, each kind of
+    phase's costs) is c0 + c1 P + c2 M in its passes P and micro-batches M, since a phase
+    repeats per pass and its body per micro-batch, and each of those terms is linear in the
+    stage's decoder layers L, which all have the same shapes. So is the working set, within
     one regime: one pass or several (the pass boundary overlaps two), one micro-batch per pass
     or several (what overlaps the next micro-batch is there from the second on; each further
-    one keeps its loss), and at least as many passes as pipeline stages (the schedule's warm-up
-    and cool-down). :func:`_step_probes` picks probes of the plan's regime, and the counts are
-    combined exactly; the buffers are the full plan's, built without a step.
+    one keeps its loss), at least as many passes as pipeline stages (the schedule's warm-up
+    and cool-down), and at least three layers (the middle one computes beside a layer ahead
+    and a layer behind; further layers repeat it). :func:`_step_probes` picks probes of the
+    plan's regime, :data:`LAYER_PROBES` layers each where the stage holds more, and the counts
+    are combined exactly; the buffers are the full plan's, built without a step.
+    ``progress``: told which probe is being measured.
     """
     probes, columns = _step_probes(plan, mesh.pp)
     if sum(m for _, m in probes) >= plan.gradient_accumulation:
+        probes, columns = [(plan.memory.passes, plan.gradient_accumulation)], lambda p, m: (1,)
+    stage = _layout(mesh).pp.rank
+    layers = plan.stage_layers[stage]
+    layer_probes = LAYER_PROBES if layers > LAYER_PROBES[-1] else (layers,)
+    if len(probes) == len(layer_probes) == 1:
         return measure_engine_step(plan, mesh, spec, measurements)
-    steps = [
-        measure_engine_step(plan.with_micro_batches(m, p), mesh, spec, measurements)
-        for p, m in probes
-    ]
-    basis = np.array([columns(p, m) for p, m in probes], dtype=np.float64)
-    full = np.array(columns(plan.memory.passes, plan.gradient_accumulation), dtype=np.float64)
+
+    def terms(n: int, p: int, m: int) -> np.ndarray:
+        per_layer = (1, n) if len(layer_probes) > 1 else (1,)
+        return np.outer(per_layer, columns(p, m)).ravel()
+
+    points = [(n, p, m) for n in layer_probes for p, m in probes]
+    steps = []
+    for index, (n, p, m) in enumerate(points):
+        if progress is not None:
+            step = f"step {index + 1} of {len(points)}"
+            progress(f"{step}: {n} layers, {m} micro-batches in {p} pass(es)")
+        probe = _with_stage_layers(plan.with_micro_batches(m, p), stage, n)
+        steps.append(measure_engine_step(probe, mesh, spec, measurements))
+    basis = np.array([terms(*point) for point in points], dtype=np.float64)
+    full = terms(layers, plan.memory.passes, plan.gradient_accumulation).astype(np.float64)
     weights = full @ np.linalg.inv(basis)
 
     def at_full(values) -> float:
@@ -166,6 +192,20 @@ def measure_step(
             for kind in first.phases
         },
     )
+
+
+# Decoder layers of the steps that stand for a stage of more: the working set's regime starts
+# at three (see measure_step), and two counts fix a line.
+LAYER_PROBES = (3, 4)
+
+
+def _with_stage_layers(plan: EnginePlan, stage: int, layers: int) -> EnginePlan:
+    """``plan`` with pipeline stage ``stage`` holding ``layers`` decoder layers (the other
+    stages, and where this one's layers start, as they were)."""
+    stage_layers = list(plan.stage_layers)
+    stage_layers[stage] = layers
+    model = dataclasses.replace(plan.model, layers=sum(stage_layers))
+    return dataclasses.replace(plan, model=model, stage_layers=tuple(stage_layers))
 
 
 def _step_probes(plan: EnginePlan, stages: int):
@@ -262,39 +302,21 @@ def measure_rank(
     rank: int,
     spec: DeviceSpec,
     measurements: Measurements | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> RankMeasurement:
-    """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits."""
+    """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits
+    (``progress``: told what is being done)."""
+    progress = progress or (lambda _: None)
     budget = spec_budget(config, spec)  # the rule a real run plans by
     stage = _mesh(config).coords(rank)["p"]
+    progress("planning")
     plan, planned_fit = choose_or_least(config, budget, stage, measurements)
     with fake_job(rank, config.world_size):
-        m = measure_planned_step(config, plan, spec, measurements)
+        m = measure_planned_step(config, plan, spec, measurements, progress=progress)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
     m.fits = planned_fit and budget.fits(m.plan)
-    m.why = _why(m.plan, budget, planned_fit)
+    m.why = fit_line(m.plan, budget, planned_fit)
     return m
-
-
-def _why(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
-    device_total, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
-    if planned_fit and budget.fits(plan):
-        return (
-            f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
-            f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host"
-        )
-    needs = (
-        f"does not fit: needs {device_total / GiB:,.2f} GiB device (of "
-        f"{budget.device / GiB:,.2f}) and {host / GiB:,.2f} GiB host (of "
-        f"{budget.host / GiB:,.2f})"
-    )
-    if planned_fit:  # the full step allocated more than the planner's one-layer measurement
-        return (
-            f"{needs}: the full step's working set exceeds the plan's; try --passes or more memory"
-        )
-    return (
-        f"{needs} even with its least-memory plan; add data or tensor parallelism (see "
-        "--plan_for) or use a larger device"
-    )
 
 
 def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:
@@ -314,23 +336,16 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     """Measures every kind of rank, prints the report and writes ``plan.json``."""
     spec = resolve_spec(config)
     entries, measurements = [], Measurements()
-    for ranks in rank_kinds(config, spec.devices_per_node):
-        m = measure_rank(config, ranks[0], spec, measurements)
-        device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
-        entries.append(
-            {
-                "ranks": ranks,
-                "host_bytes": {k: host[k] for k in STATE_KEYS if k in host},
-                "device_bytes": {k: device[k] for k in STATE_KEYS if k in device},
-                "comm_bytes": m.comm_bytes,
-                "flops_per_step": m.flops,
-                "checkpoint": checkpoint_figures(config, m.plan, spec, ranks[0]),
-                **estimate(config, m, spec),
-                "fits": m.fits,
-                "why": m.why,
-                "plan": _plan_dict(m.plan),
-            }
-        )
+    kinds = rank_kinds(config, spec.devices_per_node)
+    # On a terminal only (disable=None), and cleared when done: what stays is the report.
+    progress = tqdm(
+        total=len(kinds), desc="dry run", unit="kind", file=sys.stderr, disable=None, leave=False
+    )
+    with progress:
+        for ranks in kinds:
+            progress.set_description(f"dry run: rank {ranks[0]} (for {len(ranks)} ranks)")
+            entries.append(_entry(config, ranks, spec, measurements, progress.set_postfix_str))
+            progress.update()
     if config.execution.pipeline_parallel > 1:
         _pipeline_estimates(config, entries)
     report = {
@@ -345,6 +360,30 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     print(format_report(config, report))
     print(f"written: {output_dir / 'plan.json'}")
     return report
+
+
+def _entry(
+    config: PretrainingConfig,
+    ranks: list[int],
+    spec: DeviceSpec,
+    measurements: Measurements,
+    progress: Callable[[str], None],
+) -> dict:
+    """One kind of rank's figures in ``plan.json``, measured on its first rank."""
+    m = measure_rank(config, ranks[0], spec, measurements, progress)
+    device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
+    return {
+        "ranks": ranks,
+        "host_bytes": {k: host[k] for k in STATE_KEYS if k in host},
+        "device_bytes": {k: device[k] for k in STATE_KEYS if k in device},
+        "comm_bytes": m.comm_bytes,
+        "flops_per_step": m.flops,
+        "checkpoint": checkpoint_figures(config, m.plan, spec, ranks[0]),
+        **estimate(config, m, spec),
+        "fits": m.fits,
+        "why": m.why,
+        "plan": _plan_dict(m.plan),
+    }
 
 
 def _pipeline_estimates(config: PretrainingConfig, entries: list[dict]) -> None:

@@ -4,7 +4,8 @@ figures (:func:`execution.planning.dry_run.dry_run` measures them)."""
 from __future__ import annotations
 
 from config.schema import PretrainingConfig
-from execution.engine.plan import GiB
+from execution.engine.plan import GiB, MemoryPlan
+from execution.planning.memory import MemoryBudget
 
 # The states a report shows per kind of rank, in order.
 STATE_KEYS = (
@@ -65,6 +66,30 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
     verdict = "FITS" if report["fits"] else "DOES NOT FIT"
     lines.append(f"\nverdict: {verdict} on {report['world_size']} x {spec['name']}")
     return "\n".join(lines)
+
+
+def fit_line(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
+    """The report's last line of a kind of rank: whether its plan fits ``budget`` and, if not,
+    what to try (``planned_fit``: whether the planner found a plan that fits)."""
+    device_total, host = plan.bytes_on("device")["total"], plan.bytes_on("host")["total"]
+    if planned_fit and budget.fits(plan):
+        return (
+            f"fits: {device_total / GiB:,.1f} of {budget.device / GiB:,.1f} GiB device, "
+            f"{host / GiB:,.1f} of {budget.host / GiB:,.1f} GiB host"
+        )
+    needs = (
+        f"does not fit: needs {device_total / GiB:,.2f} GiB device (of "
+        f"{budget.device / GiB:,.2f}) and {host / GiB:,.2f} GiB host (of "
+        f"{budget.host / GiB:,.2f})"
+    )
+    if planned_fit:  # the full step allocated more than the planner's one-layer measurement
+        return (
+            f"{needs}: the full step's working set exceeds the plan's; try --passes or more memory"
+        )
+    return (
+        f"{needs} even with its least-memory plan; add data or tensor parallelism (see "
+        "--plan_for) or use a larger device"
+    )
 
 
 def _context(ex) -> str:

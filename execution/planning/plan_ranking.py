@@ -42,11 +42,13 @@ def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
     pass_gathers = _pass_gather_seconds(config, rank, spec)
     stages = config.execution.pipeline_parallel
 
-    def seconds(plan: MemoryPlan) -> float:
+    def seconds(plan: MemoryPlan, copies: dict[str, int] | None = None) -> float:
+        """``copies``: the plan's :func:`host_traffic_by_phase`, where already worked out."""
         recompute = recompute_flops(rank, plan.recompute, kernel)
         recompute *= rank.shapes.layers * rank.gradient_accumulation
-        copies = {"forward": 0, "backward": 0, "optimizer": 0}
-        if not plan.shared_memory:
+        if plan.shared_memory:
+            copies = {"forward": 0, "backward": 0, "optimizer": 0}
+        elif copies is None:
             kept = rank.kept(plan.recompute, kernel)
             entries = plan.micro_batches_per_pass
             copies = host_traffic_by_phase(rank, plan.placement, plan.passes, entries, kept)

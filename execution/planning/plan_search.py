@@ -58,6 +58,11 @@ from execution.planning.dry_run import (
 )
 from execution.planning.measure import Measurements
 from execution.planning.memory import spec_budget
+from execution.planning.micro_batch_limits import (
+    MOST_MICRO_BATCHES,
+    check_plan_for_batch,
+    divisors_of,
+)
 from execution.planning.planner import (
     fastest_fitting,
     plans_fitting_every_stage,
@@ -112,8 +117,10 @@ def extrapolated_step(
     return flops, totals, seconds, working_set, phases
 
 
-# The pipelines --plan_for weighs, and their micro-batch sizes: a pipeline's bubble shrinks
-# with more, smaller micro-batches, and each further size would take as long to plan again.
+# The micro-batch sizes --plan_for weighs for a layout without a pipeline.
+MICRO_BATCH_SIZES = (1, 2, 4, 8, 16)
+# The pipelines it weighs, and their micro-batch sizes: a pipeline's bubble shrinks with more,
+# smaller micro-batches, and each further size would take as long to plan again.
 PIPELINES = (2, 4, 8)
 PIPELINE_MICRO_BATCHES = (1, 2)
 
@@ -152,26 +159,35 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     axis that crosses nodes); tensor and context axes that span nodes only with
     ``--plan_across_nodes`` (their per-layer collectives would wait on the network, which is
     why Megatron keeps tensor parallelism inside a node); no context axis for a fine-tuning
-    task, whose head reads whole sequences."""
+    task, whose head reads whole sequences; no replica of more micro-batches a step than the
+    planner takes (:data:`MOST_MICRO_BATCHES`)."""
     m, t = config.model, config.training
     per_node = resolve_spec(config).devices_per_node
     out = []
-    divisors = [n for n in range(1, devices + 1) if devices % n == 0]
-    for tp1, tp2, cp, pp in itertools.product(divisors, repeat=4):
+    divisors = divisors_of(devices)
+    # Each axis's sizes that the model allows, so that the product stays small however many
+    # divisors ``devices`` has (720720 has 240).
+    axes = (
+        [n for n in divisors if m.heads % n == 0],
+        [n for n in divisors if m.hidden_size % n == 0],
+        [n for n in divisors if m.sequence_length % n == 0],
+        [n for n in divisors if n == 1 or n in PIPELINES],
+    )
+    for tp1, tp2, cp, pp in itertools.product(*axes):
         inner = tp1 * tp2 * cp
-        if devices % (inner * pp) or m.heads % tp1 or m.hidden_size % tp2:
+        if devices % (inner * pp):
             continue
         if inner > per_node and not config.planning.plan_across_nodes:
             continue
-        if m.sequence_length % cp or (m.heads // tp1) % cp or (cp > 1 and config.task):
+        if (m.heads // tp1) % cp or (cp > 1 and config.task):
             continue
-        if pp > 1 and (
-            pp not in PIPELINES or pp > m.layers or inner != min(per_node, devices // pp)
-        ):
+        if pp > 1 and (pp > m.layers or inner != min(per_node, devices // pp)):
             continue
         dp = devices // (inner * pp)
-        for micro in (1, 2, 4, 8, 16) if pp == 1 else PIPELINE_MICRO_BATCHES:
+        for micro in MICRO_BATCH_SIZES if pp == 1 else PIPELINE_MICRO_BATCHES:
             if t.global_batch_size % (micro * dp):
+                continue
+            if t.global_batch_size // (micro * dp) > MOST_MICRO_BATCHES:
                 continue
             execution = dataclasses.replace(
                 config.execution,
@@ -246,6 +262,7 @@ def search(
     this process measured in an earlier planning (forked workers each add to a copy)."""
     measurements = measurements or Measurements()
     spec = resolve_spec(config)
+    check_plan_for_batch(config, devices, max(MICRO_BATCH_SIZES))
     candidates = layouts(config, devices)
     within = [c for c in candidates if _inner(c) <= spec.devices_per_node]
     spanning = [c for c in candidates if _inner(c) > spec.devices_per_node]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from collections.abc import Callable
 
 from config.loading import ConfigError
@@ -35,11 +34,16 @@ from execution.planning.measure import Measurements, measured_working_set
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
-    host_traffic,
+    host_traffic_by_phase,
     measure_budget,
     micro_batches_per_pass,
     state_bytes,
     working_set_bytes,
+)
+from execution.planning.micro_batch_limits import (
+    MOST_MICRO_BATCHES,
+    check_micro_batches,
+    pass_counts,
 )
 from execution.planning.plan_ranking import step_timer
 
@@ -82,11 +86,10 @@ def candidate_plans(
             return None
         return measured_working_set(measure_as or config, device_type, mode, measurements)
 
+    check_micro_batches(config)
     layers = measurements.layers if measurements is not None else None
     rank = RankShape.from_config(config, stage, layer_memo=layers)
-    ga = rank.gradient_accumulation
-    # Each distinct number of micro-batches per pass, once.
-    passes = sorted({math.ceil(ga / micro_batches_per_pass(ga, p)) for p in range(1, ga + 1)})
+    passes = pass_counts(rank.gradient_accumulation)
     return _plans(config, device_type, rank, passes, working_set)
 
 
@@ -122,13 +125,21 @@ def _plans(
     if ex.context_parallel > 1:  # kept tensors are not planned around the all-to-all yet
         modes = ["full"]
     shared = device_type == "cpu"
-    plans = []
+
+    # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
+    def hosted(plan: MemoryPlan) -> int:
+        return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
+
+    seconds = step_timer(config, rank, kernel)
+    ranked = []
     for mode in modes:
         kept = rank.kept(mode, kernel)
-        mode_plans = []
+        mode_plans, mode_copies = [], []
         for where, passes in itertools.product(itertools.product(*places), pass_options):
             placement, entries = Placement(*where), micro_batches_per_pass(ga, passes)
-            traffic = 0 if shared else host_traffic(rank, placement, passes, entries, kept)
+            copies = None
+            if not shared:  # by phase once: the ranking weighs each phase's copies too
+                copies = host_traffic_by_phase(rank, placement, passes, entries, kept)
             state = state_bytes(rank, entries, placement, kept.entry, passes)
             mode_plans.append(
                 MemoryPlan(
@@ -137,30 +148,32 @@ def _plans(
                     placement=placement,
                     state_bytes=state,
                     working_set=0,
-                    traffic=traffic,
+                    traffic=sum(copies.values()) if copies else 0,
                     shared_memory=shared,
                     recompute=mode,
                     kept=kept.entry,
                 )
             )
+            mode_copies.append(copies)
         measured = working_set(mode, mode_plans)
-        for plan in mode_plans:
+        quick: dict[Placement, int] = {}  # the formula depends on the placement alone
+        for plan, copies in zip(mode_plans, mode_copies, strict=True):
             working = measured
             if working is None:
-                working = working_set_bytes(
-                    rank, plan.placement, kernel != "math", ex.prefetch, ex.overlap_communication
-                )
-            plans.append(dataclasses.replace(plan, working_set=working))
-
-    # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
-    def hosted(plan: MemoryPlan) -> int:
-        return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
-
-    seconds = step_timer(config, rank, kernel)
-    return sorted(
-        plans,
-        key=lambda p: (seconds(p), p.traffic, hosted(p), p.passes, MODES.index(p.recompute)),
-    )
+                if plan.placement not in quick:
+                    quick[plan.placement] = working_set_bytes(
+                        rank,
+                        plan.placement,
+                        kernel != "math",
+                        ex.prefetch,
+                        ex.overlap_communication,
+                    )
+                working = quick[plan.placement]
+            plan = dataclasses.replace(plan, working_set=working)
+            key = (seconds(plan, copies), plan.traffic, hosted(plan), plan.passes)
+            ranked.append((*key, MODES.index(mode), plan))
+    ranked.sort(key=lambda entry: entry[:-1])
+    return [entry[-1] for entry in ranked]
 
 
 def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan | None:
@@ -377,6 +390,7 @@ def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:
     per_step = ex.micro_batch_size * ex.data_parallel
     return (
         config.training.global_batch_size % per_step == 0
+        and config.training.global_batch_size // per_step <= MOST_MICRO_BATCHES
         and m.heads % ex.tensor_parallel_1 == 0
         and m.hidden_size % ex.tensor_parallel_2 == 0
         and m.sequence_length % ex.context_parallel == 0
