@@ -20,6 +20,7 @@ from execution.parallel.launch import setup_layout, teardown
 from execution.training.entry import Job, run_entry_point
 from execution.training.finetuning import build_finetuning, evaluate_only
 from execution.training.loop import train
+from execution.training.restart import resume_restarted_job
 from execution.training.starting_weights import check_starting_weights
 
 PROGRAM = "run_finetuning.py"
@@ -35,7 +36,8 @@ def main(argv: list[str] | None = None, job: Job | None = None) -> None:
     layout, launch = setup_layout(config)
     job.joined = layout.world.size > 1
     try:
-        run = build_finetuning(config, preset, layout, launch)
+        config, restart = resume_restarted_job(config, layout, launch)
+        run = build_finetuning(config, preset, layout, launch, restart)
         if config.checkpoint.eval_only:
             evaluate_only(run)
         else:

@@ -265,6 +265,14 @@ class ExecutionConfig:
             "sheet, and MFU is reported as null where the peak is unknown (e.g. on CPU)."
         ),
     )
+    collective_timeout: float = field(
+        default=1800.0,
+        metadata=_doc(
+            "Seconds a rank waits in a collective (or for the others to join) before it stops "
+            "with one line naming the phase and the group, so that a rank that stalls or dies "
+            "ends the job instead of holding it. 1800 (30 minutes) by default."
+        ),
+    )
 
 
 @dataclass

@@ -12,6 +12,8 @@ from config.schema import PretrainingConfig
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
 MOST_DEVICES = 1 << 20
+# The longest --collective_timeout, in seconds (30 days): a longer wait is a hang.
+LONGEST_TIMEOUT_S = 30 * 24 * 3600
 
 
 def validate(config: PretrainingConfig, given: Collection[str] = ()) -> None:
@@ -84,6 +86,12 @@ def _validate_counts(config: PretrainingConfig) -> None:
     for name, value in non_negative.items():
         if value < 0 or (isinstance(value, float) and not math.isfinite(value)):
             raise ConfigError(f"--{name} must be a finite number >= 0, got {value}")
+    timeout = ex.collective_timeout
+    if not 0 < timeout <= LONGEST_TIMEOUT_S:  # nan and infinity too
+        raise ConfigError(
+            f"--collective_timeout is in seconds, more than 0 and at most {LONGEST_TIMEOUT_S}, "
+            f"got {timeout}"
+        )
 
 
 def _validate_rates(config: PretrainingConfig) -> None:

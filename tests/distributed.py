@@ -44,6 +44,7 @@ from execution.planning.measure import Measurements
 from tests.reference import small_config as reference_small_config
 
 CPU = torch.device("cpu")
+HOST = "127.0.0.1"  # where the ranks' rendezvous store listens
 # The tests' one planning: a shape an earlier test measured is not measured again (the
 # planner itself keeps nothing between plannings it is not given the same measurements for).
 SESSION_MEASUREMENTS = Measurements()
@@ -178,6 +179,26 @@ def run_ranks(
     if any(code != 0 for code in codes):
         raise AssertionError(f"a rank died without a Python error; exit codes {codes}")
     return [torch.load(folder / f"result_{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def host_store(folder: Path) -> dist.TCPStore:
+    """Rank 0's stand-in for torchrun's agent: a rendezvous store on a free port, published in
+    ``folder`` (written whole, then renamed, so no rank reads half a port). Ranks join it as
+    torchrun's workers do (``TORCHELASTIC_USE_AGENT_STORE=True``), rank 0 too."""
+    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
+    partial = folder / "master_port.partial"
+    partial.write_text(str(store.port))
+    partial.replace(folder / "master_port")
+    return store
+
+
+def published_port(folder: Path) -> str:
+    """The port rank 0 publishes. No deadline of its own: if rank 0 fails or hangs, run_ranks
+    stops every rank."""
+    path = folder / "master_port"
+    while not path.exists():
+        time.sleep(0.01)
+    return path.read_text()
 
 
 def small_config(*flags: str) -> PretrainingConfig:

@@ -157,6 +157,8 @@ def test_flags_override_the_preset():
         ("--validation_files v.tfrecord", "only used with --eval_every"),
         ("--layer_norm_eps nan", "--layer_norm_eps must be a finite number > 0"),
         ("--init_std inf", "--init_std must be a finite number > 0"),
+        ("--collective_timeout 0", "--collective_timeout is in seconds, more than 0 and at most"),
+        ("--collective_timeout inf", "at most 2592000, got inf"),
         ("--seed 20000000000000", "--seed must be in [0, 2^32)"),
         ("--vocab_size 1e30", "--vocab_size 1000000000000000019884624838656 is too large"),
     ],

@@ -6,7 +6,6 @@ import json
 import os
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,12 @@ import torch.distributed as dist
 
 from config.loading import ConfigError, parse_config
 from execution.parallel.launch import setup_layout, teardown
-from tests.distributed import layout_flags, run_ranks
+from tests.distributed import HOST, host_store, layout_flags, published_port, run_ranks
 from tests.entry_points import run_script
 
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"  # where the ranks' rendezvous store listens
 LAYOUT = ["--data_parallel", "2", "--tensor_parallel_1", "1", "--tensor_parallel_2", "2"]
 
 # The (rank, world size, local rank) variables each launcher sets (README, "Running on several
@@ -40,25 +38,6 @@ def launcher_env(launcher: str, rank: int, world_size: int) -> dict[str, str]:
     return {rank_key: str(rank), size_key: str(world_size), local_key: str(rank)}
 
 
-def _host_store(folder: Path) -> dist.TCPStore:
-    """Rank 0's stand-in for torchrun's agent: a rendezvous store on a free port, published in
-    ``folder`` (written whole, then renamed, so no rank reads half a port)."""
-    store = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False)
-    partial = folder / "master_port.partial"
-    partial.write_text(str(store.port))
-    partial.replace(folder / "master_port")
-    return store
-
-
-def _published_port(folder: Path) -> str:
-    """The port rank 0 publishes. No deadline of its own: if rank 0 fails or hangs, run_ranks
-    stops every rank."""
-    path = folder / "master_port"
-    while not path.exists():
-        time.sleep(0.01)
-    return path.read_text()
-
-
 def _join_rank(rank: int, launcher: str, folder: Path) -> dict:
     """A rank as a launcher starts it: only environment variables say where it belongs."""
     # Rank 0 hosts the store that torchrun's agent would, so no port is fixed and none is raced
@@ -66,8 +45,8 @@ def _join_rank(rank: int, launcher: str, folder: Path) -> dict:
     # it: the store's server thread formats each client's address with getnameinfo, under
     # glibc's resolver lock, and a rank forked while that lock was held inherited it locked
     # with no thread left to release it, hanging in its own getnameinfo when it connected.
-    store = _host_store(folder) if rank == 0 else None
-    port = _published_port(folder)
+    store = host_store(folder) if rank == 0 else None
+    port = published_port(folder)
     os.environ.update(MASTER_ADDR=HOST, MASTER_PORT=port, TORCHELASTIC_USE_AGENT_STORE="True")
     config, _ = parse_config(["--config", "tiny", "--device", "cpu", *LAYOUT])
     layout, info = setup_layout(config, launcher_env(launcher, rank, 4))

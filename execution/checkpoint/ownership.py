@@ -160,10 +160,22 @@ def _check_writable(directory: Path, where: Path, flag: str) -> None:
         )
 
 
-def record_owner(directory: Path, run_id: str) -> None:
-    """Writes ``run.json`` naming ``run_id`` into ``directory`` (claimed by this process)."""
-    if _claimed_by(directory) != run_id:
-        write_atomic(directory / RUN_FILE, json.dumps({"run_id": run_id}) + "\n")
+def record_owner(directory: Path, run_id: str, job: str | None = None) -> None:
+    """Writes ``run.json`` naming ``run_id`` into ``directory`` (claimed by this process), and
+    the launch's ``job`` (execution.parallel.launch), by which a restart of the job that saved
+    no checkpoint yet knows the run as its own (execution.training.restart)."""
+    record = {"run_id": run_id, **({"job": job} if job else {})}
+    if owner_record(directory) != record:
+        write_atomic(directory / RUN_FILE, json.dumps(record) + "\n")
+
+
+def owner_record(directory: Path) -> dict[str, Any] | None:
+    """``directory``'s ``run.json`` (its run's id and job), None without a readable one."""
+    try:
+        record = json.loads((directory / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and "run_id" in record else None
 
 
 class _Hold:

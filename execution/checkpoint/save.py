@@ -24,6 +24,7 @@ checkpoint loadable.
 from __future__ import annotations
 
 import concurrent.futures
+import datetime
 import json
 import shutil
 import threading
@@ -61,6 +62,7 @@ from execution.checkpoint.ownership import (
 )
 from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.masks import SPARSE_KIND, SPARSE_PART
+from execution.parallel.collective_errors import communicating
 
 
 class Checkpointer:
@@ -74,6 +76,10 @@ class Checkpointer:
         log: Where rank 0's messages go.
         commit_delay: Test hook: seconds to wait after writing, before the commit.
         max_chunk_bytes: Chunks are written (and later read) at most this many bytes at a time.
+        run_id: The run the folder belongs to (ownership module); a new one if None.
+        job: The launch's job id (execution.parallel.launch), saved with each checkpoint so
+            that a restart of the job finds its own newest (execution.training.restart).
+        output_dir: The run's output folder, saved for the same restart to log into.
 
     Attributes:
         held_seconds: How long the last save held the training loop (the copy off the device).
@@ -90,10 +96,12 @@ class Checkpointer:
         commit_delay: float = 0.0,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         run_id: str | None = None,
+        job: str | None = None,
+        output_dir: Path | None = None,
     ):
         self.directory = Path(directory)
-        # The run the folder belongs to (ownership module): a new one unless given.
         self.run_id = run_id or new_run_id()
+        self.job, self.output_dir = job, output_dir
         self.engine = engine
         self.config = config
         self.layout = engine.layout
@@ -108,7 +116,9 @@ class Checkpointer:
         self._copy_stream = None
         # The background writes talk over their own gloo group, never the training's groups.
         distributed = dist.is_available() and dist.is_initialized()
-        self.group = dist.new_group(backend="gloo") if distributed else None
+        self.timeout_s = config.execution.collective_timeout
+        timeout = datetime.timedelta(seconds=self.timeout_s)  # not inherited by new groups
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if distributed else None
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="checkpoint")
         self._pending: concurrent.futures.Future | None = None
         self._claim = None
@@ -116,7 +126,7 @@ class Checkpointer:
             check_run_folder(self.directory, self.run_id, SAVE_FLAG)
             self._claim = claim_folder(self.directory, self.run_id, SAVE_FLAG)
             try:
-                record_owner(self.directory, self.run_id)
+                record_owner(self.directory, self.run_id, job)
             except OSError as err:
                 self._claim.release(undo=True)
                 raise ConfigError(
@@ -232,6 +242,8 @@ class Checkpointer:
         return {
             "format": FORMAT,
             "run_id": self.run_id,
+            "job": self.job,
+            "output_dir": str(self.output_dir) if self.output_dir else None,
             "step": step,
             "optimizer_steps": self.engine.optimizer_steps,
             "loss_scaling": config.training.loss_scaling,
@@ -256,6 +268,7 @@ class Checkpointer:
 
         ``host_read`` is set once every chunk has been copied out of ``rows``."""
         import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
+        from torch.distributed.checkpoint.api import CheckpointException
 
         from execution.checkpoint.dcp_plans import ChunkSavePlanner, logical_sizes
 
@@ -268,20 +281,25 @@ class Checkpointer:
             host_read.set,
         )
         writer = planner.writer(tmp)
+        ranks = tuple(range(dist.get_world_size(self.group))) if self.group is not None else ()
+        # A rank that died or stalled while saving: one line naming the checkpoint's group.
+        wrapped, saving = (RuntimeError, CheckpointException), f"saving step {trainer['step']}"
         try:
             if self.group is None:
                 with single_process_quiet():
                     dcp.save(extra, storage_writer=writer, planner=planner, no_dist=True)
             else:
-                group = self.group
-                dcp.save(extra, storage_writer=writer, planner=planner, process_group=group)
+                with communicating("checkpoint", ranks, self.timeout_s, wrapped, saving):
+                    group = self.group
+                    dcp.save(extra, storage_writer=writer, planner=planner, process_group=group)
         finally:
             host_read.set()  # a failed write must not hold the training loop forever
         mine = {p.name: [p.stat().st_size, file_crc(p)] for p in tmp.glob(f"__{rank}_*.distcp")}
         files = [mine]
         if self.group is not None:
-            files = [None] * dist.get_world_size(self.group)
-            dist.all_gather_object(files, mine, group=self.group)
+            files = [None] * len(ranks)
+            with communicating("checkpoint", ranks, self.timeout_s, during=saving):
+                dist.all_gather_object(files, mine, group=self.group)
         if not self.layout.is_main:
             return
         manifest = {name: entry for per_rank in files for name, entry in per_rank.items()}

@@ -30,9 +30,10 @@ from execution.engine.optimizer import AdamWDriver, clip_coefficient
 from execution.engine.plan import PLACED_STATES, EnginePlan
 from execution.engine.recompute import KeptLayers, attention_kernel, pin_attention, prepare_block
 from execution.engine.rigl import RigL
-from execution.engine.schedule import Phase, Stage
+from execution.engine.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
 from execution.engine.state import StateStore
 from execution.engine.step import Batch, Step
+from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
@@ -294,16 +295,23 @@ class PhasedEngine:
         # The next phase that loads weights (a pipeline's moves load none).
         loading = [n for n, phase in enumerate(phases) if schedule.weights_loaded(phase)]
         following = dict(zip(loading, [*loading[1:], None], strict=True))
-        for n, phase in enumerate(phases):
-            if on_phase is not None:
-                on_phase(phase)
-            ahead = following.get(n, loading[0] if n < loading[0] else None)
-            if (plan.prefetch or overlap) and ahead is not None and n < ahead:
-                for part, row in schedule.weights_loaded(phases[ahead]):
-                    self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
-            BODIES[phase.kind](run, phase)
-        run.in_flight.finish()  # the norm and the optimizer read every gradient
-        self.link.finish()  # every boundary activation sent has arrived
+        current = "the phases"
+        try:
+            for n, phase in enumerate(phases):
+                current = _phase_name(phase)
+                if on_phase is not None:
+                    on_phase(phase)
+                ahead = following.get(n, loading[0] if n < loading[0] else None)
+                if (plan.prefetch or overlap) and ahead is not None and n < ahead:
+                    for part, row in schedule.weights_loaded(phases[ahead]):
+                        self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
+                BODIES[phase.kind](run, phase)
+            current = "the last transfers of the phases"
+            run.in_flight.finish()  # the norm and the optimizer read every gradient
+            self.link.finish()  # every boundary activation sent has arrived
+        except CollectiveError as err:
+            err.during(current)
+            raise
         if on_phase is not None:
             on_phase(None)
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
@@ -326,6 +334,12 @@ class PhasedEngine:
         """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
         activations."""
         return self.state.nbytes()
+
+
+def _phase_name(phase: Phase) -> str:
+    """How a one-line error names a phase: "layer_forward phase of layer 2"."""
+    layer = f" of layer {phase.layer}" if phase.kind in (LAYER_FORWARD, LAYER_BACKWARD) else ""
+    return f"{phase.kind} phase{layer}"
 
 
 def _read(scalar: torch.Tensor) -> float:

@@ -2,7 +2,9 @@
 
 torchrun, mpiexec (Open MPI, MPICH) and SLURM each say where a process belongs through
 environment variables; :func:`setup_layout` reads them (here and nowhere deeper), checks them
-against the preset's layout, joins the job and builds its :class:`ParallelLayout`.
+against the preset's layout, joins the job and builds its :class:`ParallelLayout`. It also
+learns whether this is a restart of the job (a torchrun ``--max-restarts`` restart, a SLURM
+requeue) and the job's id, which stays the same over its restarts.
 """
 
 from __future__ import annotations
@@ -11,14 +13,16 @@ import ctypes
 import datetime
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
+from execution.parallel.collective_errors import CollectiveError, communicating
 from execution.parallel.mesh import ParallelLayout
+from execution.parallel.rendezvous import agent_store, job_of_torchrun, job_store
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,10 @@ class LaunchInfo:
     local_rank: int
     local_world_size: int  # processes on this node
     launcher: str
+    # The same in every restart of the job (SLURM's job step, a torchrun command); None where
+    # none is known. Rank 0's (torchrun's is read from its agent's store, by rank 0).
+    job_id: str | None = None
+    restarted: bool = False  # an earlier attempt of this job ran (rank 0 knows)
 
 
 def read_launch_environment(env: Mapping[str, str]) -> LaunchInfo:
@@ -64,8 +72,23 @@ def read_launch_environment(env: Mapping[str, str]) -> LaunchInfo:
                     f"{launcher} variables {rank_key}={env[rank_key]!r} "
                     f"{size_key}={env[size_key]!r} are not integers"
                 ) from None
-            return LaunchInfo(rank, size, local, local_size, launcher)
-    return LaunchInfo(0, 1, 0, 1, "single process")
+            return LaunchInfo(rank, size, local, local_size, launcher, *_slurm_job(env))
+    return LaunchInfo(0, 1, 0, 1, "single process", *_slurm_job(env))
+
+
+def _slurm_job(env: Mapping[str, str]) -> tuple[str | None, bool]:
+    """SLURM's (job id, restarted). A requeued job keeps its id and numbers its steps again
+    from 0, so the job and step ids name one launch over its requeues; ``SLURM_RESTART_COUNT``
+    counts them. Runs started one after another in one allocation share the ids but are no
+    restarts (count 0): they are told apart as any two runs are."""
+    if "SLURM_JOB_ID" not in env:
+        return None, False
+    count = env.get("SLURM_RESTART_COUNT", "0") or "0"
+    if not count.isdigit():
+        raise ConfigError(f"SLURM_RESTART_COUNT={count!r} is not a count")
+    cluster = f" of cluster {env['SLURM_CLUSTER_NAME']}" if env.get("SLURM_CLUSTER_NAME") else ""
+    step = env.get("SLURM_STEP_ID", "batch")
+    return f"slurm job {env['SLURM_JOB_ID']} step {step}{cluster}", int(count) > 0
 
 
 def check_world_size(config: PretrainingConfig, world_size: int) -> None:
@@ -141,30 +164,70 @@ def setup_layout(config: PretrainingConfig, env: Mapping[str, str] | None = None
 
     Returns:
         (layout, launch info). Call :func:`teardown` at the end.
+
+    Raises:
+        CollectiveError: a rank did not join within ``--collective_timeout``, or went away.
     """
-    info = read_launch_environment(os.environ if env is None else env)
+    env = os.environ if env is None else env
+    info = read_launch_environment(env)
     check_world_size(config, info.world_size)
     device = select_device(config.execution.device, info.local_rank, info.local_world_size)
-    ex = config.execution
+    timeout_s = config.execution.collective_timeout
+    try:
+        with communicating("world", tuple(range(info.world_size)), timeout_s):
+            info, store = _join_agent_store(info, env, timeout_s)
+            if info.world_size == 1:
+                return ParallelLayout.single(device), info
+            return _join(config, info, device, store), info
+    except CollectiveError as err:
+        err.during("joining the job")
+        raise
+
+
+def _join_agent_store(info: LaunchInfo, env: Mapping[str, str], timeout_s: float):
+    """Under torchrun's agent store (execution.parallel.rendezvous): the launch info with the
+    job's id and restart (rank 0's), and the store this attempt's groups use; else (info,
+    None), and ``init_process_group`` reads the launcher's variables itself."""
+    if info.launcher != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return info, None
+    try:
+        host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise ConfigError(
+            "torchrun's MASTER_ADDR and MASTER_PORT are missing or not an address and a port"
+        ) from None
+    store = agent_store(host, port, timeout_s)
+    if info.rank == 0:
+        job, earlier = job_of_torchrun(store)
+        # SLURM's id, where there is one, also holds over a requeue, which starts a new torchrun.
+        info = replace(info, job_id=info.job_id or job, restarted=info.restarted or earlier)
     if info.world_size == 1:
-        return ParallelLayout.single(device), info
+        return info, None
+    return info, job_store(store, info.rank, info.world_size, timeout_s)
+
+
+def _join(config: PretrainingConfig, info: LaunchInfo, device: torch.device, store):
+    """Joins the default group (through ``store``, or the launcher's variables) and builds
+    every group of the layout, each waiting at most ``--collective_timeout``."""
+    ex = config.execution
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend,
         rank=info.rank,
         world_size=info.world_size,
-        timeout=datetime.timedelta(minutes=30),
+        timeout=datetime.timedelta(seconds=ex.collective_timeout),
+        **({"store": store} if store is not None else {}),
         **({"device_id": device} if device.type == "cuda" else {}),
     )
-    layout = ParallelLayout.build(
+    return ParallelLayout.build(
         ex.data_parallel,
         ex.tensor_parallel_1,
         ex.tensor_parallel_2,
         device,
         ex.context_parallel,
         pp=ex.pipeline_parallel,
+        timeout_s=ex.collective_timeout,
     )
-    return layout, info
 
 
 def teardown() -> None:

@@ -19,12 +19,16 @@ process-group state.
 from __future__ import annotations
 
 import collections
+import contextlib
+import datetime
 import itertools
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from execution.parallel.collective_errors import communicating
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names (a FutureWarning
@@ -137,14 +141,14 @@ class Pending:
     On CUDA, ``wait`` makes the *current* stream wait for the collective, not the host.
     """
 
-    def __init__(self, result: torch.Tensor, work=None, source: torch.Tensor | None = None):
-        self._result = result
-        self._work = work
-        self._source = source
+    def __init__(self, result: torch.Tensor, work=None, source=None, axis=None):
+        # ``source``: the input tensor; ``axis``: the GroupAxis a failed wait names.
+        self._result, self._work, self._source, self._axis = result, work, source, axis
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
-            self._work.wait()
+            with self._axis.failures() if self._axis else contextlib.nullcontext():
+                self._work.wait()
             self._work = self._source = None
         return self._result
 
@@ -192,6 +196,11 @@ class GroupAxis:
     downward_group: dist.ProcessGroup | None = None
     calls: collections.Counter = field(default_factory=collections.Counter)
     sized_calls: collections.Counter = field(default_factory=collections.Counter)
+    timeout_s: float = 1800.0  # the job's --collective_timeout, for the error's message
+
+    def failures(self):
+        """Turns a collective of this group that times out or loses a rank into one line."""
+        return communicating(self.name, self.members, self.timeout_s)
 
     def _count(self, op: str, full: torch.Tensor, async_op: bool = False) -> None:
         self.calls[op] += 1
@@ -215,8 +224,9 @@ class GroupAxis:
         self._count(f"all_reduce_{op}", tensor, async_op)
         work = None
         if not self._shapes_only(tensor):
-            work = dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group, async_op=async_op)
-        return Pending(tensor, work)
+            with self.failures():
+                work = dist.all_reduce(tensor, _REDUCE_OPS[op], group=self.group, async_op=async_op)
+        return Pending(tensor, work, axis=self)
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         """Concatenation of every member's equally sized 1-D shard, in group-rank order."""
@@ -234,8 +244,9 @@ class GroupAxis:
         if self._shapes_only(out):
             return Pending(out, SHAPES_ONLY_WORK, shard)
         shard = shard.contiguous()
-        work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
-        return Pending(out, work, shard)
+        with self.failures():
+            work = _all_gather_flat(out, shard, group=self.group, async_op=async_op)
+        return Pending(out, work, shard, self)
 
     def all_to_all(self, chunks: torch.Tensor) -> torch.Tensor:
         """Chunk k of dim 0 (``size`` equal chunks) goes to member k; chunk k of the result
@@ -246,7 +257,8 @@ class GroupAxis:
         out = torch.empty_like(chunks)
         self._count("all_to_all", chunks)
         if not self._shapes_only(out):
-            dist.all_to_all_single(out, chunks, group=self.group)
+            with self.failures():
+                dist.all_to_all_single(out, chunks, group=self.group)
         return out
 
     def start_send(self, tensor: torch.Tensor, to: int, tag: int) -> Pending:
@@ -256,8 +268,9 @@ class GroupAxis:
         work = None
         if not self._shapes_only(tensor):
             group = self._point_to_point_group(self.rank, to)
-            work = dist.isend(tensor, self.members[to], group=group, tag=tag)
-        return Pending(tensor, work, tensor)
+            with self.failures():
+                work = dist.isend(tensor, self.members[to], group=group, tag=tag)
+        return Pending(tensor, work, tensor, self)
 
     def start_receive(self, into: torch.Tensor, source: int, tag: int) -> Pending:
         """Receives into ``into`` from group rank ``source`` in the background (``irecv``);
@@ -266,8 +279,9 @@ class GroupAxis:
         work = None
         if not self._shapes_only(into):
             group = self._point_to_point_group(source, self.rank)
-            work = dist.irecv(into, self.members[source], group=group, tag=tag)
-        return Pending(into, work)
+            with self.failures():
+                work = dist.irecv(into, self.members[source], group=group, tag=tag)
+        return Pending(into, work, axis=self)
 
     def _point_to_point_group(self, source: int, target: int) -> dist.ProcessGroup | None:
         """The group a transfer from group rank ``source`` to ``target`` runs on."""
@@ -290,8 +304,9 @@ class GroupAxis:
         if self._shapes_only(out):
             return Pending(out, SHAPES_ONLY_WORK, full)
         full = full.contiguous()
-        work = _reduce_scatter_flat(out, full, group=self.group, async_op=async_op)
-        return Pending(out, work, full)
+        with self.failures():
+            work = _reduce_scatter_flat(out, full, group=self.group, async_op=async_op)
+        return Pending(out, work, full, self)
 
 
 @dataclass(eq=False)
@@ -377,26 +392,38 @@ class ParallelLayout:
 
     @classmethod
     def build(
-        cls, dp: int, tp1: int, tp2: int, device: torch.device, cp: int = 1, pp: int = 1
+        cls,
+        dp: int,
+        tp1: int,
+        tp2: int,
+        device: torch.device,
+        cp: int = 1,
+        pp: int = 1,
+        timeout_s: float = 1800.0,
     ) -> ParallelLayout:
-        """Creates every group of the mesh; all ranks of an initialised job must call this."""
+        """Creates every group of the mesh; all ranks of an initialised job must call this.
+        ``timeout_s`` bounds each collective's wait (new_group does not inherit the default
+        group's timeout: gloo's groups would wait 30 minutes)."""
         mesh, rank = MeshShape(dp, tp1, tp2, cp, pp), dist.get_rank()
         assert dist.get_world_size() == mesh.world_size, "checked by check_world_size"
+        timeout = datetime.timedelta(seconds=timeout_s)
         axes = {}
         for name in _axis_names(mesh):
             # new_group is collective: every rank creates every group, in the same order.
             for ranks in mesh.groups(name):
-                group = dist.new_group(list(ranks)) if len(ranks) > 1 else None
+                group = dist.new_group(list(ranks), timeout=timeout) if len(ranks) > 1 else None
                 # The stages' transfers each way on a group of its own (GroupAxis).
                 directions = {}
                 if name == "pp" and group is not None:
                     directions = {
-                        "upward_group": dist.new_group(list(ranks)),
-                        "downward_group": dist.new_group(list(ranks)),
+                        "upward_group": dist.new_group(list(ranks), timeout=timeout),
+                        "downward_group": dist.new_group(list(ranks), timeout=timeout),
                     }
                 if rank in ranks:
                     index = ranks.index(rank)
-                    axes[name] = GroupAxis(name, len(ranks), index, group, ranks, **directions)
+                    axes[name] = GroupAxis(
+                        name, len(ranks), index, group, ranks, **directions, timeout_s=timeout_s
+                    )
         if "embedding" in _axis_names(mesh) and "embedding" not in axes:  # a middle stage
             axes["embedding"] = GroupAxis("embedding", 1, 0, members=(rank,))
         return cls(**_with_aliases(axes, mesh), device=device)

@@ -50,6 +50,7 @@ from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from execution.training.checkpoint_flags import check_checkpoint_flags, check_resumed_sparsity
+from execution.training.restart import Restart
 from utils.tracking import NullTracker, Tracker, run_trackers
 
 # Evaluates the current weights after a number of steps: the metrics to log. Collective.
@@ -121,6 +122,7 @@ def build(
     preset: str,
     layout: ParallelLayout,
     launch: LaunchInfo,
+    restart: Restart | None = None,
 ) -> Run:
     """Builds this rank's pretraining run; every rank of the job calls it.
 
@@ -129,6 +131,7 @@ def build(
         preset: The preset's name (for the default output folder).
         layout: This rank's parallel geometry.
         launch: How the job was launched (reported at start-up).
+        restart: How a restarted job goes on (execution.training.restart); None otherwise.
 
     Raises:
         ConfigError, DataError: the user's input cannot run (one line each).
@@ -147,7 +150,7 @@ def build(
         evaluation if validation is not None else None,
         lambda engine, loader: _restore(config, engine, loader),
     )
-    return assemble(config, preset, layout, launch, inputs)
+    return assemble(config, preset, layout, launch, inputs, restart)
 
 
 def assemble(
@@ -156,11 +159,12 @@ def assemble(
     layout: ParallelLayout,
     launch: LaunchInfo,
     inputs: RunInputs,
+    restart: Restart | None = None,
 ) -> Run:
     """Builds this rank's run from a kind of run's inputs (:func:`build`'s arguments)."""
     check_checkpoint_flags(config)
     c = config.checkpoint
-    run_id = new_run_id()
+    run_id = restart.run_id if restart else new_run_id()  # a restart is the same run
     continues = False  # the run resumes --load's run: its id, folders and metrics go on
     if c.load:  # a missing checkpoint is reported before minutes of set-up, not after
         folder = resolve_checkpoint(c.load)
@@ -197,12 +201,16 @@ def assemble(
                 c.keep_checkpoints,
                 commit_delay=c.checkpoint_commit_delay,
                 run_id=run_id,
+                job=launch.job_id,
+                output_dir=output_dir,
             )
         tracker: Tracker = NullTracker()
         if layout.is_main:
             total_steps = max(config.training.steps, start_step)
-            resumed_at = start_step if continues else None
-            tracker = _main_tracker(config, output_dir, total_steps, run_id, resumed_at)
+            # A restart logs the steps after its start again, as a resume does.
+            resumed_at = start_step if continues or restart else None
+            owner = (run_id, launch.job_id)
+            tracker = _main_tracker(config, output_dir, total_steps, owner, resumed_at)
     except BaseException:
         if checkpointer is not None:
             checkpointer.close()
@@ -304,14 +312,15 @@ def _main_tracker(
     config: PretrainingConfig,
     output_dir: Path,
     total_steps: int,
-    run_id: str,
+    owner: tuple[str, str | None],
     resumed_at: int | None,
 ) -> Tracker:
-    """The output folder with the run's ``config.yml``, and the trackers that write into it
-    (a resumed run appends to its own ``metrics.jsonl``, after the step it resumed from)."""
+    """The output folder with the run's ``config.yml`` and ``run.json`` (``owner``: the run's
+    id and its launch's job), and the trackers that write into it (a resumed run appends to
+    its own ``metrics.jsonl``, after the step it resumed from)."""
     run_config = config_to_dict(config)
     try:
-        record_owner(output_dir, run_id)
+        record_owner(output_dir, *owner)
         (output_dir / "config.yml").write_text(yaml.safe_dump(run_config))
         if resumed_at is not None:
             _drop_metrics_after(output_dir / METRICS_FILE, resumed_at)

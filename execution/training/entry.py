@@ -1,6 +1,7 @@
 """What an entry script (run_pretraining.py, run_finetuning.py) does when something stops it:
 the user's bad input is one line and exit 2, an interruption one line and the shell's 128 +
-signal, from rank 0 only where every rank says the same."""
+signal, from rank 0 only where every rank says the same; a collective that timed out or lost a
+rank is one line from each rank (its own view of it) and exit 1."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Callable
 
 from config.loading import ConfigError
 from data.errors import DataError
+from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import read_launch_environment
 from execution.training.loop import Interrupted
 
@@ -50,6 +52,9 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
             where = f"rank {rank}: " if rank else ""
             print(f"{program}: error: {where}{err}", file=sys.stderr)
         sys.exit(2)
+    except CollectiveError as err:  # a rank stalled or died: every rank says where it was
+        print(f"{program}: error: rank {launcher_rank()}: {err}", file=sys.stderr)
+        sys.exit(1)
     except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
         if launcher_rank() == 0:  # every rank of a job gets the signal
             print(f"{program}: {str(err) or 'interrupted'}", file=sys.stderr)

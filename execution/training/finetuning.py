@@ -33,6 +33,7 @@ from execution.engine.engine import PhasedEngine
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.training.build import Run, RunInputs, assemble
+from execution.training.restart import Restart
 from execution.training.task_eval import evaluate_task
 
 
@@ -42,9 +43,14 @@ def saved_task(trainer: dict) -> str:
 
 
 def build_finetuning(
-    config: FinetuningRunConfig, preset: str, layout: ParallelLayout, launch: LaunchInfo
+    config: FinetuningRunConfig,
+    preset: str,
+    layout: ParallelLayout,
+    launch: LaunchInfo,
+    restart: Restart | None = None,
 ) -> Run:
-    """Builds this rank's fine-tuning run; every rank of the job calls it.
+    """Builds this rank's fine-tuning run; every rank of the job calls it (``restart``: how a
+    restarted job goes on, execution.training.restart).
 
     Raises:
         ConfigError, DataError: the user's input cannot run (one line each).
@@ -98,7 +104,7 @@ def build_finetuning(
         lambda engine, loader: _restore(config, engine, loader),
         continues=lambda trainer: saved_task(trainer) == f.task,
     )
-    return assemble(config, f"{preset}-{f.task}", layout, launch, inputs)
+    return assemble(config, f"{preset}-{f.task}", layout, launch, inputs, restart)
 
 
 def _check_task(path: str, task: str) -> None:

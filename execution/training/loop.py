@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -11,6 +12,7 @@ import torch
 from data.prefetch import PrefetchingLoader
 from execution.checkpoint.files import step_folders
 from execution.engine.optimizer import learning_rate
+from execution.parallel.collective_errors import CollectiveError
 from execution.training.build import Run
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
 
@@ -61,8 +63,11 @@ def train(run: Run) -> list[dict]:
     history = []
     done = run.start_step
     hooks = run.checkpointer.hooks if run.checkpointer is not None else None
+    where = ""  # what a collective that fails was part of (a save names its own step)
+    failed = False
     try:
         for step in range(run.start_step, t.steps):
+            where = f"step {step + 1}"
             lr = learning_rate(step, t.optimizer, config.tokens_per_step, t.steps)
             waited = time.perf_counter()
             batch = loader.next_batch()  # read while the last step ran
@@ -100,17 +105,28 @@ def train(run: Run) -> list[dict]:
             history.append(metrics)
             last = step + 1 == t.steps
             if (eval_every and (step + 1) % eval_every == 0) or (last and eval_at_end):
+                where = f"the evaluation after step {step + 1}"
                 tracker.log({"step": step + 1, **run.evaluate(step + 1)})
             done = step + 1
             if run.checkpointer is not None and ((every and (step + 1) % every == 0) or last):
+                where = ""
                 run.checkpointer.save(step + 1, loader.state_dict())
     except KeyboardInterrupt:
         interrupted = True
+    except CollectiveError as err:
+        failed = True
+        if where:
+            err.during(where)
+        raise
     else:
         interrupted = False
     finally:
         loader.close()
-        run.close()  # waits for the last checkpoint (one being written when interrupted too)
+        if failed:  # the failure said is the first; a save in flight meets it again
+            with contextlib.suppress(Exception):
+                run.close()
+        else:
+            run.close()  # waits for the last checkpoint (one being written when interrupted too)
     if interrupted:
         raise Interrupted(_interrupted_line(run, done))
     return history
