@@ -354,3 +354,23 @@ def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_pa
     resumed = entry_point(*flags, "--load", match[4], "--steps", str(saved + 1))
     assert resumed.returncode == 0, resumed.stderr
     assert _steps(out) == list(range(1, saved + 2))  # the steps logged after it went
+
+
+def test_a_save_folder_holding_only_another_runs_metrics_offers_no_load(tmp_path):
+    """A metrics-only folder is not a checkpoint folder: the refusal says what it holds and
+    does not suggest --load, which would refuse it; one with checkpoints does suggest it."""
+    from config.errors import ConfigError
+    from execution.checkpoint.ownership import check_run_folder, record_owner
+
+    metrics_only = tmp_path / "metrics_only"
+    metrics_only.mkdir()
+    (metrics_only / "metrics.jsonl").write_text('{"step": 1, "loss": 10.8}\n')
+    record_owner(metrics_only, "other-run")
+    with pytest.raises(ConfigError) as refused:
+        check_run_folder(metrics_only, "this-run", "--save")
+    message = str(refused.value)
+    assert "(its metrics, no checkpoint)" in message and "--load" not in message
+
+    (metrics_only / "step_3").mkdir()
+    with pytest.raises(ConfigError, match=r"holds the checkpoints of another run.*--load"):
+        check_run_folder(metrics_only, "this-run", "--save")

@@ -130,17 +130,20 @@ def _check_own_folder(directory: Path, run_id: str, flag: str) -> None:
     metrics = (directory / METRICS_FILE).exists()
     if owner is None and not (flag == OUTPUT_FLAG and metrics):
         return
-    if steps or (directory / LATEST_FILE).exists():
+    checkpoints = bool(steps) or (directory / LATEST_FILE).exists()
+    if checkpoints:
         newest = f" (up to {steps[-1][1].name})" if steps else ""
         holds = f"holds the checkpoints of another run{newest}"
     elif metrics:
-        holds = f"already holds the {METRICS_FILE} of another run"
+        holds = f"already holds the {METRICS_FILE} of another run (its metrics, no checkpoint)"
     else:
         holds = f"belongs to another run (its {RUN_FILE})"
     if flag == SAVE_FLAG:
+        # Only a folder with checkpoints can be resumed from: elsewhere --load would refuse.
+        resume = f", or resume that run with --load {directory}" if checkpoints else ""
         raise ConfigError(
             f"{flag} {directory} {holds}; a checkpoint folder belongs to one run: give a new "
-            f"--save folder, or resume that run with --load {directory}"
+            f"--save folder{resume}"
         )
     raise ConfigError(
         f"{directory} {holds}; choose a new --output_dir (or leave it out for a fresh folder "
