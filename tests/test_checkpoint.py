@@ -180,6 +180,20 @@ def test_keep_checkpoints_prunes_the_oldest_and_after_a_rollback_the_abandoned_f
     assert steps() == ["step_3", "step_4"]
 
 
+def test_a_killed_runs_unfinished_writes_go_when_the_folder_is_opened_not_at_a_save(tmp_path):
+    """The main rank sweeps ``step_*.tmp`` once, before any rank can save: at a save it could
+    remove the folder another rank's write of that step had just made (a race seen with eight
+    ranks: FileExistsError in DCP's mkdir). A folder made after opening is left to its writer."""
+    config = small_config("--layers", "1")
+    (tmp_path / "step_5.tmp").mkdir(parents=True)
+    checkpointer = Checkpointer(tmp_path, _engine(config), config, log=lambda _: None)
+    assert not (tmp_path / "step_5.tmp").exists()
+    (tmp_path / "step_9.tmp").mkdir()  # another rank's write, begun before this rank's save
+    checkpointer.save(1, None)
+    checkpointer.close()
+    assert (tmp_path / "step_9.tmp").is_dir() and (tmp_path / "step_1").is_dir()
+
+
 def test_load_of_a_step_folder_is_that_checkpoint_whatever_lies_in_it(saved, tmp_path):
     """A `latest` written into a checkpoint (by another run given it as its folder) is not
     followed: the checkpoint is the folder itself."""

@@ -132,6 +132,11 @@ class Checkpointer:
                 raise ConfigError(
                     f"cannot create --save {self.directory}: {err.strerror}"
                 ) from None
+            # A killed run's unfinished writes, removed now: no rank saves before the first
+            # step's collectives, which this rank joins only after this. (At a save instead,
+            # this rank could remove a folder another rank's write had already begun.)
+            for stale in self.directory.glob("step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
 
     def save(self, step: int, loader_state: dict | None) -> None:
         """Starts saving the state after ``step`` steps; returns once device state is copied off.
@@ -149,9 +154,6 @@ class Checkpointer:
         final = self.directory / f"step_{step}"
         tmp = final.with_name(final.name + ".tmp")
         self.log(f"checkpoint: saving step {step} to {final}")
-        if self.layout.is_main:
-            for stale in self.directory.glob("step_*.tmp"):  # left by a killed run
-                shutil.rmtree(stale, ignore_errors=True)
         if self._items is None:
             self._items = held_items(self.engine, self.max_chunk_bytes, saving=True)
         rows = self._stage()
