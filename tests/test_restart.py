@@ -17,8 +17,10 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -156,3 +158,64 @@ def test_a_requeued_slurm_job_resumes_and_another_run_of_the_job_is_refused(tmp_
     uninterrupted = run_script("run_pretraining.py", *flags, *elsewhere)
     assert uninterrupted.returncode == 0, uninterrupted.stderr
     assert _losses(out) == _losses(reference / "out")  # steps 1 to 6 once each, bitwise
+
+
+@pytest.mark.slow
+def test_a_job_stopped_while_it_saves_ends_in_one_line_and_keeps_its_last_checkpoint(tmp_path):
+    """Both ranks get SIGTERM twice (SLURM signals every process of a job, then torchrun's
+    agent its workers) while step 2 is being written: rank 0 says the interrupted line naming
+    step 2, which it commits, rank 1 says nothing (a save it began loses rank 0), and each
+    exits 128 + SIGTERM with no traceback."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*TWO_RANKS, "--steps", "100000", "--checkpoint_steps", "1"]
+    flags += ["--checkpoint_commit_delay", "2", "--save", str(ckpt)]
+    flags += ["--output_dir", str(tmp_path / "out")]
+    with socket.socket() as probe:  # a free port for rank 0's store, as torchrun finds one
+        probe.bind((HOST, 0))
+        port = probe.getsockname()[1]
+    ranks = []
+    for rank in range(2):
+        worker = {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}
+        env = {**os.environ, **{key: str(value) for key, value in worker.items()}}
+        env.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        command = [sys.executable, "run_pretraining.py", *flags]
+        ranks.append(
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while not ((ckpt / "step_1").is_dir() and (ckpt / "step_2.tmp" / ".metadata").exists()):
+            assert all(rank.poll() is None for rank in ranks), [r.communicate()[0] for r in ranks]
+            assert time.monotonic() < deadline, "no checkpoint appeared"
+            time.sleep(0.02)
+        for again in (False, True):
+            if again:
+                time.sleep(0.5)  # the second lands while the ranks wind down
+            for rank in ranks:
+                if rank.poll() is None:
+                    rank.send_signal(signal.SIGTERM)
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:  # a failed wait leaves no rank running
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    for rank, output in zip(ranks, outputs, strict=True):
+        assert rank.returncode == 128 + signal.SIGTERM, output
+        assert "Traceback" not in output, output
+    said = [line for line in outputs[0].splitlines() if line.startswith("run_pretraining.py: ")]
+    expected = (
+        r"run_pretraining.py: interrupted at step \d+; the last complete checkpoint is step 2 "
+        rf"\({re.escape(str(ckpt / 'step_2'))}\); resume with the same flags and --load "
+        rf"{re.escape(str(ckpt))}"
+    )
+    assert len(said) == 1 and re.fullmatch(expected, said[0]), outputs[0]
+    assert outputs[1] == "", outputs[1]
+    assert (ckpt / "latest").read_text().strip() == "step_2"
+    assert not (ckpt / "step_2.tmp").exists()

@@ -33,14 +33,21 @@ def launcher_rank() -> int:
 
 def run_entry_point(main: Callable[..., None], program: str) -> None:
     """Runs ``main(job=...)`` and exits as the module docstring says."""
-    # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does.
-    stopped_by = {"signal": signal.SIGINT}
+    # SIGTERM (a scheduler's or torchrun's stop) ends the run as Ctrl-C does. Only the first
+    # stop interrupts: a job's ranks get it again (SLURM signals every process of the step,
+    # then torchrun's agent signals its workers), and a second KeyboardInterrupt would land
+    # wherever the run is winding down: in the wait for the checkpoint being committed (which
+    # it would abandon), in a finalizer or in the handler printing the line (a traceback).
+    stopped_by: dict[str, int] = {}
 
-    def _on_sigterm(signum, frame) -> None:
+    def _on_stop(signum, frame) -> None:
+        if stopped_by:
+            return
         stopped_by["signal"] = signum
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, _on_stop)
+    signal.signal(signal.SIGINT, _on_stop)
     job = Job()
     try:
         main(job=job)
@@ -58,4 +65,4 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
     except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
         if launcher_rank() == 0:  # every rank of a job gets the signal
             print(f"{program}: {str(err) or 'interrupted'}", file=sys.stderr)
-        sys.exit(128 + stopped_by["signal"])
+        sys.exit(128 + stopped_by.get("signal", signal.SIGINT))

@@ -64,7 +64,7 @@ def train(run: Run) -> list[dict]:
     done = run.start_step
     hooks = run.checkpointer.hooks if run.checkpointer is not None else None
     where = ""  # what a collective that fails was part of (a save names its own step)
-    failed = False
+    failed = interrupted = False
     try:
         for step in range(run.start_step, t.steps):
             where = f"step {step + 1}"
@@ -118,12 +118,16 @@ def train(run: Run) -> list[dict]:
         if where:
             err.during(where)
         raise
-    else:
-        interrupted = False
     finally:
         loader.close()
         if failed:  # the failure said is the first; a save in flight meets it again
             with contextlib.suppress(Exception):
+                run.close()
+        elif interrupted:
+            # Every rank of the job was stopped: a save in flight loses the ranks that stopped
+            # before joining it. That checkpoint is not complete, and the line names the last
+            # one that is.
+            with contextlib.suppress(CollectiveError):
                 run.close()
         else:
             run.close()  # waits for the last checkpoint (one being written when interrupted too)
