@@ -12,7 +12,6 @@ rows (the plain loop, FSDP2) have no plan of ours to price and are listed withou
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import json
@@ -25,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import VARIANTS
+from command_line import exit_on_bad_input
 
 from config.errors import ConfigError
-from config.loading import parse_config
+from config.loading import OneLineParser, parse_config
 from execution.planning.dry_run import dry_run
 
 
@@ -90,7 +90,7 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", type=Path, help="a results file of gpu_first_run.py")
     spec_help = "device spec file (default: the results file's name, ending .spec.json)"
     parser.add_argument("--spec", type=Path, help=spec_help)
@@ -118,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_on_bad_input(lambda: sys.exit(main()), "estimate_rows.py")

@@ -24,7 +24,6 @@ process (a sticky CUDA error) leaves the earlier ones' results (gpu_first_run.py
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
 import math
@@ -43,7 +42,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from config.loading import parse_config
+from command_line import exit_on_bad_input
+
+from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
@@ -289,7 +290,7 @@ def _sticky_cuda_error(err: Exception) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=4, help="training steps per comparison")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="a smaller model still (tests)")
@@ -324,4 +325,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_on_bad_input(lambda: sys.exit(main()), "gpu_check.py")

@@ -45,8 +45,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step
 from baselines import fsdp2_host_bytes
 from child_process import run_child
+from command_line import exit_on_bad_input
 
-from config.loading import parse_config
+from config.loading import OneLineParser, parse_config
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_BUDGET_S = 420  # with the machine's start, one command of 8 minutes at most
@@ -290,7 +291,7 @@ def results_path(args: argparse.Namespace, probe: dict) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="the results file (default: in --results_dir)")
     parser.add_argument(
         "--results_dir",
@@ -368,4 +369,4 @@ def _outcome_line(outcome: dict) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_on_bad_input(lambda: sys.exit(main()), "gpu_first_run.py")

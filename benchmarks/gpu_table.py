@@ -11,10 +11,16 @@ reserved, and the dry run's estimate against the measurement; then each run's ch
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from command_line import exit_on_bad_input
+
+from config.loading import OneLineParser
 
 RESULTS = Path(__file__).resolve().parent / "results"
 START, END = "<!-- gpu-table:start -->", "<!-- gpu-table:end -->"
@@ -94,7 +100,7 @@ def replace_between_markers(text: str, table: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=RESULTS, help="folder of results files")
     parser.add_argument("--write", type=Path, help="a Markdown file with the table's markers")
     args = parser.parse_args(argv)
@@ -117,4 +123,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_on_bad_input(lambda: sys.exit(main()), "gpu_table.py")

@@ -180,3 +180,19 @@ def test_without_a_gpu_the_probe_says_so_in_one_line_and_leaves_its_output(tmp_p
     assert len(lines) == 1 and "the cuda device cannot be used" in lines[0]
     probe = json.loads(out.read_text())["stages"]["probe"]
     assert probe["ok"] is False and probe["output_tail"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("benchmarks/gpu_first_run.py", "--budget_s", "-1"),
+        ("benchmarks/estimate_rows.py", "/nonexistent/first.json"),
+        ("benchmarks/gpu_table.py", "--results", "/nonexistent"),
+        ("benchmarks/gpu_check.py", "--steps", "0"),
+    ],
+)
+def test_the_first_runs_scripts_refuse_bad_input_in_one_line(argv):
+    result = run_script(*argv, timeout=60)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"{Path(argv[0]).name}: error: ")
