@@ -44,6 +44,11 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
         if stopped_by:
             return
         stopped_by["signal"] = signum
+        # Ignored from now on, not only skipped here: the interpreter's shutdown puts a Python
+        # handler back to the default (a later stop would then kill the process, exit -15)
+        # but leaves an ignored signal ignored.
+        for stop in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(stop, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _on_stop)
