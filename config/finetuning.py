@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from config.errors import ConfigError
+from config.errors import ConfigError, refuse_ignored_flags
 from config.field_help import doc as _doc
 from config.loading import parse_config
 from config.schema import PretrainingConfig
@@ -136,12 +136,8 @@ def validate_finetuning(config: FinetuningRunConfig, given: Collection[str] = ()
             raise ConfigError(f"--{name} must be at least 1, got {getattr(f, name)}")
     if config.task != SQUAD:
         unused = [f"--{name}" for name in SQUAD_ONLY_FLAGS if f"finetuning.{name}" in given]
-        if unused:
-            applies, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
-            raise ConfigError(
-                f"{' and '.join(unused)} only {applies} to --task squad (its windows and "
-                f"answers), not to --task {config.task}; leave {them} out"
-            )
+        squad = f"--task squad (its windows and answers), not to --task {config.task}"
+        refuse_ignored_flags(unused, squad, "leave {them} out")
     length = config.model.sequence_length
     if config.task == SQUAD and f.doc_stride > length - LEAST_WINDOW_OVERHEAD - 1:
         raise ConfigError(

@@ -7,7 +7,7 @@ import math
 from collections.abc import Collection
 from pathlib import Path
 
-from config.errors import ConfigError
+from config.errors import ConfigError, refuse_ignored_flags
 from config.schema import PretrainingConfig
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
@@ -331,12 +331,8 @@ def _validate_rigl(config: PretrainingConfig, given: Collection[str]) -> None:
         )
     if not r.enabled:
         unused = [f"--{name}" for name in SPARSE_ONLY_FLAGS if f"rigl.{name}" in given]
-        if unused:
-            applies, them = ("applies", "it") if len(unused) == 1 else ("apply", "them")
-            raise ConfigError(
-                f"{' and '.join(unused)} only {applies} to sparse training, and --sparsity is 0 "
-                f"(dense); add --sparsity S (e.g. 0.9) or leave {them} out"
-            )
+        dense = "sparse training, and --sparsity is 0 (dense)"
+        refuse_ignored_flags(unused, dense, "add --sparsity S (e.g. 0.9) or leave {them} out")
         return
     _validate_kept_weights(config)
 
