@@ -69,7 +69,8 @@ def gpu_activity(events: list[dict], wall_seconds: float) -> dict:
     return out
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Waits for the device's queued work (a CPU has none)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -97,11 +98,11 @@ def profile_step(step_fn: Callable[[int], float], step: int, device: torch.devic
             # Only the recorded step's events are wanted, which the profiler warns about.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
             step_fn(step)
-            _synchronize(device)  # the warm-up step's kernels stay out of the recorded one
+            synchronize(device)  # the warm-up step's kernels stay out of the recorded one
             prof.step()
             started = time.perf_counter()
             step_fn(step + 1)
-            _synchronize(device)
+            synchronize(device)
             wall = time.perf_counter() - started
             prof.step()
         with open(path) as trace:

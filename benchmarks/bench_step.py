@@ -54,9 +54,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from baselines import FSDP2_OFFLOAD, StepFn, fsdp2_offload, plain_loop_label, pytorch_loop
-from bench_profile import _synchronize, gpu_activity, profile_step
+from bench_profile import gpu_activity, profile_step, synchronize
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
-from child_process import run_child
+from child_process import append_json_line, read_json_lines, run_child
 from command_line import check_output_file, exit_on_bad_input
 
 from config.loading import OneLineParser, parse_config
@@ -163,17 +163,19 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     reset_peak_memory(device)
     started = time.perf_counter()
     step_fn: StepFn = build()
-    _note_progress(run.progress, {"built_s": time.perf_counter() - started})
+    if run.progress is not None:  # what survives a row killed by its time limit
+        append_json_line(run.progress, {"built_s": time.perf_counter() - started})
     times, losses = [], []
     for i in range(run.warmup + run.steps):
-        _synchronize(device)
+        synchronize(device)
         started = time.perf_counter()
         losses.append(step_fn(i))
-        _synchronize(device)
+        synchronize(device)
         seconds = time.perf_counter() - started
         if i >= run.warmup:
             times.append(seconds)
-        _note_progress(run.progress, {"step": i, "seconds": seconds, "loss": losses[-1]})
+        if run.progress is not None:
+            append_json_line(run.progress, {"step": i, "seconds": seconds, "loss": losses[-1]})
     row = {"variant": label, "device": str(device), "pid": os.getpid()}
     if getattr(step_fn, "plan", None) is not None:
         row["plan"] = step_fn.plan
@@ -199,13 +201,6 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     else:  # no copies to time and no kernels to count
         row.update(dict.fromkeys(("h2d_GBps", "d2h_GBps", "h2d_GB", "d2h_GB", "gpu_idle")))
     return row
-
-
-def _note_progress(path: Path | None, entry: dict) -> None:
-    """One JSON line, flushed: what survives a row killed by its time limit."""
-    if path is not None:
-        with open(path, "a") as progress:
-            progress.write(json.dumps(entry) + "\n")
 
 
 def read_batches(config: PretrainingConfig, count: int) -> list[torch.Tensor]:
@@ -294,11 +289,7 @@ def run_row(
             error = f"out of memory: {last}"
         else:
             error = f"failed: exit code {done.returncode}: {last}"
-        ended = (
-            [json.loads(line) for line in progress.read_text().splitlines()]
-            if progress.exists()
-            else []
-        )
+        ended = read_json_lines(progress)
         return {"variant": label, "error": error, "progress": ended, "output_tail": done.tail}
 
 

@@ -8,12 +8,14 @@ whole process group is killed: the ranks or workers it started too.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 TAIL_CHARS = 4000
 
@@ -63,3 +65,15 @@ def run_child(
         seconds = time.perf_counter() - started
         log.seek(0)
         return ChildResult(code, seconds, log.read())
+
+
+def append_json_line(path: Path, entry: dict) -> None:
+    """One JSON line appended and closed at once: what a child leaves for its parent survives
+    the child being killed at its limit."""
+    with open(path, "a") as lines:
+        lines.write(json.dumps(entry) + "\n")
+
+
+def read_json_lines(path: Path) -> list[dict]:
+    """What :func:`append_json_line` left in ``path`` (nothing if the child wrote none)."""
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []

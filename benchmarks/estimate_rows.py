@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import os
 import sys
 import tempfile
 from pathlib import Path
@@ -28,6 +27,7 @@ from command_line import exit_on_bad_input
 
 from config.errors import ConfigError
 from config.loading import OneLineParser, parse_config
+from execution.checkpoint.files import write_atomic
 from execution.planning.dry_run import dry_run
 
 
@@ -110,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(err))
     print(table(rows))
     if args.update:
-        tmp = args.results.with_name(args.results.name + ".tmp")
-        tmp.write_text(json.dumps(results, indent=1))
-        os.replace(tmp, args.results)
+        write_atomic(args.results, json.dumps(results, indent=1))
         print(f"written: {args.results}")
     return 0
 

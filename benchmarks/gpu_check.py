@@ -25,7 +25,6 @@ process (a sticky CUDA error) leaves the earlier ones' results (gpu_first_run.py
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import shlex
@@ -42,6 +41,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from child_process import append_json_line
 from command_line import exit_on_bad_input
 
 from config.loading import OneLineParser, parse_config
@@ -269,8 +269,7 @@ def _run_checks(
         result = {"check": name, "ok": ok, "detail": detail, "seconds": seconds}
         results.append(result)
         if record is not None:
-            with open(record, "a") as lines:
-                lines.write(json.dumps(result) + "\n")
+            append_json_line(record, result)
         if poisoned and record is not None:
             # Every later CUDA call of this process would fail the same way: end it, and let
             # the caller run the remaining checks in a fresh one.

@@ -44,10 +44,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_step
 from baselines import fsdp2_host_bytes
-from child_process import run_child
+from child_process import read_json_lines, run_child
 from command_line import exit_on_bad_input
 
 from config.loading import OneLineParser, parse_config
+from execution.checkpoint.files import write_atomic
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_BUDGET_S = 420  # with the machine's start, one command of 8 minutes at most
@@ -164,9 +165,7 @@ class Report:
             "checks": self.checks,
             "rows": self.rows,
         }
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, self.path)  # a reader (or a kill) never sees half a file
+        write_atomic(self.path, json.dumps(data, indent=1))  # never half a file, even if killed
 
     @property
     def spec_file(self) -> Path:
@@ -195,11 +194,7 @@ def run_checks(stage: Stage, report: Report, timeout: float, quick: bool) -> dic
         done = run_child(
             [*command, *(["--quick"] if quick else [])], deadline - time.perf_counter()
         )
-        ended = (
-            [json.loads(line) for line in record.read_text().splitlines()]
-            if record.exists()
-            else []
-        )
+        ended = read_json_lines(record)
         report.checks = ended + crashes
         names = [n for n in gpu_check.CHECKS if n not in {c["check"] for c in report.checks}]
         if done.returncode in (0, 1) or not names:
