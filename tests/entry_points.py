@@ -57,6 +57,14 @@ def run_script(
         return subprocess.CompletedProcess(argv, code, out.read_text(), err.read_text())
 
 
+def assert_refused(result: subprocess.CompletedProcess, program: str, message: str = "") -> None:
+    """The house rule for bad input: exit 2 and one line on stderr, ``{program}: error: ...``,
+    holding ``message``."""
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert result.stderr.startswith(f"{program}: error: "), result.stderr
+    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+
+
 def _child(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> int:
     at_exit: list = []  # the script's own exit handlers; the parent's are not the child's to run
     try:

@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import bench_step  # noqa: E402
 
-from tests.entry_points import run_script  # noqa: E402
+from tests.entry_points import assert_refused, run_script  # noqa: E402
 
 SMALL = shlex.split(
     "--hidden_size 32 --sequence_length 32 --max_positional_length 32 "
@@ -142,9 +142,9 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2():
 def test_bad_flags_are_one_line_and_exit_2_before_any_row_runs(tmp_path, flags, message):
     command = shlex.split(flags.format(tmp=tmp_path))
     result = run_script("benchmarks/bench_step.py", *command, "--adamw_elements", "0")
-    assert result.returncode == 2 and result.stdout == ""
+    assert_refused(result, "bench_step.py", message.format(tmp=tmp_path))
     assert result.stderr.startswith(f"bench_step.py: error: {message.format(tmp=tmp_path)}")
-    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert result.stdout == "" and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
 
 

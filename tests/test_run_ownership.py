@@ -26,7 +26,7 @@ import pytest
 
 from execution.checkpoint.files import resolve, verify
 from execution.checkpoint.ownership import claim_folder, claim_new_folder, new_run_id
-from tests.entry_points import ROOT, run_script
+from tests.entry_points import ROOT, assert_refused, run_script
 from tests.test_checkpoint import RUN_FLAGS, entry_point
 
 
@@ -46,9 +46,7 @@ def _steps(output_dir: Path) -> list[int]:
 
 
 def _refused(result, message: str, program: str = "run_pretraining.py") -> None:
-    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
-    assert result.stderr.startswith(f"{program}: error: "), result.stderr
-    assert message in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert_refused(result, program, message)
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine
 from execution.parallel.mesh import ParallelLayout
 from tests.distributed import planned_engine
-from tests.entry_points import run_script
+from tests.entry_points import assert_refused, run_script
 
 SMALL = shlex.split(
     "--config tiny --layers 1 --hidden_size 32 --heads 2 --vocab_size 300 "
@@ -62,8 +62,7 @@ def no_engine(monkeypatch):
 
 def _refused(program: str, *flags: str, tmp_path: Path) -> str:
     result = run_script(program, *flags, "--output_dir", str(tmp_path / "out"))
-    assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.startswith(f"{program}: error: ") and result.stderr.count("\n") == 1
+    assert_refused(result, program)
     assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
     return result.stderr
 
