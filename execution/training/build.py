@@ -49,7 +49,7 @@ from execution.engine.plan import engine_plan
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
-from execution.training.checkpoint_flags import check_checkpoint_flags, check_resumed_sparsity
+from execution.training.checkpoint_flags import check_resumed_sparsity
 from execution.training.restart import Restart
 from utils.tracking import NullTracker, Tracker, run_trackers
 
@@ -162,7 +162,6 @@ def assemble(
     restart: Restart | None = None,
 ) -> Run:
     """Builds this rank's run from a kind of run's inputs (:func:`build`'s arguments)."""
-    check_checkpoint_flags(config)
     c = config.checkpoint
     run_id = restart.run_id if restart else new_run_id()  # a restart is the same run
     continues = False  # the run resumes --load's run: its id, folders and metrics go on

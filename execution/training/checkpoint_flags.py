@@ -1,25 +1,14 @@
-"""Checks of the checkpoint flags that need more than the flags themselves, or that the
-config's validation does not make; :func:`~execution.training.build.assemble` runs them before
-anything is planned or written, so a refused run changes nothing on disk."""
+"""The check of the checkpoint flags that needs more than the flags themselves: a resumed
+checkpoint's sparsity. :func:`~execution.training.build.assemble` runs it before anything is
+planned or written, so a refused run changes nothing on disk."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
-
-
-def check_checkpoint_flags(config: PretrainingConfig) -> None:
-    """Raises a one-line ConfigError for a checkpoint flag no run can use."""
-    delay = config.checkpoint.checkpoint_commit_delay
-    if not 0 <= delay < math.inf:  # a negative sleep fails the final save's commit
-        raise ConfigError(
-            f"--checkpoint_commit_delay must be a number of seconds >= 0 (a test hook: 0 in "
-            f"normal use), got {delay}"
-        )
 
 
 def check_resumed_sparsity(
