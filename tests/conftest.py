@@ -27,6 +27,16 @@ import torch  # after the variable, which OpenMP reads once
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread for a module whose tensors are tiles (initial weights), whatever an
+    earlier module set: on a shared machine a team of threads mostly waits for itself."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # The modules whose tolerances rest on float32 arithmetic against an independent reference:
 # CI runs their fast tests again under other CPU kernels (ATEN_CPU_CAPABILITY,
 # MKL_ENABLE_INSTRUCTIONS), so a tolerance that holds on one instruction set only fails there.

@@ -33,13 +33,7 @@ _PDF2 = math.exp(-2) / math.sqrt(2 * math.pi)
 TRUNCATED_STD_FACTOR = math.sqrt(1 - 4 * _PDF2 / math.erf(2 / math.sqrt(2)))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiles are small ops: on a shared machine, intra-op threads mostly wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def shapes_for(tp1: int, tp2: int, vocab: int, hidden: int = 320, layers: int = 2) -> GPTShapes:

@@ -44,13 +44,7 @@ SHAPES = GPTShapes(
 )
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_torch_thread():
-    """The pool spreads the tiles; each tile's small ops need no team of threads of their own."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
 
 def assert_bitwise_equal(actual: dict, expected: dict) -> None:
