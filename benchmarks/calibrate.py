@@ -45,7 +45,6 @@ import dataclasses
 import itertools
 import json
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -63,9 +62,17 @@ from calibrate_runtime import (
     measure_host_adamw,
     measure_host_link,
     measure_waited_collectives,
-    median_seconds,
 )
 from command_line import check_output_file, exit_on_bad_input
+from sample_clock import (
+    MachineShare,
+    Sample,
+    doubtful_timings,
+    load_warning,
+    summarise,
+    take_sample,
+    timed,
+)
 
 from config.loading import OneLineParser
 from execution.engine.recompute import SDPA_BACKENDS, attention_kernel
@@ -162,27 +169,31 @@ def matmul_shapes(sizes: Sizes) -> list[tuple[str, int, int, int]]:
     return shapes
 
 
+def _matmul_sample(m: int, n: int, k: int, dtype: torch.dtype, device: torch.device) -> Sample:
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    out = torch.empty(m, n, device=device, dtype=dtype)
+    torch.mm(a, b, out=out)  # untimed: allocation, kernel selection
+    return take_sample(lambda: torch.mm(a, b, out=out), device)
+
+
 def measure_matmul(device: torch.device, sizes: Sizes) -> dict:
     """Each shape's median time, timed in rounds that take every shape once: a shared
     machine's speed drifts over seconds, and shapes timed one after another had put a slow
-    stretch on a block of them (two calibrations' rates differed 18% on ``tiny``'s step)."""
+    stretch on a block of them (two calibrations' rates differed 18% on ``tiny``'s step).
+    Shapes that another process's load spoiled (sample_clock.py) get more rounds."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = matmul_shapes(sizes)
-    times: list[list[float]] = [[] for _ in shapes]
-    for _ in range(sizes.repeats):
-        for (_, m, n, k), seconds in zip(shapes, times, strict=True):
-            a = torch.randn(m, k, device=device, dtype=dtype)
-            b = torch.randn(k, n, device=device, dtype=dtype)
-            out = torch.empty(m, n, device=device, dtype=dtype)
-            seconds.append(
-                median_seconds(lambda a=a, b=b, out=out: torch.mm(a, b, out=out), device, 1)
-            )
-            del a, b, out
+    samples: list[list[Sample]] = [[] for _ in shapes]
+    for round_ in range(3 * sizes.repeats):
+        for (_, m, n, k), taken in zip(shapes, samples, strict=True):
+            if round_ < sizes.repeats or sum(s.clean for s in taken) < sizes.repeats:
+                taken.append(_matmul_sample(m, n, k, dtype, device))
     rows = []
-    for (kind, m, n, k), seconds in zip(shapes, times, strict=True):
-        median = statistics.median(seconds)
-        rows.append({"kind": kind, "m": m, "n": n, "k": k, "seconds": median})
-        rows[-1]["tflops"] = 2 * m * n * k / median / 1e12
+    for (kind, m, n, k), taken in zip(shapes, samples, strict=True):
+        timing = summarise(taken, sizes.repeats)
+        rows.append({"kind": kind, "m": m, "n": n, "k": k, "seconds": timing.seconds})
+        rows[-1] |= {"tflops": 2 * m * n * k / timing.seconds / 1e12, "timing": timing.record()}
     return {"dtype": str(dtype).removeprefix("torch."), "shapes": rows}
 
 
@@ -192,11 +203,12 @@ def measure_memory(device: torch.device, sizes: Sizes) -> dict:
     tiny's memory-bound ops 40% apart)."""
     src = torch.empty(sizes.copy_bytes, dtype=torch.uint8, device=device).fill_(1)
     dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, 3 * sizes.repeats)
+    timing = timed(lambda: dst.copy_(src), device, 3 * sizes.repeats)
     return {
         "bytes": sizes.copy_bytes,
-        "seconds": seconds,
-        "gb_per_s": 2 * src.numel() / seconds / 1e9,
+        "seconds": timing.seconds,
+        "gb_per_s": 2 * src.numel() / timing.seconds / 1e9,
+        "timing": timing.record(),
     }
 
 
@@ -209,8 +221,9 @@ def measure_launch(device: torch.device, sizes: Sizes) -> dict:
         for _ in range(sizes.launches):
             x.add_(1.0)
 
-    seconds = median_seconds(launches, device, sizes.repeats)
-    return {"launches": sizes.launches, "overhead_us": seconds / sizes.launches * 1e6}
+    timing = timed(launches, device, sizes.repeats)
+    overhead_us = timing.seconds / sizes.launches * 1e6
+    return {"launches": sizes.launches, "overhead_us": overhead_us, "timing": timing.record()}
 
 
 def measure_host_memory(device: torch.device, sizes: Sizes) -> dict:
@@ -233,10 +246,15 @@ def measure_attention(device: torch.device, sizes: Sizes) -> dict:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         torch.autograd.grad(out.sum(), (q, k, v))
 
-    seconds = median_seconds(step, device, sizes.repeats)
+    timing = timed(step, device, sizes.repeats)
     forward = 2 * (2 * b * h * s * s * d)
     flops = (forward + 5 * forward // 2) // 2
-    return {"shape": [b, h, s, d], "seconds": seconds, "tflops": flops / seconds / 1e12}
+    return {
+        "shape": [b, h, s, d],
+        "seconds": timing.seconds,
+        "tflops": flops / timing.seconds / 1e12,
+        "timing": timing.record(),
+    }
 
 
 def measure_fresh_memory(device: torch.device, sizes: Sizes) -> dict:
@@ -250,9 +268,10 @@ def measure_fresh_memory(device: torch.device, sizes: Sizes) -> dict:
     for shift in range(20, 29):  # 1 MiB to 256 MiB
         n = (1 << shift) // 4
         kept = torch.empty(n)
-        reused = median_seconds(lambda kept=kept: kept.fill_(1.0), device, sizes.repeats + 4)
-        fresh = median_seconds(lambda n=n: torch.empty(n).fill_(1.0), device, sizes.repeats + 4)
-        rows.append({"bytes": 4 * n, "extra_s": max(fresh - reused, 1e-9)})
+        reused = timed(lambda kept=kept: kept.fill_(1.0), device, sizes.repeats + 4)
+        fresh = timed(lambda n=n: torch.empty(n).fill_(1.0), device, sizes.repeats + 4)
+        extra = max(fresh.seconds - reused.seconds, 1e-9)
+        rows.append({"bytes": 4 * n, "extra_s": extra, "timing": fresh.record()})
         del kept
     largest = rows[-1]["bytes"] / rows[-1]["extra_s"]  # bytes per second of first touch
     threshold = next(r["bytes"] for r in rows if r["bytes"] / r["extra_s"] <= 2 * largest)
@@ -292,7 +311,10 @@ MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
 def spec_fields(measured: dict, device: torch.device) -> dict:
     """The :class:`DeviceSpec` fields these measurements give (the rest stay the base's)."""
     shapes = measured["matmul"]["shapes"]
-    best = max(s["tflops"] for s in shapes)
+    # A CPU's peak is its best rate, of the timings clean of other processes' load where
+    # there are any (a corrected timing of a spoiled multi-threaded op can read too fast).
+    trusted = [s for s in shapes if s.get("timing", {}).get("trusted", True)] or shapes
+    best = max(s["tflops"] for s in trusted)
     gpt = [s for s in shapes if s["kind"] not in ("square", "grid")]
     gpt_rate = sum(2 * s["m"] * s["n"] * s["k"] for s in gpt) / sum(s["seconds"] for s in gpt)
     peak = device_peak_tflops(device, 0.0) or best  # no data sheet (a CPU): the best measured
@@ -307,7 +329,7 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
     # direction alone one that only loads (gpt3_6.7B streamed keeps its gradients on the
     # device); the slowest of these prices no phase faster than the link runs it.
     alone_and_both = ("h2d_alone_gb_per_s", "d2h_alone_gb_per_s", "both_gb_per_s")
-    one_rate = min(link[key] for key in alone_and_both) if link else host_bw
+    one_rate = min(link[key] for key in alone_and_both) if "both_gb_per_s" in link else host_bw
     free = measured["free_memory"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return {
@@ -335,9 +357,10 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
 
 
 def _timed(name: str, measure: Callable[..., dict], *args) -> dict:
-    """``measure(*args)``, printing how long it took."""
-    started = time.perf_counter()
-    result = measure(*args)
+    """``measure(*args)``, printing how long it took, with the share of the cores other
+    processes used meanwhile."""
+    started, others = time.perf_counter(), MachineShare()
+    result = measure(*args) | {"others_share": others.others()}
     print(f"calibrate: {name} {time.perf_counter() - started:.1f} s", flush=True)
     return result
 
@@ -360,7 +383,13 @@ def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
     waited = _timed("waited_collectives", measure_waited_collectives, device, sizes, spec)
     measured["waited_collectives"] = waited
     spec = dataclasses.replace(spec, waited_collective_us=waited["waited_us"])
-    return {"device_spec": spec_file_dict(spec), "base": base, "measurements": measured}
+    doubtful = {name: list(counts) for name, counts in doubtful_timings(measured).items()}
+    return {
+        "device_spec": spec_file_dict(spec),
+        "base": base,
+        "measurements": measured,
+        "doubtful_timings": doubtful,
+    }
 
 
 def summary(result: dict) -> str:
@@ -404,6 +433,8 @@ def main(argv: list[str] | None = None) -> dict:
     result = calibrate(device, sizes, args.base)
     Path(args.output).write_text(json.dumps(result, indent=1))
     print(summary(result))
+    if warning := load_warning(result):
+        print(warning, file=sys.stderr)
     print(f"written: {args.output} (use it with --device_spec_file)")
     return result
 

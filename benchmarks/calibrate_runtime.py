@@ -8,11 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import shlex
-import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -22,6 +20,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sample_clock import (
+    Sample,
+    combined,
+    summarise,
+    summarise_together,
+    synchronize,
+    take_sample,
+    timed,
+)
 
 from config.loading import parse_config
 from config.schema import OptimizerConfig
@@ -72,24 +80,6 @@ def _collective(op: str, rank: int, buffers: tuple) -> None:
         dist.recv(buffers[0], 0)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall time of ``fn`` after one untimed call (allocation, kernel selection)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        started = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def measure_host_link(device: torch.device, sizes) -> dict:
     """Host <-> device copies as the engine makes them: on host memory allocated as its
     buffers are (:func:`host_memory_for`: pages registered with ``cudaHostRegister``, not
@@ -104,7 +94,7 @@ def measure_host_link(device: torch.device, sizes) -> dict:
     loaded_into = torch.empty(n, dtype=torch.uint8, device=device)
     stored_from = torch.ones(n, dtype=torch.uint8, device=device)
     load_stream, store_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
-    _sync(device)  # the side streams do not wait for the default stream's fill
+    synchronize(device)  # the side streams do not wait for the default stream's fill
 
     def load() -> None:
         with torch.cuda.stream(load_stream):
@@ -118,8 +108,8 @@ def measure_host_link(device: torch.device, sizes) -> dict:
         load()
         store()
 
-    alone = [median_seconds(copy, device, sizes.repeats) for copy in (load, store)]
-    together = median_seconds(both, device, sizes.repeats)
+    alone = [timed(copy, device, sizes.repeats).seconds for copy in (load, store)]
+    together = timed(both, device, sizes.repeats).seconds
     return {
         "bytes": n,
         "h2d_alone_gb_per_s": n / alone[0] / 1e9,
@@ -181,13 +171,14 @@ def measure_host_adamw(device: torch.device, sizes) -> dict:
     state = HostUpdateState([weights, grads, exp_avg, exp_avg_sq], copy)
     driver = AdamWDriver(state, OptimizerConfig(), threads)
     update = functools.partial(driver.update, lr=1e-4, grad_scale=0.5)
-    seconds = median_seconds(update, torch.device("cpu"), sizes.repeats)
+    timing = timed(update, torch.device("cpu"), sizes.repeats)
     return {
         "elements": n,
         "threads": threads,
         "weight_copy": None if copy is None else "bfloat16",
-        "seconds": seconds,
-        "elements_per_s": n / seconds,
+        "seconds": timing.seconds,
+        "elements_per_s": n / timing.seconds,
+        "timing": timing.record(),
     }
 
 
@@ -229,22 +220,29 @@ def _on_pair(device: torch.device, work, *args) -> list:
 
 def _time_collectives(rank: int, device: torch.device, sizes, repeats, out) -> None:
     """Times every op at every size, in rounds that take each once (a shared machine's speed
-    drifts over seconds: each op and size then sees every phase of it), and keeps the median."""
+    drifts over seconds: each op and size then sees every phase of it); each rank adds its
+    samples, which measure_collectives pairs."""
     fulls = {n: torch.ones(n // 4, device=device) for n in sizes}
-    times: dict[tuple, list[float]] = {(op, n): [] for op in COLLECTIVES for n in sizes}
     for attempt in range(repeats + 1):
-        for op, nbytes in times:
-            buffers = _collective_buffers(op, rank, fulls[nbytes])
-            dist.barrier()
-            _sync(device)
-            started = time.perf_counter()
-            _collective(op, rank, buffers)
-            _sync(device)
-            if attempt:  # the first sets up the pair's buffers
-                times[op, nbytes].append(time.perf_counter() - started)
-    if rank == 0:
-        for (op, nbytes), seconds in times.items():
-            out.append((op, nbytes, nbytes / statistics.median(seconds) / 1e9))
+        for op in COLLECTIVES:
+            for nbytes in sizes:
+                buffers = _collective_buffers(op, rank, fulls[nbytes])
+                dist.barrier()
+                sample = take_sample(functools.partial(_collective, op, rank, buffers), device)
+                if attempt:  # the first sets up the pair's buffers
+                    out.append((rank, op, nbytes, attempt, dataclasses.astuple(sample)))
+
+
+def _paired(rows: list[tuple]) -> dict[tuple, list[Sample]]:
+    """Both ranks' samples of each call, ``(rank, *call, attempt, sample fields)``, as one
+    sample of the call, by call."""
+    calls: dict[tuple, list[Sample]] = defaultdict(list)
+    for _, *call, fields in rows:
+        calls[tuple(call)].append(Sample(*fields))
+    paired: dict[tuple, list[Sample]] = defaultdict(list)
+    for (*call, _), samples in calls.items():
+        paired[tuple(call)].append(combined(samples))
+    return paired
 
 
 def measure_collectives(device: torch.device, sizes) -> dict:
@@ -253,7 +251,14 @@ def measure_collectives(device: torch.device, sizes) -> dict:
     if not _has_pair(device):
         return {"rates": [], "why": "one GPU: no pair to measure"}
     args = (sizes.collective_bytes, sizes.collective_repeats)
-    return {"rates": [list(row) for row in _on_pair(device, _time_collectives, *args)]}
+    rates, timings = [], []
+    for (op, nbytes), samples in _paired(_on_pair(device, _time_collectives, *args)).items():
+        timing = summarise_together(samples)
+        rates.append([op, nbytes, nbytes / timing.seconds / 1e9])
+        timings.append({"op": op, "bytes": nbytes, "timing": timing.record()})
+    order = {op: i for i, op in enumerate(COLLECTIVES)}
+    rates.sort(key=lambda row: (order[row[0]], row[1]))
+    return {"rates": rates, "timings": timings}
 
 
 # A model whose every op is small: its step is the engine's host time and the ops' launches.
@@ -287,14 +292,12 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
         windows = meta_step(plan, ParallelLayout.shapes_only(1, 1, 1), kernel).windows
         runs.append((engine, torch.randint(0, 512, shape, device=device), windows, []))
     for step in range(sizes.engine_steps + 2):
-        for engine, tokens, _, times in runs:
-            _sync(device)
-            started = time.perf_counter()
-            engine.train_step(tokens, step=step, lr=1e-3)
-            _sync(device)
-            times.append(time.perf_counter() - started)
+        for engine, tokens, _, samples in runs:
+            train_step = functools.partial(engine.train_step, tokens, step=step, lr=1e-3)
+            samples.append(take_sample(train_step, device))
     rows = []
-    for (layers, micro_batches), (_, _, windows, times) in zip(ENGINE_SHAPES, runs, strict=True):
+    for (layers, micro_batches), (*_, windows, samples) in zip(ENGINE_SHAPES, runs, strict=True):
+        timing = summarise(samples[2:], sizes.engine_steps)
         work = sum(
             sum(device_seconds(w.costs, w.attention_flops, no_launch).values()) for w in windows
         )
@@ -302,10 +305,11 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
             {
                 "layers": layers,
                 "micro_batches": micro_batches,
-                "step_s": statistics.median(times[2:]),
+                "step_s": timing.seconds,
                 "ops_s": work,
                 "kernels": sum(w.costs.kernels for w in windows),
                 "phases": sum(1 for w in windows if w.kind != "optimizer"),
+                "timing": timing.record(),
             }
         )
     del runs
@@ -337,19 +341,18 @@ def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> N
         row = plan.sequence_length + plan.model.label_columns
         shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
         tokens = torch.randint(0, 512, shape, generator=torch.Generator().manual_seed(0))
-        runs.append((engine, tokens.to(device), []))
+        runs.append((engine, tokens.to(device)))
     for step in range(steps + 2):
-        for engine, tokens, times in runs:
+        for shape, (engine, tokens) in enumerate(runs):
             dist.barrier()
-            _sync(device)
-            started = time.perf_counter()
-            engine.train_step(tokens, step=step, lr=1e-3)
-            _sync(device)
-            times.append(time.perf_counter() - started)
+            train_step = functools.partial(engine.train_step, tokens, step=step, lr=1e-3)
+            sample = take_sample(train_step, device)
+            if step >= 2:  # the first two set up buffers and the pair's connections
+                out.append((rank, shape, step, dataclasses.astuple(sample)))
     if rank == 0:
         shapes_only = ParallelLayout.shapes_only(1, 2, 1)
         kernel = attention_kernel(device.type, 0.0, torch.float32)  # ENGINE_FLAGS' precision
-        for (layers, micro_batches), (engine, _, times) in zip(shapes, runs, strict=True):
+        for (layers, micro_batches), (engine, _) in zip(shapes, runs, strict=True):
             windows = meta_step(engine.plan, shapes_only, kernel).windows
             modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)
             waited = sum(
@@ -359,8 +362,7 @@ def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> N
                 for (_, _, asynchronous), count in calls.items()
                 if not asynchronous
             )
-            row = {"layers": layers, "micro_batches": micro_batches}
-            row |= {"step_s": statistics.median(times[2:]), "waited_calls": waited}
+            row = {"layers": layers, "micro_batches": micro_batches, "waited_calls": waited}
             out.append(row | {"modelled_s": modelled["step_time_s"]})
 
 
@@ -376,7 +378,12 @@ def measure_waited_collectives(device: torch.device, sizes, spec: DeviceSpec) ->
     if not _has_pair(device):
         return {"rows": [], "waited_us": None, "why": "one GPU: no pair to measure"}
     spec = dataclasses.replace(spec, waited_collective_us=0.0)
-    rows = _on_pair(device, _time_waited, sizes.waited_shapes, sizes.engine_steps, spec)
+    out = _on_pair(device, _time_waited, sizes.waited_shapes, sizes.engine_steps, spec)
+    rows = [row for row in out if isinstance(row, dict)]
+    steps = _paired([sample for sample in out if not isinstance(sample, dict)])
+    for shape, row in enumerate(rows):
+        timing = summarise_together(steps[(shape,)])
+        row |= {"step_s": timing.seconds, "timing": timing.record()}
     weights = np.array([1.0 / r["step_s"] ** 2 for r in rows])
     calls = np.array([r["waited_calls"] for r in rows], dtype=np.float64)
     excess = np.array([r["step_s"] - r["modelled_s"] for r in rows])

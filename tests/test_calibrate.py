@@ -78,7 +78,7 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     assert spec.device_memory_gb_per_s == pytest.approx(
         2 * memory["bytes"] / memory["seconds"] / 1e9
     )
-    assert measured["host_link"] == {}
+    assert set(measured["host_link"]) == {"others_share"}  # nothing measured, only the load
     assert spec.h2d_gb_per_s == spec.host_link_gb_per_s == spec.host_memory_gb_per_s > 0
     # Memory free to use and the host AdamW's rate, as measured (their own tests below).
     assert spec.memory_gb == spec.host_memory_gb == measured["free_memory"]["host_gib"] > 0

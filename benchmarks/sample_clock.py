@@ -1,0 +1,254 @@
+"""Timing that survives a machine other processes share.
+
+A sample's wall time counts the time the scheduler kept this process's threads off a core
+while they were ready to run. Linux records it per thread (``/proc/self/task/<id>/schedstat``,
+its second field: nanoseconds spent runnable on a run queue), so a sample can say what it
+lost:
+
+- the calling thread's own wait is subtracted: the op did not run then, and would have run at
+  once on an idle machine (exact for a one-threaded op: the engine's host code, a rank of one
+  thread);
+- a wait of any other thread of the process (an OpenMP worker) is not known to have cost the
+  sample its own length, nor nothing: the sample is *spoiled* and kept apart. So is one whose
+  reading of the waits was itself preempted (its wait would be counted outside the sample).
+
+A measurement is the best (fastest) of its clean samples, sampled until as many are clean as
+the repeats asked for or three times as many were taken; where too few are clean, the best of
+the corrected ones, marked as not trusted. On an idle machine every sample is clean and
+nothing is subtracted: the best wall time.
+
+Calls that two processes make together (a collective, a two-rank step) are timed as a step
+pays for them: the median wall time, for the ranks' threads contend for the cores with each
+other on an idle machine too. What other processes took of the machine while a measurement
+ran (:class:`MachineShare`, from ``/proc/stat``) says whether such a timing is to be trusted.
+Without these files (another OS) samples are wall times, all counted clean.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+TASKS = "/proc/self/task"
+# A worker's wait below this share of the sample is noise (a wake-up's microseconds); above
+# it, the op may have waited for that worker.
+SPOILED_SHARE = 0.05
+# Reading the threads' waits takes tens of microseconds; longer, it was preempted.
+READING_LIMIT_S = 1e-3
+EXTRA_SAMPLES = 3  # up to this many times the repeats asked for, to find clean samples
+# Other processes' share of the machine's cores while a measurement ran, above which its
+# timings that cannot be cleaned of them (calls of two processes) are not trusted.
+BUSY_SHARE = 0.1
+# A timing whose middle half spreads wider than this (over the median) saw the machine's
+# speed change under it.
+WIDE_SPREAD = 0.5
+DOUBTFUL_SHARE = 0.25  # of a measurement's timings, above which it is not to be trusted
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _run_delays() -> dict[int, int]:
+    """Nanoseconds each thread of this process has waited on a run queue so far."""
+    delays = {}
+    try:
+        threads = os.listdir(TASKS)
+    except OSError:
+        return delays
+    for tid in threads:
+        try:
+            with open(f"{TASKS}/{tid}/schedstat", "rb") as f:
+                delays[int(tid)] = int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):
+            continue  # the thread ended, or a kernel without the field
+    return delays
+
+
+@dataclass(frozen=True)
+class Sample:
+    wall_s: float
+    own_wait_s: float  # the calling thread's, subtracted
+    others_wait_s: float  # the process's other threads', which spoil the sample
+    reading_s: float = 0.0  # reading the waits, before and after the call
+
+    @property
+    def seconds(self) -> float:
+        return max(self.wall_s - self.own_wait_s, 1e-9)
+
+    @property
+    def clean(self) -> bool:
+        return (
+            self.others_wait_s <= SPOILED_SHARE * self.wall_s and self.reading_s <= READING_LIMIT_S
+        )
+
+
+def take_sample(fn: Callable[[], object], device: torch.device) -> Sample:
+    """One timed call of ``fn`` with what the scheduler took from it."""
+    caller = threading.get_native_id()
+    synchronize(device)
+    reading = time.perf_counter()
+    before = _run_delays()
+    started = time.perf_counter()
+    fn()
+    synchronize(device)
+    ended = time.perf_counter()
+    after = _run_delays()
+    reading = time.perf_counter() - ended + started - reading
+    waits = {tid: (ns - before.get(tid, 0)) / 1e9 for tid, ns in after.items()}
+    own = waits.pop(caller, 0.0)
+    return Sample(ended - started, own, sum(waits.values()), reading)
+
+
+def combined(samples: list[Sample]) -> Sample:
+    """One sample of a call that several processes make together, from each one's sample of
+    it: the slowest's wall time (the waits are kept for the record, not subtracted)."""
+    return Sample(
+        max(s.wall_s for s in samples),
+        max(s.own_wait_s for s in samples),
+        max(s.others_wait_s for s in samples),
+        max(s.reading_s for s in samples),
+    )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """A measurement's samples summarised: what the measurement uses and how far to trust it."""
+
+    seconds: float
+    samples: int
+    spoiled: int
+    spread: float  # (third quartile - first) / median of the samples counted
+    trusted: bool
+    together: bool = False  # calls of two processes (summarise_together)
+
+    def record(self) -> dict:
+        return {
+            "samples": self.samples,
+            "spoiled": self.spoiled,
+            "spread": self.spread,
+            "trusted": self.trusted,
+            "together": self.together,
+        }
+
+
+def _spread(seconds: list[float]) -> float:
+    if len(seconds) < 2:
+        return 0.0
+    first, _, third = statistics.quantiles(seconds, n=4, method="inclusive")
+    return (third - first) / statistics.median(seconds)
+
+
+def summarise(samples: list[Sample], repeats: int) -> Timing:
+    """The best clean sample; trusted with at least half the repeats clean."""
+    clean = [s.seconds for s in samples if s.clean]
+    trusted = len(clean) >= max(1, (repeats + 1) // 2)
+    counted = clean if trusted else [s.seconds for s in samples]
+    spoiled = len(samples) - len(clean)
+    return Timing(min(counted), len(samples), spoiled, _spread(counted), trusted)
+
+
+def summarise_together(samples: list[Sample]) -> Timing:
+    """Calls two processes made together: their median wall time, trusted unless other
+    processes were busy (``MachineShare``, judged by the measurement's caller)."""
+    walls = [s.wall_s for s in samples]
+    spoiled = sum(not s.clean for s in samples)
+    return Timing(statistics.median(walls), len(samples), spoiled, _spread(walls), True, True)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> Timing:
+    """``fn`` after one untimed call (allocation, kernel selection), sampled until ``repeats``
+    samples are clean or ``EXTRA_SAMPLES`` times as many were taken."""
+    fn()
+    samples: list[Sample] = []
+    while len(samples) < EXTRA_SAMPLES * repeats:
+        samples.append(take_sample(fn, device))
+        if sum(s.clean for s in samples) >= repeats:
+            break
+    return summarise(samples, repeats)
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds every process has used so far (``/proc/stat``: all but idle and iowait)."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_busy_s() -> float:
+    """CPU seconds of this process and of its children that have ended (two-rank measurements
+    fork their ranks and join them)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+class MachineShare:
+    """Other processes' share of this machine's cores over a stretch: CPU time the machine
+    used less this process's (and its joined children's), over the stretch's core seconds."""
+
+    def __init__(self):
+        self.started = time.perf_counter()
+        self.machine, self.own = _machine_busy_s(), _own_busy_s()
+
+    def others(self) -> float:
+        elapsed = time.perf_counter() - self.started
+        used = _machine_busy_s() - self.machine - (_own_busy_s() - self.own)
+        return max(0.0, used / (elapsed * (os.cpu_count() or 1)))
+
+
+def doubtful_timings(measured: dict) -> dict[str, tuple[int, int]]:
+    """By measurement, how many of its timings are not to be trusted and how many it has,
+    where more than ``DOUBTFUL_SHARE`` of them are not: a timing of one process with too few
+    samples clean of other processes' load, or spread over ``WIDE_SPREAD``; one of calls made
+    together while other processes used more than ``BUSY_SHARE`` of the cores (its
+    ``others_share``)."""
+    counts: dict[str, list[int]] = {}
+
+    def walk(name: str, node: object, busy: bool) -> None:
+        if isinstance(node, dict):
+            timing = node.get("timing")
+            if timing is not None:
+                if timing.get("together"):
+                    doubtful = busy
+                else:
+                    doubtful = not timing["trusted"] or timing["spread"] > WIDE_SPREAD
+                counts.setdefault(name, [0, 0])[0] += doubtful
+                counts[name][1] += 1
+            for child in node.values():
+                walk(name, child, busy)
+        elif isinstance(node, list):
+            for child in node:
+                walk(name, child, busy)
+
+    for name, node in measured.items():
+        walk(name, node, isinstance(node, dict) and node.get("others_share", 0.0) > BUSY_SHARE)
+    # On an idle machine too a few timings of many spread widely (a page fault, a tick).
+    return {
+        name: (bad, total) for name, (bad, total) in counts.items() if bad > DOUBTFUL_SHARE * total
+    }
+
+
+def load_warning(result: dict) -> str | None:
+    """One line when timings of a calibration are not to be trusted."""
+    doubtful = result["doubtful_timings"]
+    if not doubtful:
+        return None
+    bad, total = (sum(counts[i] for counts in doubtful.values()) for i in (0, 1))
+    busiest = max(m.get("others_share", 0.0) for m in result["measurements"].values())
+    return (
+        f"calibrate: warning: other processes used up to {busiest:.0%} of the cores; {bad} of "
+        f"{total} timings of {', '.join(sorted(doubtful))} could not be cleaned of it or "
+        f"spread over {WIDE_SPREAD:.0%}: estimates on this file may be far off; calibrate "
+        "again on an idle machine"
+    )
