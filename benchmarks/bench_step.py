@@ -43,9 +43,7 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -63,12 +61,13 @@ from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.engine import PhasedEngine
-from execution.engine.optimizer import adamw_, adamw_threaded_, learning_rate
+from execution.engine.optimizer import adamw_, learning_rate
 from execution.engine.plan import engine_plan
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from modelling.gpt import GPTShapes
+from modelling.host_threads import team_thread
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
 
 
@@ -350,29 +349,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 
 def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) -> str:
-    """Median time of one host AdamW update of ``elements`` floats: plain vs chunked threads."""
+    """Median time of one host AdamW update (torch's fused AdamW, as the engine runs it) of
+    ``elements`` floats on one core and on a team of every core."""
     g = torch.Generator().manual_seed(0)
     weight, grad = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
     exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
     hyper = dict(
         step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True, grad_scale=0.5
     )
-    threads = os.cpu_count() or 1
-    with ThreadPoolExecutor(threads) as pool:
-        timed = {}
-        updates = {"adamw_": adamw_, "adamw_threaded_": partial(adamw_threaded_, pool=pool)}
-        for name, update in updates.items():
+    cores = os.cpu_count() or 1
+    timed = {}
+    for team in sorted({1, cores}):
+        with team_thread("host-adamw", team) as host:
             seconds = []
-            for _ in range(repeats):
+            for _ in range(repeats + 1):  # the first sizes the team
                 started = time.perf_counter()
-                update(weight, grad, exp_avg, exp_avg_sq, **hyper)
+                host.submit(adamw_, weight, grad, exp_avg, exp_avg_sq, **hyper).result()
                 seconds.append(time.perf_counter() - started)
-            timed[name] = statistics.median(seconds)
-    plain, threaded = timed["adamw_"], timed["adamw_threaded_"]
-    plain_part = f"adamw_ {plain * 1e3:.1f} ms"
-    threaded_part = f"adamw_threaded_ ({threads} threads) {threaded * 1e3:.1f} ms"
-    speedup = f"{plain / threaded:.2f}x"
-    return f"host AdamW on {elements:,} float32: {plain_part}, {threaded_part}: {speedup}"
+            timed[team] = statistics.median(seconds[1:])
+    parts = [
+        f"{team} core{'s' * (team > 1)} {t * 1e3:.1f} ms ({elements / t / 1e6:.0f} M elements/s)"
+        for team, t in timed.items()
+    ]
+    return f"host AdamW on {elements:,} float32: torch's fused AdamW on " + ", on ".join(parts)
 
 
 if __name__ == "__main__":

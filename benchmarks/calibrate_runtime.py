@@ -157,7 +157,7 @@ def host_update_threads(device: torch.device) -> int:
 
 def measure_host_adamw(device: torch.device, sizes) -> dict:
     """Elements per second of the engine's host AdamW: :meth:`AdamWDriver.update` itself
-    (its thread pool made per update, :func:`adamw_threaded_` over cache-sized chunks, each
+    (torch's fused AdamW on its update thread, made per update with its team of cores, each
     piece's weight copy refreshed) on ``sizes.adamw_elements`` float32 elements in host
     memory allocated as the engine's buffers are. A GPU run computes in 16 bits and so keeps
     a bfloat16 copy of host weights; a CPU run (float32) keeps none. The gradients are scaled

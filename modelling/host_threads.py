@@ -22,16 +22,27 @@ import torch
 def one_core_pool(workers: int, name: str) -> ThreadPoolExecutor:
     """``workers`` threads named ``name-N``, each running torch's ops on an OpenMP team of one
     (where torch has OpenMP); the calling thread keeps its team."""
+    return _team_pool(workers, name, team=1)
+
+
+def team_thread(name: str, team: int) -> ThreadPoolExecutor:
+    """One thread named ``name-0`` whose torch ops run on an OpenMP team of ``team``: a kernel
+    torch parallelises itself (its fused AdamW) gets that many cores, whatever the process's
+    own count (torchrun gives each rank one); the calling thread keeps its team."""
+    return _team_pool(1, name, team=team)
+
+
+def _team_pool(workers: int, name: str, team: int) -> ThreadPoolExecutor:
     set_team_size = openmp_team_setter()
 
-    def one_core() -> None:
+    def sized_team() -> None:
         # Torch sizes a thread's team on the thread's first parallel op, from the process-wide
         # count: asked first, so that it does not undo the size set here.
         torch.get_num_threads()
         if set_team_size is not None:
-            set_team_size(1)  # omp_set_num_threads acts on the calling thread only
+            set_team_size(team)  # omp_set_num_threads acts on the calling thread only
 
-    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=one_core)
+    return ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=sized_team)
 
 
 @functools.cache

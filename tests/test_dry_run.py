@@ -265,7 +265,16 @@ def test_a_step_measured_from_probes_equals_the_whole_step(layout, flags):
         assert probed.flops == whole.flops > 0
         assert probed.comm_bytes == whole.comm_bytes
         assert probed.buffer_bytes == whole.buffer_bytes
-        assert abs(probed.working_set - whole.working_set) <= 4 * config.gradient_accumulation
+        # Each micro-batch keeps its 4-byte loss; a pipeline stage is priced up to one pass of
+        # boundary tensors above the whole step, never below it (pass_boundary_bytes).
+        margin = 0
+        if "pipeline" in flags:  # float32 x and dx of a pass's micro-batches, by hand
+            entries = engine_plan(config, plan).memory.micro_batches_per_pass
+            m = config.model
+            tokens = config.execution.micro_batch_size * m.sequence_length
+            margin = 2 * entries * tokens * m.hidden_size * 4
+        excess = probed.working_set - whole.working_set
+        assert -4 * config.gradient_accumulation <= excess <= margin
         assert probed.phases.keys() == whole.phases.keys()
         for kind, values in whole.phases.items():
             # A pipeline's reductions carried into the next phase may land in another kind.

@@ -1,9 +1,10 @@
-"""Host AdamW runs on its pool's threads only: no OpenMP team inside each pool thread.
+"""The host AdamW runs on one thread whose OpenMP team is the rank's share of the cores.
 
-A chunk above torch's grain size makes the elementwise ops of the update open an OpenMP team
-in the pool thread that calls them, so a pool of T threads on C cores would run up to T x C
-threads. The engine's pool (:func:`~modelling.host_threads.one_core_pool`) sets each of its
-threads' team size to one.
+Torch's fused AdamW parallelises itself over the calling thread's OpenMP team, as large as
+``torch.get_num_threads()`` unless the thread sets its own. The engine's update thread
+(:func:`~modelling.host_threads.team_thread`) sets it to the cores the rank may use, whatever
+the process's own count (torchrun gives each rank one): a plain thread would open a team of
+the process's size.
 Counted in a fresh process: the threads a process has are listed in /proc/self/task, and
 OpenMP keeps a team's threads alive while the thread that opened it lives.
 """
@@ -18,36 +19,36 @@ from pathlib import Path
 
 import pytest
 
-from execution.engine.optimizer import HOST_CHUNK_ELEMENTS
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = """
 import json, os, sys
 from concurrent.futures import ThreadPoolExecutor
 import torch
 from config.schema import OptimizerConfig
-from execution.engine.optimizer import adamw_threaded_
-from modelling.host_threads import one_core_pool
+from execution.engine.optimizer import adamw_
+from modelling.host_threads import team_thread
 
 def threads():
     return len(os.listdir("/proc/self/task"))
 
-chunk, pool_size, engine_pool = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+team = int(sys.argv[1])
 w, g, m, v = (torch.rand(1 << 20) for _ in range(4))
 torch.ones(1 << 20).add_(1)  # the main thread's own team, before counting
 before = threads()
-with one_core_pool(pool_size, 'host-adamw') if engine_pool else ThreadPoolExecutor(pool_size) as pool:
+with team_thread("host-adamw", team) if team else ThreadPoolExecutor(1) as host:
     hyper = dict(step=1, lr=1e-3, optim=OptimizerConfig(), weight_decay=True, grad_scale=1.0)
-    adamw_threaded_(w, g, m, v, pool=pool, chunk_elements=chunk, **hyper)
+    host.submit(adamw_, w, g, m, v, **hyper).result()
     during = threads()
 print(json.dumps({"added": during - before}))
 """
 
 
-def _threads_added(chunk: int, pool: int, engine_pool: bool) -> int:
+def _threads_added(team: int) -> int:
+    """Threads the update adds to a process of two intra-op threads: on a team thread of
+    ``team``, or (0) on a plain thread."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(chunk), str(pool), str(int(engine_pool))],
+        [sys.executable, "-c", SCRIPT, str(team)],
         capture_output=True,
         text=True,
         env=env,
@@ -60,7 +61,9 @@ def _threads_added(chunk: int, pool: int, engine_pool: bool) -> int:
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
 @pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
-def test_host_adamw_adds_no_threads_beyond_its_pool():
-    assert _threads_added(HOST_CHUNK_ELEMENTS, pool=2, engine_pool=True) <= 2
-    # The count catches the bug: a plain pool opens a team in each of its threads.
-    assert _threads_added(HOST_CHUNK_ELEMENTS, pool=2, engine_pool=False) > 2
+def test_the_host_update_s_thread_opens_a_team_of_the_rank_s_cores():
+    # The thread itself, and its team's other threads.
+    assert _threads_added(team=1) == 1
+    assert _threads_added(team=3) == 3
+    # The count catches the bug: a plain thread opens a team of the process's two.
+    assert _threads_added(team=0) == 2

@@ -178,17 +178,22 @@ def test_every_rank_issues_collectives_in_the_same_order(tmp_path):
 # ----------------------------------------------------------------- host AdamW
 
 
-def test_host_weights_are_updated_on_the_host_by_the_threaded_adamw(monkeypatch):
+def test_host_weights_are_updated_on_the_host_by_the_host_update_thread(monkeypatch):
     """Weights (with their moments) on the host, gradients on the device: every row is
-    updated by the threaded host AdamW, the optimizer copies nothing to the device and only
+    updated on the host update's thread, the optimizer copies nothing to the device and only
     the gradients to the host, and the steps are bitwise those of an all-device run."""
+    import threading
+
     from execution.engine import optimizer
 
     calls = []
-    threaded = optimizer.adamw_threaded_
-    monkeypatch.setattr(
-        optimizer, "adamw_threaded_", lambda *a, **k: calls.append(a[0].device) or threaded(*a, **k)
-    )
+    update = optimizer.adamw_
+
+    def recorded(*args, **kwargs):
+        calls.append((args[0].device, threading.current_thread().name))
+        return update(*args, **kwargs)
+
+    monkeypatch.setattr(optimizer, "adamw_", recorded)
     flags = [*FLAGS, "--grads_placement", "device", "--activations_placement", "device"]
     host = small_config(*flags, "--weights_placement", "host")
     engine = planned_engine(host, ParallelLayout.single(CPU))
@@ -197,7 +202,7 @@ def test_host_weights_are_updated_on_the_host_by_the_threaded_adamw(monkeypatch)
     engine.train_step(batch, 0, 2e-3)
     rows = sum(len(engine.specs[part]) for part, _ in engine.state.part_rows())
     assert engine.optimizer_steps == 1 and len(calls) == rows
-    assert all(device.type == "cpu" for device in calls)
+    assert all(device.type == "cpu" and name.startswith("host-adamw") for device, name in calls)
     engine.state.host_to_device = engine.state.device_to_host = 0
     engine.optimizer.update(1e-3, 1.0)
     grads = sum(t.numel() * 4 for b in engine.state.parts.values() for t in b.grads.values())

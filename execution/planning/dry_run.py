@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
-from execution.engine.buffers import DTYPES, WEIGHT_STATES, flat_specs
+from execution.engine.buffers import DTYPES, WEIGHT_STATES, ActivationLayout, flat_specs
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import EnginePlan, MemoryPlan, engine_plan
 from execution.engine.recompute import attention_kernel
@@ -176,12 +176,16 @@ def measure_step(
         return float(weights @ np.array(values, dtype=np.float64))
 
     first = steps[0]
+    engine = PhasedEngine(plan, _layout(mesh))
+    working_set = round(at_full([s.working_set for s in steps]))
+    if mesh.pp > 1 and len(probes) > 2:
+        working_set += pass_boundary_bytes(engine.state.activations.layout)
     return RankMeasurement(
         plan=plan.memory,
         fits=True,
         why="",
-        buffer_bytes=PhasedEngine(plan, _layout(mesh)).buffer_bytes(),
-        working_set=round(at_full([s.working_set for s in steps])),
+        buffer_bytes=engine.buffer_bytes(),
+        working_set=working_set,
         comm_bytes={k: round(at_full([s.comm_bytes[k] for s in steps])) for k in first.comm_bytes},
         comm_seconds={k: at_full([s.comm_seconds[k] for s in steps]) for k in first.comm_seconds},
         flops=round(at_full([s.flops for s in steps])),
@@ -206,6 +210,15 @@ def _with_stage_layers(plan: EnginePlan, stage: int, layers: int) -> EnginePlan:
     stage_layers[stage] = layers
     model = dataclasses.replace(plan.model, layers=sum(stage_layers))
     return dataclasses.replace(plan, model=model, stage_layers=tuple(stage_layers))
+
+
+def pass_boundary_bytes(activations: ActivationLayout) -> int:
+    """A pipeline stage's x and dx of one pass's micro-batches, what its working set is
+    priced above the probes' linear combination by. Its receives (one pass's tensor each)
+    and its sends (held until the step ends) peak where the largest pass falls, which the
+    probes' even passes do not reproduce; the difference stays under one pass of both (a
+    planned stage then fits with that much to spare, never short of it)."""
+    return 2 * activations.entries * activations.entry_numel * activations.dtype.itemsize
 
 
 def _step_probes(plan: EnginePlan, stages: int):
