@@ -65,18 +65,20 @@ def test_a_sample_subtracts_the_time_its_thread_waited_for_a_shared_core():
     assert out["wall"] - out["own"] == pytest.approx(out["cpu"], rel=0.05)
 
 
-def test_the_best_clean_sample_counts_and_spoiled_ones_only_when_too_few_are_clean():
+def test_the_median_clean_sample_counts_and_spoiled_ones_only_when_too_few_are_clean():
     clean = [Sample(0.012, 0.002, 0.0), Sample(0.011, 0.0, 0.0), Sample(0.013, 0.0, 0.0005)]
     # A worker waited 20% of the sample: spoiled, however fast it corrects to.
     spoiled = Sample(0.020, 0.015, 0.004)
     # The reading of the waits was preempted: its wait may lie outside the sample.
     preempted_reading = Sample(0.010, 0.005, 0.0, reading_s=0.004)
     timing = summarise([*clean, spoiled, preempted_reading], repeats=3)
-    assert timing.seconds == pytest.approx(0.010)  # 0.012 less its own 0.002 wait
+    # Clean: 0.010 (0.012 less its own 0.002 wait), 0.011 and 0.013.
+    assert timing.seconds == pytest.approx(0.011)
     assert (timing.samples, timing.spoiled, timing.trusted) == (5, 2, True)
     # Spread: the clean samples' interquartile range over their median, by hand.
     assert timing.spread == pytest.approx((0.0120 - 0.0105) / 0.011)
-    # One clean sample of three asked for: the best of all, corrected, and not trusted.
+    # One clean sample of three asked for: the best of all, corrected (the least spoiled),
+    # and not trusted.
     timing = summarise([clean[2], spoiled, preempted_reading], repeats=3)
     assert timing.seconds == pytest.approx(0.005) and not timing.trusted
 
