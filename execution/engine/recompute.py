@@ -1,7 +1,7 @@
 """What a decoder layer keeps from its forward for its backward (``--recompute``).
 
 - ``full``: nothing but its input x (already in the activation buffers); the backward phase
-  runs the layer forward again under autograd (the engine's original schedule).
+  runs the layer forward again under autograd (the least memory, the most compute).
 - ``none``: the forward phase runs under autograd and keeps the graph; every tensor autograd
   saves goes into the layer's ``kept`` entry of the activation buffers (device or host, as
   the plan places activations), and the backward phase only runs the backward.
