@@ -47,6 +47,7 @@ EXTRA_SAMPLES = 3  # up to this many times the repeats asked for, to find clean 
 # Other processes' share of the machine's cores while a measurement ran, above which its
 # timings that cannot be cleaned of them (calls of two processes) are not trusted.
 BUSY_SHARE = 0.1
+MIN_STRETCH_S = 0.5  # the shortest stretch whose share the clocks' ticks can tell
 # A timing whose middle half spreads wider than this (over the median) saw the machine's
 # speed change under it.
 WIDE_SPREAD = 0.5
@@ -179,15 +180,16 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> Timin
     return summarise(samples, repeats)
 
 
-def _machine_busy_s() -> float:
-    """CPU seconds every process has used so far (``/proc/stat``: all but idle and iowait)."""
+def _machine_busy_s() -> float | None:
+    """CPU seconds every process has used so far (``/proc/stat``: user, nice and system time;
+    not the hypervisor's steal, nor interrupts, which a process's own network traffic
+    raises), or None where there is no such file."""
     try:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]
+            user, nice, system = (int(v) for v in f.readline().split()[1:4])
     except (OSError, ValueError):
-        return 0.0
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)
-    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+        return None
+    return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
 def _own_busy_s() -> float:
@@ -199,16 +201,20 @@ def _own_busy_s() -> float:
 
 class MachineShare:
     """Other processes' share of this machine's cores over a stretch: CPU time the machine
-    used less this process's (and its joined children's), over the stretch's core seconds."""
+    used less this process's (and its joined children's), over the stretch's core seconds.
+    Both clocks tick in hundredths of a second: a stretch under ``MIN_STRETCH_S`` has none."""
 
     def __init__(self):
         self.started = time.perf_counter()
         self.machine, self.own = _machine_busy_s(), _own_busy_s()
 
-    def others(self) -> float:
+    def others(self) -> float | None:
         elapsed = time.perf_counter() - self.started
-        used = _machine_busy_s() - self.machine - (_own_busy_s() - self.own)
-        return max(0.0, used / (elapsed * (os.cpu_count() or 1)))
+        machine = _machine_busy_s()
+        if elapsed < MIN_STRETCH_S or machine is None or self.machine is None:
+            return None
+        used = machine - self.machine - (_own_busy_s() - self.own)
+        return min(1.0, max(0.0, used / (elapsed * (os.cpu_count() or 1))))
 
 
 def doubtful_timings(measured: dict) -> dict[str, tuple[int, int]]:
@@ -236,7 +242,7 @@ def doubtful_timings(measured: dict) -> dict[str, tuple[int, int]]:
                 walk(name, child, busy)
 
     for name, node in measured.items():
-        walk(name, node, isinstance(node, dict) and node.get("others_share", 0.0) > BUSY_SHARE)
+        walk(name, node, isinstance(node, dict) and (node.get("others_share") or 0) > BUSY_SHARE)
     # On an idle machine too a few timings of many spread widely (a page fault, a tick).
     return {
         name: (bad, total) for name, (bad, total) in counts.items() if bad > DOUBTFUL_SHARE * total
@@ -249,7 +255,7 @@ def load_warning(result: dict) -> str | None:
     if not doubtful:
         return None
     bad, total = (sum(counts[i] for counts in doubtful.values()) for i in (0, 1))
-    busiest = max(m.get("others_share", 0.0) for m in result["measurements"].values())
+    busiest = max((m.get("others_share") or 0) for m in result["measurements"].values())
     return (
         f"calibrate: warning: other processes used up to {busiest:.0%} of the cores; {bad} of "
         f"{total} timings of {', '.join(sorted(doubtful))} could not be cleaned of it or "

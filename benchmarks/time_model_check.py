@@ -33,6 +33,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # name: (processes, flags). One process: tiny and test, passes 1 and 4, resident and remote,
 # each recompute mode; two ranks: each parallel axis on its own.
 TEST = "--config test --global_batch_size 8 --micro_batch_size 2"
+WIDE = "--config tiny --layers 4 --hidden_size 256 --heads 8 --sequence_length 64 --global_batch_size 16"
+LONG = (
+    "--config tiny --layers 3 --hidden_size 192 --heads 6 --sequence_length 256 "
+    "--max_positional_length 256 --recompute selective"
+)
 RUNS = {
     "tiny p1 resident none": (1, "--config tiny --passes 1 --placement resident --recompute none"),
     "tiny p4 remote full": (
@@ -61,6 +66,20 @@ RUNS = {
         "--config tiny --pipeline_parallel 2 --micro_batch_size 1 --placement resident --passes 4",
     ),
     "tiny cp 2": (2, "--config tiny --context_parallel 2 --placement resident --passes 1"),
+    # Sizes the model was never tuned on: other layer counts, widths, sequences, micro-batches.
+    "held p1 L4 h256 s64": (1, f"{WIDE} --micro_batch_size 8 --passes 1 --placement resident"),
+    "held p2 L3 h192 s256": (1, f"{LONG} --micro_batch_size 2 --passes 2 --placement remote"),
+    "held dp 2 L4 h256 s64": (2, f"{WIDE} --data_parallel 2 --micro_batch_size 4 --passes 2"),
+    "held dp 2 L3 h192 s256": (2, f"{LONG} --data_parallel 2 --micro_batch_size 1 --passes 2"),
+    "held pp 2 L4 h256 s64": (
+        2,
+        f"{WIDE} --pipeline_parallel 2 --micro_batch_size 2 --passes 4 --placement resident",
+    ),
+    "held pp 2 L6 h192 s256": (
+        2,
+        f"{LONG} --layers 6 --pipeline_parallel 2 --micro_batch_size 1 --passes 4 "
+        "--placement resident",
+    ),
 }
 # The layout axes --plan_for weighs, by flag.
 AXES = {
