@@ -18,9 +18,9 @@ from torch.utils.checkpoint import checkpoint
 
 from config.schema import PretrainingConfig
 from execution.engine.buffers import DTYPES
-from execution.engine.optimizer import learning_rate
 from execution.parallel.launch import usable_cores
 from execution.parallel.sharding import init_model_shard
+from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPT, GPTShapes
 from modelling.layers import BlockSeeds, mix_seed
 

@@ -61,11 +61,12 @@ from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.engine import PhasedEngine
-from execution.engine.optimizer import adamw_, learning_rate
+from execution.engine.optimizer import adamw_
 from execution.engine.plan import engine_plan
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
+from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
 from modelling.host_threads import team_thread
 from utils.metrics import device_peak_tflops, flops_per_token, throughput

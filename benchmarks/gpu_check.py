@@ -49,10 +49,10 @@ from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
-from execution.engine.optimizer import learning_rate
 from execution.engine.plan import engine_plan
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
 from execution.planning.planner import plan_for_process
+from execution.training.lr_schedule import learning_rate
 
 NO_GPU_EXIT = 2  # asked to check a GPU where there is none: a usage error
 # A check left a sticky CUDA error: its result is recorded, the checks after it did not run.

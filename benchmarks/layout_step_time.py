@@ -30,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
 from data.loader import training_loader
-from execution.engine.optimizer import learning_rate
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
+from execution.training.lr_schedule import learning_rate
 
 DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x2"]  # dp x tp1 x tp2
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from config.finetuning import FinetuningRunConfig, parse_finetuning_config
-from execution.engine.optimizer import learning_rate
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
+from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
 from modelling.task_heads import MNLI, SQUAD
 from tests.distributed import CPU, engine_batch, run_ranks, world_layout

@@ -11,9 +11,9 @@ import torch
 
 from data.prefetch import PrefetchingLoader
 from execution.checkpoint.files import step_folders
-from execution.engine.optimizer import learning_rate
 from execution.parallel.collective_errors import CollectiveError
 from execution.training.build import Run
+from execution.training.lr_schedule import learning_rate
 from utils.metrics import device_peak_tflops, flops_per_token, throughput
 
 
