@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
-from execution.engine.pipeline import bubble_fraction
 from execution.engine.schedule import Stage, training_phases
 from execution.parallel.mesh import MeshShape
+from execution.planning.pipeline_figures import bubble_fraction
 from tests.distributed import (
     FLOAT32_TOLERANCE,
     assert_curves_close,

@@ -1,11 +1,11 @@
 """Pipeline parallelism: the point-to-point moves of boundary activations between neighbouring
-stages, the tied word embedding's gradient summed over the first and last stage, and the
-figures the planner needs (which stages decide the memory, the bubble).
+stages, and the tied word embedding's gradient summed over the first and last stage.
 
 Which layers a stage holds and its one-forward-one-backward order over passes are part of the
 one schedule (:mod:`execution.engine.schedule`). While stage s runs the forward of pass p,
 stage s - 1 runs pass p + 1, and the backward comes back the same way; of a step's
-``P + S - 1`` pass-times each stage idles for ``S - 1``: the bubble.
+``P + S - 1`` pass-times each stage idles for ``S - 1``: the bubble
+(:mod:`execution.planning.pipeline_figures` prices it).
 
 Each boundary activation crosses once per micro-batch: stage s sends its tp1 slice of x after
 its last layer (the receiver stores it in its first x row as is) and receives its gradient
@@ -23,24 +23,6 @@ from execution.engine.schedule import RECEIVE_DX, RECEIVE_X, SEND_DX, SEND_X, Ph
 from execution.engine.state import StateStore
 from execution.parallel.mesh import GroupAxis, Pending
 from modelling.gpt import EMBEDDING
-
-
-def deciding_stages(stage_layers: tuple[int, ...]) -> list[int]:
-    """The stages whose memory decides whether a plan fits every stage: the first and the
-    last (they hold the embedding, and the head), and each middle stage with more layers than
-    every middle stage before it (a later one with no more layers holds fewer passes)."""
-    count = len(stage_layers)
-    out, most = sorted({0, count - 1}), 0
-    for index in range(1, count - 1):
-        if stage_layers[index] > most:
-            out.append(index)
-            most = stage_layers[index]
-    return sorted(out)
-
-
-def bubble_fraction(stages: int, passes: int) -> float:
-    """The share of a step each stage idles: (S - 1) / (P + S - 1)."""
-    return (stages - 1) / (passes + stages - 1)
 
 
 class Link:

@@ -39,6 +39,7 @@ from execution.planning.device_specs import DeviceSpec, resolve_spec
 from execution.planning.dry_run_report import STATE_KEYS, fit_line, format_report
 from execution.planning.measure import Measurements, meta_step
 from execution.planning.memory import spec_budget
+from execution.planning.pipeline_figures import bubble_fraction
 from execution.planning.planner import choose_or_least
 from execution.planning.time_model import (
     axis_traffic,
@@ -341,7 +342,7 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
     model_flops = flops_per_token(GPTShapes.of_run(config), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     out["mfu"] = per_rank / (out["step_time_s"] * spec.peak_tflops * 1e12)
-    out["bubble"] = (stages - 1) / (passes + stages - 1)
+    out["bubble"] = bubble_fraction(stages, passes)
     return out
 
 

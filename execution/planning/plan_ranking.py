@@ -14,6 +14,7 @@ from execution.parallel.mesh import MeshShape
 from execution.planning.device_specs import resolve_spec
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import RankShape, host_traffic_by_phase
+from execution.planning.pipeline_figures import step_stretch
 from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
 from utils.metrics import flops_per_token
 
@@ -56,7 +57,7 @@ def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
         forward = max(model_flops / 3 / rate, copies["forward"] / link)
         backward = max((2 * model_flops / 3 + recompute) / rate, copies["backward"] / link)
         # A pipeline's P passes take P + S - 1 pass-times (the bubble).
-        bubble = (plan.passes + stages - 1) / plan.passes
+        bubble = step_stretch(stages, plan.passes)
         step = (forward + backward) * bubble + copies["optimizer"] / link
         return step + (plan.passes - 1) * pass_gathers
 

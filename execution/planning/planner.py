@@ -19,7 +19,6 @@ from collections.abc import Callable
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
 from execution.engine.engine import PhasedEngine
-from execution.engine.pipeline import deciding_stages
 from execution.engine.plan import (
     PLACED_STATES,
     PLACES,
@@ -45,6 +44,7 @@ from execution.planning.micro_batch_limits import (
     check_micro_batches,
     pass_counts,
 )
+from execution.planning.pipeline_figures import deciding_stages
 from execution.planning.plan_ranking import step_timer
 
 

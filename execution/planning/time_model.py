@@ -21,6 +21,7 @@ from collections import Counter
 from execution.parallel.mesh import GroupAxis, ParallelLayout
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.op_costs import device_seconds
+from execution.planning.pipeline_figures import step_stretch
 
 # Bytes each rank sends per byte of payload, for ring algorithms over n ranks.
 RING_FACTOR = {
@@ -140,7 +141,7 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
     (the rest); ``bubble_s`` (the pipeline's idle share of the phases); ``by_kind`` (each kind
     of phase's seconds in the step)."""
     step = hidden = bubble_s = 0.0
-    bubble = (passes + pipeline_stages - 1) / passes
+    bubble = step_stretch(pipeline_stages, passes)
     totals = dict.fromkeys(PHASE_COSTS, 0.0)
     by_kind = {}
     for kind, values in phases.items():

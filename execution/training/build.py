@@ -44,10 +44,10 @@ from execution.checkpoint.ownership import (
 )
 from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine
-from execution.engine.pipeline import bubble_fraction
 from execution.engine.plan import engine_plan
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import ParallelLayout
+from execution.planning.pipeline_figures import bubble_fraction
 from execution.planning.planner import plan_for_process
 from execution.training.checkpoint_flags import check_resumed_sparsity
 from execution.training.restart import Restart
