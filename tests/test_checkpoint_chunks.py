@@ -14,7 +14,7 @@ import torch
 from execution.checkpoint.chunks import held_chunks
 from execution.engine.buffers import flat_specs
 from execution.parallel.mesh import MeshShape
-from execution.parallel.sharding import KINDS, RTS_AXES, rts_sizes, shard_part
+from execution.parallel.sharding import RTS_AXES, SHARD_KINDS, rts_sizes, shard_part
 from modelling.gpt import PARTS, GPTShapes, logical_shapes, part_inits, qualified_name
 from tests.distributed import small_config
 
@@ -41,7 +41,7 @@ def test_chunks_tile_every_logical_tensor_once(dp, tp1, tp2, cp, max_chunk_bytes
     mesh = MeshShape(dp, tp1, tp2, cp)
     for rank in range(mesh.world_size):
         c = mesh.coords(rank)
-        rts = {kind: mesh.members(RTS_AXES[kind], rank).index(rank) for kind in KINDS}
+        rts = {kind: mesh.members(RTS_AXES[kind], rank).index(rank) for kind in SHARD_KINDS}
         for part in PARTS:
             chunks = held_chunks(part, specs[part], shapes, (c["i"], c["j"]), rts, max_chunk_bytes)
             for row in range(shapes.layers if part == "layers" else 1):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from execution.engine.gradients import start_reduction
 from execution.parallel.mesh import ParallelLayout
-from execution.parallel.sharding import KINDS, MATRIX, TP1_VECTOR, TP2_VECTOR, shard_part
+from execution.parallel.sharding import MATRIX, SHARD_KINDS, TP1_VECTOR, TP2_VECTOR, shard_part
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes, init_full_part
 from modelling.layers import Embedding, LayerNorm, vocab_parallel_cross_entropy
 from modelling.parallel import all_reduce_sum, copy_to, reduce_from
@@ -253,7 +253,7 @@ RTS_LAYOUT = (2, 2, 2)
 
 def _gradient_seed(rank: int, kind: str) -> int:
     """Seed of ``rank``'s accumulated gradient of ``kind``; the parent redraws it from this."""
-    return 1000 * rank + KINDS.index(kind)
+    return 1000 * rank + SHARD_KINDS.index(kind)
 
 
 def _rts_rank() -> dict:

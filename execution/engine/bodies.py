@@ -1,5 +1,5 @@
 """What each phase computes: functions of (step, phase), one per kind of
-:data:`execution.engine.schedule.KINDS`, gathered in :data:`BODIES`.
+:data:`execution.engine.schedule.PHASE_KINDS`, gathered in :data:`BODIES`.
 
 A body loads its part's weights once and runs the part for every micro-batch of its pass; the
 layers never know they are phased (one stateless template block is bound to each layer's
@@ -120,4 +120,4 @@ BODIES: dict[str, Callable[[Step, Phase], None]] = {
     schedule.EMBEDDING_BACKWARD: embedding_backward,
     **dict.fromkeys(schedule.MOVES, move),
 }
-assert BODIES.keys() == schedule.KINDS.keys(), "a body for every kind of phase"
+assert BODIES.keys() == schedule.PHASE_KINDS.keys(), "a body for every kind of phase"

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from execution.engine.host_memory import HostMemory, host_memory_for
-from execution.parallel.sharding import KINDS, PLAN, shard_shapes
+from execution.parallel.sharding import PLAN, SHARD_KINDS, shard_shapes
 from modelling.gpt import LAYERS, PARTS, GPTShapes
 
 # The compute dtype of each --precision.
@@ -85,7 +85,7 @@ def flat_specs(shapes: GPTShapes, rts: dict[str, int]) -> dict[str, dict[str, Fl
     specs: dict[str, dict[str, FlatSpec]] = {}
     for part in PARTS:
         specs[part] = {}
-        for kind in KINDS:
+        for kind in SHARD_KINDS:
             # PLAN names every head's parameters; a model holds one head's (GPTShapes.task).
             names = tuple(
                 n for n, rule in PLAN[part].items() if rule.kind == kind and n in local_shapes[part]

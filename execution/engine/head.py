@@ -4,7 +4,7 @@ The head's output projection is tied to the word embedding, so this phase loads 
 word embedding's gradient from the head starts the embedding's accumulation, completed by the
 embedding backward phase (with a pipeline, on another stage: ``pipeline.sum_tied_gradient``).
 A task head other than the language model's goes beside this one, with its own kind in
-:data:`execution.engine.schedule.KINDS`.
+:data:`execution.engine.schedule.PHASE_KINDS`.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from execution.engine.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
-from execution.parallel.sharding import KINDS
+from execution.parallel.sharding import SHARD_KINDS
 from modelling.gpt import GPT, LAYERS, GPTShapes
 from modelling.layers import Attention, BlockSeeds
 
@@ -350,7 +350,7 @@ def kept_layer_on_meta(
     as ``kernel`` (:func:`attention_kernel`); returns the bytes kept, stored and loaded."""
     block = meta_block(shapes)
     prepare_block(block, mode)
-    specs = flat_specs(shapes, dict.fromkeys(KINDS, 1))[LAYERS]
+    specs = flat_specs(shapes, dict.fromkeys(SHARD_KINDS, 1))[LAYERS]
     flats = {k: torch.empty(s.padded, dtype=dtype, device=META) for k, s in specs.items()}
     x = torch.empty(micro_batch, sequence, shapes.hidden // shapes.tp2, dtype=dtype, device=META)
     seeds = BlockSeeds(1, 2, 3) if shapes.dropout_prob else None

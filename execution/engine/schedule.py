@@ -19,7 +19,7 @@ between stages in *move* phases (:mod:`execution.engine.pipeline` runs them). On
 :func:`training_phases`, serves every layout: with one stage it gives the list above, pass
 after pass.
 
-:data:`KINDS` is the one table of phase kinds: what each loads, and whether it moves
+:data:`PHASE_KINDS` is the one table of phase kinds: what each loads, and whether it moves
 activations between stages rather than computing.
 """
 
@@ -57,7 +57,7 @@ class PhaseKind:
     move: bool = False
 
 
-KINDS: dict[str, PhaseKind] = {
+PHASE_KINDS: dict[str, PhaseKind] = {
     EMBEDDING_FORWARD: PhaseKind(loads=(EMBEDDING,)),
     LAYER_FORWARD: PhaseKind(loads=(LAYERS,)),
     HEAD_PHASE: PhaseKind(loads=(HEAD, EMBEDDING)),
@@ -69,7 +69,7 @@ KINDS: dict[str, PhaseKind] = {
     RECEIVE_DX: PhaseKind(move=True),
     SEND_DX: PhaseKind(move=True),
 }
-MOVES = tuple(kind for kind, what in KINDS.items() if what.move)
+MOVES = tuple(kind for kind, what in PHASE_KINDS.items() if what.move)
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Phase:
     """One phase: a part (``layer`` for decoder phases) run over a group of micro-batches.
 
     Attributes:
-        kind: A key of :data:`KINDS`.
+        kind: A key of :data:`PHASE_KINDS`.
         layer: This stage's decoder layer index for layer phases, else 0.
         micro_batches: Indices into this replica's micro-batches of the step.
         first_pass: Gradients of this phase start the step's accumulation.
@@ -96,7 +96,7 @@ class Phase:
 
 def weights_loaded(phase: Phase) -> list[tuple[str, int]]:
     """The (part, row) whose weights a phase loads, so they can be fetched a phase ahead."""
-    return [(part, phase.layer if part == LAYERS else 0) for part in KINDS[phase.kind].loads]
+    return [(part, phase.layer if part == LAYERS else 0) for part in PHASE_KINDS[phase.kind].loads]
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from modelling.parallel import Axis
 
 MATRIX, TP2_VECTOR, TP1_VECTOR = "matrix", "tp2_vector", "tp1_vector"
 TP2_MATRIX = "tp2_matrix"
-KINDS = (MATRIX, TP2_VECTOR, TP1_VECTOR, TP2_MATRIX)
+SHARD_KINDS = (MATRIX, TP2_VECTOR, TP1_VECTOR, TP2_MATRIX)
 DECAYED_KINDS = frozenset({MATRIX, TP2_MATRIX})
 
 # A rule gives, for each dim of the unsharded tensor, the full-tensor indices that shard (i, j)
