@@ -19,6 +19,15 @@ PLACEMENTS = ("auto", "remote", "resident")
 STATE_PLACEMENTS = ("auto", "device", "host")
 DEVICES = ("auto", "cpu", "cuda")
 RECOMPUTE = ("auto", "full", "selective", "none")
+
+
+def plannable_recompute(context_parallel: int) -> tuple[str, ...]:
+    """The recompute modes a layout can run. What a layer keeps is measured on a
+    whole-sequence block; with the sequence split around attention's all-to-all the kept
+    tensors differ, so a context-parallel layout recomputes in full."""
+    return ("full",) if context_parallel > 1 else RECOMPUTE[1:]
+
+
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 

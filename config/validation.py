@@ -8,7 +8,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from config.errors import ConfigError, refuse_ignored_flags
-from config.schema import PretrainingConfig
+from config.schema import PretrainingConfig, plannable_recompute
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
 MOST_DEVICES = 1 << 20
@@ -269,9 +269,7 @@ def _validate_context_parallel(config: PretrainingConfig) -> None:
             f"divisible by --context_parallel {cp}; attention gives each context rank an equal "
             "share of them"
         )
-    if cp > 1 and ex.recompute in ("selective", "none"):
-        # What a layer keeps is measured on a whole-sequence block; with the sequence split
-        # around attention's all-to-all the kept tensors differ, so it is not planned yet.
+    if ex.recompute != "auto" and ex.recompute not in plannable_recompute(cp):
         raise ConfigError(
             f"--recompute {ex.recompute} with --context_parallel {cp} is not supported yet; use "
             "--recompute full (or auto, which picks it for context-parallel layouts)"

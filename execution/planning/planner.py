@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable
 
 from config.loading import ConfigError
-from config.schema import PretrainingConfig
+from config.schema import PretrainingConfig, plannable_recompute
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import (
     PLACED_STATES,
@@ -121,9 +121,10 @@ def _plans(
         pass_options = [ex.passes]
     places = [[fixed[s]] if fixed[s] else list(PLACES) for s in PLACED_STATES]
     kernel = attention_kernel(device_type, config.model.dropout_prob, rank.dtype)
-    modes = list(MODES) if ex.recompute == "auto" else [ex.recompute]
-    if ex.context_parallel > 1:  # kept tensors are not planned around the all-to-all yet
-        modes = ["full"]
+    asked = MODES if ex.recompute == "auto" else (ex.recompute,)
+    plannable = plannable_recompute(ex.context_parallel)
+    # A layout that cannot run the mode asked for (one --plan_for tries) runs the one it can.
+    modes = [m for m in asked if m in plannable] or [plannable[0]]
     shared = device_type == "cpu"
 
     # On a CPU device a host placement only adds copies: prefer the device, then fewer passes.
