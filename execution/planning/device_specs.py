@@ -163,38 +163,27 @@ class DeviceSpec:
 # x86 host (dispatcher and CUDA launch), about 5 us. Host memory: a node's DDR5 (about 300-400
 # GB/s over two sockets) shared by its 8 GPUs. The engine's own time per phase has no data sheet:
 # 0 until calibrate.py measures it. A lent GPU's calibration file replaces all of these.
+H100_SXM = DeviceSpec(
+    name="h100_sxm",
+    peak_tflops=989.0,
+    memory_gb=79.0,
+    host_memory_gb=128.0,
+    host_link_gb_per_s=55.0,
+    intra_node_gb_per_s=450.0,
+    inter_node_gb_per_s=50.0,
+    devices_per_node=8,
+    compute_efficiency=0.7,
+    storage_gb_per_s=2.0,
+    attention_efficiency=0.25,
+    device_memory_gb_per_s=3000.0,
+    launch_overhead_us=5.0,
+    host_memory_gb_per_s=40.0,
+)
 SPECS = {
-    "h100_sxm": DeviceSpec(
-        name="h100_sxm",
-        peak_tflops=989.0,
-        memory_gb=79.0,
-        host_memory_gb=128.0,
-        host_link_gb_per_s=55.0,
-        intra_node_gb_per_s=450.0,
-        inter_node_gb_per_s=50.0,
-        devices_per_node=8,
-        compute_efficiency=0.7,
-        storage_gb_per_s=2.0,
-        attention_efficiency=0.25,
-        device_memory_gb_per_s=3000.0,
-        launch_overhead_us=5.0,
-        host_memory_gb_per_s=40.0,
-    ),
-    "h200": DeviceSpec(
-        name="h200",
-        peak_tflops=989.0,
-        memory_gb=139.0,
-        host_memory_gb=128.0,
-        host_link_gb_per_s=55.0,
-        intra_node_gb_per_s=450.0,
-        inter_node_gb_per_s=50.0,
-        devices_per_node=8,
-        compute_efficiency=0.7,
-        storage_gb_per_s=2.0,
-        attention_efficiency=0.25,
-        device_memory_gb_per_s=4300.0,
-        launch_overhead_us=5.0,
-        host_memory_gb_per_s=40.0,
+    "h100_sxm": H100_SXM,
+    # The same chip and node with HBM3e: more memory, faster.
+    "h200": dataclasses.replace(
+        H100_SXM, name="h200", memory_gb=139.0, device_memory_gb_per_s=4300.0
     ),
     "a100_80gb": DeviceSpec(
         name="a100_80gb",
