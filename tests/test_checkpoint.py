@@ -85,6 +85,7 @@ def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpo
     resumed = entry_point(*RUN_FLAGS, *resume, "--eval_every", "3", "--eval_batches", "2")
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "at step 3" in resumed.stdout
+    assert "(saved by dp 1 x pp 1 x cp 1 x tp1 1 x tp2 1 (1 process), " in resumed.stdout
     expected, got = losses(killed_dir), losses(resumed_dir)
     assert sorted(expected) == [1, 2, 3, 4, 5, 6]
     assert sorted(got) == [4, 5, 6]

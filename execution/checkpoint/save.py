@@ -24,6 +24,7 @@ checkpoint loadable.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import datetime
 import json
 import shutil
@@ -63,6 +64,7 @@ from execution.checkpoint.ownership import (
 from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.masks import SPARSE_KIND, SPARSE_PART
 from execution.parallel.collective_errors import communicating
+from execution.parallel.mesh import MeshShape
 
 
 class Checkpointer:
@@ -251,7 +253,7 @@ class Checkpointer:
             "loss_scaling": config.training.loss_scaling,
             "learning_rate_position": {"step": step, "total_steps": config.training.steps},
             "loader": loader_state,
-            "saved_layout": [ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2],
+            "saved_mesh": dataclasses.asdict(MeshShape.of(ex)),
             "saved_placement": f"{self.engine.memory.passes} pass(es), {self.engine.memory.placement.describe()}",
             "config": config_to_dict(config),
         }

@@ -1,19 +1,9 @@
-"""The parallel geometry of a run: ranks, mesh axes and their process groups.
+"""The parallel geometry of a run as process groups: one :class:`ParallelLayout`, built at
+start-up from the mesh (:mod:`execution.parallel.mesh_shape`: the rank formula and the members
+of every group) and passed to everything that communicates; there is no module-level
+process-group state.
 
 docs/design.md, "The mesh and the rank formula", draws the mesh and lists the groups.
-
-Rank ``r = (((d * pp + p) * cp + c) * tp1 + i) * tp2 + j`` where ``j`` indexes
-tensor_parallel_2 (innermost), ``i`` tensor_parallel_1, ``c`` context_parallel, ``p`` the
-pipeline stage and ``d`` data_parallel. The tensor axes stay innermost because they communicate
-on every matmul; the context axis comes next because its all-to-alls run twice per layer and
-micro-batch (so it should stay inside a node after the tensor axes, where bandwidth allows);
-the pipeline axis sends one activation per micro-batch between neighbouring stages, so it may
-cross nodes; data parallelism, which communicates once per phase, is outermost. With
-``pp = cp = 1`` this is ``d * tp1 * tp2 + i * tp2 + j``.
-:class:`MeshShape` is the one place that formula and the membership of every group live; a new
-parallel axis joins there. One :class:`ParallelLayout`
-is built at start-up and passed to everything that communicates; there is no module-level
-process-group state.
 """
 
 from __future__ import annotations
@@ -21,14 +11,15 @@ from __future__ import annotations
 import collections
 import contextlib
 import datetime
-import itertools
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from execution.parallel.collective_errors import communicating
+from execution.parallel.mesh_shape import AXES as AXES
+from execution.parallel.mesh_shape import COORDS as COORDS
+from execution.parallel.mesh_shape import MeshShape as MeshShape
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names (a FutureWarning
@@ -36,28 +27,6 @@ _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.R
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-# Mesh coordinates, outermost first: the order of the rank formula.
-COORDS = "dpcij"
-# Each group of the mesh, by the coordinates (d, p, c, i, j) that vary within it: a rank's
-# group along an axis is every rank that shares its other coordinates. Weights are replicated
-# over data and context parallelism alike, so both belong to every RTS group; pipeline stages
-# hold different layers, so no replica group spans stages.
-AXES: dict[str, tuple[str, ...]] = {
-    "dp": ("d",),
-    "pp": ("p",),  # the stages of one pipeline, in stage order
-    # The first and the last stage, which both hold the tied word embedding and sum its
-    # gradient (only stages 0 and pp - 1 of the pipeline axis; see MeshShape.members).
-    "embedding": ("p",),
-    "cp": ("c",),  # the pieces of one sequence
-    "tp1": ("i",),
-    "tp2": ("j",),
-    "dp_cp": ("d", "c"),  # replicas of matrices: their RTS group and gradient sum
-    # Replicas of tp2-sharded vectors (RTS group); dp x tp1 without a context axis.
-    "dp_tp1": ("d", "c", "i"),
-    # Replicas of tp1-sharded vectors (RTS group); dp x tp2 without a context axis.
-    "dp_tp2": ("d", "c", "j"),
-    "world": ("d", "p", "c", "i", "j"),
-}
 # Without a context axis the replicas of matrices are the data-parallel group itself: one
 # group, not two with the same members (a run with cp = 1 creates and reports no second group
 # of the same ranks).
@@ -65,72 +34,6 @@ _SAME_WHEN_NO_CP = {"dp_cp": "dp"}
 # Without a pipeline these axes are size 1 and get no group (nor a place in ``axes()``), so a
 # run with pp = 1 creates and reports no group it does not use.
 PIPELINE_AXES = ("pp", "embedding")
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """Sizes of the (dp, pp, cp, tp1, tp2) mesh: the rank formula and every group's members."""
-
-    dp: int
-    tp1: int
-    tp2: int
-    cp: int = 1
-    pp: int = 1
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.pp * self.cp * self.tp1 * self.tp2
-
-    def rank(self, d: int, p: int, c: int, i: int, j: int) -> int:
-        return (((d * self.pp + p) * self.cp + c) * self.tp1 + i) * self.tp2 + j
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """``{"d": ..., "p": ..., "c": ..., "i": ..., "j": ...}`` of a global rank."""
-        out = {}
-        for c in reversed(COORDS):
-            rank, out[c] = divmod(rank, self._extent()[c])
-        return {c: out[c] for c in COORDS}
-
-    def _extent(self) -> dict[str, int]:
-        return {"d": self.dp, "p": self.pp, "c": self.cp, "i": self.tp1, "j": self.tp2}
-
-    def size(self, axis: str) -> int:
-        if axis == "embedding":
-            return min(self.pp, 2)
-        return math.prod(self._extent()[c] for c in AXES[axis])
-
-    def _ranks(
-        self, fixed: dict[str, int], varying: tuple[str, ...], stages=None
-    ) -> tuple[int, ...]:
-        """Ranks whose ``fixed`` coordinates are as given, over every value of ``varying``
-        (ascending: the rank formula grows with d, then p, c, i, j); ``stages`` limits the
-        values of p."""
-        extent = self._extent()
-        ranges = [range(extent[c]) if c in varying else [fixed[c]] for c in COORDS]
-        if stages is not None and "p" in varying:
-            ranges[COORDS.index("p")] = stages
-        return tuple(self.rank(*coords) for coords in itertools.product(*ranges))
-
-    def _embedding_stages(self) -> tuple[int, ...]:
-        return tuple(sorted({0, self.pp - 1}))
-
-    def members(self, axis: str, rank: int) -> tuple[int, ...]:
-        """Global ranks of ``rank``'s group along ``axis``, in group-rank order (ascending).
-
-        A middle stage holds no embedding: its ``embedding`` group is itself alone."""
-        coords = self.coords(rank)
-        if axis == "embedding":
-            if coords["p"] not in self._embedding_stages():
-                return (rank,)
-            return self._ranks(coords, AXES[axis], self._embedding_stages())
-        return self._ranks(coords, AXES[axis])
-
-    def groups(self, axis: str) -> list[tuple[int, ...]]:
-        """Every group along ``axis`` (of more than one rank for ``embedding``), each once, in
-        the same order on every rank."""
-        fixed = tuple(c for c in COORDS if c not in AXES[axis])
-        firsts = self._ranks(dict.fromkeys(COORDS, 0), fixed)  # one rank of each group
-        return sorted(self.members(axis, r) for r in firsts)
 
 
 class Pending:

@@ -86,9 +86,7 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
 
 
 def _mesh(config: PretrainingConfig) -> MeshShape:
-    ex = config.execution
-    sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel)
-    return MeshShape(*sizes, ex.pipeline_parallel)
+    return MeshShape.of(config.execution)
 
 
 @dataclass(kw_only=True)

@@ -8,6 +8,7 @@ import itertools
 
 from config.schema import PretrainingConfig
 from execution.engine.plan import GiB
+from execution.parallel.mesh import MeshShape
 from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import spec_budget
 from execution.planning.plan_search import layouts, search
@@ -123,10 +124,7 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
 def _nearest_misfit_line(misfit: dict, budget, devices: int) -> str:
     """What the layout nearest to fitting needs, as ``--dry_run`` says it for one layout."""
     ex, plan = misfit["config"].execution, misfit["plan"]
-    layout = (
-        f"dp {ex.data_parallel} x pp {ex.pipeline_parallel} x cp {ex.context_parallel} x tp1 "
-        f"{ex.tensor_parallel_1} x tp2 {ex.tensor_parallel_2}, micro-batch {ex.micro_batch_size}"
-    )
+    layout = f"{MeshShape.of(ex).describe()}, micro-batch {ex.micro_batch_size}"
     device, host = (plan.bytes_on(where)["total"] / GiB for where in ("device", "host"))
     return (
         f"nothing fits on {devices} devices: the nearest layout ({layout}; {plan.passes} "

@@ -46,7 +46,7 @@ from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import engine_plan
 from execution.parallel.launch import LaunchInfo
-from execution.parallel.mesh import ParallelLayout
+from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.planning.pipeline_figures import bubble_fraction
 from execution.planning.planner import plan_for_process
 from execution.training.checkpoint_flags import check_resumed_sparsity
@@ -282,16 +282,23 @@ def _restore(
                 f"the checkpoint {trainer['folder']} is at step {start_step} and --steps is "
                 f"{config.training.steps}: nothing to train; raise --steps"
             )
-    dp, tp1, tp2 = trainer["saved_layout"]
-    # A saved config without context_parallel (pipeline_parallel) was saved by code without
-    # that axis, so the run had none: size 1.
-    cp = trainer["config"]["execution"].get("context_parallel", 1)
-    pp = trainer["config"]["execution"].get("pipeline_parallel", 1)
-    sizes = f"{dp} x {cp} (context) x {tp1} x {tp2}" if cp > 1 else f"{dp} x {tp1} x {tp2}"
-    sizes = f"{sizes} x {pp} (pipeline)" if pp > 1 else sizes
+    mesh = saved_mesh(trainer)
     verb = "loaded" if c.eval_only else "resumed from"
-    saved_by = f"saved by {sizes} processes, {trainer['saved_placement']}"
+    processes = f"{mesh.world_size} process{'es' * (mesh.world_size > 1)}"
+    saved_by = f"saved by {mesh.describe()} ({processes}), {trainer['saved_placement']}"
     return start_step, f"{verb} {trainer['folder']} at step {start_step} ({saved_by})\n"
+
+
+def saved_mesh(trainer: dict) -> MeshShape:
+    """The mesh that saved a checkpoint. Checkpoints before the whole mesh was recorded hold
+    dp, tp1 and tp2 (``saved_layout``), and their config the rest; a config without
+    context_parallel (pipeline_parallel) was saved by code without that axis: size 1."""
+    if "saved_mesh" in trainer:
+        return MeshShape(**trainer["saved_mesh"])
+    dp, tp1, tp2 = trainer["saved_layout"]
+    execution = trainer["config"]["execution"]
+    cp, pp = (execution.get(f"{axis}_parallel", 1) for axis in ("context", "pipeline"))
+    return MeshShape(dp, tp1, tp2, cp, pp)
 
 
 def _pipeline_line(config: PretrainingConfig, passes: int) -> str:
