@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from config.schema import PretrainingConfig
 from execution.engine.plan import GiB, MemoryPlan
+from execution.parallel.mesh_shape import MeshShape
 from execution.planning.memory import MemoryBudget
 
 # The states a report shows per kind of rank, in order.
@@ -25,8 +26,7 @@ def format_report(config: PretrainingConfig, report: dict) -> str:
     ex, spec = config.execution, report["device_spec"]
     lines = [
         f"dry run: {config.model.layers} layers x {config.model.hidden_size}, "
-        f"{ex.data_parallel} x {_context(ex)}{ex.tensor_parallel_1} x {ex.tensor_parallel_2} = "
-        f"{report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
+        f"{MeshShape.of(ex).describe()} = {report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
         f"{spec['memory_gb']:g} GiB, host {spec['host_memory_gb']:g} GiB), "
         f"global batch {config.training.global_batch_size} x {config.model.sequence_length}"
     ]
@@ -90,13 +90,6 @@ def fit_line(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
         f"{needs} even with its least-memory plan; add data or tensor parallelism (see "
         "--plan_for) or use a larger device"
     )
-
-
-def _context(ex) -> str:
-    """The pipeline and context axes in a layout's ``dp x pp x cp x tp1 x tp2``, shown only
-    when used."""
-    pipeline = f"{ex.pipeline_parallel} (pipeline) x " if ex.pipeline_parallel > 1 else ""
-    return pipeline + (f"{ex.context_parallel} (context) x " if ex.context_parallel > 1 else "")
 
 
 def time_breakdown(entry: dict) -> str:
