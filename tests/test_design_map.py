@@ -1,0 +1,53 @@
+"""docs/design.md's map of the code names every module of the library where it lives: each
+Python file outside tests/ (by git, so the tree as committed) is in its folder's row of the
+"Layout of the code" table, so a new file without its line there fails here."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _layout_rows() -> dict[str, str]:
+    """The table's rows by their path cell (a folder ends with a slash)."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    table = text.split("## Layout of the code", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        match = re.match(r"\| `([^`]+)` \|(.*)\|$", line)
+        if match:
+            rows[match.group(1)] = match.group(2)
+    return rows
+
+
+def _modules() -> list[str]:
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("needs the git checkout")
+    return [f for f in listed if not f.startswith("tests/") and not f.endswith("__init__.py")]
+
+
+def test_every_module_has_its_line_in_its_folder_s_row():
+    rows = _layout_rows()
+    missing = []
+    for module in _modules():
+        if module in rows:  # an entry script: a row of its own
+            continue
+        folder = max((p for p in rows if p.endswith("/") and module.startswith(p)), key=len)
+        if f"`{Path(module).name}`" not in rows[folder]:
+            missing.append(f"{module} (row {folder})")
+    assert not missing, "docs/design.md's layout table misses: " + ", ".join(missing)
+
+
+def test_the_check_catches_a_module_left_out():
+    rows = _layout_rows()
+    assert "`optimizer.py`" in rows["execution/engine/"]
+    assert "`optimizer.py`" not in rows["execution/planning/"]
