@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from data.loader import DataError, PretrainingDataLoader, validation_batches
-from data.testing import numbered_record, write_numbered_shards
 from data.tfrecord_io import (
     encode_example,
     frame_record,
@@ -16,6 +15,7 @@ from data.tfrecord_io import (
     scan_records,
     write_index,
 )
+from tests.data_sets import numbered_record, write_numbered_shards
 
 SEQ = 8
 LENGTH = SEQ + 1

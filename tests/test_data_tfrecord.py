@@ -7,7 +7,6 @@ import pytest
 
 from data.errors import DataError
 from data.index_tfrecord import index_file
-from data.testing import run_data_script
 from data.tfrecord_io import (
     RecordError,
     TFRecordWriter,
@@ -19,6 +18,7 @@ from data.tfrecord_io import (
     read_record,
     scan_records,
 )
+from tests.data_sets import run_data_script
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # The ids in tests/fixtures/tiny.tfrecord, written by the independent `tfrecord` package.

@@ -14,11 +14,11 @@ import pytest
 
 from data.loader import DataError, PretrainingDataLoader
 from data.parallel import run_script
-from data.testing import run_data_script
 from data.tfrecord_io import decode_example, index_path_for, read_record, scan_records
 from data.tokenizer import TokenizerSpec, load_tokenizer
 from data.write_into_tfrecord import WindowCutter
 from data.write_into_tfrecord import main as write_main
+from tests.data_sets import run_data_script
 
 DOCUMENTS = [
     "Hello world",
