@@ -40,6 +40,7 @@ from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
 from modelling.gpt import GPT, LAYERS, GPTShapes
 from modelling.layers import Attention, BlockSeeds
+from utils.torch_private import sdpa_kernel_ops
 
 MODES = ("full", "selective", "none")
 # Each kept tensor starts on this many bytes, so any dtype can view its region.
@@ -80,7 +81,7 @@ def _efficient_attention(q, k, v, dropout_p, is_causal):
     # SDPA asks for the logsumexp only where a backward will need it (should_compute_logsumexp
     # in torch's attention.cpp); without it the kernel returns an empty one.
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    efficient = torch.ops.aten._scaled_dot_product_efficient_attention
+    efficient = sdpa_kernel_ops()["efficient"]
     return efficient(q, k, v, None, backward, dropout_p, is_causal)
 
 
@@ -95,11 +96,8 @@ def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
     the module's, it holds on the threads autograd runs a meta backward, and a selective
     recompute inside it, on. Real tensors go to ``F.scaled_dot_product_attention``.
     """
-    op = {
-        "flash": torch.ops.aten._scaled_dot_product_flash_attention,
-        "efficient": _efficient_attention,
-        "cpu_flash": torch.ops.aten._scaled_dot_product_flash_attention_for_cpu,
-    }.get(kernel)
+    op = sdpa_kernel_ops() | {"efficient": _efficient_attention}
+    op = op.get(kernel)
     attentions = [m for module in modules for m in module.modules() if isinstance(m, Attention)]
     if op is None:
         yield

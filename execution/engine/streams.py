@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
+from utils.torch_private import cuda_sleep
+
 Work = Callable[[], None]
 
 
@@ -73,7 +75,7 @@ class CudaStream:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if self.delay_cycles:
-                torch.cuda._sleep(self.delay_cycles)  # queued before the work, on this stream
+                cuda_sleep(self.delay_cycles)  # queued before the work, on this stream
             work()
             done = torch.cuda.Event()
             done.record(self.stream)

@@ -21,10 +21,10 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from execution.planning.op_costs import OpCost, OpCosts, op_cost
+from utils.torch_private import TorchDispatchMode
 
 
 def _attention_kernels() -> frozenset:
