@@ -138,14 +138,6 @@ class CheckpointConfig:
             "model.safetensors or pytorch_model.bin); its shape must match the model flags."
         ),
     )
-    checkpoint_commit_delay: float = field(
-        default=0.0,
-        metadata=_doc(
-            "Seconds each save waits after writing, before it commits (renames step_N.tmp): "
-            "to test that a run killed while saving keeps its last complete checkpoint. 0 in "
-            "normal use."
-        ),
-    )
     eval_only: bool = field(
         default=False,
         metadata=_doc(

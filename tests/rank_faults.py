@@ -1,4 +1,6 @@
-"""Test-only faults of one rank in the middle of a step: killed, or stalled.
+"""Test-only faults of one rank in the middle of a step: killed, or stalled; and of every rank's
+saves: each commit held back a while (``slow_commits``), so a test can stop a run while it
+writes a checkpoint.
 
 No flag or environment variable of the program exposes them. A test installs one in a process
 it runs itself (:func:`install`), or starts the job through ``tests/fixtures/run_with_fault.py``,
@@ -32,7 +34,8 @@ COMMIT_DEADLINE_S = 120.0
 @dataclass(frozen=True)
 class Fault:
     """``kill``: SIGKILL rank ``rank`` mid-step ``step`` (1-based); ``stall``: it sleeps
-    ``seconds`` there, then goes on."""
+    ``seconds`` there, then goes on; ``slow_commits``: every save waits ``seconds`` after
+    writing, before it commits (``rank`` and ``step`` unused)."""
 
     kind: str
     rank: int
@@ -45,12 +48,22 @@ class Fault:
     @classmethod
     def parse(cls, text: str) -> Fault:
         kind, rank, step, seconds = text.split(":")
-        assert kind in ("kill", "stall"), text
+        assert kind in ("kill", "stall", "slow_commits"), text
         return cls(kind, int(rank), int(step), float(seconds))
 
 
 def install(fault: Fault) -> None:
-    """Makes this process's engine strike ``fault`` when it runs that rank's step."""
+    """Makes this process's engine strike ``fault`` when it runs that rank's step (or its
+    saves commit late)."""
+    if fault.kind == "slow_commits":
+        commit = Checkpointer._commit
+
+        def slow_commit(checkpointer, tmp, final):
+            time.sleep(fault.seconds)
+            commit(checkpointer, tmp, final)
+
+        Checkpointer._commit = slow_commit
+        return
     train_step, save = PhasedEngine.train_step, Checkpointer.save
     saved: list[tuple[Checkpointer, int]] = []  # this process's saves, the last one last
 

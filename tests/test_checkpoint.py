@@ -43,8 +43,11 @@ RUN_FLAGS = shlex.split(
 )
 
 
-def entry_point(*flags: str, env: dict | None = None, popen: bool = False):
-    command = [sys.executable, "run_pretraining.py", *flags]
+def entry_point(*flags: str, env: dict | None = None, popen: bool = False, fault: str = ""):
+    """run_pretraining.py with ``flags``: forked, or (``popen``) a new process, which can have
+    a test fault (tests/rank_faults.py) installed."""
+    wrapper = ["tests/fixtures/run_with_fault.py", fault] if fault else []
+    command = [sys.executable, *wrapper, "run_pretraining.py", *flags]
     env = {**os.environ, **(env or {})}
     if popen:
         return subprocess.Popen(
@@ -60,14 +63,13 @@ def losses(output_dir: Path) -> dict[int, tuple[float, float]]:
 
 @pytest.mark.slow
 def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpoint(tmp_path):
-    # Trains 6 steps straight, saving after step 3 and at the end (step 6). The test hook holds
+    # Trains 6 steps straight, saving after step 3 and at the end (step 6). A test fault holds
     # each commit for 2 s, so the process is still writing step 6 when step 3 is complete:
     # kill it (SIGKILL) then. Its 6 logged steps are the uninterrupted reference.
     ckpt = tmp_path / "ckpt"
     killed_dir, resumed_dir, eval_dir = tmp_path / "killed", tmp_path / "resumed", tmp_path / "eval"
     save = ["--checkpoint_steps", "3", "--save", str(ckpt), "--output_dir", str(killed_dir)]
-    delay = ["--checkpoint_commit_delay", "2"]
-    killed = entry_point(*RUN_FLAGS, *save, *delay, popen=True)
+    killed = entry_point(*RUN_FLAGS, *save, popen=True, fault="slow_commits:0:0:2")
     deadline = time.monotonic() + 240
     while not ((ckpt / "step_3").is_dir() and (ckpt / "step_6.tmp" / ".metadata").exists()):
         assert killed.poll() is None, killed.stdout.read()

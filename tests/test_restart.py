@@ -168,7 +168,7 @@ def test_a_job_stopped_while_it_saves_ends_in_one_line_and_keeps_its_last_checkp
     exits 128 + SIGTERM with no traceback."""
     ckpt = tmp_path / "ckpt"
     flags = [*TWO_RANKS, "--steps", "100000", "--checkpoint_steps", "1"]
-    flags += ["--checkpoint_commit_delay", "2", "--save", str(ckpt)]
+    flags += ["--save", str(ckpt)]
     flags += ["--output_dir", str(tmp_path / "out")]
     with socket.socket() as probe:  # a free port for rank 0's store, as torchrun finds one
         probe.bind((HOST, 0))
@@ -178,7 +178,9 @@ def test_a_job_stopped_while_it_saves_ends_in_one_line_and_keeps_its_last_checkp
         worker = {"RANK": rank, "WORLD_SIZE": 2, "LOCAL_RANK": rank, "LOCAL_WORLD_SIZE": 2}
         env = {**os.environ, **{key: str(value) for key, value in worker.items()}}
         env.update(MASTER_ADDR=HOST, MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        command = [sys.executable, "run_pretraining.py", *flags]
+        # Each commit held 2 s (a test fault), so the stop lands while step 2 is written.
+        slow = ["tests/fixtures/run_with_fault.py", "slow_commits:0:0:2"]
+        command = [sys.executable, *slow, "run_pretraining.py", *flags]
         ranks.append(
             subprocess.Popen(
                 command,

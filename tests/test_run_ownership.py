@@ -189,14 +189,6 @@ def test_default_output_folders_of_runs_started_in_one_second_differ(tmp_path):
     assert [first.name, second.name] == ["20260101-000000-tiny", "20260101-000000-tiny-2"]
 
 
-def test_a_negative_commit_delay_is_refused_before_anything_is_written(tmp_path):
-    paths = ["--save", str(tmp_path / "ckpt"), "--output_dir", str(tmp_path / "out")]
-    result = entry_point(*RUN_FLAGS, "--checkpoint_commit_delay", "-1", *paths)
-    _refused(result, "--checkpoint_commit_delay must be a number of seconds >= 0 (")
-    assert result.stderr.endswith("got -1.0\n")
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.slow
 def test_a_rollback_keeps_the_step_resumed_from_and_logs_each_step_once(run_copy):
     """Resumed from step_2 of a run that reached step_6, with --keep_checkpoints 2: steps 4 and

@@ -76,7 +76,6 @@ class Checkpointer:
         config: The run's config (written into every checkpoint, so a resume can check it).
         keep: Keep only the newest ``keep`` checkpoints (0 keeps all).
         log: Where rank 0's messages go.
-        commit_delay: Test hook: seconds to wait after writing, before the commit.
         max_chunk_bytes: Chunks are written (and later read) at most this many bytes at a time.
         run_id: The run the folder belongs to (ownership module); a new one if None.
         job: The launch's job id (execution.parallel.launch), saved with each checkpoint so
@@ -95,7 +94,6 @@ class Checkpointer:
         config: PretrainingConfig,
         keep: int = 0,
         log: Callable[[str], None] = print,
-        commit_delay: float = 0.0,
         max_chunk_bytes: int = MAX_CHUNK_BYTES,
         run_id: str | None = None,
         job: str | None = None,
@@ -109,7 +107,6 @@ class Checkpointer:
         self.layout = engine.layout
         self.keep = keep
         self.log = log if self.layout.is_main else (lambda _: None)
-        self.commit_delay = commit_delay
         self.max_chunk_bytes = max_chunk_bytes
         self.held_seconds = self.fence_seconds = 0.0
         self._items = None  # this rank's chunks: the same at every save
@@ -313,8 +310,20 @@ class Checkpointer:
         write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
         fsync(tmp)
         writing = time.perf_counter() - write_started
-        if self.commit_delay:
-            time.sleep(self.commit_delay)
+        self._commit(tmp, final)
+        self._prune(trainer["step"])
+        seconds = time.perf_counter() - started
+        gb = sum(size for size, _ in manifest.values()) / 1e9
+        self.log(
+            f"checkpoint: saved step {trainer['step']} ({gb:.3f} GB in {seconds:.2f} s: "
+            f"written at {gb / writing:.3f} GB/s in the background, training held "
+            f"{self.held_seconds:.2f} s for the copy off the device)"
+        )
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        """Renames the written ``step_N.tmp`` into place and points ``latest`` at it: until
+        then a reader finds the last complete checkpoint (tests/rank_faults.py holds the
+        commit back to kill a run in the middle of a save)."""
         if final.exists():  # the same step saved again: replace it
             old = final.with_name(final.name + ".old")
             final.rename(old)
@@ -324,14 +333,6 @@ class Checkpointer:
             tmp.rename(final)
         write_atomic(self.directory / LATEST_FILE, final.name + "\n")
         fsync(self.directory)
-        self._prune(trainer["step"])
-        seconds = time.perf_counter() - started
-        gb = sum(size for size, _ in manifest.values()) / 1e9
-        self.log(
-            f"checkpoint: saved step {trainer['step']} ({gb:.3f} GB in {seconds:.2f} s: "
-            f"written at {gb / writing:.3f} GB/s in the background, training held "
-            f"{self.held_seconds:.2f} s for the copy off the device)"
-        )
 
     def _prune(self, saved: int) -> None:
         """Keeps the newest ``keep`` checkpoints of the run's history, ``saved`` the newest.

@@ -198,7 +198,6 @@ def assemble(
                 engine,
                 config,
                 c.keep_checkpoints,
-                commit_delay=c.checkpoint_commit_delay,
                 run_id=run_id,
                 job=launch.job_id,
                 output_dir=output_dir,
