@@ -7,7 +7,7 @@
    state on the host alone gives resident's losses too: activations and gradients in float32,
    bfloat16 weight copies on the host within the bfloat16 tolerance; two passes, so that every
    layer is loaded and stored twice a step. The placed runs use late side streams
-   (``late_streams``: on the GPU each copy is queued behind a spin of the GPU's clock, on a CPU
+   (``late_side_streams``: on the GPU each copy is queued behind a spin of the GPU's clock, on a CPU
    it completes only when waited for), so a copy whose wait is missing shows as a different
    loss instead of winning its race by luck.
 2. The NCCL path works for a world of one: a process group from a file:// store,
@@ -24,6 +24,7 @@ process (a sticky CUDA error) leaves the earlier ones' results (gpu_first_run.py
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -50,6 +51,7 @@ from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import engine_plan
+from execution.engine.streams import late_side_streams
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
 from execution.planning.planner import plan_for_process
 from execution.training.lr_schedule import learning_rate
@@ -90,7 +92,8 @@ def losses(
     """Losses of ``batches``, one step each, under the planner's choice; ``late``: with late
     side streams (module docstring)."""
     plan, _ = plan_for_process(config, layout)
-    engine = PhasedEngine(engine_plan(config, plan), layout, late_streams=late)
+    with late_side_streams() if late else contextlib.nullcontext():
+        engine = PhasedEngine(engine_plan(config, plan), layout)
     t = config.training
     out = []
     for step, batch in enumerate(batches):

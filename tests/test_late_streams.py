@@ -20,7 +20,7 @@ import torch
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import engine_plan
-from execution.engine.streams import LateStream
+from execution.engine.streams import LateStream, late_side_streams
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from tests.distributed import CPU, global_batches, replica_batch
@@ -42,7 +42,9 @@ def _config(weights: str, activations: str, recompute: str, overlap: bool, passe
 def _train(config, late: bool) -> tuple[list[float], PhasedEngine]:
     layout = ParallelLayout.single(CPU)
     plan, _ = plan_for_process(config, layout)
-    engine = PhasedEngine(engine_plan(config, plan), layout, late_streams=late)
+    with late_side_streams() if late else contextlib.nullcontext():
+        engine = PhasedEngine(engine_plan(config, plan), layout)
+    assert isinstance(engine.state.loads, LateStream) == late
     batches = global_batches(config, STEPS)
     losses = [
         engine.train_step(replica_batch(config, batches[s], 0), s, 1e-3).loss for s in range(STEPS)

@@ -73,12 +73,9 @@ class PhasedEngine:
         plan: How this rank executes (:func:`~execution.engine.plan.engine_plan`); the
             engine reads nothing else.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
-        late_streams: Copies on the side streams complete late: on a CPU only when waited for
-            (:class:`~execution.engine.streams.LateStream`), on a GPU after a spin queued
-            before each (checks of the GPU's ordering; never for training).
     """
 
-    def __init__(self, plan: EnginePlan, layout: ParallelLayout, late_streams: bool = False):
+    def __init__(self, plan: EnginePlan, layout: ParallelLayout):
         self.plan = plan
         self.memory = plan.memory
         self.layout = layout
@@ -102,7 +99,7 @@ class PhasedEngine:
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
         self.stage = Stage.of(plan.stage_layers, layout.pp.rank, plan.model.task)
-        self.state = self._buffers(late_streams)
+        self.state = self._buffers()
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
         self.kept: KeptLayers | None = None
@@ -124,7 +121,7 @@ class PhasedEngine:
             if self.rigl is not None:
                 self.rigl.initialise(plan.seed)
 
-    def _buffers(self, late_streams: bool) -> StateStore:
+    def _buffers(self) -> StateStore:
         """This rank's buffers, placed by the plan, sized for its stage."""
         plan, memory = self.plan, self.memory
         places = {s: Place.of(getattr(memory.placement, s), self.device) for s in PLACED_STATES}
@@ -146,7 +143,6 @@ class PhasedEngine:
             activations=activations,
             rows={part: self.stage.rows(part) for part in PARTS},
             first_layer=self.stage.first_layer,
-            late_streams=late_streams,
             sparse=plan.sparsity is not None,
         )
 

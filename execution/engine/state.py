@@ -80,14 +80,11 @@ class StateStore:
         activations: ActivationLayout,
         rows: dict[str, int] | None = None,
         first_layer: int = 0,
-        late_streams: bool = False,
         sparse: bool = False,
     ):
         """``rows``: buffer rows of each part (default: every part, ``layers`` decoder layers);
         a pipeline stage holds some parts only. ``first_layer``: the global index of its first
-        decoder layer. ``late_streams``: side-stream work completes late (on a CPU only when
-        waited for, on a GPU after a queued spin: :func:`~execution.engine.streams.side_streams`).
-        ``sparse``: keep RigL's masks of the decoder layers' matrices (:attr:`masks`)."""
+        decoder layer. ``sparse``: keep RigL's masks of the decoder layers' matrices (:attr:`masks`)."""
         self.specs = specs
         self.first_layer = first_layer
         self.rts = rts
@@ -108,7 +105,7 @@ class StateStore:
         self._prefetched: dict[tuple, tuple[dict[str, torch.Tensor], object, dict | None]] = {}
         self.prefetch_hits = 0  # loads served by a prefetch (tests check prefetch is used)
         # A side stream for loads issued ahead and one for activation stores to host.
-        self.loads, self.stores = side_streams(self.device, late_streams)
+        self.loads, self.stores = side_streams(self.device)
         self.activations = ActivationStore(
             activations, places["activations"], layout.tp1, self.mover, self.stores
         )

@@ -28,6 +28,7 @@ Each implementation has the same operations:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -159,10 +160,25 @@ class LateStream:
 def side_streams(device: torch.device, late: bool = False):
     """Two side streams (loads, stores) for ``device``: CUDA streams on a GPU (with ``late``,
     each submission delayed by :data:`LATE_CUDA_CYCLES`); on a CPU, eager ones, or with
-    ``late`` the stand-in whose work completes only when waited for."""
+    ``late`` the stand-in whose work completes only when waited for. The engine's stores ask
+    for prompt ones; checks of the ordering build engines inside :func:`late_side_streams`."""
     if device.type == "cuda":
         delay = LATE_CUDA_CYCLES if late else 0
         return CudaStream(device, delay), CudaStream(device, delay)
     if late:
         return LateStream("loads"), LateStream("stores")
     return EagerStream(), EagerStream()
+
+
+@contextlib.contextmanager
+def late_side_streams() -> Iterator[None]:
+    """Engines built inside get late side streams: the checks of the engine's stream order
+    (tests/test_late_streams.py, benchmarks/gpu_check.py); never training."""
+    from execution.engine import state
+
+    prompt = state.side_streams
+    state.side_streams = functools.partial(side_streams, late=True)
+    try:
+        yield
+    finally:
+        state.side_streams = prompt
