@@ -51,3 +51,18 @@ def test_the_check_catches_a_module_left_out():
     rows = _layout_rows()
     assert "`optimizer.py`" in rows["execution/engine/"]
     assert "`optimizer.py`" not in rows["execution/planning/"]
+
+
+def test_every_docstring_that_cites_a_heading_of_the_docs_names_one_that_exists():
+    cited = re.compile(r'docs/([\w/]+\.md), "([^"]+)"')
+    wrong = []
+    for module in _modules():
+        for document, heading in cited.findall((ROOT / module).read_text()):
+            headings = {
+                line.lstrip("#").strip().split(":")[0]
+                for line in (ROOT / "docs" / document).read_text().splitlines()
+                if line.startswith("#")
+            }
+            if heading not in headings:
+                wrong.append(f'{module}: docs/{document}, "{heading}"')
+    assert not wrong, "no such heading: " + "; ".join(wrong)

@@ -1,4 +1,4 @@
-"""The phased training step (docs/design.md, "The phase sequence"): the engine of one rank.
+"""The phased training step (docs/design.md, "The phases of a step"): the engine of one rank.
 
 Four concerns, four places:
 

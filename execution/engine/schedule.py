@@ -1,7 +1,7 @@
 """The schedule of a step: which phases run, in which order, over which micro-batches.
 
 A training step walks the model in one or more *passes*, each over a disjoint, contiguous group
-of this replica's micro-batches (docs/design.md, "The phase sequence"):
+of this replica's micro-batches (docs/design.md, "The phases of a step"):
 
     embedding forward, layer 0 .. L-1 forward, head forward + backward,
     layer L-1 .. 0 backward, embedding backward
