@@ -24,7 +24,6 @@ process (a sticky CUDA error) leaves the earlier ones' results (gpu_first_run.py
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
@@ -92,7 +91,7 @@ def losses(
     """Losses of ``batches``, one step each, under the planner's choice; ``late``: with late
     side streams (module docstring)."""
     plan, _ = plan_for_process(config, layout)
-    with late_side_streams() if late else contextlib.nullcontext():
+    with late_side_streams(late):
         engine = PhasedEngine(engine_plan(config, plan), layout)
     t = config.training
     out = []

@@ -42,7 +42,7 @@ def _config(weights: str, activations: str, recompute: str, overlap: bool, passe
 def _train(config, late: bool) -> tuple[list[float], PhasedEngine]:
     layout = ParallelLayout.single(CPU)
     plan, _ = plan_for_process(config, layout)
-    with late_side_streams() if late else contextlib.nullcontext():
+    with late_side_streams(late):
         engine = PhasedEngine(engine_plan(config, plan), layout)
     assert isinstance(engine.state.loads, LateStream) == late
     batches = global_batches(config, STEPS)
@@ -153,12 +153,13 @@ def test_a_late_cuda_stream_queues_a_spin_before_each_submission(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Recorded())
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: calls.append(("sleep", cycles)))
-    late = streams.side_streams(torch.device("cuda", 0), late=True)
+    with late_side_streams():
+        late = streams.side_streams(torch.device("cuda", 0))
     for stream in late:
         calls.clear()
         stream.submit(lambda: calls.append("work"))
         assert calls == ["wait_stream", ("sleep", streams.LATE_CUDA_CYCLES), "work", "record"]
     calls.clear()
-    on_time, _ = streams.side_streams(torch.device("cuda", 0), late=False)
+    on_time, _ = streams.side_streams(torch.device("cuda", 0))
     on_time.submit(lambda: calls.append("work"))
     assert calls == ["wait_stream", "work", "record"]

@@ -28,7 +28,7 @@ Each implementation has the same operations:
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -157,11 +157,15 @@ class LateStream:
         return len(self._queue)
 
 
-def side_streams(device: torch.device, late: bool = False):
-    """Two side streams (loads, stores) for ``device``: CUDA streams on a GPU (with ``late``,
-    each submission delayed by :data:`LATE_CUDA_CYCLES`); on a CPU, eager ones, or with
-    ``late`` the stand-in whose work completes only when waited for. The engine's stores ask
-    for prompt ones; checks of the ordering build engines inside :func:`late_side_streams`."""
+# Set only inside late_side_streams(): whether the side streams made now are late.
+_LATE = contextvars.ContextVar("late_side_streams", default=False)
+
+
+def side_streams(device: torch.device):
+    """Two side streams (loads, stores) for ``device``: CUDA streams on a GPU; on a CPU, eager
+    ones. Inside :func:`late_side_streams` they are late: on a GPU each submission is delayed
+    by :data:`LATE_CUDA_CYCLES`, on a CPU the stand-in's work completes only when waited for."""
+    late = _LATE.get()
     if device.type == "cuda":
         delay = LATE_CUDA_CYCLES if late else 0
         return CudaStream(device, delay), CudaStream(device, delay)
@@ -171,14 +175,12 @@ def side_streams(device: torch.device, late: bool = False):
 
 
 @contextlib.contextmanager
-def late_side_streams() -> Iterator[None]:
-    """Engines built inside get late side streams: the checks of the engine's stream order
-    (tests/test_late_streams.py, benchmarks/gpu_check.py); never training."""
-    from execution.engine import state
-
-    prompt = state.side_streams
-    state.side_streams = functools.partial(side_streams, late=True)
+def late_side_streams(late: bool = True) -> Iterator[None]:
+    """Engines built inside (on this thread) get late side streams where ``late``: the checks
+    of the engine's stream order (tests/test_late_streams.py, benchmarks/gpu_check.py); never
+    training."""
+    token = _LATE.set(late)
     try:
         yield
     finally:
-        state.side_streams = prompt
+        _LATE.reset(token)
