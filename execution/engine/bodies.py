@@ -27,30 +27,30 @@ from modelling.gpt import EMBEDDING, LAYERS
 
 @torch.no_grad()
 def embedding_forward(step: Step, phase: Phase) -> None:
-    engine, batch = step.engine, step.batch
-    weights = engine.state.load_weights(EMBEDDING, 0, engine.dtype)
+    context, batch = step.context, step.batch
+    weights = context.state.load_weights(EMBEDDING, 0, context.dtype)
     for m, e in step.entries(phase):
         y = functional_call(
-            engine.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
+            context.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
         )
-        engine.state.activations.store_x(0, e, y)
+        context.state.activations.store_x(0, e, y)
         del y  # not held through the next micro-batch (module docstring)
 
 
 @torch.no_grad()
 def layer_forward(step: Step, phase: Phase) -> None:
-    engine, n, state = step.engine, phase.layer, step.engine.state
-    if step.batch.training and engine.kept is not None:  # keep the graph for the backward
-        vectors = state.load_weight_vectors(LAYERS, n, engine.dtype)
+    context, n, state = step.context, phase.layer, step.context.state
+    if step.batch.training and context.kept is not None:  # keep the graph for the backward
+        vectors = state.load_weight_vectors(LAYERS, n, context.dtype)
         for m, e in step.entries(phase):
             x, seeds = state.activations.fetch_x(n, e), step.layer_seeds(n, m)
-            state.activations.store_x(n + 1, e, engine.kept.forward(n, e, vectors, x, seeds))
+            state.activations.store_x(n + 1, e, context.kept.forward(n, e, vectors, x, seeds))
             del x
         return
-    weights = state.load_weights(LAYERS, n, engine.dtype)
+    weights = state.load_weights(LAYERS, n, context.dtype)
     for m, e in step.entries(phase):
         x = state.activations.fetch_x(n, e)
-        y = functional_call(engine.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
+        y = functional_call(context.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
         state.activations.store_x(n + 1, e, y)
         del x, y
 
@@ -58,22 +58,22 @@ def layer_forward(step: Step, phase: Phase) -> None:
 def layer_backward(step: Step, phase: Phase) -> None:
     """Recompute layer n for each micro-batch (what ``--recompute`` did not keep),
     backpropagate, reduce its grads."""
-    engine, n, state = step.engine, phase.layer, step.engine.state
+    context, n, state = step.context, phase.layer, step.context.state
     acc = step.accumulators(LAYERS)
-    if engine.kept is not None:
-        vectors = state.load_weight_vectors(LAYERS, n, engine.dtype)
+    if context.kept is not None:
+        vectors = state.load_weight_vectors(LAYERS, n, context.dtype)
         for _, e in step.entries(phase):
-            dx = engine.kept.backward(n, e, vectors, state.activations.fetch_dx(n + 1, e), acc)
+            dx = context.kept.backward(n, e, vectors, state.activations.fetch_dx(n + 1, e), acc)
             state.activations.store_dx(n, e, dx)
             del dx
         step.finish_grads(acc, n, phase)
         return
-    weights = state.load_weights(LAYERS, n, engine.dtype)
+    weights = state.load_weights(LAYERS, n, context.dtype)
     weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
     for m, e in step.entries(phase):
         x = state.activations.fetch_x(n, e).requires_grad_()
         with torch.enable_grad():
-            y = functional_call(engine.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
+            y = functional_call(context.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
         dx, *grads = torch.autograd.grad(
             y, [x, *weights.values()], state.activations.fetch_dx(n + 1, e)
         )
@@ -85,30 +85,30 @@ def layer_backward(step: Step, phase: Phase) -> None:
 
 def embedding_backward(step: Step, phase: Phase) -> None:
     """Embedding grads, added to the tied grad the head phase left in the step's gradients."""
-    engine, batch = step.engine, step.batch
-    weights = engine.state.load_weights(EMBEDDING, 0, engine.dtype)
+    context, batch = step.context, step.batch
+    weights = context.state.load_weights(EMBEDDING, 0, context.dtype)
     weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
     acc = step.accumulators(EMBEDDING)
     for m, e in step.entries(phase):
         with torch.enable_grad():
             y = functional_call(
-                engine.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
+                context.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
             )
         grads = torch.autograd.grad(
-            y, list(weights.values()), engine.state.activations.fetch_dx(0, e)
+            y, list(weights.values()), context.state.activations.fetch_dx(0, e)
         )
         acc.add(weights, grads)
         del y, grads
     # With a pipeline the last stage holds the head's tied part: the sum is complete, and
     # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
-    step.finish_grads(acc, 0, phase, norm=not engine.tied_across_stages)
+    step.finish_grads(acc, 0, phase, norm=not context.tied_across_stages)
 
 
 def move(step: Step, phase: Phase) -> None:
     """A pipeline stage's boundary activations (or their gradients) in or out."""
     entries = [e for _, e in step.entries(phase)]
-    engine = step.engine
-    pipeline.move(engine.link, engine.state, phase, range(entries[0], entries[-1] + 1))
+    context = step.context
+    pipeline.move(context.link, context.state, phase, range(entries[0], entries[-1] + 1))
 
 
 BODIES: dict[str, Callable[[Step, Phase], None]] = {

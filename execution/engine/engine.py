@@ -7,7 +7,8 @@ Four concerns, four places:
 - *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.engine.state`,
   placed by the plan the engine is given (:class:`~execution.engine.plan.EnginePlan`);
 - *what* each phase computes: :mod:`execution.engine.bodies` and :mod:`execution.engine.head`,
-  functions of the step (:class:`~execution.engine.step.Step`) and the phase;
+  functions of the step (:class:`~execution.engine.step.Step`) and the phase, which see the
+  rank through the :class:`~execution.engine.phase_context.PhaseContext` the engine builds once;
 - the update: :class:`~execution.engine.optimizer.AdamWDriver`.
 
 The engine holds what lives as long as the rank does (buffers, templates, the pipeline link)
@@ -20,6 +21,7 @@ import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
 import torch
 
@@ -27,6 +29,7 @@ from execution.engine import pipeline, schedule
 from execution.engine.bodies import BODIES
 from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
 from execution.engine.optimizer import AdamWDriver, clip_coefficient
+from execution.engine.phase_context import PhaseContext
 from execution.engine.plan import PLACED_STATES, EnginePlan
 from execution.engine.recompute import KeptLayers, attention_kernel, pin_attention, prepare_block
 from execution.engine.rigl import RigL
@@ -116,6 +119,23 @@ class PhasedEngine:
         if plan.sparsity is not None:
             first = self.stage.first_layer
             self.rigl = RigL(plan.sparsity, self.state, self.shapes, layout, first)
+        self.context = PhaseContext(
+            plan=plan,
+            shapes=self.shapes,
+            state=self.state,
+            templates=MappingProxyType(self.templates),
+            kept=self.kept,
+            link=self.link,
+            stage=self.stage,
+            dtype=self.dtype,
+            device=self.device,
+            specs=MappingProxyType(self.specs),
+            rts=MappingProxyType(self.rts),
+            dp=layout.dp,
+            cp=layout.cp,
+            dp_cp=layout.dp_cp,
+            tied_across_stages=self.tied_across_stages,
+        )
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(max(1, host_threads))
             if self.rigl is not None:
@@ -197,7 +217,7 @@ class PhasedEngine:
         if self.kept is not None:
             self.kept.drop()  # none left by a step that raised half-way
         tokens = tokens.to(self.device, non_blocking=True)
-        run = Step(self, Batch.of(tokens, step, self.layout.cp, plan.model.task))
+        run = Step(self.context, Batch.of(tokens, step, self.layout.cp, plan.model.task))
         phases = schedule.training_phases(
             self.stage, plan.gradient_accumulation, self.memory.passes
         )
@@ -271,7 +291,7 @@ class PhasedEngine:
             batch = Batch.of(tokens, None, self.layout.cp, self.plan.model.task)
             batch.keep_outputs = keep_outputs
             phases = schedule.evaluation_phases(self.stage, range(len(tokens)), index)
-            self._run_phases(phases, Step(self, batch))
+            self._run_phases(phases, Step(self.context, batch))
             done.append(batch)
         return done
 

@@ -19,26 +19,26 @@ from modelling.gpt import EMBEDDING, HEAD
 
 def head(step: Step, phase: Phase) -> None:
     """Loss per micro-batch; when training, dx at the last boundary and the head's grads."""
-    engine, batch = step.engine, step.batch
-    state, backward = engine.state, batch.training
-    last = engine.stage.layers
-    weights = state.load_weights(HEAD, 0, engine.dtype)
-    word = state.load_weights(EMBEDDING, 0, engine.dtype)["word.weight"]  # tied
+    context, batch = step.context, step.batch
+    state, backward = context.state, batch.training
+    last = context.stage.layers
+    weights = state.load_weights(HEAD, 0, context.dtype)
+    word = state.load_weights(EMBEDDING, 0, context.dtype)["word.weight"]  # tied
     if backward:
         weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         word = word.detach().requires_grad_()
         head_acc, tied_acc = step.accumulators(HEAD), step.accumulators(EMBEDDING)
         # Every micro-batch's loss is 1/GA of the step's (whatever the passes), and each
         # sequence piece's mean loss 1/cp of its micro-batch's.
-        pieces = batch.micro_batches * engine.layout.cp.size
+        pieces = batch.micro_batches * context.cp.size
         # Filled on the device: a tensor of host data would be a blocking copy (a sync).
-        scale = torch.full((), engine.plan.loss_scaling / pieces, device=engine.device)
+        scale = torch.full((), context.plan.loss_scaling / pieces, device=context.device)
     for m, e in step.entries(phase):
         x = state.activations.fetch_x(last, e)
         with torch.set_grad_enabled(backward):
             x.requires_grad_(backward)
             loss = functional_call(
-                engine.templates[HEAD], weights, (x, word, batch.labels[m], engine.shapes.vocab)
+                context.templates[HEAD], weights, (x, word, batch.labels[m], context.shapes.vocab)
             )
         batch.losses.append(loss.detach())
         if backward:

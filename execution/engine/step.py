@@ -5,25 +5,23 @@ flight and the running sum of squares for the global norm. The phase bodies
 (:mod:`execution.engine.bodies`, :mod:`execution.engine.head`) are functions of a step and a
 phase; the engine (:mod:`execution.engine.engine`) makes a fresh step for every call, so
 nothing of one step can leak into the next, and no method of the engine works only half-way
-through one.
+through one. A step sees the rank through its :class:`~execution.engine.phase_context.PhaseContext`
+only, never the engine.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from execution.engine.gradients import AccumulatorPool, Accumulators, InFlight, start_reduction
+from execution.engine.phase_context import PhaseContext
+from execution.engine.plan import EnginePlan
 from execution.engine.schedule import Phase
 from modelling.layers import BlockSeeds, mix_seed
 from modelling.task_heads import TARGET_WIDTH
-
-if TYPE_CHECKING:
-    from execution.engine.engine import PhasedEngine
-    from execution.engine.plan import EnginePlan
 
 
 @dataclass
@@ -85,32 +83,32 @@ class Step:
     """One step's state on one rank, and the operations the phase bodies share.
 
     Args:
-        engine: The rank's engine: its buffers, templates and plan (read, never changed).
+        context: What the phase bodies may use of the rank (read, never changed).
         batch: The step's tokens.
     """
 
-    def __init__(self, engine: PhasedEngine, batch: Batch):
-        self.engine = engine
+    def __init__(self, context: PhaseContext, batch: Batch):
+        self.context = context
         self.batch = batch
-        self.grad_sumsq = torch.zeros((), dtype=torch.float64, device=engine.device)
-        self.in_flight = InFlight(engine.plan.overlap_communication)
-        self.pool = AccumulatorPool(engine.specs, engine.device)
+        self.grad_sumsq = torch.zeros((), dtype=torch.float64, device=context.device)
+        self.in_flight = InFlight(context.plan.overlap_communication)
+        self.pool = AccumulatorPool(context.specs, context.device)
 
     def entries(self, phase: Phase) -> Iterator[tuple[int, int]]:
         """(micro-batch index in the step, activation buffer entry) for each of the phase's:
         a pipeline stage keeps each pass it holds at once in a slot of its own."""
-        layout = self.engine.state.activations.layout
+        layout = self.context.state.activations.layout
         slot = phase.pass_index % layout.in_flight * layout.entries
         return ((m, slot + m - phase.micro_batches.start) for m in phase.micro_batches)
 
     def seeds(self, layer: int, micro: int) -> BlockSeeds | None:
         """Dropout seeds of this step's ``micro``-th micro-batch in global ``layer``."""
-        engine = self.engine
-        return dropout_seeds(engine.plan, engine.layout.dp.rank, self.batch.step, layer, micro)
+        context = self.context
+        return dropout_seeds(context.plan, context.dp.rank, self.batch.step, layer, micro)
 
     def layer_seeds(self, n: int, micro: int) -> BlockSeeds | None:
         """Dropout seeds of this stage's decoder layer ``n`` (seeded by its global index)."""
-        return self.seeds(self.engine.stage.first_layer + n, micro)
+        return self.seeds(self.context.stage.first_layer + n, micro)
 
     def embedding_seed(self, micro: int) -> int | None:
         seeds = self.seeds(-1, micro)
@@ -123,22 +121,21 @@ class Step:
     def finish_grads(self, acc: Accumulators, row: int, phase: Phase, norm: bool = True) -> None:
         """Reduces a phase's gradients and adds them to the step's; the last pass counts the
         norm (``norm``). The reduction is started now and completed by :class:`InFlight`."""
-        engine = self.engine
+        context = self.context
         acc.complete()
-        layout = engine.layout
         reductions = start_reduction(
             acc.flats,
-            engine.rts,
-            layout.dp_cp,
-            layout.dp.size,
-            engine.plan.overlap_communication,
+            context.rts,
+            context.dp_cp,
+            context.dp.size,
+            context.plan.overlap_communication,
         )
 
         def complete() -> None:
             shards = {kind: wait() for kind, wait in reductions.items()}
-            total = engine.state.grads.accumulate(acc.part, row, shards, first=phase.first_pass)
+            total = context.state.grads.accumulate(acc.part, row, shards, first=phase.first_pass)
             if norm and phase.last_pass:
-                masks = engine.state.masks  # sparse: the norm of the gradient applied
+                masks = context.state.masks  # sparse: the norm of the gradient applied
                 applied = total.values() if masks is None else masks.masked(acc.part, row, total)
                 self.count_in_norm(applied)
             # The shards may be views of the accumulators: reused only once read.

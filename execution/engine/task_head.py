@@ -21,17 +21,19 @@ from modelling.gpt import HEAD
 def task_head(step: Step, phase: Phase) -> None:
     """Loss (or logits) per micro-batch; when training, dx at the last boundary and the
     head's grads."""
-    engine, batch = step.engine, step.batch
-    state, backward = engine.state, batch.training
-    last = engine.stage.layers
-    weights = state.load_weights(HEAD, 0, engine.dtype)
-    template = engine.templates[HEAD]
+    context, batch = step.context, step.batch
+    state, backward = context.state, batch.training
+    last = context.stage.layers
+    weights = state.load_weights(HEAD, 0, context.dtype)
+    template = context.templates[HEAD]
     if backward:
         weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         acc = step.accumulators(HEAD)
         # Every micro-batch's loss is 1/GA of the step's, whatever the passes. Filled on the
         # device: a tensor of host data would be a blocking copy (a sync).
-        scale = torch.full((), engine.plan.loss_scaling / batch.micro_batches, device=engine.device)
+        scale = torch.full(
+            (), context.plan.loss_scaling / batch.micro_batches, device=context.device
+        )
     for m, e in step.entries(phase):
         x = state.activations.fetch_x(last, e)
         if batch.keep_outputs:

@@ -1,0 +1,64 @@
+"""What a phase body may use: :class:`PhaseContext`, built once by the engine.
+
+A body (:mod:`execution.engine.bodies`, :mod:`execution.engine.head`,
+:mod:`execution.engine.task_head`) reads the rank's buffers, templates and geometry through
+this frozen record and through nothing else, so a reader of a body sees all it depends on,
+and the bodies never import the engine that runs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from execution.engine.buffers import FlatSpec
+from execution.engine.pipeline import Link
+from execution.engine.plan import EnginePlan
+from execution.engine.recompute import KeptLayers
+from execution.engine.schedule import Stage
+from execution.engine.state import StateStore
+from execution.parallel.mesh import GroupAxis
+from modelling.gpt import GPTShapes
+
+
+@dataclass(frozen=True)
+class PhaseContext:
+    """One rank's view for its phase bodies: read, never changed, for the rank's life.
+
+    Attributes:
+        plan: How this rank executes (seeds, loss scaling, overlap).
+        shapes: This rank's shard shapes of the model.
+        state: The rank's buffers: weights, gradients, activations.
+        templates: The stateless part modules, by part, bound to weights per call.
+        kept: What the layers keep for their backward; None when they recompute in full.
+        link: The pipeline's boundary transfers of this stage.
+        stage: This rank's pipeline stage (its layers).
+        dtype: The compute dtype.
+        device: The rank's device.
+        specs: The flat layout of each part's tensors, by kind (the accumulators').
+        rts: The replicated-tensor-sharding axis of each parameter kind.
+        dp: The data-parallel axis (a micro-batch's global index, the gradient mean).
+        cp: The context-parallel axis (the sequence pieces of a micro-batch's loss).
+        dp_cp: The replicas that reduce a matrix's gradient.
+        tied_across_stages: The word embedding's gradient is summed over the first and last
+            pipeline stage (the language model's head is tied to it).
+    """
+
+    plan: EnginePlan
+    shapes: GPTShapes
+    state: StateStore
+    templates: Mapping[str, nn.Module]
+    kept: KeptLayers | None
+    link: Link
+    stage: Stage
+    dtype: torch.dtype
+    device: torch.device
+    specs: Mapping[str, Mapping[str, FlatSpec]]
+    rts: Mapping[str, GroupAxis]
+    dp: GroupAxis
+    cp: GroupAxis
+    dp_cp: GroupAxis
+    tied_across_stages: bool
