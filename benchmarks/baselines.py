@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from config.schema import PretrainingConfig
-from execution.engine.buffers import DTYPES
+from execution.engine.storage.buffers import DTYPES
 from execution.parallel.launch import usable_cores
 from execution.parallel.sharding import init_model_shard
 from execution.training.lr_schedule import learning_rate

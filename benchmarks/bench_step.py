@@ -61,8 +61,8 @@ from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.engine import PhasedEngine
-from execution.engine.optimizer import adamw_
 from execution.engine.plan import engine_plan
+from execution.engine.update.optimizer import adamw_
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process

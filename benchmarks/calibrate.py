@@ -75,7 +75,7 @@ from sample_clock import (
 )
 
 from config.loading import OneLineParser
-from execution.engine.recompute import SDPA_BACKENDS, attention_kernel
+from execution.engine.phases.recompute import SDPA_BACKENDS, attention_kernel
 from execution.parallel.launch import select_device
 from execution.planning.device_specs import SPECS, spec_file_dict
 from execution.planning.memory import _host_memory_available

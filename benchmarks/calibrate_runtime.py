@@ -33,10 +33,10 @@ from sample_clock import (
 
 from config.loading import parse_config
 from config.schema import OptimizerConfig
-from execution.engine.gradient_store import STAGING_ELEMENTS
-from execution.engine.host_memory import host_memory_for
-from execution.engine.optimizer import AdamWDriver
-from execution.engine.recompute import attention_kernel
+from execution.engine.phases.recompute import attention_kernel
+from execution.engine.storage.gradient_store import STAGING_ELEMENTS
+from execution.engine.storage.host_memory import host_memory_for
+from execution.engine.update.optimizer import AdamWDriver
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import DeviceSpec

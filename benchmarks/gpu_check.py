@@ -50,7 +50,7 @@ from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import engine_plan
-from execution.engine.streams import late_side_streams
+from execution.engine.storage.streams import late_side_streams
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
 from execution.planning.planner import plan_for_process
 from execution.training.lr_schedule import learning_rate

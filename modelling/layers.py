@@ -178,10 +178,10 @@ class Attention(nn.Module):
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
         # What runs SDPA (None: F.scaled_dot_product_attention). Planning gives this module the
         # op a device's kernel runs on meta tensors, where SDPA itself would take the math path
-        # (execution/engine/recompute.py: attention_on_meta), and no other module sees it.
+        # (execution/engine/phases/recompute.py: attention_on_meta), and no other module sees it.
         self.sdpa: Callable[..., torch.Tensor] | None = None
         # The one SDPA backend attention may run (None: torch chooses). Whoever builds the
-        # model pins the kernel its plan measured (execution/engine/recompute.py:
+        # model pins the kernel its plan measured (execution/engine/phases/recompute.py:
         # pin_attention), so torch cannot pick another that saves other tensors. The pin sets
         # process-wide flags while it runs: one thread at a time runs a step's attention.
         self.backend: SDPBackend | None = None

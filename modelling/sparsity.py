@@ -1,6 +1,6 @@
 """The model math of RigL (Evci et al. 2020, "Rigging the Lottery"): which weights are sparse,
 how dense each of them is, how much of it changes at each update, and the random scores the
-initial masks are drawn from. Communication and buffers are :mod:`execution.engine.rigl`'s.
+initial masks are drawn from. Communication and buffers are :mod:`execution.engine.update.rigl`'s.
 
 Only the decoder layers' matrices are sparse (qkv, out, fc, proj); embeddings, biases and layer
 norms stay dense, as in the paper's transformer experiments.

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.engine.recompute import attention_on_meta
+from execution.engine.phases.recompute import attention_on_meta
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
 from execution.planning.op_costs import device_seconds

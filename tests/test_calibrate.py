@@ -23,7 +23,7 @@ from sample_clock import take_sample  # noqa: E402
 
 from config.loading import parse_config  # noqa: E402
 from config.schema import OptimizerConfig  # noqa: E402
-from execution.engine.optimizer import AdamWDriver  # noqa: E402
+from execution.engine.update.optimizer import AdamWDriver  # noqa: E402
 from execution.parallel.mesh import ParallelLayout  # noqa: E402
 from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec  # noqa: E402
 from execution.planning.dry_run import estimate, measure_rank  # noqa: E402

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from execution.checkpoint.chunks import held_chunks
-from execution.engine.buffers import flat_specs
+from execution.engine.storage.buffers import flat_specs
 from execution.parallel.mesh import MeshShape
 from execution.parallel.sharding import RTS_AXES, SHARD_KINDS, rts_sizes, shard_part
 from modelling.gpt import PARTS, GPTShapes, logical_shapes, part_inits, qualified_name

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from execution.engine.gradients import start_reduction
+from execution.engine.phases.gradients import start_reduction
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import MATRIX, SHARD_KINDS, TP1_VECTOR, TP2_VECTOR, shard_part
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes, init_full_part

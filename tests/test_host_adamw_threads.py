@@ -25,7 +25,7 @@ import json, os, sys
 from concurrent.futures import ThreadPoolExecutor
 import torch
 from config.schema import OptimizerConfig
-from execution.engine.optimizer import adamw_
+from execution.engine.update.optimizer import adamw_
 from modelling.host_threads import team_thread
 
 def threads():

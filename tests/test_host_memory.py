@@ -16,9 +16,19 @@ import pytest
 import torch
 
 from config.loading import parse_config
-from execution.engine.buffers import ActivationBuffers, PartBuffers, Place, weight_copy_dtype
-from execution.engine.gradient_store import STAGING_ELEMENTS, needs_staging, staging_elements
-from execution.engine.host_memory import (
+from execution.engine.plan import GiB, Placement
+from execution.engine.storage.buffers import (
+    ActivationBuffers,
+    PartBuffers,
+    Place,
+    weight_copy_dtype,
+)
+from execution.engine.storage.gradient_store import (
+    STAGING_ELEMENTS,
+    needs_staging,
+    staging_elements,
+)
+from execution.engine.storage.host_memory import (
     HostMemory,
     RecordingHostMemory,
     RegisteredHostMemory,
@@ -26,7 +36,6 @@ from execution.engine.host_memory import (
     exact_nbytes,
     host_memory_for,
 )
-from execution.engine.plan import GiB, Placement
 from execution.planning.memory import RankShape, state_bytes
 from modelling.gpt import PARTS
 

@@ -2,7 +2,7 @@
 
 On CUDA, weights loaded ahead and activations stored to the host are copied on side streams
 and ordered against the compute only by the waits the state store makes. Here the side
-streams are :class:`~execution.engine.streams.LateStream`: their work runs only when waited
+streams are :class:`~execution.engine.storage.streams.LateStream`: their work runs only when waited
 for, and their destinations hold NaN until then. Every placement, recompute mode, overlap
 setting and pass count must then train bit for bit as the eager engine does (the reference),
 and removing any one wait must show.
@@ -20,7 +20,7 @@ import torch
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import engine_plan
-from execution.engine.streams import LateStream, late_side_streams
+from execution.engine.storage.streams import LateStream, late_side_streams
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from tests.distributed import CPU, global_batches, replica_batch
@@ -137,7 +137,7 @@ def test_a_late_cuda_stream_queues_a_spin_before_each_submission(monkeypatch):
     """The GPU twin of the stand-in, with CUDA's calls recorded instead of made (no GPU here):
     each submission on a late stream queues ``torch.cuda._sleep`` on the side stream before
     its work, and an ordinary stream queues none."""
-    from execution.engine import streams
+    from execution.engine.storage import streams
 
     calls = []
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from config.loading import ConfigError, parse_config
+from execution.engine.phases.recompute import attention_kernel
 from execution.engine.plan import GiB, Placement
-from execution.engine.recompute import attention_kernel
 from execution.planning import memory
 from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import (

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from config.schema import OptimizerConfig
-from execution.engine.optimizer import adamw_, clip_coefficient
+from execution.engine.update.optimizer import adamw_, clip_coefficient
 from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
 from utils.metrics import flops_per_token, throughput

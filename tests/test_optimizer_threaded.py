@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from config.schema import OptimizerConfig
-from execution.engine.optimizer import adamw_
+from execution.engine.update.optimizer import adamw_
 from modelling.host_threads import team_thread
 
 OPTIM = OptimizerConfig(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

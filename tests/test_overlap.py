@@ -184,7 +184,7 @@ def test_host_weights_are_updated_on_the_host_by_the_host_update_thread(monkeypa
     the gradients to the host, and the steps are bitwise those of an all-device run."""
     import threading
 
-    from execution.engine import optimizer
+    from execution.engine.update import optimizer
 
     calls = []
     update = optimizer.adamw_

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state, read_part_state, write_part_state
-from execution.engine.schedule import pass_groups
-from execution.engine.streams import CudaStream
+from execution.engine.phases.schedule import pass_groups
+from execution.engine.storage.streams import CudaStream
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape, state_bytes
 from tests.distributed import (

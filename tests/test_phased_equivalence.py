@@ -11,8 +11,8 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.engine.optimizer import clip_coefficient
-from execution.engine.step import dropout_seeds
+from execution.engine.phases.step import dropout_seeds
+from execution.engine.update.optimizer import clip_coefficient
 from execution.parallel.mesh import ParallelLayout
 from tests.distributed import planned_engine
 from tests.reference import (

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from execution.checkpoint.logical import full_state
-from execution.engine.schedule import Stage, training_phases
+from execution.engine.phases.schedule import Stage, training_phases
 from execution.parallel.mesh import MeshShape
 from execution.planning.pipeline_figures import bubble_fraction
 from tests.distributed import (

@@ -7,8 +7,8 @@ import shlex
 import pytest
 
 from config.loading import ConfigError, parse_config
+from execution.engine.phases.recompute import attention_kernel
 from execution.engine.plan import GiB, Placement
-from execution.engine.recompute import attention_kernel
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget, RankShape, state_bytes
 from execution.planning.micro_batch_limits import check_micro_batches, pass_counts

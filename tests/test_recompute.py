@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from execution.checkpoint.logical import full_state
-from execution.engine.recompute import (
+from execution.engine.phases.recompute import (
     ALIGN,
     _Packer,
     attention_kernel,

@@ -7,10 +7,10 @@ import dataclasses
 import torch
 
 from config.schema import OptimizerConfig, PretrainingConfig
-from execution.engine import schedule
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases import schedule
+from execution.engine.phases.schedule import Stage, evaluation_phases, training_phases
 from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
-from execution.engine.schedule import Stage, evaluation_phases, training_phases
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from modelling.gpt import GPTShapes

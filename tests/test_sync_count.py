@@ -7,8 +7,8 @@ import functools
 
 import pytest
 
-from execution.engine.bodies import BODIES
 from execution.engine.engine import StepHooks
+from execution.engine.phases.bodies import BODIES
 from execution.parallel.mesh import ParallelLayout
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.reference import small_config

@@ -1,7 +1,7 @@
 """Which boxes of the logical tensors one rank holds, and where in its buffers they lie.
 
 A rank's buffer row of one (part, kind) is its RTS slice of the packed tensor-parallel shards
-(:mod:`execution.engine.buffers`). Mapped back to a logical tensor, a flat slice of a row-major
+(:mod:`execution.engine.storage.buffers`). Mapped back to a logical tensor, a flat slice of a row-major
 shard is at most three rectangles (a partial first row, whole rows, a partial last row), and a
 shard's rows and columns are runs of contiguous logical indices (the qkv heads are three runs,
 a padded vocabulary ends in padding). So what a rank holds is a short list of rectangular
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execution.engine.buffers import FlatSpec
+from execution.engine.storage.buffers import FlatSpec
 from execution.parallel.sharding import shard_index
 from modelling.gpt import GPTShapes
 

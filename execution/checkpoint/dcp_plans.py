@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, Chunk, held_chunks
 from execution.checkpoint.files import MASKS, SAVED_STATES, sparse_names
 from execution.engine.engine import PhasedEngine
-from execution.engine.masks import SPARSE_KIND, SPARSE_PART
+from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART
 from modelling.gpt import EMBEDDING, logical_shapes, qualified_name
 
 

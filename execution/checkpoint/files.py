@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from config.loading import ConfigError, one_line
-from execution.engine.buffers import WEIGHT_STATES
+from execution.engine.storage.buffers import WEIGHT_STATES
 from modelling.gpt import LAYERS, GPTShapes, logical_shapes, qualified_name
 from modelling.sparsity import SPARSE_WEIGHTS
 from utils.checksum import crc32c

@@ -62,7 +62,7 @@ from execution.checkpoint.ownership import (
     record_owner,
 )
 from execution.engine.engine import PhasedEngine, StepHooks
-from execution.engine.masks import SPARSE_KIND, SPARSE_PART
+from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART
 from execution.parallel.collective_errors import communicating
 from execution.parallel.mesh import MeshShape
 

@@ -2,14 +2,14 @@
 
 Four concerns, four places:
 
-- *which* phases run, in which order, over which micro-batches: :mod:`execution.engine.schedule`
+- *which* phases run, in which order, over which micro-batches: :mod:`execution.engine.phases.schedule`
   (one or more passes over the step's micro-batches, one stage of a pipeline);
-- *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.engine.state`,
+- *where* state lives and how it moves (loads, stores, gathers): :mod:`execution.engine.storage.state`,
   placed by the plan the engine is given (:class:`~execution.engine.plan.EnginePlan`);
-- *what* each phase computes: :mod:`execution.engine.bodies` and :mod:`execution.engine.head`,
-  functions of the step (:class:`~execution.engine.step.Step`) and the phase, which see the
-  rank through the :class:`~execution.engine.phase_context.PhaseContext` the engine builds once;
-- the update: :class:`~execution.engine.optimizer.AdamWDriver`.
+- *what* each phase computes: :mod:`execution.engine.phases.bodies` and :mod:`execution.engine.phases.head`,
+  functions of the step (:class:`~execution.engine.phases.step.Step`) and the phase, which see the
+  rank through the :class:`~execution.engine.phases.phase_context.PhaseContext` the engine builds once;
+- the update: :class:`~execution.engine.update.optimizer.AdamWDriver`.
 
 The engine holds what lives as long as the rank does (buffers, templates, the pipeline link)
 and drives a step: it runs the schedule's phases, reduces the norm, clips and updates.
@@ -25,17 +25,22 @@ from types import MappingProxyType
 
 import torch
 
-from execution.engine import pipeline, schedule
-from execution.engine.bodies import BODIES
-from execution.engine.buffers import DTYPES, ActivationLayout, Place, flat_specs
-from execution.engine.optimizer import AdamWDriver, clip_coefficient
-from execution.engine.phase_context import PhaseContext
+from execution.engine.phases import pipeline, schedule
+from execution.engine.phases.bodies import BODIES
+from execution.engine.phases.phase_context import PhaseContext
+from execution.engine.phases.recompute import (
+    KeptLayers,
+    attention_kernel,
+    pin_attention,
+    prepare_block,
+)
+from execution.engine.phases.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
+from execution.engine.phases.step import Batch, Step
 from execution.engine.plan import PLACED_STATES, EnginePlan
-from execution.engine.recompute import KeptLayers, attention_kernel, pin_attention, prepare_block
-from execution.engine.rigl import RigL
-from execution.engine.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
-from execution.engine.state import StateStore
-from execution.engine.step import Batch, Step
+from execution.engine.storage.buffers import DTYPES, ActivationLayout, Place, flat_specs
+from execution.engine.storage.state import StateStore
+from execution.engine.update.optimizer import AdamWDriver, clip_coefficient
+from execution.engine.update.rigl import RigL
 from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout

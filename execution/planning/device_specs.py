@@ -65,7 +65,7 @@ class DeviceSpec:
             GPU's copy engines and NCCL's kernels); on a CPU the same cores do both, so they
             add to the phase's time.
         device_type: ``cuda`` or ``cpu``: which attention kernel a step runs
-            (:func:`~execution.engine.recompute.attention_kernel`).
+            (:func:`~execution.engine.phases.recompute.attention_kernel`).
         fresh_memory_gb_per_s: Rate at which a new block of ``fresh_memory_threshold`` bytes
             or more is first touched (a CPU's allocator maps such blocks anew each time and
             their pages fault in; 0: blocks are reused, as CUDA's caching allocator does).

@@ -27,11 +27,11 @@ from tqdm import tqdm
 
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
-from execution.engine.buffers import DTYPES, WEIGHT_STATES, ActivationLayout, flat_specs
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases.recompute import attention_kernel
+from execution.engine.phases.schedule import Stage
 from execution.engine.plan import EnginePlan, MemoryPlan, engine_plan
-from execution.engine.recompute import attention_kernel
-from execution.engine.schedule import Stage
+from execution.engine.storage.buffers import DTYPES, WEIGHT_STATES, ActivationLayout, flat_specs
 from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index

@@ -19,15 +19,15 @@ import torch
 
 from config.schema import OptimizerConfig, PretrainingConfig
 from execution.engine.engine import PhasedEngine, StepHooks
-from execution.engine.optimizer import adamw_
-from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
-from execution.engine.recompute import (
+from execution.engine.phases.recompute import (
     attention_kernel,
     attention_on_meta,
     kept_layer_on_meta,
     meta_block,
 )
-from execution.engine.schedule import Phase
+from execution.engine.phases.schedule import Phase
+from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
+from execution.engine.update.optimizer import adamw_
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
 from execution.planning.op_costs import OpCosts
@@ -41,7 +41,7 @@ class Window:
     norm, the update and their transfers).
 
     Attributes:
-        kind: The phase's kind (:mod:`execution.engine.schedule`) or ``optimizer``.
+        kind: The phase's kind (:mod:`execution.engine.phases.schedule`) or ``optimizer``.
         flops: Floating-point operations executed.
         attention_flops: The part of them the fused attention kernels ran.
         host_bytes: Bytes copied over the host link.

@@ -15,10 +15,10 @@ Three states are placed, each on the compute device or in host memory:
 - ``activations``: x at every layer boundary (sharded over tp1) and two rows of dx, for the
   micro-batches of one pass, in the compute dtype; a context-parallel rank holds its 1/cp
   piece of every sequence. With ``--recompute selective`` or ``none`` also what each layer
-  keeps for its backward (measured: :mod:`execution.engine.recompute`).
+  keeps for its backward (measured: :mod:`execution.engine.phases.recompute`).
 
 Byte counts come from the same functions the buffers are allocated by
-(:mod:`execution.engine.buffers`), so a plan can never disagree with what is allocated. The
+(:mod:`execution.engine.storage.buffers`), so a plan can never disagree with what is allocated. The
 transient working set is measured (:mod:`execution.planning.measure`); a quick formula of it
 serves only the advice given for a misfit.
 """
@@ -34,7 +34,10 @@ import torch
 
 from config.errors import ConfigError
 from config.schema import PretrainingConfig
-from execution.engine.buffers import (
+from execution.engine.phases.recompute import KeptBytes, attention_kernel, kept_bytes
+from execution.engine.phases.schedule import Stage
+from execution.engine.plan import GiB, MemoryPlan, Placement
+from execution.engine.storage.buffers import (
     DTYPES,
     GRAD_STATES,
     WEIGHT_STATES,
@@ -44,11 +47,8 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
-from execution.engine.gradient_store import needs_staging, staging_elements
-from execution.engine.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
-from execution.engine.plan import GiB, MemoryPlan, Placement
-from execution.engine.recompute import KeptBytes, attention_kernel, kept_bytes
-from execution.engine.schedule import Stage
+from execution.engine.storage.gradient_store import needs_staging, staging_elements
+from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.parallel.sharding import rts_sizes
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
@@ -383,7 +383,7 @@ def host_traffic_by_phase(
     and ``optimizer``. A phase's copies hide behind its own compute only, so the planner
     weighs each kind apart (as the dry run's estimate does).
 
-    Counts exactly what :class:`execution.engine.state.StateStore` copies (a test holds the two
+    Counts exactly what :class:`execution.engine.storage.state.StateStore` copies (a test holds the two
     together): per pass each part's weights are loaded for forward and backward (the word
     embedding a third time, tied in the head; from the compute-dtype copies of host weights
     where kept), gradients are stored and, after the first pass, read back to accumulate (the

@@ -1,6 +1,6 @@
 """What planning needs to know of a pipeline: which stages decide whether a plan fits, and the
 share of a step its stages idle (the bubble: of a step's ``P + S - 1`` pass-times each of the
-``S`` stages idles for ``S - 1``, execution/engine/pipeline.py)."""
+``S`` stages idles for ``S - 1``, execution/engine/phases/pipeline.py)."""
 
 from __future__ import annotations
 

@@ -44,8 +44,8 @@ import numpy as np
 
 from config.loading import validate
 from config.schema import PretrainingConfig
-from execution.engine.buffers import DTYPES
 from execution.engine.plan import MemoryPlan, Placement, engine_plan
+from execution.engine.storage.buffers import DTYPES
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import MeshShape, ParallelLayout

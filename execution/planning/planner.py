@@ -19,6 +19,7 @@ from collections.abc import Callable
 from config.loading import ConfigError
 from config.schema import PretrainingConfig, plannable_recompute
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases.recompute import MODES, attention_kernel
 from execution.engine.plan import (
     PLACED_STATES,
     PLACES,
@@ -27,7 +28,6 @@ from execution.engine.plan import (
     Placement,
     engine_plan,
 )
-from execution.engine.recompute import MODES, attention_kernel
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import Measurements, measured_working_set
 from execution.planning.memory import (

@@ -1,13 +1,13 @@
 """Movement of state: every load to the compute device and every store back to a buffer.
 
-The phase bodies (:mod:`execution.engine.bodies`) only ever see device tensors; this module knows
-where each state lives (:class:`~execution.engine.buffers.Place`) and what a load costs there. A load
+The phase bodies (:mod:`execution.engine.phases.bodies`) only ever see device tensors; this module knows
+where each state lives (:class:`~execution.engine.storage.buffers.Place`) and what a load costs there. A load
 from host memory is a real copy; state held on the device is used in place. The RTS all-gather
 of weights and the tp1 all-gather of the (tp1-sharded) activations x also happen here, so a
 phase receives whole tensor-parallel shards.
 
 Weights placed on the host are loaded from compute-dtype copies kept beside the float32 masters
-(:func:`~execution.engine.buffers.weight_copy_dtype`): half the bytes over the link, the same values,
+(:func:`~execution.engine.storage.buffers.weight_copy_dtype`): half the bytes over the link, the same values,
 since the cast is the same round-to-nearest whether done at the load or once after the update.
 
 Prefetch: :meth:`StateStore.prefetch_weights` issues a part's load one phase early and keeps
@@ -25,7 +25,7 @@ prefetches the next phase's parts just before running the current phase, so at m
 phases' weights (two layers) are on the device: the running phase's and the next one's.
 
 Activations, and the tensors layers keep for their backward, are stored to host memory on a
-second side stream (:class:`~execution.engine.moves.ActivationStore`, ``state.activations``).
+second side stream (:class:`~execution.engine.storage.moves.ActivationStore`, ``state.activations``).
 Gradient stores stay on the compute stream, which reads them back in stream order. Host
 weights are updated by the host itself, after the step's norm has synchronised the device. On
 a CPU or meta device there are no streams: prefetch is the same copy, one phase early, and
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 
 import torch
 
-from execution.engine.buffers import (
+from execution.engine.storage.buffers import (
     GRAD_STATES,
     PART_STATES,
     WEIGHT_STATES,
@@ -49,10 +49,10 @@ from execution.engine.buffers import (
     rows_of,
     weight_copy_dtype,
 )
-from execution.engine.gradient_store import GradientStore
-from execution.engine.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
-from execution.engine.moves import ActivationStore, Mover, Traffic
-from execution.engine.streams import side_streams
+from execution.engine.storage.gradient_store import GradientStore
+from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
+from execution.engine.storage.moves import ActivationStore, Mover, Traffic
+from execution.engine.storage.streams import side_streams
 from execution.parallel.mesh import ParallelLayout
 from modelling.gpt import LAYERS, PARTS
 from modelling.parallel import Axis

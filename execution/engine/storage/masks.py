@@ -12,8 +12,8 @@ from collections.abc import Iterable
 
 import torch
 
-from execution.engine.buffers import FlatSpec, Place
-from execution.engine.moves import Mover
+from execution.engine.storage.buffers import FlatSpec, Place
+from execution.engine.storage.moves import Mover
 from execution.parallel.sharding import MATRIX
 from modelling.gpt import LAYERS
 from modelling.sparsity import SPARSE_WEIGHTS

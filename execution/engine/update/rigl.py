@@ -2,7 +2,7 @@
 matrix across the shards that hold it.
 
 A rank holds, of each decoder layer's sparse matrices, its tensor-parallel shards packed into
-one row and of that row its RTS slice (:mod:`execution.engine.masks`); every element of a
+one row and of that row its RTS slice (:mod:`execution.engine.storage.masks`); every element of a
 matrix is held by exactly one rank of the pipeline stage's tp1 x tp2 x (dp x cp) ranks. Each
 element's logical position (which matrix, which index in it) is computed once, so a selection
 ranks elements by their logical index, and :func:`~execution.parallel.selection.select_largest`
@@ -24,8 +24,8 @@ import math
 
 import torch
 
-from execution.engine.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
-from execution.engine.state import StateStore
+from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
+from execution.engine.storage.state import StateStore
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.selection import select_largest, sort_keys
 from execution.parallel.sharding import shard_index

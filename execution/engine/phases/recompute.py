@@ -35,7 +35,7 @@ from torch.func import functional_call
 from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
-from execution.engine.buffers import FlatSpec, flat_specs
+from execution.engine.storage.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
 from modelling.gpt import GPT, LAYERS, GPTShapes
@@ -287,7 +287,7 @@ class KeptLayers:
 
     def backward(self, layer, entry, flats, dy, grads) -> torch.Tensor:
         """Backpropagates ``dy`` through the kept graph: adds the weights' gradients to
-        ``grads`` (:class:`~execution.engine.gradients.Accumulators`) and returns the gradient
+        ``grads`` (:class:`~execution.engine.phases.gradients.Accumulators`) and returns the gradient
         of the layer's input."""
         handle = self._graphs.pop((layer, entry))
         dx: list[torch.Tensor] = []

@@ -13,7 +13,7 @@ about 115 GiB where the plan counts 86.8 GiB, on a 128 GiB host.
 allocator does not know these pages, which costs nothing here: ``is_pinned()`` asks the driver,
 and copies with ``non_blocking=True`` from or to them are asynchronous because the driver
 sees page-locked memory. The buffers take a :class:`HostMemory` through their
-:class:`~execution.engine.buffers.Place`; :class:`RecordingHostMemory` is the CPU stand-in the
+:class:`~execution.engine.storage.buffers.Place`; :class:`RecordingHostMemory` is the CPU stand-in the
 tests use: it records every request and the bytes a GPU machine would pin for it.
 """
 

@@ -4,7 +4,7 @@ The head's output projection is tied to the word embedding, so this phase loads 
 word embedding's gradient from the head starts the embedding's accumulation, completed by the
 embedding backward phase (with a pipeline, on another stage: ``pipeline.sum_tied_gradient``).
 A task head other than the language model's goes beside this one, with its own kind in
-:data:`execution.engine.schedule.PHASE_KINDS`.
+:data:`execution.engine.phases.schedule.PHASE_KINDS`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from execution.engine.schedule import Phase
-from execution.engine.step import Step
+from execution.engine.phases.schedule import Phase
+from execution.engine.phases.step import Step
 from modelling.gpt import EMBEDDING, HEAD
 
 

@@ -1,7 +1,7 @@
 """The task head phase: a fine-tuning head (:mod:`modelling.task_heads`) in place of the
 language model's.
 
-It is :mod:`execution.engine.head`'s phase without the tie: the head's projection is its own
+It is :mod:`execution.engine.phases.head`'s phase without the tie: the head's projection is its own
 (sharded over tp2, RTS-split over dp x tp1 like the layer norms beside it), so only the head's
 weights are loaded and no gradient is handed to the embedding. Evaluating with
 ``Batch.keep_outputs`` (:meth:`~execution.engine.engine.PhasedEngine.predict`) keeps the head's
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from execution.engine.schedule import Phase
-from execution.engine.step import Step
+from execution.engine.phases.schedule import Phase
+from execution.engine.phases.step import Step
 from modelling.gpt import HEAD
 
 

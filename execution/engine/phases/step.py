@@ -2,10 +2,10 @@
 
 :class:`Step` holds the step's tokens, the losses its head emits, the gradient reductions in
 flight and the running sum of squares for the global norm. The phase bodies
-(:mod:`execution.engine.bodies`, :mod:`execution.engine.head`) are functions of a step and a
+(:mod:`execution.engine.phases.bodies`, :mod:`execution.engine.phases.head`) are functions of a step and a
 phase; the engine (:mod:`execution.engine.engine`) makes a fresh step for every call, so
 nothing of one step can leak into the next, and no method of the engine works only half-way
-through one. A step sees the rank through its :class:`~execution.engine.phase_context.PhaseContext`
+through one. A step sees the rank through its :class:`~execution.engine.phases.phase_context.PhaseContext`
 only, never the engine.
 """
 
@@ -16,10 +16,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from execution.engine.gradients import AccumulatorPool, Accumulators, InFlight, start_reduction
-from execution.engine.phase_context import PhaseContext
+from execution.engine.phases.gradients import (
+    AccumulatorPool,
+    Accumulators,
+    InFlight,
+    start_reduction,
+)
+from execution.engine.phases.phase_context import PhaseContext
+from execution.engine.phases.schedule import Phase
 from execution.engine.plan import EnginePlan
-from execution.engine.schedule import Phase
 from modelling.layers import BlockSeeds, mix_seed
 from modelling.task_heads import TARGET_WIDTH
 

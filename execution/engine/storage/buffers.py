@@ -7,7 +7,7 @@ shard packed and padded to a multiple of the kind's RTS group, of which this ran
 one reduce-scatter, and the optimizer update a handful of vectorised ops.
 
 Each state lives in one :class:`Place`: host memory (pinned when computing on a GPU, by a
-:class:`~execution.engine.host_memory.HostMemory` that pins no more than it is asked for; a
+:class:`~execution.engine.storage.host_memory.HostMemory` that pins no more than it is asked for; a
 phase copies what it needs) or the compute device (used in place). The byte counts the planner
 works with come from the ``planned_nbytes`` functions here, which the constructors allocate by,
 so a plan can never disagree with what is allocated.
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from execution.engine.host_memory import HostMemory, host_memory_for
+from execution.engine.storage.host_memory import HostMemory, host_memory_for
 from execution.parallel.sharding import PLAN, SHARD_KINDS, shard_shapes
 from modelling.gpt import LAYERS, PARTS, GPTShapes
 
@@ -106,7 +106,7 @@ class Place:
             device is the CPU itself (so a CPU run measures and tests the same movement).
         memory: How host memory is allocated: page-locked when computing on a GPU, for
             asynchronous copies, and with no more bytes than asked for
-            (:mod:`execution.engine.host_memory`).
+            (:mod:`execution.engine.storage.host_memory`).
     """
 
     device: torch.device
@@ -121,7 +121,7 @@ class Place:
     @classmethod
     def of(cls, where: str, compute: torch.device, memory: HostMemory | None = None) -> Place:
         """``device`` or ``host`` for a run computing on ``compute``; ``memory``: how host
-        memory is allocated (default: :func:`~execution.engine.host_memory.host_memory_for`).
+        memory is allocated (default: :func:`~execution.engine.storage.host_memory.host_memory_for`).
 
         On the meta device (a dry run) host state is meta too: nothing is allocated anywhere.
         """
@@ -222,7 +222,7 @@ class ActivationLayout:
         tp1: x is identical across tp1, so each tp1 rank stores a 1/tp1 slice of every entry.
         dtype: Compute dtype.
         kept: Bytes each decoder layer keeps per entry for its backward (0: it recomputes
-            everything from x; see :mod:`execution.engine.recompute`).
+            everything from x; see :mod:`execution.engine.phases.recompute`).
         in_flight: Passes a pipeline stage holds at once (x and the kept activations have
             ``entries`` per pass in flight; dx only one pass's, as one backward runs at a time).
     """

@@ -1,7 +1,7 @@
 """What a phase body may use: :class:`PhaseContext`, built once by the engine.
 
-A body (:mod:`execution.engine.bodies`, :mod:`execution.engine.head`,
-:mod:`execution.engine.task_head`) reads the rank's buffers, templates and geometry through
+A body (:mod:`execution.engine.phases.bodies`, :mod:`execution.engine.phases.head`,
+:mod:`execution.engine.phases.task_head`) reads the rank's buffers, templates and geometry through
 this frozen record and through nothing else, so a reader of a body sees all it depends on,
 and the bodies never import the engine that runs them.
 """
@@ -14,12 +14,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from execution.engine.buffers import FlatSpec
-from execution.engine.pipeline import Link
+from execution.engine.phases.pipeline import Link
+from execution.engine.phases.recompute import KeptLayers
+from execution.engine.phases.schedule import Stage
 from execution.engine.plan import EnginePlan
-from execution.engine.recompute import KeptLayers
-from execution.engine.schedule import Stage
-from execution.engine.state import StateStore
+from execution.engine.storage.buffers import FlatSpec
+from execution.engine.storage.state import StateStore
 from execution.parallel.mesh import GroupAxis
 from modelling.gpt import GPTShapes
 

@@ -2,7 +2,7 @@
 stages where tied, and read by the optimizer.
 
 Gradients placed on the device accumulate in place. Gradients placed in host memory are
-stored on the store side stream (:mod:`execution.engine.streams`), like activations, so the
+stored on the store side stream (:mod:`execution.engine.storage.streams`), like activations, so the
 copy to the host runs behind the next phase's compute; the row's next load (the next pass's
 accumulation) waits for the event of its store, and :meth:`GradientStore.settle` waits for all
 of them once the phases are done, before the norm, the tied sum and the optimizer read them.
@@ -19,8 +19,8 @@ from collections.abc import Iterator
 
 import torch
 
-from execution.engine.buffers import FlatSpec, PartBuffers, Place
-from execution.engine.moves import Mover
+from execution.engine.storage.buffers import FlatSpec, PartBuffers, Place
+from execution.engine.storage.moves import Mover
 from modelling.parallel import Axis
 
 # Float32 elements per staging buffer: 16 MiB each, two of them; the copy of one piece runs

@@ -15,7 +15,7 @@ also holds the embedding, stage S - 1 the head (and a copy of the word embedding
 Phased execution stays inside a stage, so the passes of a step are the pipeline's chunks, run
 one forward, one backward: stage s starts ``S - 1 - s`` forwards before its first backward and
 holds at most ``min(S - s, P)`` passes of activations at once. Boundary activations cross
-between stages in *move* phases (:mod:`execution.engine.pipeline` runs them). One generator,
+between stages in *move* phases (:mod:`execution.engine.phases.pipeline` runs them). One generator,
 :func:`training_phases`, serves every layout: with one stage it gives the list above, pass
 after pass.
 

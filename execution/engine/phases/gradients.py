@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from execution.engine.buffers import FlatSpec
+from execution.engine.storage.buffers import FlatSpec
 from execution.parallel.mesh import GroupAxis, Pending
 from modelling.gpt import LAYERS
 from modelling.parallel import Axis

@@ -13,7 +13,7 @@ from modelling.host_threads import team_thread
 
 if TYPE_CHECKING:
     from config.schema import OptimizerConfig
-    from execution.engine.state import StateStore
+    from execution.engine.storage.state import StateStore
 
 
 def clip_coefficient(grad_norm: float, max_norm: float) -> float:

@@ -2,7 +2,7 @@
 stages, and the tied word embedding's gradient summed over the first and last stage.
 
 Which layers a stage holds and its one-forward-one-backward order over passes are part of the
-one schedule (:mod:`execution.engine.schedule`). While stage s runs the forward of pass p,
+one schedule (:mod:`execution.engine.phases.schedule`). While stage s runs the forward of pass p,
 stage s - 1 runs pass p + 1, and the backward comes back the same way; of a step's
 ``P + S - 1`` pass-times each stage idles for ``S - 1``: the bubble
 (:mod:`execution.planning.pipeline_figures` prices it).
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from execution.engine.buffers import ActivationLayout
-from execution.engine.schedule import RECEIVE_DX, RECEIVE_X, SEND_DX, SEND_X, Phase, Stage
-from execution.engine.state import StateStore
+from execution.engine.phases.schedule import RECEIVE_DX, RECEIVE_X, SEND_DX, SEND_X, Phase, Stage
+from execution.engine.storage.buffers import ActivationLayout
+from execution.engine.storage.state import StateStore
 from execution.parallel.mesh import GroupAxis, Pending
 from modelling.gpt import EMBEDDING
 

@@ -1,5 +1,5 @@
 """What each phase computes: functions of (step, phase), one per kind of
-:data:`execution.engine.schedule.PHASE_KINDS`, gathered in :data:`BODIES`.
+:data:`execution.engine.phases.schedule.PHASE_KINDS`, gathered in :data:`BODIES`.
 
 A body loads its part's weights once and runs the part for every micro-batch of its pass; the
 layers never know they are phased (one stateless template block is bound to each layer's
@@ -17,11 +17,11 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call
 
-from execution.engine import pipeline, schedule
-from execution.engine.head import head
-from execution.engine.schedule import Phase
-from execution.engine.step import Step
-from execution.engine.task_head import task_head
+from execution.engine.phases import pipeline, schedule
+from execution.engine.phases.head import head
+from execution.engine.phases.schedule import Phase
+from execution.engine.phases.step import Step
+from execution.engine.phases.task_head import task_head
 from modelling.gpt import EMBEDDING, LAYERS
 
 

@@ -7,7 +7,7 @@ the host link (:class:`Traffic`; the dry run reports them and tests hold them to
 :class:`ActivationStore` is a rank's activation buffers with their moves: the residual stream
 x at each layer boundary (this rank's tp1 slice), the gradients dx, and the tensors a layer
 keeps for its backward. Stores to host memory run on the store side stream
-(:mod:`execution.engine.streams`): the copy of one micro-batch's output overlaps the next one's
+(:mod:`execution.engine.storage.streams`): the copy of one micro-batch's output overlaps the next one's
 compute, and each entry's next load waits for the event of its store. The kept tensors travel
 the same way, so a layer forward's copies to the host do not hold up the compute stream.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from execution.engine.buffers import ActivationBuffers, ActivationLayout, Place
+from execution.engine.storage.buffers import ActivationBuffers, ActivationLayout, Place
 from modelling.parallel import Axis
 
 
