@@ -134,6 +134,11 @@ class HostUpdateState:
         self.tensors, self.copy = tensors, copy
         self.places = {"weights": SimpleNamespace(remote=True)}
         self.masks = None  # dense
+        self.device = torch.device("cpu")
+        self.updating = None  # the driver runs it to its end (overlap off)
+
+    def part_rows(self) -> list[tuple[str, int]]:
+        return [("layers", 0)]
 
     def host_update_pieces(self):
         n = self.tensors[0].numel()

@@ -18,6 +18,7 @@ PRECISIONS = ("float32", "bfloat16", "float16")
 PLACEMENTS = ("auto", "remote", "resident")
 STATE_PLACEMENTS = ("auto", "device", "host")
 DEVICES = ("auto", "cpu", "cuda")
+SWITCHES = ("auto", "true", "false")
 RECOMPUTE = ("auto", "full", "selective", "none")
 
 
@@ -237,6 +238,17 @@ class ExecutionConfig:
             "waited for only after the next layer's backward (async collectives, issued in the "
             "same order on every rank). The numbers are the same either way; false waits for "
             "each collective where it is issued."
+        ),
+    )
+    overlap_update: str = field(
+        default="auto",
+        metadata=_doc(
+            "Run a step's host AdamW (weights placed on the host) behind the next step: the "
+            "rows update in the order the next step loads them, and a layer's first load "
+            "waits for that layer's update alone. The numbers are the same either way. auto: "
+            "on a GPU, whose host cores are idle while it computes; not on a CPU device, "
+            "whose cores would do both.",
+            choices=SWITCHES,
         ),
     )
     recompute: str = field(

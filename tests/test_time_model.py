@@ -13,7 +13,13 @@ from config.loading import parse_config
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
 from execution.planning.measure import Window
-from execution.planning.time_model import PHASE_COSTS, estimate_step, phase_costs, pipeline_step
+from execution.planning.time_model import (
+    PHASE_COSTS,
+    estimate_step,
+    phase_costs,
+    pipeline_step,
+    update_lead_share,
+)
 
 
 def _phases(forward: float, optimizer: float) -> dict[str, tuple]:
@@ -156,7 +162,8 @@ def test_a_dry_run_counts_the_elements_of_the_weights_on_the_host():
     from execution.planning.dry_run import measure_rank
     from execution.planning.measure import Measurements, _adamw_bytes_per_element
 
-    config, _ = parse_config(shlex.split("--config tiny --device cpu --placement remote"))
+    flags = "--config tiny --device cpu --placement remote --overlap_update false"
+    config, _ = parse_config(shlex.split(flags))
     sheet = SPECS["h100_sxm"]
     measured = dataclasses.replace(sheet, host_adamw_elements_per_s=1e9)
     planning = Measurements()
@@ -167,3 +174,65 @@ def test_a_dry_run_counts_the_elements_of_the_weights_on_the_host():
     assert by_rate.phases["optimizer"][index] == pytest.approx(elements / 1e9, rel=1e-9)
     bytes_moved = elements * _adamw_bytes_per_element()
     assert by_sheet.phases["optimizer"][index] == pytest.approx(bytes_moved / 40e9, rel=1e-9)
+
+
+def test_an_update_behind_the_next_step_waits_for_the_rows_its_first_loads_need():
+    """Rows of 100 (the embedding), 50, 50 (two layers) and 10 (the head) elements, in the
+    update's order; the next step's first phase loads the embedding and, a phase early, the
+    first layer: 150 of 210 elements are written before it can start."""
+    rows = (("embedding", 0, 100), ("layers", 0, 50), ("layers", 1, 50), ("head", 0, 10))
+    first = [(("embedding", 0),), (("layers", 0),)]
+    assert update_lead_share(rows, first) == pytest.approx(150 / 210)
+    assert update_lead_share(rows, [(("head", 0),)]) == 1.0  # needed first, written last
+
+
+@pytest.mark.parametrize(
+    "passes, behind, lead, wait",
+    [
+        (1, 4.0, 1.0, 1.0),  # 4 s of update behind a 3 s forward: only its lead is waited for
+        (2, 4.0, 1.0, 2.5),  # a pass's forward is 1.5 s: its last loads wait 4 - 1.5
+        (1, 8.0, 1.0, 5.0),  # longer than the forward: the rest of it is waited for
+        (1, 0.5, 0.5, 0.5),  # never more than the update itself
+    ],
+)
+def test_the_step_waits_for_the_larger_of_the_lead_and_the_rest_of_the_forward(
+    passes, behind, lead, wait
+):
+    """A stage whose forward takes 0.5 s (embedding) + 2.5 s (layers) over ``passes`` passes:
+    the step is its phases plus the wait, and the rest of the update is hidden."""
+
+    def costs(**seconds) -> tuple:
+        return tuple(seconds.get(name, 0.0) for name in PHASE_COSTS)
+
+    phases = {
+        "embedding_forward": costs(matmul_s=0.5),
+        "layer_forward": costs(matmul_s=2.5),
+        "optimizer": costs(update_behind_s=behind, update_lead_s=lead),
+    }
+    out = estimate_step(phases, 1, passes, SPECS["h100_sxm"])
+    assert out["step_time_s"] == pytest.approx(3.0 + wait)
+    assert out["host_optimizer_s"] == pytest.approx(wait)
+    assert out["hidden_update_s"] == pytest.approx(behind - wait)
+
+
+def test_a_dry_run_prices_the_update_behind_the_next_step_where_it_runs_there():
+    """tiny with its weights on the host, one pass: on a GPU's data sheet the update behind
+    the next step shortens the step by what it hides; on a CPU (auto: not behind) and with
+    --overlap_update false the step is the serial one."""
+    from execution.planning.dry_run import estimate, measure_rank
+    from execution.planning.measure import Measurements
+
+    def step(spec, choice: str) -> dict:
+        flags = (
+            f"--config tiny --device cpu --placement remote --passes 1 --overlap_update {choice}"
+        )
+        config, _ = parse_config(shlex.split(flags))
+        return estimate(config, measure_rank(config, 0, spec, Measurements()), spec)
+
+    sheet = dataclasses.replace(SPECS["h100_sxm"], host_adamw_elements_per_s=1e8)
+    serial, behind = step(sheet, "false"), step(sheet, "auto")
+    assert behind["hidden_update_s"] > 0 and serial["hidden_update_s"] == 0
+    saved = serial["step_time_s"] - behind["step_time_s"]
+    assert saved == pytest.approx(behind["hidden_update_s"], rel=1e-9)
+    cpu = dataclasses.replace(sheet, device_type="cpu")
+    assert step(cpu, "auto")["step_time_s"] == step(cpu, "false")["step_time_s"]

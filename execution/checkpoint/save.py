@@ -149,6 +149,7 @@ class Checkpointer:
         from execution.checkpoint.dcp_plans import held_items  # imports DCP: only when used
 
         self.wait()
+        self.engine.finish_update()  # the host update of the step saved, if it runs behind
         started = time.perf_counter()
         final = self.directory / f"step_{step}"
         tmp = final.with_name(final.name + ".tmp")

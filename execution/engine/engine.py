@@ -119,7 +119,9 @@ class PhasedEngine:
                 block, self.specs[LAYERS], acts.kept, acts.store_kept, acts.load_kept
             )
         host_threads = usable_cores() // max(layout.local_world_size, 1)
-        self.optimizer = AdamWDriver(self.state, plan.optimizer, host_threads)
+        self.optimizer = AdamWDriver(
+            self.state, plan.optimizer, host_threads, overlap=self.overlaps_update
+        )
         self.rigl: RigL | None = None
         if plan.sparsity is not None:
             first = self.stage.first_layer
@@ -192,6 +194,19 @@ class PhasedEngine:
         return self.layout.embedding.size > 1 and not self.plan.model.task
 
     @property
+    def overlaps_update(self) -> bool:
+        """Whether the host update of a step runs behind the next (``--overlap_update``; auto:
+        on a GPU, whose host cores are idle while it computes, not on a CPU, where they are the
+        device's)."""
+        choice = self.plan.overlap_update
+        return choice == "true" or (choice == "auto" and self.device.type == "cuda")
+
+    def finish_update(self) -> None:
+        """Waits for the host update running behind the step, if any: before anything reads
+        every row (a checkpoint, an evaluation, RigL, the end of the run)."""
+        self.optimizer.finish()
+
+    @property
     def optimizer_steps(self) -> int:
         """Updates applied so far (a checkpoint saves and restores it)."""
         return self.optimizer.steps
@@ -246,6 +261,8 @@ class PhasedEngine:
         self.optimizer.update(lr, grad_scale=clip / scale)
         rigl = None
         if self.rigl is not None and self.device.type != "meta":
+            if self.rigl.schedule.updates_at(self.optimizer.steps):
+                self.finish_update()  # a connectivity update reads and writes every row
             rigl = self.rigl.update(self.optimizer.steps, scale)
         return StepResult(loss, grad_norm, skipped=False, rigl=rigl)
 
@@ -257,6 +274,7 @@ class PhasedEngine:
         holds. Collective: every rank must call it. Replicas use as many batches as the one
         with the fewest, since each phase's weight all-gather needs every replica.
         """
+        self.finish_update()
         batches = list(batches)
         count_tensor = torch.tensor(len(batches), device=self.device)
         batches = batches[: int(self.layout.dp.all_reduce_(count_tensor, op="min"))]
@@ -275,6 +293,7 @@ class PhasedEngine:
         its replica's logits: the last pipeline stage computes them, and a sum over the
         pipeline group, to which the other stages add zeros, hands them on.
         """
+        self.finish_update()
         task = self.plan.model.task
         assert task, "predict needs a task's head"
         outputs = [out for batch in self._forward_chunks(batches, True) for out in batch.outputs]

@@ -127,6 +127,8 @@ class EnginePlan:
         optimizer: AdamW's hyper-parameters and the clipping norm.
         memory: Passes, placement and recompute (the planner's choice).
         sparsity: RigL's schedule of the decoder layers' matrices; None trains densely.
+        overlap_update: Whether a step's host update runs behind the next: true, false or
+            auto (on a GPU).
     """
 
     model: GPTShapes
@@ -143,6 +145,7 @@ class EnginePlan:
     optimizer: OptimizerConfig
     memory: MemoryPlan
     sparsity: SparsitySchedule | None = None
+    overlap_update: str = "auto"
 
     def with_micro_batches(self, micro_batches: int, passes: int) -> EnginePlan:
         """The same layers and stages with fewer micro-batches and passes: a step to measure
@@ -185,4 +188,5 @@ def engine_plan(config: PretrainingConfig, memory: MemoryPlan) -> EnginePlan:
         optimizer=training.optimizer,
         memory=memory,
         sparsity=SparsitySchedule.of(config.rigl, training.steps),
+        overlap_update=ex.overlap_update,
     )

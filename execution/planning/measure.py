@@ -25,7 +25,7 @@ from execution.engine.phases.recompute import (
     kept_layer_on_meta,
     meta_block,
 )
-from execution.engine.phases.schedule import Phase
+from execution.engine.phases.schedule import Phase, weights_loaded
 from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.mesh import ParallelLayout
@@ -54,6 +54,11 @@ class Window:
             update rate where there is one.
         host_update_bytes: Bytes those updates read and write, priced at host memory
             bandwidth where no update rate was measured.
+        host_update_rows: (part, row, elements) of each row the host update writes, in its
+            order (the order the next step first loads them).
+        overlap_update: The run's ``--overlap_update`` (the optimizer's window): whether the
+            host update runs behind the next step.
+        loads: The (part, row) whose weights the phase loads.
     """
 
     kind: str
@@ -64,6 +69,9 @@ class Window:
     costs: OpCosts = field(default_factory=OpCosts)
     host_update_elements: int = 0
     host_update_bytes: int = 0
+    host_update_rows: tuple[tuple[str, int, int], ...] = ()
+    overlap_update: str = "false"
+    loads: tuple[tuple[str, int], ...] = ()
 
 
 class PhaseRecorder:
@@ -75,6 +83,7 @@ class PhaseRecorder:
         self.windows: list[Window] = []
         self._last = self._counters()
         self._kind: str | None = None
+        self._loads: tuple[tuple[str, int], ...] = ()
 
     def _counters(self) -> tuple:
         store, axes = self.engine.state, self.engine.layout.axes()
@@ -95,7 +104,9 @@ class PhaseRecorder:
                 {a: now[2][a] - self._last[2][a] for a in now[2]},
                 now[3] - self._last[3],
             )
-            host_update = host_update_elements(self.engine) if self._kind == "optimizer" else 0
+            optimizer = self._kind == "optimizer"
+            rows = host_update_rows(self.engine) if optimizer else ()
+            host_update = sum(elements for *_, elements in rows)
             window = Window(
                 kind=self._kind,
                 flops=flops,
@@ -105,6 +116,9 @@ class PhaseRecorder:
                 costs=now[4] - self._last[4],
                 host_update_elements=host_update,
                 host_update_bytes=host_update * _adamw_bytes_per_element(),
+                host_update_rows=rows,
+                overlap_update=self.engine.plan.overlap_update if optimizer else "false",
+                loads=self._loads,
             )
             self.windows.append(window)
         self._last = now
@@ -113,6 +127,7 @@ class PhaseRecorder:
         """The engine's ``on_phase``: a phase starts (None: the step's phases are done)."""
         self._close()
         self._kind = phase.kind if phase is not None else "optimizer"
+        self._loads = tuple(weights_loaded(phase)) if phase is not None else ()
 
     def finish(self) -> None:
         """Closes the optimizer's window (call after the step)."""
@@ -120,14 +135,15 @@ class PhaseRecorder:
         self._kind = None
 
 
-def host_update_elements(engine: PhasedEngine) -> int:
-    """Elements one AdamW update of the engine's host-placed weights updates (0 where the
-    weights live on the device)."""
+def host_update_rows(engine: PhasedEngine) -> tuple[tuple[str, int, int], ...]:
+    """(part, row, elements) of each row one AdamW update of the engine's host-placed weights
+    writes, in its order (none where the weights live on the device)."""
     state = engine.state
     if not state.places["weights"].remote:
-        return 0
-    return sum(
-        tensor.numel() for buffers in state.parts.values() for tensor in buffers.weights.values()
+        return ()
+    return tuple(
+        (part, row, sum(t[row].numel() for t in state.parts[part].weights.values()))
+        for part, row in state.part_rows()
     )
 
 

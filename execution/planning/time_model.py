@@ -11,13 +11,16 @@ Collectives waited for where they are issued (tensor-parallel ones, and every on
 (:func:`waited_call_seconds`). A pipeline stage's phases take
 ``(P + S - 1) / P`` of their time (the bubble) where every stage is alike; a dry run of a
 pipeline, which measures each stage, combines them (:func:`pipeline_step`). The optimizer's
-window is outside it, and the host AdamW runs there (:func:`host_update_seconds`).
+window is outside it, and the host AdamW runs there (:func:`host_update_seconds`), or, with
+``--overlap_update``, behind the next step, which waits only where it needs a row before the
+update has written it (:func:`update_wait_seconds`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 
+from execution.engine.phases.schedule import EMBEDDING_FORWARD, LAYER_FORWARD
 from execution.parallel.mesh import GroupAxis, ParallelLayout
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.op_costs import device_seconds
@@ -45,6 +48,8 @@ PHASE_COSTS = (
     "engine_s",
     "fresh_memory_s",
     "host_optimizer_s",
+    "update_behind_s",
+    "update_lead_s",
     "copies_s",
     "overlappable_comm_s",
     "critical_comm_s",
@@ -67,6 +72,7 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
     axes = {axis.name: axis for axis in layout.axes()}
     out: dict[str, list[float]] = {}
     carried = 0.0  # async reductions of the previous window
+    loading = [window.loads for window in windows if window.loads]
     for window in windows:
         gathers = reductions = critical = 0.0
         for name, axis in axes.items():
@@ -85,6 +91,15 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
                 else:
                     reductions += collective_seconds(axis, op, nbytes, spec)
         device = device_seconds(window.costs, window.attention_flops, spec)
+        host_update = host_update_seconds(window, spec)
+        copies = _copy_seconds(window.host_bytes, spec)
+        behind = lead = 0.0
+        if window.kind == "optimizer" and updates_behind(window, spec):
+            # The update and its gradients' copies (the staging) run on its thread, behind
+            # the next step; the copies beside the update where the device copies on its own.
+            both = max if spec.copies_overlap else sum
+            behind, host_update, copies = both((host_update, copies)), 0.0, 0.0
+            lead = behind * update_lead_share(window.host_update_rows, loading[:2])
         costs = {
             "flops": window.flops,
             "attention_flops": window.attention_flops,
@@ -94,8 +109,10 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             "launch_s": device["launch"],
             "fresh_memory_s": device["fresh_memory"],
             "engine_s": spec.phase_overhead_us * 1e-6 if window.kind != "optimizer" else 0.0,
-            "host_optimizer_s": host_update_seconds(window, spec),
-            "copies_s": _copy_seconds(window.host_bytes, spec),
+            "host_optimizer_s": host_update,
+            "update_behind_s": behind,
+            "update_lead_s": lead,
+            "copies_s": copies,
             "overlappable_comm_s": gathers + carried,
             "critical_comm_s": critical,
         }
@@ -108,6 +125,41 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             carried
         )
     return {kind: tuple(sums) for kind, sums in out.items()}
+
+
+def updates_behind(window, spec: DeviceSpec) -> bool:
+    """Whether the host update of the optimizer's ``window`` runs behind the next step on
+    the device ``spec`` describes (``--overlap_update``; auto: on a GPU)."""
+    choice = window.overlap_update
+    return bool(window.host_update_rows) and (
+        choice == "true" or (choice == "auto" and spec.device_type == "cuda")
+    )
+
+
+def update_lead_share(rows: tuple, first_loads: list[tuple]) -> float:
+    """The share of a host update (``rows``: (part, row, elements), in its order) written
+    before the rows the next step loads first are: those of its first phase and, loaded a
+    phase early, its second's (``first_loads``). The next step starts that late at least."""
+    total = sum(elements for *_, elements in rows)
+    needed = {key for loads in first_loads for key in loads}
+    if not total:
+        return 0.0
+    done = last = 0
+    for part, row, elements in rows:
+        done += elements
+        if (part, row) in needed:
+            last = done
+    return last / total
+
+
+def update_wait_seconds(behind: float, lead: float, first_pass_forward: float) -> float:
+    """How long the next step waits for a host update of ``behind`` seconds that runs behind
+    it, in the order the step first loads the rows: the rows of its first two phases (``lead``
+    seconds of the update) before it starts, the last rows by the end of its first pass's
+    forward (``first_pass_forward``), the first load of the head. The update's rows are
+    spread evenly over that forward as its loads are, so the larger of the two bounds the
+    wait (to within a layer's forward: the last loads are issued a phase early)."""
+    return min(behind, max(lead, behind - first_pass_forward, 0.0))
 
 
 def host_update_seconds(window, spec: DeviceSpec) -> float:
@@ -136,7 +188,9 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
 
     Returns seconds per step: ``step_time_s``; ``compute_s`` (matmuls and attention, at the
     rates of their shapes); ``memory_bound_s``; ``overhead_s`` (launches, the engine's host
-    time and first touches of fresh memory); ``host_optimizer_s``; ``copies_s`` and ``collectives_s`` (all of them, hidden or
+    time and first touches of fresh memory); ``host_optimizer_s`` (the host AdamW the step waits
+    for) and ``hidden_update_s`` (the rest of it, behind the next step: ``--overlap_update``);
+    ``copies_s`` and ``collectives_s`` (all of them, hidden or
     not); ``hidden_comm_s`` (copies and collectives behind device work); ``exposed_comm_s``
     (the rest); ``bubble_s`` (the pipeline's idle share of the phases); ``by_kind`` (each kind
     of phase's seconds in the step)."""
@@ -144,6 +198,7 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
     bubble = step_stretch(pipeline_stages, passes)
     totals = dict.fromkeys(PHASE_COSTS, 0.0)
     by_kind = {}
+    forward = 0.0  # the forward phases' seconds, every pass
     for kind, values in phases.items():
         costs = dict(zip(PHASE_COSTS, values, strict=True))
         for name, value in costs.items():
@@ -155,11 +210,18 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
             hidden += min(device, behind)
         else:
             seconds = device + behind + costs["critical_comm_s"]
+        if kind in (EMBEDDING_FORWARD, LAYER_FORWARD):
+            forward += seconds
         if kind != "optimizer":
             bubble_s += seconds * (bubble - 1.0)
             seconds *= bubble
         by_kind[kind] = seconds
         step += seconds
+    behind_update = totals["update_behind_s"]
+    wait = update_wait_seconds(behind_update, totals["update_lead_s"], forward / passes)
+    if behind_update:
+        by_kind["optimizer"] = by_kind.get("optimizer", 0.0) + wait
+        step += wait
     compute = totals["matmul_s"] + totals["attention_s"]
     copies = totals["copies_s"]
     collectives = totals["overlappable_comm_s"] + totals["critical_comm_s"]
@@ -168,7 +230,8 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
         "compute_s": compute,
         "memory_bound_s": totals["memory_bound_s"],
         "overhead_s": totals["launch_s"] + totals["engine_s"] + totals["fresh_memory_s"],
-        "host_optimizer_s": totals["host_optimizer_s"],
+        "host_optimizer_s": totals["host_optimizer_s"] + wait,
+        "hidden_update_s": behind_update - wait,
         "copies_s": copies,
         "collectives_s": collectives,
         "hidden_comm_s": hidden,

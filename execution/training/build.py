@@ -9,6 +9,7 @@ steps through. What differs between pretraining and fine-tuning (the data, the e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -83,16 +84,16 @@ class Run:
     claims: list[FolderClaim] = field(default_factory=list)
 
     def close(self) -> None:
-        """Waits for the last checkpoint, closes the trackers and lets the folders go."""
-        try:
-            self.tracker.close()
-        finally:
-            try:
-                if self.checkpointer is not None:
-                    self.checkpointer.close()
-            finally:
-                for claim in self.claims:
-                    claim.release()
+        """Waits for the last update and checkpoint, closes the trackers and lets the folders
+        go."""
+        # Each runs even if one before it raises; the folders go last.
+        with contextlib.ExitStack() as closing:
+            for claim in self.claims:
+                closing.callback(claim.release)
+            if self.checkpointer is not None:
+                closing.callback(self.checkpointer.close)
+            closing.callback(self.tracker.close)
+            self.engine.finish_update()
 
 
 @dataclass

@@ -52,6 +52,7 @@ from execution.engine.storage.buffers import (
 from execution.engine.storage.gradient_store import GradientStore
 from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.engine.storage.moves import ActivationStore, Mover, Traffic
+from execution.engine.storage.row_updates import RowUpdates
 from execution.engine.storage.streams import side_streams
 from execution.parallel.mesh import ParallelLayout
 from modelling.gpt import LAYERS, PARTS
@@ -110,6 +111,8 @@ class StateStore:
             activations, places["activations"], layout.tp1, self.mover, self.stores
         )
         self.grads = GradientStore(self.parts, specs, places, self.mover, self.stores)
+        # The host update of the last step, where it runs behind this one (row_updates.py).
+        self.updating: RowUpdates | None = None
         self.masks: SparseMasks | None = None
         if sparse:
             spec = specs[SPARSE_PART][SPARSE_KIND]
@@ -137,6 +140,7 @@ class StateStore:
     def _weight_shards(self, part: str, row: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """This rank's RTS shard of each kind on the device in ``dtype``, not yet gathered:
         from the compute-dtype copies where kept, else cast from the float32 masters."""
+        self.await_update(part, row)
         buffers, place = self.parts[part], self.places["weights"]
         if dtype == self.copy_dtype:
             return {
@@ -156,6 +160,10 @@ class StateStore:
         place = self.places["weights"]
         if key in self._prefetched or not (gather or place.remote):
             return
+        # Its copy reads the updated weights. Waited for here, not skipped while pending: a
+        # skip would depend on timing, and with gather, every rank must issue the same
+        # collectives in the same order.
+        self.await_update(part, row)
         buffers = self.parts[part]
         stored = buffers.weight_copies if dtype == self.copy_dtype else buffers.weights
         sources = {kind: t[row] for kind, t in stored.items()}
@@ -226,6 +234,16 @@ class StateStore:
             vectors[kind] = full
         return vectors
 
+    def await_update(self, part: str, row: int) -> None:
+        """Returns once the update in flight, if any, has written (part, row)."""
+        if self.updating is not None:
+            self.updating.wait(part, row)
+
+    def await_updates(self) -> None:
+        """Returns once the update in flight, if any, has written every row."""
+        if self.updating is not None:
+            self.updating.wait_all()
+
     def part_rows(self) -> list[tuple[str, int]]:
         """Every (part, row) held, in order: the embedding, each decoder layer, the head."""
         return [(part, row) for part in PARTS for row in range(self.parts[part].rows)]
@@ -244,6 +262,7 @@ class StateStore:
     def write_row(self, part: str, state: str, kind: str, row: int, flat: torch.Tensor) -> None:
         """Writes one row of a state from outside a step (initialisation, checkpoints); weights
         refresh their compute-dtype copy, and loads issued ahead are forgotten."""
+        self.await_updates()
         buffers = self.parts[part]
         getattr(buffers, state)[kind][row].copy_(flat)
         if state == "weights" and buffers.weight_copies:
@@ -253,6 +272,7 @@ class StateStore:
     def weights_written(self) -> None:
         """After weights were written into the buffers in place (a checkpoint load): refresh
         their compute-dtype copies, and forget loads issued ahead."""
+        self.await_updates()
         for buffers in self.parts.values():
             for kind, copy in buffers.weight_copies.items():
                 copy.copy_(buffers.weights[kind])
@@ -266,6 +286,7 @@ class StateStore:
         """Weights, gradient and both moments of one row of one kind, on the device (for
         device-placed weights; host-placed ones are updated where they are, see
         :meth:`host_update_pieces`)."""
+        self.await_update(part, row)
         buffers = self.parts[part]
         self.grads.row(part, kind, row)  # its store to the host, if in flight, is done
         return [

@@ -3,11 +3,13 @@ holds (:class:`AdamWDriver`)."""
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
 import torch
 from torch.optim.adamw import adamw
 
+from execution.engine.storage.row_updates import RowUpdates
 from execution.parallel.sharding import DECAYED_KINDS
 from modelling.host_threads import team_thread
 
@@ -88,20 +90,32 @@ class AdamWDriver:
     Device-placed weights are updated on the device. Host-placed ones are updated where they
     live, by the host's cores: weights and moments never cross the host link, only gradients
     kept on the device do. The host's update runs on a thread of its own whose OpenMP team is
-    this rank's share of the node's cores (:func:`~modelling.host_threads.team_thread`).
+    this rank's share of the node's cores (:func:`~modelling.host_threads.team_thread`). With
+    ``overlap`` that thread goes on behind the next step: :meth:`update` returns once the
+    update is started, the rows are updated in the order the next step first loads them, and
+    a load of a row waits for that row alone (:mod:`execution.engine.storage.row_updates`).
+    The numbers are the same either way: each row's update reads and writes what it would
+    have, before the next step reads or writes that row.
 
     Args:
         state: The rank's buffers.
         optim: Betas, epsilon and weight decay.
         host_threads: Cores for host updates (this process's share of the node's).
+        overlap: Let the host update run behind the next step.
     """
 
-    def __init__(self, state: StateStore, optim: OptimizerConfig, host_threads: int):
+    def __init__(
+        self, state: StateStore, optim: OptimizerConfig, host_threads: int, overlap: bool = False
+    ):
         self.state, self.optim, self.host_threads = state, optim, max(1, host_threads)
+        self.overlap = overlap
         self.steps = 0  # updates applied (AdamW's bias correction counts them)
+        self._in_flight: Future | None = None
 
     def update(self, lr: float, grad_scale: float) -> None:
-        """One update of every shard with the step's gradients times ``grad_scale``."""
+        """One update of every shard with the step's gradients times ``grad_scale``; with
+        ``overlap``, of host shards, started and left running (:meth:`finish` waits)."""
+        self.finish()
         self.steps += 1
         hyper = {"step": self.steps, "lr": lr, "optim": self.optim, "grad_scale": grad_scale}
         state = self.state
@@ -113,17 +127,53 @@ class AdamWDriver:
                     w, g, m, v = state.load_optimizer_row(part, kind, row)
                     adamw_(w, g, m, v, weight_decay=kind in DECAYED_KINDS, mask=mask, **hyper)
             return
-        with team_thread("host-adamw", self.host_threads) as host:
+        rows = RowUpdates(state.part_rows())
+        if state.device.type == "meta":  # a dry run: its ops are metered on this thread
+            self._host_update(rows, hyper)
+            return
+        host = team_thread("host-adamw", self.host_threads)
+        try:
+            future = host.submit(self._host_update, rows, hyper)
+        finally:
+            host.shutdown(wait=False)  # the thread ends with this update
+        if self.overlap:
+            state.updating, self._in_flight = rows, future
+            return
+        future.result()
+
+    def finish(self) -> None:
+        """Waits for the update in flight, if any (its error, if it raised, is raised here)."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            try:
+                future.result()
+            finally:
+                self.state.updating = None
+
+    @torch.no_grad()
+    def _host_update(self, rows: RowUpdates, hyper: dict) -> None:
+        """Every host shard's update, piece by piece in row order (on the host thread); each
+        row is marked as its last piece is written."""
+        state, masks = self.state, self.state.masks
+        current = None
+        try:
             for part, kind, row, piece, tensors in state.host_update_pieces():
+                if current is not None and current != (part, row):
+                    rows.finished(*current)
+                current = (part, row)
                 # Meta tensors (a dry run) hold nothing to compute, and the host's update is
                 # priced by its elements (Window.host_update_elements), not by its ops.
                 if not tensors[0].is_meta:
                     mask = masks.of(part, kind, row, False) if masks is not None else None
-                    host.submit(
-                        adamw_,
+                    adamw_(
                         *tensors,
                         weight_decay=kind in DECAYED_KINDS,
                         mask=None if mask is None else mask[piece],
                         **hyper,
-                    ).result()
+                    )
                 state.refresh_weight_copy(part, kind, row, piece)
+            if current is not None:
+                rows.finished(*current)
+        except BaseException as error:
+            rows.failed(error)
+            raise
