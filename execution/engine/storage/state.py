@@ -27,7 +27,9 @@ phases' weights (two layers) are on the device: the running phase's and the next
 Activations, and the tensors layers keep for their backward, are stored to host memory on a
 second side stream (:class:`~execution.engine.storage.moves.ActivationStore`, ``state.activations``).
 Gradient stores stay on the compute stream, which reads them back in stream order. Host
-weights are updated by the host itself, after the step's norm has synchronised the device. On
+weights are updated by the host itself, after the step's norm has synchronised the device;
+with ``--overlap_update`` behind the next step, whose load of a row (or its prefetch) waits
+for that row's update (:attr:`StateStore.updating`, :mod:`execution.engine.storage.row_updates`). On
 a CPU or meta device there are no streams: prefetch is the same copy, one phase early, and
 stores happen in program order.
 """
