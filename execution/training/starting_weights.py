@@ -22,6 +22,7 @@ from execution.checkpoint.files import (
     read_trainer_state,
     resolve,
 )
+from execution.checkpoint.load import hf_model_mistakes
 from execution.training.finetuning import saved_task
 from modelling.gpt import GPTShapes
 from modelling.hf_interchange import HFWeights
@@ -45,7 +46,8 @@ def check_starting_weights(config: PretrainingConfig) -> None:
     if c.load:
         _check_checkpoint(config, c.load)
     elif c.hf_model and Path(c.hf_model).is_dir():  # not a folder: said by the run's assembly
-        HFWeights(c.hf_model).check_shape(GPTShapes.of_run(config))
+        with hf_model_mistakes():
+            HFWeights(c.hf_model).check_shape(GPTShapes.of_run(config))
 
 
 def _check_checkpoint(config: PretrainingConfig, path: str) -> None:
