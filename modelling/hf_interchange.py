@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from modelling.task_heads import HEADS
+
 
 class HFModelError(ValueError):
     """A ``--hf_model`` folder that cannot start the run: one line naming the flag, the file
@@ -48,14 +50,9 @@ OTHER_NAMES = {
     "head.ln_f.weight": "transformer.ln_f.weight",
     "head.ln_f.bias": "transformer.ln_f.bias",
 }
-# A fine-tuning task's projection (modelling.task_heads) -> the name HuggingFace's
-# GPT2ForQuestionAnswering or GPT2ForSequenceClassification gives it (an nn.Linear: not
-# transposed). A GPT2LMHeadModel folder has none of them.
-TASK_NAMES = {
-    "head.qa.weight": "qa_outputs.weight",
-    "head.qa.bias": "qa_outputs.bias",
-    "head.score.weight": "score.weight",
-}
+# A fine-tuning head's projection -> the name HuggingFace's class for it gives it (each head
+# declares its own: modelling.task_heads).
+TASK_NAMES = {f"head.{ours}": theirs for head in HEADS for ours, theirs in head.HF_NAMES.items()}
 # HF activations that are GPT-2's tanh approximation of GELU (ours).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -98,9 +95,9 @@ def export_hf(
     model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: str | Path
 ) -> int:
     """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``,
-    or, for a fine-tuned model (its weights hold a task's projection), for
-    ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification`` (three labels, padding
-    ``<|endoftext|>`` as our prompts pad).
+    or, for a fine-tuned model (its weights hold a task head's projection), for the
+    HuggingFace class its head names (``GPT2ForQuestionAnswering``,
+    ``GPT2ForSequenceClassification``: :meth:`~modelling.task_heads.TaskHead.describe_hf`).
 
     The safetensors file is written one tensor at a time (its header needs only the shapes),
     so a lazily read ``weights`` (:class:`execution.checkpoint.load.SavedWeights`) is exported
@@ -119,11 +116,9 @@ def export_hf(
     folder.mkdir(parents=True, exist_ok=True)
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config = hf_config(model)
-    if "head.qa.weight" in shapes:
-        config.architectures = ["GPT2ForQuestionAnswering"]
-    elif "head.score.weight" in shapes:
-        config.architectures = ["GPT2ForSequenceClassification"]
-        config.num_labels, config.pad_token_id = shapes["head.score.weight"][0], config.eos_token_id
+    for head in HEADS:
+        if all(f"head.{name}" in shapes for name in head.HF_NAMES):
+            head.describe_hf(config)
     config.to_json_file(folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0

@@ -88,7 +88,7 @@ def load_pretrained_weights(path: str | Path, engine: PhasedEngine) -> dict[str,
     """
     folder = _verified(path, engine.layout)
     trainer = read_trainer_state(folder)
-    language_model = dataclasses.replace(engine.shapes, task="")
+    language_model = dataclasses.replace(engine.shapes, task_head=None)
     check_shapes(folder, language_model, states=("weights",))
     saved = {f"weights/{name}" for name in logical_shapes(language_model)}
     _read_held_chunks(engine, folder, lambda item: item.key in saved)
