@@ -26,7 +26,8 @@ def initial_weights(shapes: GPTShapes, seed: int, init_std: float) -> dict[str, 
 def hf_task_model(
     shapes: GPTShapes, weights: dict[str, torch.Tensor], pad_token_id: int | None = None
 ) -> torch.nn.Module:
-    """HF's model for ``shapes.task_head`` (the class it names) in float32, without dropout, holding ``weights``."""
+    """HF's model for ``shapes.task_head`` (the class the head names) in float32, without
+    dropout, holding ``weights``."""
     import transformers
 
     config = transformers.GPT2Config(
