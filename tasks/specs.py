@@ -12,9 +12,11 @@ The spec names:
 - the flags of the ``finetuning`` section that only it reads, and its own check of them.
 
 This is the one place that picks by a task's name (:func:`task_spec`): ``config/finetuning.py``
-parses the flags with the names and usual lengths it is given here (:func:`parse_finetuning_config`)
-and ``execution/`` reads a run's task through its spec. The folder sits above ``data/`` and below
-``execution/``: every part a spec names is below it, and every reader of a spec above it.
+parses the flags with the names and usual lengths it is handed here
+(:func:`parse_finetuning_config`), and ``execution/`` reads a run's task through its spec. The
+folder sits above ``data/`` and below ``execution/``: every part a spec names is below it, and
+every reader of a spec above it. Without ``--input_files`` a run trains on its task's shipped
+samples and evaluates on theirs (:func:`training_files`, :func:`evaluation_files`).
 """
 
 from __future__ import annotations
