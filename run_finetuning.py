@@ -13,10 +13,10 @@ would hold it. Training evaluates on the task's files at the end. See docs/finet
 
 from __future__ import annotations
 
-from config.finetuning import parse_finetuning_config
 from execution.training.entry import Job, run_entry_point
 from execution.training.finetuning import build_finetuning, evaluate_only
 from execution.training.program import Program, run_program
+from tasks.specs import parse_finetuning_config
 
 PROGRAM = "run_finetuning.py"
 FINETUNING = Program(

@@ -18,7 +18,7 @@ import torch
 
 from config.loading import ConfigError
 from data.tokenizer import GPT2_EOT_ID, TokenizerSpec, load_tokenizer
-from execution.checkpoint.load import read_weights
+from execution.checkpoint.load import read_weights, saved_model_shapes
 from modelling.generation import build_model, generate
 
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         raise ConfigError(
             f"--prompt has {len(prompt)} tokens; the model sees at most {positions} positions"
         )
-    model = build_model(model_config, weights, device)
+    model = build_model(saved_model_shapes(model_config), weights, device)
     options = {
         "temperature": args.temperature,
         "top_k": args.top_k,

@@ -1,7 +1,8 @@
 """A fine-tuning task's data as the engine reads it: rows of token ids with their targets.
 
 Every training or evaluation item (a SQuAD window, an MNLI pair) is one int64 row of
-``sequence_length + 2``: the ids, then the two targets of :mod:`modelling.task_heads`. Rows
+``sequence_length + 2``: the ids, then the two targets of :mod:`modelling.task_heads`, as the
+task's reader (its spec's, ``tasks/specs.py``) cuts them from its file. Rows
 travel through the engine, the prefetching loader and checkpoints exactly as pretraining's
 token windows do.
 
@@ -15,17 +16,15 @@ resuming needs only the step number (and the same rows, which the state checks b
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer
 
 from data.errors import DataError
-from data.mnli import MnliExample, mnli_prompts, read_mnli
-from data.squad import SquadExample, SquadWindows, read_squad, squad_windows
-from modelling.task_heads import SQUAD
 
 STATE_FORMAT = 1
 
@@ -39,32 +38,21 @@ class TaskSet:
             its scores are written under.
         rows: int64 ``[items, sequence_length + 2]``.
         examples: The file's examples (several SQuAD windows may belong to one).
-        windows: SQuAD's windows (for post-processing); None for MNLI.
+        windows: What the task's scorer needs besides the examples to map rows back to them
+            (SQuAD's windows), or None.
     """
 
     name: str
     rows: torch.Tensor
-    examples: list[SquadExample] | list[MnliExample]
-    windows: SquadWindows | None = None
+    examples: Sequence[Any]
+    windows: Any = None
 
-
-def read_task_file(
-    task: str, path: str, tokenizer: Tokenizer, sequence_length: int, doc_stride: int
-) -> TaskSet:
-    """Reads and tokenizes one SQuAD JSON or MNLI TSV file into rows.
-
-    Raises:
-        DataError: the file is missing or malformed (one line naming it).
-    """
-    if task == SQUAD:
-        examples = read_squad(path)
-        windows = squad_windows(examples, tokenizer, sequence_length, doc_stride)
-        ids, targets = windows.input_ids, windows.targets
-    else:
-        examples, windows = read_mnli(path), None
-        prompts = mnli_prompts(examples, tokenizer, sequence_length)
-        ids, targets = prompts.input_ids, prompts.targets
-    return TaskSet(Path(path).stem, torch.cat([ids, targets], 1), examples, windows)
+    @classmethod
+    def of(
+        cls, path: str, ids: torch.Tensor, targets: torch.Tensor, examples, windows=None
+    ) -> TaskSet:
+        """The set of file ``path``: each row its ids, then its targets."""
+        return cls(Path(path).stem, torch.cat([ids, targets], 1), examples, windows)
 
 
 class TaskDataLoader:

@@ -1,4 +1,4 @@
-"""MNLI (GLUE) for fine-tuning: the TSV reader and the prompts the classifier reads.
+"""MNLI (GLUE) for fine-tuning: the TSV reader, the prompts the classifier reads, its accuracy.
 
 GLUE ships ``train.tsv``, ``dev_matched.tsv`` and ``dev_mismatched.tsv``: tab-separated, a
 header row, no quoting (a premise may hold a lone ``"``). Columns are found by their header
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, processors
 
+from config.finetuning import FinetuningConfig
 from data.errors import DataError
+from data.finetuning_data import TaskSet
 from data.tokenizer import GPT2_EOT_TOKEN
 
 # GLUE's (and HuggingFace's ``glue/mnli``) label order.
@@ -130,3 +132,28 @@ def mnli_prompts(examples: list[MnliExample], tokenizer: Tokenizer, max_length: 
         ids[n, : len(encoding.ids)] = torch.tensor(encoding.ids)
         targets[n] = torch.tensor([example.label, len(encoding.ids) - 1])
     return MnliBatch(ids, targets)
+
+
+def read_mnli_set(
+    path: str, tokenizer: Tokenizer, sequence_length: int, options: FinetuningConfig
+) -> TaskSet:
+    """One GLUE MNLI TSV file as rows, one prompt per pair.
+
+    Raises:
+        DataError: the file is missing or malformed (one line naming it).
+    """
+    examples = read_mnli(path)
+    prompts = mnli_prompts(examples, tokenizer, sequence_length)
+    return TaskSet.of(path, prompts.input_ids, prompts.targets, examples)
+
+
+def score_mnli(
+    task_set: TaskSet, outputs: torch.Tensor, options: FinetuningConfig
+) -> tuple[dict[str, float], dict[str, str]]:
+    """(``accuracy`` in percent, the predicted label of each pair by ``pairID``) of one file's
+    label logits, float32 ``[rows, 3]``."""
+    predicted = outputs.argmax(-1).tolist()
+    examples = task_set.examples
+    correct = sum(int(p == e.label) for p, e in zip(predicted, examples, strict=True))
+    labels = {e.id: LABELS[p] for p, e in zip(predicted, examples, strict=True)}
+    return {"accuracy": 100.0 * correct / len(examples)}, labels

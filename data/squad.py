@@ -27,10 +27,16 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, processors
 
+from config.errors import ConfigError
+from config.finetuning import FinetuningConfig, FinetuningRunConfig
 from data.errors import DataError
+from data.finetuning_data import TaskSet
 from data.tokenizer import GPT2_EOT_TOKEN
 
 MAX_QUESTION_TOKENS = 64  # BERT's max_query_length: questions are short; a long one is cut
+# What a window holds besides its context at the least: one question token, the separator and
+# the padding token at its end.
+LEAST_WINDOW_OVERHEAD = 3
 
 
 @dataclass(frozen=True)
@@ -207,6 +213,32 @@ def squad_windows(
         torch.tensor(owner, dtype=torch.int64),
         offsets,
     )
+
+
+def check_squad_flags(config: FinetuningRunConfig) -> None:
+    """Raises a one-line ConfigError when ``--doc_stride`` leaves a window no new context."""
+    length, stride = config.model.sequence_length, config.finetuning.doc_stride
+    if stride > length - LEAST_WINDOW_OVERHEAD - 1:
+        raise ConfigError(
+            f"--doc_stride {stride} does not fit a SQuAD window of --sequence_length "
+            f"{length}: besides its question, a separator and a padding token, a window needs "
+            f"more context than the overlap (--doc_stride at most "
+            f"{length - LEAST_WINDOW_OVERHEAD - 1}, less for longer questions); lower "
+            "--doc_stride or raise --sequence_length"
+        )
+
+
+def read_squad_set(
+    path: str, tokenizer: Tokenizer, sequence_length: int, options: FinetuningConfig
+) -> TaskSet:
+    """One SQuAD JSON file as rows: its windows of ``options.doc_stride`` overlap.
+
+    Raises:
+        DataError: the file is missing or malformed (one line naming it).
+    """
+    examples = read_squad(path)
+    windows = squad_windows(examples, tokenizer, sequence_length, options.doc_stride)
+    return TaskSet.of(path, windows.input_ids, windows.targets, examples, windows)
 
 
 def _pair_tokenizer(tokenizer: Tokenizer, length: int, doc_stride: int) -> Tokenizer:

@@ -19,6 +19,8 @@ import string
 
 import torch
 
+from config.finetuning import FinetuningConfig
+from data.finetuning_data import TaskSet
 from data.squad import SquadExample, SquadWindows
 
 N_BEST = 20
@@ -106,3 +108,19 @@ def squad_scores(predictions: dict[str, str], examples: list[SquadExample]) -> d
         f1 += max(token_f1(predicted, ref) for ref in references)
     count = max(len(examples), 1)
     return {"exact_match": 100.0 * em / count, "f1": 100.0 * f1 / count}
+
+
+def score_squad(
+    task_set: TaskSet, outputs: torch.Tensor, options: FinetuningConfig
+) -> tuple[dict[str, float], dict[str, str]]:
+    """(``exact_match`` and ``f1``, the answer of each question by id) of one file's start
+    and end logits, float32 ``[rows, seq, 2]``."""
+    answers = best_answers(
+        task_set.examples,
+        task_set.windows,
+        outputs[..., 0],
+        outputs[..., 1],
+        n_best=options.n_best_size,
+        max_answer_length=options.max_answer_length,
+    )
+    return squad_scores(answers, task_set.examples), answers

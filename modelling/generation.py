@@ -13,13 +13,12 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from config.schema import ModelConfig
 from modelling.gpt import GPT, GPTShapes
 from modelling.layers import DecoderBlock
 
 
 def build_model(
-    model: dict,
+    shapes: GPTShapes,
     weights: dict[str, torch.Tensor],
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
@@ -27,10 +26,9 @@ def build_model(
     """A single-device GPT in eval mode holding logical (unpadded) ``weights``.
 
     Args:
-        model: The ``model`` section of a run's config (as in ``config.yml``).
+        shapes: The model's sizes (one device: tp1 = tp2 = 1).
         weights: Every parameter, named as in :class:`GPT`, unpadded.
     """
-    shapes = GPTShapes.from_config(ModelConfig(**model))
     with torch.device("meta"):
         gpt = GPT(shapes)
     gpt = gpt.to_empty(device=device)

@@ -22,7 +22,7 @@ from torch import nn
 from modelling.host_threads import one_core_pool
 from modelling.layers import BlockSeeds, DecoderBlock, Embedding, LMHead
 from modelling.parallel import LOCAL, Axis
-from modelling.task_heads import TARGET_WIDTH, head_parameter_shapes, task_head
+from modelling.task_heads import TaskHead
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.
@@ -53,13 +53,15 @@ class GPTShapes:
     tp2: int = 1
     # Attention dropout per head from its global index (ModelConfig.dropout_parity).
     dropout_parity: bool = False
-    # The head: "" for the language model's (tied to the word embedding), else a fine-tuning
-    # task's (modelling.task_heads.TASKS), which replaces it.
-    task: str = ""
+    # The head: None for the language model's (tied to the word embedding), else the class of
+    # a fine-tuning task's (modelling.task_heads; the task's spec names it), which replaces it.
+    task_head: type[TaskHead] | None = None
 
     @classmethod
-    def from_config(cls, model, tp1: int = 1, tp2: int = 1, task: str = "") -> GPTShapes:
-        """From a :class:`config.schema.ModelConfig`, the tensor-parallel sizes and the task."""
+    def from_config(
+        cls, model, tp1: int = 1, tp2: int = 1, task_head: type[TaskHead] | None = None
+    ) -> GPTShapes:
+        """From a :class:`config.schema.ModelConfig`, the tensor-parallel sizes and the head."""
         return cls(
             layers=model.layers,
             hidden=model.hidden_size,
@@ -71,20 +73,14 @@ class GPTShapes:
             tp1=tp1,
             tp2=tp2,
             dropout_parity=model.dropout_parity,
-            task=task,
+            task_head=task_head,
         )
-
-    @classmethod
-    def of_run(cls, config, tp1: int = 1, tp2: int = 1) -> GPTShapes:
-        """A run's model with its head: from a :class:`config.schema.PretrainingConfig` (or a
-        fine-tuning run's, whose ``task`` names the head) and the tensor-parallel sizes."""
-        return cls.from_config(config.model, tp1, tp2, task=config.task)
 
     @property
     def label_columns(self) -> int:
         """Columns a batch row carries past its ids: 1 for the language model (the row is
         ``seq + 1`` tokens, labels shifted by one), a task's targets otherwise."""
-        return TARGET_WIDTH if self.task else 1
+        return self.task_head.TARGET_WIDTH if self.task_head else 1
 
     @property
     def head_dim(self) -> int:
@@ -103,11 +99,16 @@ class GPTShapes:
         return math.ceil(self.positions / self.tp1) * self.tp1
 
     @property
+    def task_head_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Unsharded shapes of the task head's projection (none for the language model's)."""
+        return self.task_head.parameter_shapes(self.hidden) if self.task_head else {}
+
+    @property
     def num_parameters(self) -> int:
         """Trainable parameters of the unpadded model (the tied embedding counted once)."""
         h = self.hidden
         per_layer = 12 * h * h + 13 * h  # qkv, out, fc, proj weights + biases + 2 layer norms
-        task = sum(math.prod(s) for s in head_parameter_shapes(self.task, h).values())
+        task = sum(math.prod(s) for s in self.task_head_shapes.values())
         return (self.vocab + self.positions) * h + self.layers * per_layer + 2 * h + task
 
 
@@ -148,8 +149,8 @@ class GPT(nn.Module):
             )
             for _ in range(s.layers)
         )
-        if s.task:
-            self.head = task_head(s.task, local_hidden, s.layer_norm_eps, tp2)
+        if s.task_head:
+            self.head = s.task_head(local_hidden, s.layer_norm_eps, tp2)
         else:
             self.head = LMHead(local_hidden, s.layer_norm_eps, tp1, tp2)
 
@@ -168,7 +169,7 @@ class GPT(nn.Module):
         x = self.embedding(ids, embedding_seed)
         for n, layer in enumerate(self.layers):
             x = layer(x, layer_seeds[n] if layer_seeds else None)
-        if self.shapes.task:
+        if self.shapes.task_head:
             return self.head(x, labels)
         return self.head(x, self.embedding.word.weight, labels, self.shapes.vocab)
 
@@ -207,7 +208,7 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
         # A task's projection after ln_f: weights like other linear layers, biases zero.
         task = {
             name: ParamInit(shape, NORMAL if len(shape) == 2 else ZEROS, init_std)
-            for name, shape in head_parameter_shapes(shapes.task, h).items()
+            for name, shape in shapes.task_head_shapes.items()
         }
         return {"ln_f.weight": ParamInit((h,), ONES), "ln_f.bias": ParamInit((h,), ZEROS), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)

@@ -21,7 +21,13 @@ from typing import Any
 
 import torch
 
-from config.loading import ConfigError
+from modelling.task_heads import HEADS
+
+
+class HFModelError(ValueError):
+    """A ``--hf_model`` folder that cannot start the run: one line naming the flag, the file
+    and what to change (the run's entry turns it into its one-line exit)."""
+
 
 # Our name within a decoder layer -> (HF name within transformer.h.N, transposed).
 LAYER_NAMES = {
@@ -44,14 +50,9 @@ OTHER_NAMES = {
     "head.ln_f.weight": "transformer.ln_f.weight",
     "head.ln_f.bias": "transformer.ln_f.bias",
 }
-# A fine-tuning task's projection (modelling.task_heads) -> the name HuggingFace's
-# GPT2ForQuestionAnswering or GPT2ForSequenceClassification gives it (an nn.Linear: not
-# transposed). A GPT2LMHeadModel folder has none of them.
-TASK_NAMES = {
-    "head.qa.weight": "qa_outputs.weight",
-    "head.qa.bias": "qa_outputs.bias",
-    "head.score.weight": "score.weight",
-}
+# A fine-tuning head's projection -> the name HuggingFace's class for it gives it (each head
+# declares its own: modelling.task_heads).
+TASK_NAMES = {f"head.{ours}": theirs for head in HEADS for ours, theirs in head.HF_NAMES.items()}
 # HF activations that are GPT-2's tanh approximation of GELU (ours).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -94,9 +95,9 @@ def export_hf(
     model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: str | Path
 ) -> int:
     """Writes ``config.json`` and ``model.safetensors`` for ``GPT2LMHeadModel.from_pretrained``,
-    or, for a fine-tuned model (its weights hold a task's projection), for
-    ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification`` (three labels, padding
-    ``<|endoftext|>`` as our prompts pad).
+    or, for a fine-tuned model (its weights hold a task head's projection), for the
+    HuggingFace class its head names (``GPT2ForQuestionAnswering``,
+    ``GPT2ForSequenceClassification``: :meth:`~modelling.task_heads.TaskHead.describe_hf`).
 
     The safetensors file is written one tensor at a time (its header needs only the shapes),
     so a lazily read ``weights`` (:class:`execution.checkpoint.load.SavedWeights`) is exported
@@ -115,11 +116,9 @@ def export_hf(
     folder.mkdir(parents=True, exist_ok=True)
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config = hf_config(model)
-    if "head.qa.weight" in shapes:
-        config.architectures = ["GPT2ForQuestionAnswering"]
-    elif "head.score.weight" in shapes:
-        config.architectures = ["GPT2ForSequenceClassification"]
-        config.num_labels, config.pad_token_id = shapes["head.score.weight"][0], config.eos_token_id
+    for head in HEADS:
+        if all(f"head.{name}" in shapes for name in head.HF_NAMES):
+            head.describe_hf(config)
     config.to_json_file(folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -147,7 +146,7 @@ class HFWeights:
         folder: Holds ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``.
 
     Raises:
-        ConfigError: missing or unreadable files, or a model that is not GPT-2.
+        HFModelError: missing or unreadable files, or a model that is not GPT-2.
     """
 
     def __init__(self, folder: str | Path):
@@ -156,11 +155,11 @@ class HFWeights:
         try:
             self.config = json.loads(config_file.read_text())
         except OSError as err:
-            raise ConfigError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
+            raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
         except ValueError:
-            raise ConfigError(f"--hf_model: {config_file} is not valid JSON") from None
+            raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
         if self.config.get("model_type") != "gpt2":
-            raise ConfigError(
+            raise HFModelError(
                 f"--hf_model: {config_file} describes a {self.config.get('model_type')!r} "
                 "model; only GPT-2 (model_type gpt2) maps onto this model"
             )
@@ -172,23 +171,23 @@ class HFWeights:
             try:
                 handle = safe_open(str(safetensors_file), framework="pt")
             except Exception as err:  # safetensors raises its own error types
-                raise ConfigError(f"--hf_model: {safetensors_file} is damaged: {err}") from None
+                raise HFModelError(f"--hf_model: {safetensors_file} is damaged: {err}") from None
             self._names = set(handle.keys())
             self._get = handle.get_tensor
         elif bin_file.is_file():
             try:
                 state = torch.load(bin_file, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:
-                raise ConfigError(f"--hf_model: {bin_file} is damaged: {err}") from None
+                raise HFModelError(f"--hf_model: {bin_file} is damaged: {err}") from None
             self._names = set(state)
             self._get = state.__getitem__
         else:
-            raise ConfigError(
+            raise HFModelError(
                 f"--hf_model: {self.folder} has neither model.safetensors nor pytorch_model.bin"
             )
 
     def check_shape(self, model) -> None:
-        """Raises a one-line ConfigError when the HF model differs from ``model`` (the run's
+        """Raises a one-line HFModelError when the HF model differs from ``model`` (the run's
         :class:`~modelling.gpt.GPTShapes`), naming the flag to change."""
         c = self.config
         pairs = {
@@ -200,18 +199,18 @@ class HFWeights:
         }
         for key, (flag, ours) in pairs.items():
             if c.get(key) != ours:
-                raise ConfigError(
+                raise HFModelError(
                     f"--hf_model {self.folder} has {key} {c.get(key)} but this run has --{flag} "
                     f"{ours}; pass --{flag} {c.get(key)}"
                 )
         activation = c.get("activation_function", "gelu_new")
         if activation not in TANH_GELUS:
-            raise ConfigError(
+            raise HFModelError(
                 f"--hf_model {self.folder} uses activation {activation!r}; this model computes "
                 "the tanh approximation (gelu_new)"
             )
         if c.get("scale_attn_by_inverse_layer_idx") or c.get("scale_attn_weights") is False:
-            raise ConfigError(
+            raise HFModelError(
                 f"--hf_model {self.folder} scales attention differently from GPT-2/GPT-3"
             )
 
@@ -227,4 +226,4 @@ class HFWeights:
             if candidate in self._names:
                 t = self._get(candidate).float()
                 return t.t().contiguous() if transpose else t.clone()
-        raise ConfigError(f"--hf_model {self.folder} has no tensor {name}")
+        raise HFModelError(f"--hf_model {self.folder} has no tensor {name}")

@@ -16,9 +16,15 @@ residual, is the same on every tp1 rank and needs no collective.
 
 Both heads take ``targets`` int64 ``[B, 2]``: (first, last answer token) for spans, (label,
 position of the last real token) for the classifier; :data:`TARGET_WIDTH` columns.
+
+Each head's class declares what the rest of the house reads of it (:class:`TaskHead`); which
+task uses which head is the task's spec (``tasks/specs.py``).
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -27,19 +33,71 @@ from torch import nn
 from modelling.layers import LayerNorm, ParallelLinear
 from modelling.parallel import Axis, reduce_from
 
-SQUAD, MNLI = "squad", "mnli"
-TASKS = (SQUAD, MNLI)
 TARGET_WIDTH = 2
 NUM_LABELS = 3  # entailment, neutral, contradiction
 
+# How a head's parameter is split over the tensor-parallel mesh (execution.parallel.sharding
+# gives each its index rule and shard kind):
+INPUT_OVER_TP2 = "input_over_tp2"  # [out, in]: whole along out, input features over tp2
+ON_FIRST_TP2 = "on_first_tp2"  # too short to split, added before a tp2 all-reduce: tp2 rank 0's
 
-class SpanHead(nn.Module):
+
+class TaskHead(nn.Module, ABC):
+    """What the rest of the house reads of a fine-tuning head, each head declaring its own.
+
+    Attributes:
+        TARGET_WIDTH: Target columns at the end of each row (:data:`TARGET_WIDTH`).
+        SPLITS: Our parameter name within the head -> its split (:data:`INPUT_OVER_TP2`,
+            :data:`ON_FIRST_TP2`); the final layer norm ``ln_f`` is the language model's.
+        HF_NAMES: Our parameter name within the head -> HuggingFace's (an ``nn.Linear``: not
+            transposed); a ``GPT2LMHeadModel`` folder has none of them.
+        HF_ARCHITECTURE: The HuggingFace class a fine-tuned model exports as.
+    """
+
+    TARGET_WIDTH: ClassVar[int] = TARGET_WIDTH
+    SPLITS: ClassVar[dict[str, str]]
+    HF_NAMES: ClassVar[dict[str, str]]
+    HF_ARCHITECTURE: ClassVar[str]
+
+    @staticmethod
+    @abstractmethod
+    def parameter_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+        """Unsharded shapes of the head's projection, in the order the model holds them."""
+
+    @staticmethod
+    @abstractmethod
+    def output_shape(micro_batch: int, sequence_length: int) -> tuple[int, ...]:
+        """The shape of the logits it gives for a micro-batch (``logits_only``)."""
+
+    @classmethod
+    def describe_hf(cls, config) -> None:
+        """Fills what HuggingFace's class needs besides the sizes into ``config`` (a
+        ``transformers.GPT2Config``)."""
+        config.architectures = [cls.HF_ARCHITECTURE]
+
+
+class SpanHead(TaskHead):
     """Start and end logits of an answer span at every position.
 
     The bias (2 numbers, too few to split) is held by tp2 rank 0 and added to its partial
     sums before the tp2 all-reduce; the other tp2 ranks hold padding there, masked to zero so
-    that it gets no gradient (``execution.parallel.sharding``: ``_on_first_tp2``).
+    that it gets no gradient (:data:`ON_FIRST_TP2`).
     """
+
+    SPLITS: ClassVar[dict[str, str]] = {"qa.weight": INPUT_OVER_TP2, "qa.bias": ON_FIRST_TP2}
+    HF_NAMES: ClassVar[dict[str, str]] = {
+        "qa.weight": "qa_outputs.weight",
+        "qa.bias": "qa_outputs.bias",
+    }
+    HF_ARCHITECTURE: ClassVar[str] = "GPT2ForQuestionAnswering"
+
+    @staticmethod
+    def parameter_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+        return {"qa.weight": (2, hidden), "qa.bias": (2,)}
+
+    @staticmethod
+    def output_shape(micro_batch: int, sequence_length: int) -> tuple[int, ...]:
+        return (micro_batch, sequence_length, 2)
 
     def __init__(self, local_hidden: int, eps: float, tp2: Axis):
         super().__init__()
@@ -66,8 +124,26 @@ class SpanHead(nn.Module):
         return (start + end) / 2
 
 
-class ClassifierHead(nn.Module):
+class ClassifierHead(TaskHead):
     """Label logits read at each sequence's last real token."""
+
+    SPLITS: ClassVar[dict[str, str]] = {"score.weight": INPUT_OVER_TP2}
+    HF_NAMES: ClassVar[dict[str, str]] = {"score.weight": "score.weight"}
+    HF_ARCHITECTURE: ClassVar[str] = "GPT2ForSequenceClassification"
+
+    @staticmethod
+    def parameter_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
+        return {"score.weight": (NUM_LABELS, hidden)}
+
+    @staticmethod
+    def output_shape(micro_batch: int, sequence_length: int) -> tuple[int, ...]:
+        return (micro_batch, NUM_LABELS)
+
+    @classmethod
+    def describe_hf(cls, config) -> None:
+        """Three labels; the padding token is ``<|endoftext|>``, as our prompts pad."""
+        super().describe_hf(config)
+        config.num_labels, config.pad_token_id = NUM_LABELS, config.eos_token_id
 
     def __init__(self, local_hidden: int, eps: float, tp2: Axis):
         super().__init__()
@@ -89,18 +165,5 @@ class ClassifierHead(nn.Module):
         return logits if logits_only else F.cross_entropy(logits.float(), targets[:, 0])
 
 
-def task_head(task: str, local_hidden: int, eps: float, tp2: Axis) -> nn.Module:
-    """The head of ``task`` (one of :data:`TASKS`) for one tp2 shard."""
-    heads = {SQUAD: SpanHead, MNLI: ClassifierHead}
-    return heads[task](local_hidden, eps, tp2)
-
-
-def head_parameter_shapes(task: str, hidden: int) -> dict[str, tuple[int, ...]]:
-    """Unsharded shapes of a task's projection (``ln_f`` is the language model's); none for
-    the language model's head (``task`` empty)."""
-    if task == SQUAD:
-        return {"qa.weight": (2, hidden), "qa.bias": (2,)}
-    if task == MNLI:
-        return {"score.weight": (NUM_LABELS, hidden)}
-    assert not task, f"unknown task {task!r}"
-    return {}
+# Every kind of head, for what is read from parameter names alone (HuggingFace's names).
+HEADS: tuple[type[TaskHead], ...] = (SpanHead, ClassifierHead)

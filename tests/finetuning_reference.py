@@ -11,7 +11,6 @@ import torch
 
 from modelling.gpt import LAYERS, PARTS, GPTShapes, init_full_part, qualified_name
 from modelling.hf_interchange import hf_name
-from modelling.task_heads import SQUAD
 
 
 def initial_weights(shapes: GPTShapes, seed: int, init_std: float) -> dict[str, torch.Tensor]:
@@ -27,7 +26,8 @@ def initial_weights(shapes: GPTShapes, seed: int, init_std: float) -> dict[str, 
 def hf_task_model(
     shapes: GPTShapes, weights: dict[str, torch.Tensor], pad_token_id: int | None = None
 ) -> torch.nn.Module:
-    """HF's model for ``shapes.task`` in float32, without dropout, holding ``weights``."""
+    """HF's model for ``shapes.task_head`` (the class the head names) in float32, without
+    dropout, holding ``weights``."""
     import transformers
 
     config = transformers.GPT2Config(
@@ -46,12 +46,7 @@ def hf_task_model(
         bos_token_id=None,
         eos_token_id=None,
     )
-    kind = (
-        transformers.GPT2ForQuestionAnswering
-        if shapes.task == SQUAD
-        else transformers.GPT2ForSequenceClassification
-    )
-    model = kind(config).float()
+    model = getattr(transformers, shapes.task_head.HF_ARCHITECTURE)(config).float()
     state = {}
     for ours, t in weights.items():
         name, transpose = hf_name(ours)

@@ -32,8 +32,8 @@ import pytest
 
 import run_pretraining
 from config.errors import ConfigError
-from config.finetuning import parse_finetuning_config
 from config.loading import parse_config
+from tasks.specs import parse_finetuning_config
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

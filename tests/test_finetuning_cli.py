@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 import run_finetuning
-from config.finetuning import parse_finetuning_config
 from config.loading import ConfigError, load_presets
 from data.errors import DataError
+from tasks.specs import SQUAD, evaluation_files, parse_finetuning_config, training_files
 from tests.entry_points import assert_refused, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,7 +77,6 @@ def test_squad_flags_that_mnli_ignores_or_no_window_fits_exit_2(flags, message):
 def test_squad_runs_on_every_preset_with_the_default_doc_stride():
     """The overlap is a third of the window unless given: 128 of SQuAD's usual 384, 42 of
     tiny's 128 (a fixed 128 left no room for context there); the sample's windows build."""
-    from data.finetuning_data import read_task_file
     from data.tokenizer import TokenizerSpec, load_tokenizer
 
     strides = {}
@@ -87,8 +86,8 @@ def test_squad_runs_on_every_preset_with_the_default_doc_stride():
     assert strides == {128: 42, 384: 128}
     config, _ = parse_finetuning_config(["--config", "tiny", "--task", "squad"])
     tokenizer = load_tokenizer(TokenizerSpec())[0]
-    for path in (*config.training_files, *config.evaluation_files):
-        read_task_file("squad", path, tokenizer, 128, config.finetuning.doc_stride)
+    for path in (*training_files(config), *evaluation_files(config)):
+        SQUAD.read(path, tokenizer, 128, config.finetuning)
     given, _ = parse_finetuning_config(
         ["--config", "tiny", "--task", "squad", "--doc_stride", "32"]
     )

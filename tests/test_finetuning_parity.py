@@ -14,12 +14,11 @@ import shlex
 import pytest
 import torch
 
-from config.finetuning import FinetuningRunConfig, parse_finetuning_config
+from config.finetuning import FinetuningRunConfig
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from execution.training.lr_schedule import learning_rate
-from modelling.gpt import GPTShapes
-from modelling.task_heads import MNLI, SQUAD
+from tasks.specs import parse_finetuning_config, run_shapes
 from tests.distributed import CPU, engine_batch, run_ranks, world_layout
 from tests.finetuning_reference import hf_loss, hf_optimizer, hf_task_model, initial_weights
 
@@ -44,7 +43,7 @@ def _rows(config: FinetuningRunConfig) -> torch.Tensor:
     generator = torch.Generator().manual_seed(11)
     count, seq = STEPS * config.training.global_batch_size, config.model.sequence_length
     ids = torch.randint(0, PAD, (count, seq), generator=generator)
-    if config.task == SQUAD:
+    if config.task == "squad":
         start = torch.randint(0, seq, (count,), generator=generator)
         end = (start + torch.randint(0, 5, (count,), generator=generator)).clamp(max=seq - 1)
         targets = torch.stack([start, end], 1)
@@ -67,7 +66,7 @@ def _huggingface_losses(config: FinetuningRunConfig, rows: torch.Tensor) -> list
     Returns:
         (loss, gradient norm) of each step.
     """
-    shapes = GPTShapes.from_config(config.model, task=config.task)
+    shapes = run_shapes(config)
     weights = initial_weights(shapes, config.training.seed, config.model.init_std)
     model = hf_task_model(shapes, weights, pad_token_id=PAD)
     optimizer = hf_optimizer(model, config.training.optimizer)
@@ -102,10 +101,10 @@ def _engine_losses(config: FinetuningRunConfig, rows: torch.Tensor, layout=None)
 
 @pytest.mark.parametrize(
     ("task", "flags"),
-    [(SQUAD, ()), (MNLI, ("--passes", "2", "--recompute", "full", "--placement", "remote"))],
+    [("squad", ()), ("mnli", ("--passes", "2", "--recompute", "full", "--placement", "remote"))],
 )
 def test_one_process_matches_huggingface(task, flags):
-    """The planner's plan for SQuAD; for MNLI two passes per step, full recompute and every
+    """The planner's plan for SQuAD; for "mnli" two passes per step, full recompute and every
     state in host memory, streamed phase by phase."""
     config = _config(task, *flags)
     rows = _rows(config)
@@ -127,7 +126,7 @@ def _rank_losses(config: FinetuningRunConfig, rows: torch.Tensor) -> list[tuple]
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("task", "layout"),
-    [(SQUAD, (2, 2, 1, 1)), (MNLI, (1, 2, 2, 1)), (SQUAD, (1, 1, 1, 2))],
+    [("squad", (2, 2, 1, 1)), ("mnli", (1, 2, 2, 1)), ("squad", (1, 1, 1, 2))],
 )
 def test_parallel_layouts_match_huggingface(task, layout, tmp_path):
     """dp 2 x tp1 2, tp1 2 x tp2 2 (the projection split over tp2) and a pipeline of 2

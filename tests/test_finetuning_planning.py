@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from config.finetuning import parse_finetuning_config
 from config.loading import parse_config
 from execution.parallel.sharding import TP2_MATRIX
 from execution.planning.memory import RankShape
 from execution.planning.plan_search import layouts
 from modelling.gpt import GPTShapes
+from modelling.task_heads import ClassifierHead
+from tasks.specs import parse_finetuning_config
 from utils.metrics import flops_per_token
 
 
@@ -34,6 +35,6 @@ def test_plan_for_proposes_no_context_axis_for_a_task():
 
 def test_mfu_counts_no_vocabulary_projection_for_a_task():
     lm = GPTShapes(2, 64, 4, 1000, 32, 0.0, 1e-5)
-    task = dataclasses.replace(lm, task="mnli")
+    task = dataclasses.replace(lm, task_head=ClassifierHead)
     extra = 3 * 64  # score.weight
     assert flops_per_token(task, 16) == flops_per_token(lm, 16) + 6 * (extra - 1000 * 64)

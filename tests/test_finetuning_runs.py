@@ -4,6 +4,7 @@ weights only, and a checkpoint of another size is refused in one line."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from pathlib import Path
@@ -13,13 +14,13 @@ import torch
 
 import run_finetuning
 import run_pretraining
-from config.finetuning import parse_finetuning_config
 from execution.checkpoint.files import CheckpointError
 from execution.checkpoint.load import SavedWeights, read_weights
 from execution.checkpoint.logical import full_state
 from execution.parallel.mesh import ParallelLayout
 from execution.training.finetuning import build_finetuning
 from modelling.gpt import HEAD, init_full_part
+from tasks.specs import parse_finetuning_config, task_spec, training_files
 
 SMALL = (
     "--config tiny --layers 1 --hidden_size 32 --heads 2 --max_positional_length 96 "
@@ -137,7 +138,6 @@ def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
     import transformers
 
     from config.loading import config_to_dict
-    from data.finetuning_data import read_task_file
     from data.tokenizer import TokenizerSpec, load_tokenizer
     from execution.planning.planner import planned_engine
     from modelling.hf_interchange import export_hf
@@ -151,8 +151,9 @@ def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
     }
     hf = kinds[task].from_pretrained(tmp_path).eval()
     tokenizer = load_tokenizer(TokenizerSpec())[0]
-    path = config.training_files[0]
-    rows = read_task_file(task, path, tokenizer, config.model.sequence_length, 16).rows[:4]
+    path = training_files(config)[0]
+    options = dataclasses.replace(config.finetuning, doc_stride=16)
+    rows = task_spec(task).read(path, tokenizer, config.model.sequence_length, options).rows[:4]
     ours = torch.cat(engine.predict(list(rows.view(2, 2, -1))))
     with torch.no_grad():
         out = hf(input_ids=rows[:, :-2])

@@ -79,11 +79,12 @@ def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     out = capsys.readouterr().out
     # The reference: the same model's greedy ids (without the cache), decoded at once.
     from data.tokenizer import TokenizerSpec, load_tokenizer
-    from execution.checkpoint.load import read_weights
+    from execution.checkpoint.load import read_weights, saved_model_shapes
     from modelling.generation import build_model
 
     tokenizer = load_tokenizer(TokenizerSpec())[0]
-    model = build_model(*read_weights(tmp_path))
+    model_section, weights = read_weights(tmp_path)
+    model = build_model(saved_model_shapes(model_section), weights)
     prompt = torch.tensor([tokenizer.encode("Hello world").ids])
     ids = [int(t[0]) for t in generate(model, prompt, 6, use_cache=False)]
     assert out.startswith("Hello world" + tokenizer.decode(ids) + "\n[6 tokens in ")

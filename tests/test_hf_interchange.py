@@ -12,12 +12,13 @@ import pytest
 import torch
 
 import convert_checkpoint
-from config.loading import ConfigError, config_to_dict
-from execution.checkpoint.load import load_hf_weights, read_weights
+from config.loading import ConfigError
+from execution.checkpoint.load import load_hf_weights, read_weights, saved_model_shapes
 from execution.checkpoint.logical import full_state
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from modelling.generation import build_model, forward_logits
+from modelling.gpt import GPTShapes
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch, small_config
 from tests.entry_points import run_script
 from tests.reference import relative_error
@@ -48,7 +49,7 @@ def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
     with torch.no_grad():
         theirs = hf(input_ids=tokens).logits
     model, weights = read_weights(tmp_path / "ckpt")
-    ours_model = build_model(model, weights)
+    ours_model = build_model(saved_model_shapes(model), weights)
     with torch.no_grad():
         ours = forward_logits(ours_model, tokens)
     assert theirs.shape == ours.shape == (3, 10, 1000)
@@ -86,7 +87,7 @@ def test_import_a_folder_transformers_saved_gives_its_logits(tmp_path, file):
     config = small_config()  # 2 layers, hidden 32, 4 heads, vocab 1000, 10 positions
     engine = planned_engine(config, ParallelLayout.single(CPU))
     load_hf_weights(tmp_path / "hf", engine)
-    ours_model = build_model(config_to_dict(config)["model"], full_state(engine))
+    ours_model = build_model(GPTShapes.from_config(config.model), full_state(engine))
     tokens = _tokens(1000)
     with torch.no_grad():
         theirs = hf(input_ids=tokens).logits

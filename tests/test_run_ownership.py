@@ -237,7 +237,7 @@ FINETUNING = shlex.split(
 
 @pytest.mark.slow
 def test_eval_only_writes_a_folder_of_its_own_naming_the_files_it_scored(tmp_path):
-    from config.finetuning import SAMPLE_FILES
+    from tasks.specs import MNLI
 
     tuned = tmp_path / "tuned"
     saving = ["--save", str(tuned / "ckpt"), "--output_dir", str(tuned / "out")]
@@ -253,7 +253,7 @@ def test_eval_only_writes_a_folder_of_its_own_naming_the_files_it_scored(tmp_pat
     assert _snapshot(tuned) == before
     (folder,) = (tmp_path / "runs").iterdir()
     scores = json.loads((folder / "eval.json").read_text())
-    files = SAMPLE_FILES["mnli"][1]
+    files = list(MNLI.evaluation_samples)
     assert {name: entry["file"] for name, entry in scores.items()} == {
         Path(file).stem: file for file in files
     }

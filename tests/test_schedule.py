@@ -91,7 +91,7 @@ def test_evaluation_runs_the_forward_and_the_loss_only():
 
 def test_every_kind_is_in_the_one_table():
     kinds = {p.kind for s in range(3) for p in training_phases(Stage.of((1, 1, 1), s), 2, 2)}
-    task = {p.kind for p in training_phases(Stage.of((1,), 0, "squad"), 2, 2)}
+    task = {p.kind for p in training_phases(Stage.of((1,), 0, task_head=True), 2, 2)}
     assert kinds | task | {schedule.EMBEDDING_FORWARD} == set(schedule.PHASE_KINDS)
     assert schedule.weights_loaded(schedule.Phase(schedule.HEAD_PHASE, 0, range(1))) == [
         ("head", 0),

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from config.finetuning import parse_finetuning_config
 from config.loading import parse_config
 from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine
 from execution.parallel.mesh import ParallelLayout
+from tasks.specs import parse_finetuning_config
 from tests.distributed import planned_engine
 from tests.entry_points import assert_refused, run_script
 

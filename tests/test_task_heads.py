@@ -8,7 +8,7 @@ import torch
 
 from execution.parallel.sharding import shard_part
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
-from modelling.task_heads import MNLI, SQUAD
+from tasks.specs import task_spec
 from tests.finetuning_reference import hf_loss, hf_task_model, initial_weights
 
 SEED, STD = 7, 0.02
@@ -17,7 +17,8 @@ PAD = 306  # our prompts pad with <|endoftext|>; HF finds the last token by its 
 
 def _shapes(task: str) -> GPTShapes:
     sizes = {"layers": 3, "hidden": 96, "heads": 3, "vocab": 307, "positions": 40}
-    return GPTShapes(**sizes, dropout_prob=0.0, layer_norm_eps=1e-5, task=task)
+    head = task_spec(task).head
+    return GPTShapes(**sizes, dropout_prob=0.0, layer_norm_eps=1e-5, task_head=head)
 
 
 def _ours(shapes: GPTShapes) -> GPT:
@@ -33,7 +34,7 @@ def _ours(shapes: GPTShapes) -> GPT:
 
 def _batch(task: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     ids = torch.randint(0, PAD, (4, 24), generator=generator)
-    if task == SQUAD:
+    if task == "squad":
         start = torch.randint(0, 24, (4,), generator=generator)
         end = torch.minimum(
             start + torch.randint(0, 4, (4,), generator=generator), torch.tensor(23)
@@ -46,7 +47,7 @@ def _batch(task: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.T
     return ids, torch.stack([labels, lengths - 1], 1)
 
 
-@pytest.mark.parametrize("task", [SQUAD, MNLI])
+@pytest.mark.parametrize("task", ["squad", "mnli"])
 def test_head_loss_and_gradients_match_huggingface(task):
     shapes = _shapes(task)
     ours = _ours(shapes)
@@ -57,8 +58,8 @@ def test_head_loss_and_gradients_match_huggingface(task):
     assert loss.item() == pytest.approx(reference.item(), abs=1e-6)
     loss.backward()
     reference.backward()
-    projection = ours.head.qa.weight if task == SQUAD else ours.head.score.weight
-    hf_projection = hf.qa_outputs.weight if task == SQUAD else hf.score.weight
+    projection = ours.head.qa.weight if task == "squad" else ours.head.score.weight
+    hf_projection = hf.qa_outputs.weight if task == "squad" else hf.score.weight
     torch.testing.assert_close(projection.grad, hf_projection.grad, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(
         ours.layers[0].attn.qkv.weight.grad,

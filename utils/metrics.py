@@ -28,7 +28,7 @@ def flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
     so there the word embedding is only looked up and its parameters do no FLOPs.
     """
     parameters = shapes.num_parameters
-    if shapes.task:
+    if shapes.task_head:
         parameters -= shapes.vocab * shapes.hidden
     return 6 * parameters + 12 * shapes.layers * shapes.hidden * sequence_length
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError, one_line
+from config.schema import ModelConfig
 from execution.checkpoint.files import (
     MASKS,
     CheckpointError,
@@ -33,8 +35,15 @@ from execution.checkpoint.files import (
 )
 from execution.checkpoint.logical import write_part_state
 from execution.engine.engine import PhasedEngine
-from modelling.gpt import HEAD, init_full_part, logical_shapes, part_inits, qualified_name
-from modelling.hf_interchange import TASK_NAMES, HFWeights, hf_name
+from modelling.gpt import (
+    HEAD,
+    GPTShapes,
+    init_full_part,
+    logical_shapes,
+    part_inits,
+    qualified_name,
+)
+from modelling.hf_interchange import TASK_NAMES, HFModelError, HFWeights, hf_name
 
 
 def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
@@ -79,7 +88,7 @@ def load_pretrained_weights(path: str | Path, engine: PhasedEngine) -> dict[str,
     """
     folder = _verified(path, engine.layout)
     trainer = read_trainer_state(folder)
-    language_model = dataclasses.replace(engine.shapes, task="")
+    language_model = dataclasses.replace(engine.shapes, task_head=None)
     check_shapes(folder, language_model, states=("weights",))
     saved = {f"weights/{name}" for name in logical_shapes(language_model)}
     _read_held_chunks(engine, folder, lambda item: item.key in saved)
@@ -230,6 +239,22 @@ def read_weights(path: str | Path) -> tuple[dict[str, Any], SavedWeights]:
     return trainer["config"]["model"], SavedWeights(folder)
 
 
+def saved_model_shapes(model: dict[str, Any]) -> GPTShapes:
+    """The single-device sizes of a saved run's ``model`` section (:func:`read_weights`); a
+    section saved before a field existed takes that field's default."""
+    return GPTShapes.from_config(ModelConfig(**model))
+
+
+@contextmanager
+def hf_model_mistakes() -> Iterator[None]:
+    """Says an unusable ``--hf_model`` folder (:class:`HFModelError`) as the run's other
+    configuration mistakes are said: a ConfigError, one line and exit 2."""
+    try:
+        yield
+    except HFModelError as err:
+        raise ConfigError(str(err)) from None
+
+
 def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
     """Starts ``engine`` from a local HuggingFace GPT-2 folder (weights; moments stay zero).
 
@@ -238,26 +263,29 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
     Raises:
         ConfigError: unreadable files, or a model shape that differs from the run's flags.
     """
-    hf = HFWeights(folder)
-    hf.check_shape(engine.plan.model)
-    drawn_head: dict[str, torch.Tensor] = {}  # the run's own initial head, drawn at most once
-    for part, row in engine.state.part_rows():
-        full = {}
-        for name, init in part_inits(engine.shapes, part).items():
-            ours = qualified_name(part, engine.state.logical_row(part, row), name)
-            if ours in TASK_NAMES and not hf.has(ours):  # a GPT2LMHeadModel: no projection
-                if not drawn_head:
-                    plan = engine.plan
-                    drawn_head = init_full_part(engine.shapes, HEAD, 0, plan.seed, plan.init_std)
-                full[name] = drawn_head[name]
-                continue
-            t = hf.get(ours)
-            if tuple(t.shape) != init.shape:
-                raise ConfigError(
-                    f"--hf_model {folder}: tensor {hf_name(ours)[0]} gives {ours} the shape "
-                    f"{list(t.shape)}, this model needs {list(init.shape)}"
-                )
-            full[name] = t
-        write_part_state(engine, part, row, "weights", full)
+    with hf_model_mistakes():
+        hf = HFWeights(folder)
+        hf.check_shape(engine.plan.model)
+        drawn_head: dict[str, torch.Tensor] = {}  # the run's own initial head, drawn at most once
+        for part, row in engine.state.part_rows():
+            full = {}
+            for name, init in part_inits(engine.shapes, part).items():
+                ours = qualified_name(part, engine.state.logical_row(part, row), name)
+                if ours in TASK_NAMES and not hf.has(ours):  # a GPT2LMHeadModel: no projection
+                    if not drawn_head:
+                        plan = engine.plan
+                        drawn_head = init_full_part(
+                            engine.shapes, HEAD, 0, plan.seed, plan.init_std
+                        )
+                    full[name] = drawn_head[name]
+                    continue
+                t = hf.get(ours)
+                if tuple(t.shape) != init.shape:
+                    raise ConfigError(
+                        f"--hf_model {folder}: tensor {hf_name(ours)[0]} gives {ours} the shape "
+                        f"{list(t.shape)}, this model needs {list(init.shape)}"
+                    )
+                full[name] = t
+            write_part_state(engine, part, row, "weights", full)
     if engine.rigl is not None:  # dense weights pruned to this run's initial masks
         engine.rigl.apply()

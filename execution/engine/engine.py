@@ -46,7 +46,6 @@ from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
-from modelling.task_heads import NUM_LABELS, SQUAD
 
 
 @dataclass
@@ -106,7 +105,7 @@ class PhasedEngine:
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
-        self.stage = Stage.of(plan.stage_layers, layout.pp.rank, plan.model.task)
+        self.stage = Stage.of(plan.stage_layers, layout.pp.rank, plan.model.task_head is not None)
         self.state = self._buffers()
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
@@ -191,7 +190,7 @@ class PhasedEngine:
     def tied_across_stages(self) -> bool:
         """The word embedding's gradient is summed over the first and last pipeline stage
         (the language model's head is tied to it; a task's head ties nothing)."""
-        return self.layout.embedding.size > 1 and not self.plan.model.task
+        return self.layout.embedding.size > 1 and not self.plan.model.task_head
 
     @property
     def overlaps_update(self) -> bool:
@@ -237,7 +236,7 @@ class PhasedEngine:
         if self.kept is not None:
             self.kept.drop()  # none left by a step that raised half-way
         tokens = tokens.to(self.device, non_blocking=True)
-        run = Step(self.context, Batch.of(tokens, step, self.layout.cp, plan.model.task))
+        run = Step(self.context, Batch.of(tokens, step, self.layout.cp, plan.model.task_head))
         phases = schedule.training_phases(
             self.stage, plan.gradient_accumulation, self.memory.passes
         )
@@ -294,14 +293,14 @@ class PhasedEngine:
         pipeline group, to which the other stages add zeros, hands them on.
         """
         self.finish_update()
-        task = self.plan.model.task
-        assert task, "predict needs a task's head"
+        head = self.plan.model.task_head
+        assert head, "predict needs a task's head"
         outputs = [out for batch in self._forward_chunks(batches, True) for out in batch.outputs]
         if self.layout.pp.size == 1 or not batches:
             return outputs
         if not outputs:  # a stage before the last
             micro = batches[0].shape[0]
-            shape = (micro, self.plan.sequence_length, 2) if task == SQUAD else (micro, NUM_LABELS)
+            shape = head.output_shape(micro, self.plan.sequence_length)
             outputs = [torch.zeros(shape, device=self.device) for _ in batches]
         return list(self.layout.pp.all_reduce_(torch.stack(outputs)))
 
@@ -312,7 +311,7 @@ class PhasedEngine:
         done = []
         for index, start in enumerate(range(0, len(batches), per_pass)):
             tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
-            batch = Batch.of(tokens, None, self.layout.cp, self.plan.model.task)
+            batch = Batch.of(tokens, None, self.layout.cp, self.plan.model.task_head)
             batch.keep_outputs = keep_outputs
             phases = schedule.evaluation_phases(self.stage, range(len(tokens)), index)
             self._run_phases(phases, Step(self.context, batch))

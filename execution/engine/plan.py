@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from modelling.gpt import GPTShapes
 from modelling.sparsity import SparsitySchedule
+from tasks.specs import run_shapes
 
 if TYPE_CHECKING:  # the config is read once, by engine_plan; the engine never sees it
     from config.schema import OptimizerConfig, PretrainingConfig
@@ -174,7 +175,7 @@ def engine_plan(config: PretrainingConfig, memory: MemoryPlan) -> EnginePlan:
     """The plan of a run: its settings joined to the planner's passes and placement."""
     ex, training = config.execution, config.training
     return EnginePlan(
-        model=GPTShapes.of_run(config),
+        model=run_shapes(config),
         sequence_length=config.model.sequence_length,
         micro_batch_size=ex.micro_batch_size,
         gradient_accumulation=config.gradient_accumulation,

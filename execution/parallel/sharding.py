@@ -33,6 +33,7 @@ from modelling.gpt import (
     qualified_name,
 )
 from modelling.parallel import Axis
+from modelling.task_heads import INPUT_OVER_TP2, ON_FIRST_TP2
 
 MATRIX, TP2_VECTOR, TP1_VECTOR = "matrix", "tp2_vector", "tp1_vector"
 TP2_MATRIX = "tp2_matrix"
@@ -137,20 +138,31 @@ PLAN: dict[str, dict[str, ParamRule]] = {
     HEAD: {
         "ln_f.weight": ParamRule(TP2_VECTOR, _over_tp2),
         "ln_f.bias": ParamRule(TP2_VECTOR, _over_tp2),
-        # Fine-tuning heads (only one, or none, is in a model: GPTShapes.task).
-        "qa.weight": ParamRule(TP2_MATRIX, _columns_over_tp2),
-        "qa.bias": ParamRule(TP2_VECTOR, _on_first_tp2),
-        "score.weight": ParamRule(TP2_MATRIX, _columns_over_tp2),
     },
 }
+# The rule of each split a fine-tuning head declares for its projection (TaskHead.SPLITS).
+HEAD_SPLITS = {
+    INPUT_OVER_TP2: ParamRule(TP2_MATRIX, _columns_over_tp2),
+    ON_FIRST_TP2: ParamRule(TP2_VECTOR, _on_first_tp2),
+}
+
+
+def part_rules(part: str, shapes: GPTShapes) -> dict[str, ParamRule]:
+    """The rule of every parameter of a part, named as in :class:`~modelling.gpt.GPT`: a task
+    head's projection (GPTShapes.task_head) after the final layer norm."""
+    head = shapes.task_head
+    if part != HEAD or head is None:
+        return PLAN[part]
+    return {**PLAN[part], **{name: HEAD_SPLITS[split] for name, split in head.SPLITS.items()}}
 
 
 def shard_index(
     part: str, shapes: GPTShapes, tp1_rank: int, tp2_rank: int
 ) -> dict[str, ShardIndex]:
     """Per-dim full-tensor indices (-1: padding) of this (tp1, tp2) rank's shard of a part."""
+    rules = part_rules(part, shapes)
     return {
-        name: PLAN[part][name].index(init.shape, shapes, tp1_rank, tp2_rank)
+        name: rules[name].index(init.shape, shapes, tp1_rank, tp2_rank)
         for name, init in part_inits(shapes, part).items()
     }
 

@@ -47,7 +47,8 @@ from execution.planning.time_model import (
     phase_costs,
     pipeline_step,
 )
-from modelling.gpt import EMBEDDING, PARTS, GPTShapes
+from modelling.gpt import EMBEDDING, PARTS
+from tasks.specs import run_shapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
@@ -62,7 +63,7 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     vocabulary and position shards equal, so layouts whose groups align with nodes have one
     kind per stage; ranks of a kind differ only in values."""
     ex = config.execution
-    shapes = GPTShapes.of_run(config, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    shapes = run_shapes(config, ex.tensor_parallel_1, ex.tensor_parallel_2)
     mesh = _mesh(config)
 
     @functools.cache
@@ -280,7 +281,7 @@ def checkpoint_figures(
     host is written from its buffers, one chunk copied at a time.
     """
     mesh = _mesh(config)
-    shapes = GPTShapes.of_run(config, mesh.tp1, mesh.tp2)
+    shapes = run_shapes(config, mesh.tp1, mesh.tp2)
     specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
     rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
@@ -292,7 +293,7 @@ def checkpoint_figures(
     }
     # A stage writes the rows it holds; the last stage's copy of the tied embedding is the
     # first stage's to write.
-    stage = Stage.of(config.stage_layers, coords["p"], config.task)
+    stage = Stage.of(config.stage_layers, coords["p"], bool(config.task))
     rows = {p: stage.rows(p) for p in PARTS}
     if stage.count > 1 and not stage.is_first:
         rows[EMBEDDING] = 0
@@ -337,7 +338,7 @@ def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) ->
     passes = m.plan.passes
     stages = config.execution.pipeline_parallel
     out = estimate_step(m.phases, stages, passes, spec)
-    model_flops = flops_per_token(GPTShapes.of_run(config), config.model.sequence_length)
+    model_flops = flops_per_token(run_shapes(config), config.model.sequence_length)
     per_rank = model_flops * config.tokens_per_step / config.world_size
     out["mfu"] = per_rank / (out["step_time_s"] * spec.peak_tflops * 1e12)
     out["bubble"] = bubble_fraction(stages, passes)

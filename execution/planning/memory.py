@@ -52,6 +52,7 @@ from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.parallel.sharding import rts_sizes
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
+from tasks.specs import run_shapes
 
 # Host memory the planner leaves to the interpreter, torch and the data loader.
 HOST_HEADROOM = 0.10
@@ -232,9 +233,9 @@ class RankShape:
         ex = config.execution
         pipeline = None
         if ex.pipeline_parallel > 1:
-            pipeline = Stage.of(config.stage_layers, stage, config.task)
+            pipeline = Stage.of(config.stage_layers, stage, bool(config.task))
         return cls(
-            shapes=GPTShapes.of_run(config, ex.tensor_parallel_1, ex.tensor_parallel_2),
+            shapes=run_shapes(config, ex.tensor_parallel_1, ex.tensor_parallel_2),
             dp=ex.data_parallel,
             micro_batch=ex.micro_batch_size,
             sequence=config.model.sequence_length // ex.context_parallel,

@@ -15,7 +15,8 @@ from execution.planning.device_specs import resolve_spec
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import RankShape, host_traffic_by_phase
 from execution.planning.pipeline_figures import step_stretch
-from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
+from modelling.gpt import EMBEDDING, HEAD, LAYERS
+from tasks.specs import run_shapes
 from utils.metrics import flops_per_token
 
 
@@ -36,7 +37,7 @@ def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: 
 def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
     """:func:`step_seconds` of the plans of one rank, with what they share worked out once."""
     spec = resolve_spec(config)
-    model = flops_per_token(GPTShapes.of_run(config), rank.sequence)
+    model = flops_per_token(run_shapes(config), rank.sequence)
     model_flops = model * config.tokens_per_step / config.world_size
     rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
     link = spec.host_link_gb_per_s * 1e9

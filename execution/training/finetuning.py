@@ -24,7 +24,7 @@ import torch
 from config.finetuning import FinetuningRunConfig
 from config.loading import ConfigError
 from data.errors import DataError
-from data.finetuning_data import TaskDataLoader, TaskSet, read_task_file
+from data.finetuning_data import TaskDataLoader, TaskSet
 from data.tokenizer import TokenizerSpec, load_tokenizer
 from execution.checkpoint.files import read_trainer_state
 from execution.checkpoint.files import resolve as resolve_checkpoint
@@ -35,6 +35,7 @@ from execution.parallel.mesh import ParallelLayout
 from execution.training.build import Run, RunInputs, assemble
 from execution.training.restart import Restart
 from execution.training.task_eval import evaluate_task
+from tasks.specs import evaluation_files, task_spec, training_files
 
 
 def saved_task(trainer: dict) -> str:
@@ -61,11 +62,13 @@ def build_finetuning(
     except FileNotFoundError as err:
         raise DataError(f"cannot tokenize the task's text: {err}") from None
 
-    def read(path: str) -> TaskSet:
-        return read_task_file(f.task, path, tokenizer, model.sequence_length, f.doc_stride)
+    spec = task_spec(f.task)
 
-    training = [read(path) for path in config.training_files]
-    evaluation_sets = [read(path) for path in config.evaluation_files]
+    def read(path: str) -> TaskSet:
+        return spec.read(path, tokenizer, model.sequence_length, f)
+
+    training = [read(path) for path in training_files(config)]
+    evaluation_sets = [read(path) for path in evaluation_files(config)]
     rows = torch.cat([t.rows for t in training])
     ex = config.execution
     loader = TaskDataLoader(
@@ -79,9 +82,9 @@ def build_finetuning(
     shipped = "" if config.data.input_files else "shipped sample "
     examples = sum(len(t.examples) for t in training)
     data = (
-        f"{f.task}, {shipped}{', '.join(config.training_files)}: {examples} examples, "
+        f"{f.task}, {shipped}{', '.join(training_files(config))}: {examples} examples, "
         f"{len(rows)} rows of {model.sequence_length} tokens; evaluating on "
-        f"{', '.join(config.evaluation_files) or 'nothing'}"
+        f"{', '.join(evaluation_files(config)) or 'nothing'}"
     )
     c = config.checkpoint
     if not (c.load or c.hf_model) and layout.is_main:  # once per job

@@ -22,10 +22,10 @@ from execution.checkpoint.files import (
     read_trainer_state,
     resolve,
 )
+from execution.checkpoint.load import hf_model_mistakes
 from execution.training.finetuning import saved_task
-from modelling.gpt import GPTShapes
 from modelling.hf_interchange import HFWeights
-from modelling.task_heads import SQUAD
+from tasks.specs import run_shapes, task_spec
 
 # The model flags that give the tensors their shapes.
 SHAPE_FLAGS = ("layers", "hidden_size", "vocab_size", "max_positional_length")
@@ -45,30 +45,32 @@ def check_starting_weights(config: PretrainingConfig) -> None:
     if c.load:
         _check_checkpoint(config, c.load)
     elif c.hf_model and Path(c.hf_model).is_dir():  # not a folder: said by the run's assembly
-        HFWeights(c.hf_model).check_shape(GPTShapes.of_run(config))
+        with hf_model_mistakes():
+            HFWeights(c.hf_model).check_shape(run_shapes(config))
 
 
 def _check_checkpoint(config: PretrainingConfig, path: str) -> None:
     folder = resolve(path)
     trainer = read_trainer_state(folder)
     saved: dict[str, Any] = trainer.get("config", {})
-    task = saved_task(trainer)
-    if task and not config.task:
+    tuned_for = saved_task(trainer)
+    if tuned_for and not config.task:
         raise CheckpointError(
-            f"--load {path} is a checkpoint of a fine-tuning run (--task {task}): its {task} "
-            "head replaced the language model's, so pretraining cannot go on from it; continue "
-            f"it with run_finetuning.py --task {task} --load {path}, or give a pretraining "
-            "checkpoint"
+            f"--load {path} is a checkpoint of a fine-tuning run (--task {tuned_for}): its "
+            f"{tuned_for} head replaced the language model's, so pretraining cannot go on from "
+            f"it; continue it with run_finetuning.py --task {tuned_for} --load {path}, or give a "
+            "pretraining checkpoint"
         )
-    if task and task != config.task:
+    if tuned_for and tuned_for != config.task:
         return  # another task's: refused by the fine-tuning run before its set-up
     _check_flags(path, saved.get("model", {}), config)
-    resumes = bool(task) or not config.task  # else a fine-tuning run takes pretrained weights
-    if task and not config.checkpoint.eval_only:
+    # a fine-tuning run from a pretraining checkpoint takes its weights only
+    resumes = bool(tuned_for) or not config.task
+    if tuned_for and not config.checkpoint.eval_only:
         _check_rows(path, saved, config)
-    shapes = GPTShapes.of_run(config)
+    shapes = run_shapes(config)
     if not resumes:
-        shapes = dataclasses.replace(shapes, task="")
+        shapes = dataclasses.replace(shapes, task_head=None)
     check_shapes(folder, shapes, SAVED_STATES if resumes else ("weights",))
 
 
@@ -85,8 +87,8 @@ def _check_flags(path: str, saved_model: dict[str, Any], config: PretrainingConf
 
 def _check_rows(path: str, saved: dict[str, Any], config: PretrainingConfig) -> None:
     for (section, name), default in ROW_FLAGS.items():
-        if name == "doc_stride" and config.task != SQUAD:
-            continue
+        if section == "finetuning" and name not in task_spec(config.task).own_flags:
+            continue  # a flag the task does not read cuts none of its rows
         theirs = saved.get(section, {}).get(name)
         ours = getattr(getattr(config, section), name)
         if theirs is not None and theirs != ours:

@@ -3,14 +3,15 @@
 Each evaluation file's rows are split over the data-parallel replicas micro-batch by micro-batch
 (:func:`data.finetuning_data.evaluation_chunks`); the engine gives each replica its head's
 outputs (:meth:`~execution.engine.engine.PhasedEngine.predict`), and the replicas gather them
-back into file order. Then:
+back into file order. Then the task's scorer (its spec's, ``tasks/specs.py``) gives each file's
+scores and predictions, and the files are written as the spec says:
 
 - SQuAD: start and end logits -> answers (n-best, longest answer) -> ``exact_match`` and ``f1``
   in percent, with the official normalisation. ``predictions.json`` is ``{id: answer}`` and
   ``eval.json`` ``{"exact_match", "f1", ...}``, the official formats, for the first file
   (``predictions_<file>.json`` and ``eval_<file>.json`` for any others).
 - MNLI: label logits -> ``accuracy`` in percent. ``eval.json`` maps each file's name to its
-  scores, ``predictions.json`` each file's name to ``{pairID: label}``.
+  scores, ``predictions.json`` each file's name to ``{pairID: label}`` (``scores_by_file``).
 
 Scores carry the number of examples, the step they were taken at and the file scored. Only the main rank
 writes.
@@ -24,16 +25,14 @@ from pathlib import Path
 import torch
 
 from data.finetuning_data import TaskSet, evaluation_chunks
-from data.mnli import LABELS
-from data.squad_answers import best_answers, squad_scores
-from modelling.task_heads import SQUAD
+from tasks.specs import evaluation_files, task_spec
 
 
 def task_outputs(engine, rows: torch.Tensor, micro_batch_size: int) -> torch.Tensor:
     """The head's outputs for every row, in row order, on every rank (collective).
 
     Returns:
-        float32 ``[rows, seq, 2]`` (SQuAD) or ``[rows, 3]`` (MNLI).
+        float32 ``[rows, *shape]``, the head's logits of one row (``TaskHead.output_shape``).
     """
     dp = engine.layout.dp
     chunks, count = evaluation_chunks(rows, micro_batch_size, dp.rank, dp.size)
@@ -43,25 +42,6 @@ def task_outputs(engine, rows: torch.Tensor, micro_batch_size: int) -> torch.Ten
         flat = dp.all_gather(output.float().contiguous().view(-1))
         gathered.append(flat.view(dp.size * output.shape[0], *output.shape[1:]))
     return torch.cat(gathered)[:count].cpu()
-
-
-def score_task(task: str, task_set: TaskSet, outputs: torch.Tensor, config) -> tuple[dict, dict]:
-    """(scores, predictions by example id) of one file's outputs."""
-    if task == SQUAD:
-        f = config.finetuning
-        answers = best_answers(
-            task_set.examples,
-            task_set.windows,
-            outputs[..., 0],
-            outputs[..., 1],
-            n_best=f.n_best_size,
-            max_answer_length=f.max_answer_length,
-        )
-        return squad_scores(answers, task_set.examples), answers
-    predicted = outputs.argmax(-1).tolist()
-    correct = sum(int(p == e.label) for p, e in zip(predicted, task_set.examples, strict=True))
-    labels = {e.id: LABELS[p] for p, e in zip(predicted, task_set.examples, strict=True)}
-    return {"accuracy": 100.0 * correct / len(task_set.examples)}, labels
 
 
 def evaluate_task(
@@ -74,25 +54,26 @@ def evaluate_task(
     Returns:
         Flat metrics for the trackers: ``<file>/<score>`` -> value.
     """
-    task = config.task
+    spec = task_spec(config.task)
     metrics: dict[str, float] = {}
     scores: dict[str, dict] = {}
     predictions: dict[str, dict] = {}
-    for task_set, path in zip(sets, config.evaluation_files, strict=True):
+    for task_set, path in zip(sets, evaluation_files(config), strict=True):
         outputs = task_outputs(engine, task_set.rows, config.execution.micro_batch_size)
-        file_scores, predictions[task_set.name] = score_task(task, task_set, outputs, config)
+        file_scores, predictions[task_set.name] = spec.score(task_set, outputs, config.finetuning)
         counts = {"examples": len(task_set.examples), "step": step}
         scores[task_set.name] = {**file_scores, **counts, "file": path}
         metrics.update({f"{task_set.name}/{k}": v for k, v in file_scores.items()})
     if engine.layout.is_main and output_dir is not None:
-        write_results(task, output_dir, scores, predictions)
+        write_results(spec.scores_by_file, output_dir, scores, predictions)
     return metrics
 
 
-def write_results(task: str, folder: Path, scores: dict, predictions: dict) -> None:
-    """``eval.json`` and the predictions files (module docstring)."""
+def write_results(by_file: bool, folder: Path, scores: dict, predictions: dict) -> None:
+    """``eval.json`` and the predictions files: keyed by file name (``by_file``), else one
+    pair of files per evaluation file (module docstring)."""
     folder.mkdir(parents=True, exist_ok=True)
-    if task != SQUAD:
+    if by_file:
         _write(folder / "eval.json", scores)
         _write(folder / "predictions.json", predictions)
         return

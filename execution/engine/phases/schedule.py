@@ -107,21 +107,21 @@ class Stage:
         index, count: This stage and the number of stages (1 without a pipeline).
         first_layer: Global index of its first decoder layer (its buffer row 0).
         layers: Decoder layers it holds.
-        task: The head's task: "" for the language model's (tied to the word embedding),
-            else a fine-tuning task's (:mod:`modelling.task_heads`), which ties nothing.
+        task_head: Whether its head is a fine-tuning task's (:mod:`modelling.task_heads`),
+            which ties nothing, rather than the language model's (tied to the word embedding).
     """
 
     index: int
     count: int
     first_layer: int
     layers: int
-    task: str = ""
+    task_head: bool = False
 
     @classmethod
-    def of(cls, stage_layers: tuple[int, ...], index: int, task: str = "") -> Stage:
+    def of(cls, stage_layers: tuple[int, ...], index: int, task_head: bool = False) -> Stage:
         """Stage ``index`` of a pipeline whose stages hold ``stage_layers`` layers each."""
         first = sum(stage_layers[:index])
-        return cls(index, len(stage_layers), first, stage_layers[index], task)
+        return cls(index, len(stage_layers), first, stage_layers[index], task_head)
 
     @property
     def is_first(self) -> bool:
@@ -134,12 +134,12 @@ class Stage:
     @property
     def head_kind(self) -> str:
         """The kind of this stage's head phase (on the last stage)."""
-        return TASK_HEAD if self.task else HEAD_PHASE
+        return TASK_HEAD if self.task_head else HEAD_PHASE
 
     @property
     def holds_tied_head(self) -> bool:
         """The language model's head is here: its projection is the word embedding."""
-        return self.is_last and not self.task
+        return self.is_last and not self.task_head
 
     def rows(self, part: str) -> int:
         """Buffer rows of ``part`` this stage holds: its layers, the embedding on the first

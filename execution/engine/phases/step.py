@@ -26,7 +26,7 @@ from execution.engine.phases.phase_context import PhaseContext
 from execution.engine.phases.schedule import Phase
 from execution.engine.plan import EnginePlan
 from modelling.layers import BlockSeeds, mix_seed
-from modelling.task_heads import TARGET_WIDTH
+from modelling.task_heads import TaskHead
 
 
 @dataclass
@@ -42,16 +42,19 @@ class Batch:
     outputs: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def of(cls, tokens: torch.Tensor, step: int | None, cp, task: str = "") -> Batch:
+    def of(
+        cls, tokens: torch.Tensor, step: int | None, cp, task_head: type[TaskHead] | None = None
+    ) -> Batch:
         """Inputs and labels of ``tokens``, cut to sequence piece ``cp.rank`` of ``cp.size``:
         the tokens this rank holds outside attention.
 
         Rows are ``[..., seq + 1]`` tokens for the language model (labels: the next token),
-        ``[..., seq + 2]`` for a task (labels: the two targets of :mod:`modelling.task_heads`,
-        never split: a task runs without a context axis).
+        ``[..., seq + 2]`` for a task's head (labels: its ``TARGET_WIDTH`` targets, never
+        split: a task runs without a context axis).
         """
-        if task:
-            return cls(tokens[..., :-TARGET_WIDTH], tokens[..., -TARGET_WIDTH:], step, [])
+        if task_head:
+            width = task_head.TARGET_WIDTH
+            return cls(tokens[..., :-width], tokens[..., -width:], step, [])
         ids, labels = tokens[..., :-1], tokens[..., 1:]
         if cp.size > 1:
             piece = ids.shape[-1] // cp.size

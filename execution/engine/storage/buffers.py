@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from execution.engine.storage.host_memory import HostMemory, host_memory_for
-from execution.parallel.sharding import PLAN, SHARD_KINDS, shard_shapes
+from execution.parallel.sharding import SHARD_KINDS, part_rules, shard_shapes
 from modelling.gpt import LAYERS, PARTS, GPTShapes
 
 # The compute dtype of each --precision.
@@ -85,11 +85,9 @@ def flat_specs(shapes: GPTShapes, rts: dict[str, int]) -> dict[str, dict[str, Fl
     specs: dict[str, dict[str, FlatSpec]] = {}
     for part in PARTS:
         specs[part] = {}
+        rules = part_rules(part, shapes)
         for kind in SHARD_KINDS:
-            # PLAN names every head's parameters; a model holds one head's (GPTShapes.task).
-            names = tuple(
-                n for n, rule in PLAN[part].items() if rule.kind == kind and n in local_shapes[part]
-            )
+            names = tuple(n for n, rule in rules.items() if rule.kind == kind)
             if names:
                 part_shapes = tuple(local_shapes[part][n] for n in names)
                 specs[part][kind] = FlatSpec(kind, names, part_shapes, rts[kind])
