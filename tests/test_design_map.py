@@ -5,10 +5,9 @@ Python file outside tests/ (by git, so the tree as committed) is in its folder's
 from __future__ import annotations
 
 import re
-import subprocess
 from pathlib import Path
 
-import pytest
+from tests.library_files import library_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,13 +25,7 @@ def _layout_rows() -> dict[str, str]:
 
 
 def _modules() -> list[str]:
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("needs the git checkout")
-    return [f for f in listed if not f.startswith("tests/") and not f.endswith("__init__.py")]
+    return [f for f in library_files() if not f.endswith("__init__.py")]
 
 
 def test_every_module_has_its_line_in_its_folder_s_row():

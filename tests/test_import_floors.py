@@ -6,10 +6,11 @@ A new import up a floor, or a circle, fails here rather than in a reviewer's rea
 from __future__ import annotations
 
 import ast
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tests.library_files import library_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,16 +20,6 @@ def _floors() -> list[list[str]]:
     text = (ROOT / "docs" / "design.md").read_text()
     block = text.split("**Floors, top to bottom**", 1)[1].split("```", 2)[1]
     return [line.split() for line in block.splitlines() if line.strip()]
-
-
-def _library() -> list[str]:
-    try:
-        listed = subprocess.run(
-            ["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.split()
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("needs the git checkout")
-    return [f for f in listed if not f.startswith("tests/")]
 
 
 def _module_name(path: str) -> str:
@@ -95,7 +86,7 @@ def _circle(graph: dict[str, set[str]]) -> list[str] | None:
 
 @pytest.fixture(scope="module")
 def house():
-    files = _library()
+    files = library_files()
     modules = {_module_name(f): f for f in files}
     graph = {f: _imports(f, modules) for f in files}
     # A package's face that imports nothing (its docstring) stands on no floor.
