@@ -320,19 +320,12 @@ class PretrainingConfig:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        """Decoder layers of each pipeline stage: ``--pipeline_layers`` as given, else as
-        even as possible, the extra layers on the middle stages first (they hold neither the
-        embedding nor the head), then on the first. Validated by ``config.loading.validate``."""
+        """Decoder layers of each pipeline stage: ``--pipeline_layers`` as given, else
+        :func:`even_stage_layers`. Validated by ``config.loading.validate``."""
         ex = self.execution
         if ex.pipeline_layers.strip():
             return tuple(int(n) for n in ex.pipeline_layers.split(","))
-        stages = ex.pipeline_parallel
-        base, extra = divmod(self.model.layers, stages)
-        order = [*range(1, stages - 1), 0, stages - 1][:stages] if stages > 1 else [0]
-        sizes = [base] * stages
-        for stage in order[:extra]:
-            sizes[stage] += 1
-        return tuple(sizes)
+        return even_stage_layers(self.model.layers, ex.pipeline_parallel)
 
     @property
     def task(self) -> str:
@@ -343,6 +336,18 @@ class PretrainingConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.training.global_batch_size * self.model.sequence_length
+
+
+def even_stage_layers(layers: int, stages: int) -> tuple[int, ...]:
+    """``layers`` split over ``stages`` as evenly as possible, the extra layers on the middle
+    stages first (they hold neither the embedding nor the head), then on the first: a run's
+    split without ``--pipeline_layers``, and every pipeline ``--plan_for`` weighs."""
+    base, extra = divmod(layers, stages)
+    order = [*range(1, stages - 1), 0, stages - 1][:stages] if stages > 1 else [0]
+    sizes = [base] * stages
+    for stage in order[:extra]:
+        sizes[stage] += 1
+    return tuple(sizes)
 
 
 def leaf_fields(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
