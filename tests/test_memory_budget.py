@@ -11,7 +11,6 @@ from config.loading import ConfigError, parse_config
 from execution.engine.plan import GiB, Placement
 from execution.engine.recompute import attention_kernel
 from execution.planning import memory
-from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
@@ -26,6 +25,7 @@ from execution.planning.planner import (
     choose_or_least,
     choose_plan,
 )
+from execution.planning.run_shape import RunShape
 
 MiB = 1 << 20
 # What gpt3_1.3B (bf16: the flash kernel; micro-batches of 4 x 2048 tokens, 16 heads of 128)
@@ -45,7 +45,7 @@ def _real_run_budget(monkeypatch, config, free_gib: float, node_host_gib: float,
     free, total = int(free_gib * GiB), int(80 * GiB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
     monkeypatch.setattr(memory, "_host_memory_available", lambda: int(node_host_gib * GiB))
-    return measure_budget(config, torch.device("cuda", 0), processes)
+    return measure_budget(RunShape.of(config), torch.device("cuda", 0), processes)
 
 
 def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
@@ -54,13 +54,13 @@ def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
     less on the device the workspaces the run allocates outside its plan: 71.1 GiB - 128.5 MiB
     of device and 115.2 GiB of host memory; so does the dry run."""
     config = _h100()
-    dry = spec_budget(config, resolve_spec(config))
+    dry = spec_budget(RunShape.of(config), RunShape.of(config).spec)
     real = _real_run_budget(monkeypatch, config, 79, 8 * 128, 8)
     assert dry == real == MemoryBudget(int(0.9 * 79 * GiB) - RESERVE, int(0.9 * 128 * GiB))
     # The flags are budgets already: taken as given by both, with no headroom, but what the
     # run allocates outside its plan still comes out of the device's.
     flagged = _h100("--device_memory_gb", "40", "--host_memory_gb", "100")
-    dry = spec_budget(flagged, resolve_spec(flagged))
+    dry = spec_budget(RunShape.of(flagged), RunShape.of(flagged).spec)
     real = _real_run_budget(monkeypatch, flagged, 79, 8 * 128, 8)
     assert dry == real == MemoryBudget(40 * GiB - RESERVE, 100 * GiB)
 
@@ -72,14 +72,18 @@ def test_a_gpu_budget_leaves_the_workspaces_free():
     micro-batch row and head its dQ accumulator (2048 x 128 floats and a 16-byte header per
     32 x 32 tile: 64 x 4 of them) and 2 x 2048 floats of delta. A CPU reserves nothing."""
     free, host = int(79 * GiB), int(128 * GiB)
-    budget = plan_budget(_h100(), free, host, device_type="cuda")
+    budget = plan_budget(RunShape.of(_h100()), free, host, device_type="cuda")
     assert budget.device == int(0.9 * free) - RESERVE
     efficient = 4 * 16 * (2048 * 128 + 4 * 64 * 4 + 2 * 2048) * 4
-    float32 = plan_budget(_h100("--precision", "float32"), free, host, device_type="cuda")
+    float32 = plan_budget(
+        RunShape.of(_h100("--precision", "float32")), free, host, device_type="cuda"
+    )
     assert float32.device == int(0.9 * free) - 2 * 32 * MiB - efficient
-    halved = plan_budget(_h100("--tensor_parallel_1", "2"), free, host, device_type="cuda")
+    halved = plan_budget(
+        RunShape.of(_h100("--tensor_parallel_1", "2")), free, host, device_type="cuda"
+    )
     assert halved.device == int(0.9 * free) - 2 * 32 * MiB - (RESERVE - 2 * 32 * MiB) // 2
-    cpu = plan_budget(_h100(), free, host, device_type="cpu")
+    cpu = plan_budget(RunShape.of(_h100()), free, host, device_type="cpu")
     assert cpu.device == int(0.9 * free) and cpu.host == budget.host
 
 
@@ -91,8 +95,8 @@ def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     device memory) are refused by both the dry run and a real run, and both choose the same
     plan."""
     config = _h100()
-    plans = candidate_plans(config, "cuda")  # with the working sets measured
-    dry = spec_budget(config, resolve_spec(config))
+    plans = candidate_plans(RunShape.of(config), "cuda")  # with the working sets measured
+    dry = spec_budget(RunShape.of(config), RunShape.of(config).spec)
     real = _real_run_budget(monkeypatch, config, 79, 8 * 128, 8)
     whole = MemoryBudget(79 * GiB, 128 * GiB)  # the spec's memory with no headroom
     refused = [p for p in plans if whole.fits(p) and not real.fits(p)]
@@ -105,7 +109,9 @@ def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     assert everything[-1].passes == 2
     assert round(everything[-1].bytes_on("device")["total"] / GiB, 1) == 78.6
     assert [dry.fits(p) for p in plans] == [real.fits(p) for p in plans]
-    assert choose_or_least(config, dry)[0] == choose_plan(config, "cuda", real)
+    assert choose_or_least(RunShape.of(config), dry)[0] == choose_plan(
+        RunShape.of(config), "cuda", real
+    )
 
 
 def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
@@ -118,8 +124,8 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
     TFLOPS. The planner keeps the weights on the device and keeps what fits of the
     activations instead (selective recompute)."""
     config = _h100()
-    budget = spec_budget(config, resolve_spec(config))
-    plan, fits = choose_or_least(config, budget)
+    budget = spec_budget(RunShape.of(config), RunShape.of(config).spec)
+    plan, fits = choose_or_least(RunShape.of(config), budget)
     assert fits and plan.placement == Placement("device", "device", "device")
     assert plan.traffic == 0 and plan.bytes_on("device")["total"] <= budget.device
 
@@ -132,24 +138,24 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
 
     streamed = next(
         p
-        for p in advisory_plans(config, "cuda")
+        for p in advisory_plans(RunShape.of(config), "cuda")
         if p.placement == Placement("host", "device", "device")
         and (p.passes, p.recompute) == (128, "none")
     )
     assert budget.fits(streamed) and streamed.traffic / GiB == pytest.approx(657.8, abs=0.1)
-    rank = RankShape.from_config(config)
+    rank = RankShape.of(RunShape.of(config))
     kernel = attention_kernel("cuda", 0.1, rank.dtype)
     # Forward: its copies; backward: its compute (twice the forward's; nothing recomputed),
     # behind which its own copies hide; the optimizer: the float32 gradients to the host.
     by_hand = forward_copies + 2 * forward_compute + 4 * parameters / 55e9
-    streaming = step_seconds(config, rank, kernel, streamed)
+    streaming = step_seconds(RunShape.of(config), rank, kernel, streamed)
     assert streaming == pytest.approx(by_hand, rel=1e-3)
-    assert streaming > step_seconds(config, rank, kernel, plan)
+    assert streaming > step_seconds(RunShape.of(config), rank, kernel, plan)
 
 
 def test_device_memory_flag_on_a_cpu_run_is_one_line_not_ignored():
     """On the CPU the device is the host: --device_memory_gb was silently ignored there."""
     config = _h100("--device_memory_gb", "40")
     with pytest.raises(ConfigError, match="--device_memory_gb 40 does not apply to a run on"):
-        measure_budget(config, torch.device("cpu"), 1)
-    assert measure_budget(_h100(), torch.device("cpu"), 1).device is None
+        measure_budget(RunShape.of(config), torch.device("cpu"), 1)
+    assert measure_budget(RunShape.of(_h100()), torch.device("cpu"), 1).device is None

@@ -9,10 +9,11 @@ import torch
 from config.schema import OptimizerConfig, PretrainingConfig
 from execution.engine import schedule
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
+from execution.engine.plan import EnginePlan, MemoryPlan, Placement
 from execution.engine.schedule import Stage, evaluation_phases, training_phases
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
 from modelling.gpt import GPTShapes
 from tests.distributed import CPU, engine_batch, global_batches
 from tests.reference import small_config
@@ -107,7 +108,7 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
     """A plan written out by hand, with no config anywhere, gives the engine the config's
     run: the same losses and weights, bit for bit. The engine keeps no config."""
     config = small_config("--layers", "2", "--precision", "float32", "--passes", "2")
-    planned, _ = plan_for_process(config, ParallelLayout.single(CPU))
+    planned, _ = plan_for_process(RunShape.of(config), ParallelLayout.single(CPU))
     by_hand = EnginePlan(
         model=GPTShapes(
             layers=2,
@@ -143,10 +144,10 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
         ),
     )
     memory = dataclasses.replace(planned, passes=2, placement=by_hand.memory.placement)
-    assert engine_plan(config, memory) == dataclasses.replace(by_hand, memory=memory)
+    assert RunShape.of(config).engine_plan(memory) == dataclasses.replace(by_hand, memory=memory)
     engines = [
         PhasedEngine(plan, ParallelLayout.single(CPU))
-        for plan in (by_hand, engine_plan(config, memory))
+        for plan in (by_hand, RunShape.of(config).engine_plan(memory))
     ]
     batches = global_batches(config, 2)
     losses = [
