@@ -161,7 +161,7 @@ def ranking_layouts(spec_dir: Path) -> list[dict]:
         chosen["recompute"] = plan.recompute
         out.append(
             {
-                "layout": " x ".join(f"{AXES[k]} {v}" for k, v in layout.items() if v > 1),
+                "layout": run.mesh.describe(split_only=True),
                 "chosen": " ".join(f"--{k} {v}" for k, v in chosen.items()),
                 "flags": [f"--{k}={v}" for k, v in (layout | chosen).items()],
                 "estimated_s": row["step_time_s"],
