@@ -306,8 +306,9 @@ class PretrainingConfig:
     @property
     def gradient_accumulation(self) -> int:
         """Micro-batches each data-parallel replica runs per optimizer step."""
-        return self.training.global_batch_size // (
-            self.execution.micro_batch_size * self.execution.data_parallel
+        ex = self.execution
+        return micro_batches_per_replica(
+            self.training.global_batch_size, ex.micro_batch_size, ex.data_parallel
         )
 
     @property
@@ -336,6 +337,14 @@ class PretrainingConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.training.global_batch_size * self.model.sequence_length
+
+
+def micro_batches_per_replica(
+    global_batch_size: int, micro_batch_size: int, data_parallel: int
+) -> int:
+    """Micro-batches each data-parallel replica runs per optimizer step (its gradient
+    accumulation): a run's, and that of every layout --plan_for weighs."""
+    return global_batch_size // (micro_batch_size * data_parallel)
 
 
 def even_stage_layers(layers: int, stages: int) -> tuple[int, ...]:

@@ -57,7 +57,6 @@ from execution.planning.dry_run import (
 from execution.planning.measure import Measurements
 from execution.planning.memory import spec_budget
 from execution.planning.micro_batch_limits import (
-    MOST_MICRO_BATCHES,
     check_plan_for_batch,
     divisors_of,
 )
@@ -149,12 +148,11 @@ def _probes(run: RunShape, plan: MemoryPlan, spec: DeviceSpec, measurements: Mea
 
 def layouts(run: RunShape, devices: int, across_nodes: bool = False) -> list[RunShape]:
     """Every (dp, pp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch
-    allow (:meth:`RunShape.allows`); a pipeline only where the tensor and context axes fill a
-    node (the pipeline is the axis that crosses nodes); tensor and context axes that span
-    nodes only ``across_nodes`` (``--plan_across_nodes``: their per-layer collectives would
-    wait on the network, which is why Megatron keeps tensor parallelism inside a node); no
-    replica of more micro-batches a step than the planner takes (:data:`MOST_MICRO_BATCHES`).
-    Each is ``run`` on that layout, its passes and pipeline split left to the planner."""
+    allow (:meth:`RunShape.allows`: even splits, no more micro-batches per replica than the
+    planner takes); a pipeline only where the tensor and context axes fill a node (the
+    pipeline is the axis that crosses nodes); tensor and context axes that span nodes only
+    ``across_nodes`` (``--plan_across_nodes``: their per-layer collectives would wait on the
+    network, which is why Megatron keeps tensor parallelism inside a node). Each is ``run`` on that layout, its passes and pipeline split left to the planner."""
     m = run.model
     per_node = run.spec.devices_per_node
     out = []
@@ -177,7 +175,7 @@ def layouts(run: RunShape, devices: int, across_nodes: bool = False) -> list[Run
             continue
         mesh = MeshShape(devices // (inner * pp), tp1, tp2, cp, pp)
         for micro in MICRO_BATCH_SIZES if pp == 1 else PIPELINE_MICRO_BATCHES:
-            if run.allows(mesh, micro, MOST_MICRO_BATCHES):
+            if run.allows(mesh, micro):
                 out.append(run.with_layout(mesh, micro, even_stages=True).with_request(passes=0))
     return out
 

@@ -40,7 +40,6 @@ from execution.planning.memory import (
     working_set_bytes,
 )
 from execution.planning.micro_batch_limits import (
-    MOST_MICRO_BATCHES,
     check_micro_batches,
     pass_counts,
 )
@@ -379,6 +378,6 @@ AXIS_FLAGS = {
 def _relaid(run: RunShape, mesh: MeshShape, micro_batch_size: int) -> RunShape | None:
     """``run`` on ``mesh`` in micro-batches of ``micro_batch_size``; None where the model or
     batch does not split over it."""
-    if not run.allows(mesh, micro_batch_size, MOST_MICRO_BATCHES):
+    if not run.allows(mesh, micro_batch_size):
         return None
     return run.with_layout(mesh, micro_batch_size)

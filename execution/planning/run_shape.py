@@ -11,10 +11,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from config.schema import OptimizerConfig, PretrainingConfig, even_stage_layers
+from config.schema import (
+    OptimizerConfig,
+    PretrainingConfig,
+    even_stage_layers,
+    micro_batches_per_replica,
+)
 from execution.engine.plan import EnginePlan, MemoryPlan
 from execution.parallel.mesh_shape import MeshShape
 from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.micro_batch_limits import MOST_MICRO_BATCHES
 from modelling.gpt import GPTShapes
 from modelling.sparsity import SparsitySchedule
 
@@ -119,7 +125,9 @@ class RunShape:
     @property
     def gradient_accumulation(self) -> int:
         """Micro-batches each data-parallel replica runs per optimizer step."""
-        return self.global_batch_size // (self.micro_batch_size * self.mesh.dp)
+        return micro_batches_per_replica(
+            self.global_batch_size, self.micro_batch_size, self.mesh.dp
+        )
 
     @property
     def world_size(self) -> int:
@@ -141,14 +149,16 @@ class RunShape:
         """The layout sentence with its micro-batch: ``dp 2 x pp 1 x ..., micro-batch 4``."""
         return f"{self.mesh.describe()}, micro-batch {self.micro_batch_size}"
 
-    def allows(self, mesh: MeshShape, micro_batch_size: int, most_micro_batches: int) -> bool:
+    def allows(self, mesh: MeshShape, micro_batch_size: int) -> bool:
         """Whether this model and batch split evenly over ``mesh`` in micro-batches of
-        ``micro_batch_size``, at most ``most_micro_batches`` of them per replica and step:
+        ``micro_batch_size``, no more of them per replica and step than the planner takes
+        (:data:`~execution.planning.micro_batch_limits.MOST_MICRO_BATCHES`):
         whole heads per tensor_parallel_1 rank, and per context rank an equal piece of every
         sequence and of those heads; hidden columns over tensor_parallel_2; a layer or more
         per stage; no context axis under a fine-tuning head, which reads whole sequences.
         (The config's validation says which flag breaks which of these.)"""
         heads, hidden, per_step = self.model.heads, self.model.hidden, micro_batch_size * mesh.dp
+        micro_batches = micro_batches_per_replica(self.global_batch_size, micro_batch_size, mesh.dp)
         return (
             heads % mesh.tp1 == 0
             and hidden % mesh.tp2 == 0
@@ -157,7 +167,7 @@ class RunShape:
             and not (mesh.cp > 1 and self.task)
             and mesh.pp <= self.model.layers
             and self.global_batch_size % per_step == 0
-            and self.global_batch_size // per_step <= most_micro_batches
+            and micro_batches <= MOST_MICRO_BATCHES
         )
 
     def with_layout(
