@@ -5,19 +5,10 @@ is what made ``--global_batch_size 1000000000`` hang)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from config.errors import ConfigError
 from execution.planning.memory import micro_batches_per_pass
-
-if TYPE_CHECKING:
-    from execution.planning.run_shape import RunShape
-
-# The most micro-batches a replica may run per step: every count of passes such a step splits
-# into (about 2 sqrt(N)) is costed under each placement and recompute mode, on every stage
-# that decides a pipeline's plan, which keeps a dry run of 96 layers in 8 stages under half a
-# minute. Ten times GPT-3's largest batch (1536 sequences) at one sequence per micro-batch.
-MOST_MICRO_BATCHES = 1 << 14
+from execution.planning.run_shape import MOST_MICRO_BATCHES, RunShape
 
 
 def pass_counts(micro_batches: int) -> list[int]:
