@@ -149,10 +149,8 @@ def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
         train_step = functools.partial(engine.train_step, tokens, step=step, lr=1e-3)
         times.append(take_sample(train_step, torch.device("cpu")).seconds)
     measured = statistics.median(times[2:])
-    spec = RunShape.of(config).spec
-    estimated = estimate(RunShape.of(config), measure_rank(RunShape.of(config), 0, spec), spec)[
-        "step_time_s"
-    ]
+    run = RunShape.of(config)
+    estimated = estimate(run, measure_rank(run, 0, run.spec), run.spec)["step_time_s"]
     assert 1 / FACTOR <= estimated / measured <= FACTOR, (estimated, measured)
 
 

@@ -73,20 +73,18 @@ def test_the_dry_run_estimates_with_the_measured_rate(tmp_path):
     bandwidth without bound): a file that halves the rate doubles it. (Attention at the matmul
     rate here: its own rate is tested in test_attention_dropout.)"""
     config, _ = parse_config([*TINY, "--dry_run"])
+    run = RunShape.of(config)
     unbound = {"attention_efficiency": 0.0, "device_memory_gb_per_s": 1e12}
-    sheet = dataclasses.replace(RunShape.of(config).spec, **unbound)
+    sheet = dataclasses.replace(run.spec, **unbound)
     path = write_spec(tmp_path, peak_tflops=sheet.peak_tflops / 2, **unbound)
     measured_config = dataclasses.replace(
         config, planning=dataclasses.replace(config.planning, device_spec_file=path)
     )
-    measured = RunShape.of(measured_config).spec
-    m = measure_rank(RunShape.of(config), 0, sheet)
-    by_sheet = estimate(RunShape.of(config), m, sheet)
-    by_file = estimate(
-        RunShape.of(measured_config),
-        measure_rank(RunShape.of(measured_config), 0, measured),
-        measured,
-    )
+    measured_run = RunShape.of(measured_config)
+    measured = measured_run.spec
+    m = measure_rank(run, 0, sheet)
+    by_sheet = estimate(run, m, sheet)
+    by_file = estimate(measured_run, measure_rank(measured_run, 0, measured), measured)
     expected = m.flops / (sheet.peak_tflops / 2 * 1e12 * sheet.compute_efficiency)
     assert by_file["compute_s"] == pytest.approx(expected)
     assert by_file["compute_s"] == pytest.approx(2 * by_sheet["compute_s"])

@@ -41,9 +41,10 @@ def _config(weights: str, activations: str, recompute: str, overlap: bool, passe
 
 def _train(config, late: bool) -> tuple[list[float], PhasedEngine]:
     layout = ParallelLayout.single(CPU)
-    plan, _ = plan_for_process(RunShape.of(config), layout)
+    run = RunShape.of(config)
+    plan, _ = plan_for_process(run, layout)
     with late_side_streams(late):
-        engine = PhasedEngine(RunShape.of(config).engine_plan(plan), layout)
+        engine = PhasedEngine(run.engine_plan(plan), layout)
     assert isinstance(engine.state.loads, LateStream) == late
     batches = global_batches(config, STEPS)
     losses = [

@@ -341,11 +341,12 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
     config = small_config(*flags, *_flags(1, 2, 2, 1, 2))
     real = run_ranks(_recorded_traffic, config.world_size, tmp_path, config)
     assert check_pairing(dict(r["p2p"] for r in real)) > 0
-    spec = RunShape.of(config).spec
+    run = RunShape.of(config)
+    spec = run.spec
     m, micro_batches = config.model, config.gradient_accumulation
     entry = config.execution.micro_batch_size * m.sequence_length * m.hidden_size * 4
     for rank in (0, 2):  # the first rank of each stage
-        dry = measure_rank(RunShape.of(config), rank, spec)
+        dry = measure_rank(run, rank, spec)
         assert dry.buffer_bytes == real[rank]["buffers"], rank
         dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}
         assert dry_sent == real[rank]["sent"], rank
@@ -353,5 +354,5 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
         # the loss with its count (two float64) is summed over the pipeline.
         moves = micro_batches * (entry // 2 if rank == 0 else entry)
         assert dry_sent["pp"] == moves + 2 * 8
-    first, last = (measure_rank(RunShape.of(config), r, spec).buffer_bytes for r in (0, 2))
+    first, last = (measure_rank(run, r, spec).buffer_bytes for r in (0, 2))
     assert first["weights"] != last["weights"]  # 2 layers and the embedding vs 1, both, head

@@ -45,21 +45,21 @@ def test_tighter_device_memory_moves_state_off_the_device():
     memory shrinks, each chosen plan fits, holds less on the device, moves more bytes over
     the host link, and no plan that fits is estimated faster, or as fast with fewer bytes
     moved. (Full recompute: what each layer keeps is a choice of its own, tested below.)"""
-    config = preset("gpt3_1.3B", "--recompute", "full")
-    rank = RankShape.of(RunShape.of(config))
+    run = RunShape.of(preset("gpt3_1.3B", "--recompute", "full"))
+    rank = RankShape.of(run)
     one_pass = state_bytes(
         rank, rank.gradient_accumulation, Placement("device", "device", "device")
     )
     everything = sum(one_pass.values())
-    roomy = choose_plan(RunShape.of(config), "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
+    roomy = choose_plan(run, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
     assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
-    chosen, kernel = [], attention_kernel("cuda", config.model.dropout_prob, rank.dtype)
+    chosen, kernel = [], attention_kernel("cuda", run.model.dropout_prob, rank.dtype)
     for device_gib in (80, 40, 20, 12):
         budget = MemoryBudget(device_gib * GiB, 512 * GiB)
-        plan = choose_plan(RunShape.of(config), "cuda", budget)
+        plan = choose_plan(run, "cuda", budget)
         assert budget.fits(plan) and plan.bytes_on("device")["total"] <= device_gib * GiB
-        fitting = [p for p in candidate_plans(RunShape.of(config), "cuda") if budget.fits(p)]
-        time = {id(p): step_seconds(RunShape.of(config), rank, kernel, p) for p in [plan, *fitting]}
+        fitting = [p for p in candidate_plans(run, "cuda") if budget.fits(p)]
+        time = {id(p): step_seconds(run, rank, kernel, p) for p in [plan, *fitting]}
         assert not any(time[id(p)] < time[id(plan)] for p in fitting)
         ties = [p for p in fitting if time[id(p)] == time[id(plan)]]
         assert not any(p.traffic < plan.traffic for p in ties)
@@ -83,13 +83,11 @@ def test_the_lazy_walk_chooses_what_measuring_every_mode_chooses(flags):
     above what the largest needs (so the fastest modes stop fitting one by one), on every stage, it
     chooses the plan that measuring every mode first chooses; with memory to spare it
     measures one mode."""
-    config = small_config(*shlex.split(flags))
-    stages = range(config.execution.pipeline_parallel)
+    run = RunShape.of(small_config(*shlex.split(flags)))
+    stages = range(run.mesh.pp)
     known = Measurements()  # what both ways measure, measured once
     eager = {
-        s: plans_fitting_every_stage(RunShape.of(config), "cuda", UNLIMITED, s, measurements=known)[
-            0
-        ]
+        s: plans_fitting_every_stage(run, "cuda", UNLIMITED, s, measurements=known)[0]
         for s in stages
     }
     needs = sorted({p.bytes_on("device")["total"] for plans in eager.values() for p in plans})
@@ -99,25 +97,25 @@ def test_the_lazy_walk_chooses_what_measuring_every_mode_chooses(flags):
         budget = MemoryBudget(device, 1 << 50)
         for stage in stages:
             _, everywhere = plans_fitting_every_stage(
-                RunShape.of(config), "cuda", budget, stage, measurements=known
+                run, "cuda", budget, stage, measurements=known
             )
             want = fastest_fitting(everywhere, budget)
-            got = first_fitting_every_stage(RunShape.of(config), "cuda", budget, stage, known)
+            got = first_fitting_every_stage(run, "cuda", budget, stage, known)
             assert got == want, (device, stage)
             chosen.add(None if got is None else got.recompute)
     assert {None, "none", "full"} <= chosen  # the walk went past unfitting modes
     measured = Measurements()
-    first_fitting_every_stage(RunShape.of(config), "cuda", UNLIMITED, 0, measured)
+    first_fitting_every_stage(run, "cuda", UNLIMITED, 0, measured)
     assert len(measured.working_sets) == 1
 
 
 def test_passes_shrink_activations_to_fit_a_cpu():
     """gpt3_350M (paper global batch 256, micro-batch 8) on 24 GiB: more than one pass."""
-    config = preset("gpt3_350M")
-    plan = choose_plan(RunShape.of(config), "cpu", MemoryBudget(None, int(24 * GiB * 0.9)))
+    run = RunShape.of(preset("gpt3_350M"))
+    plan = choose_plan(run, "cpu", MemoryBudget(None, int(24 * GiB * 0.9)))
     assert plan.passes > 1
     assert plan.placement == Placement("device", "device", "device")
-    rank = RankShape.of(RunShape.of(config))
+    rank = RankShape.of(run)
     per_entry = state_bytes(rank, 1, ALL_DEVICE)["activations"]
     assert plan.state_bytes["activations"] == per_entry * plan.micro_batches_per_pass
 
@@ -176,14 +174,11 @@ def test_passes_beyond_the_micro_batches_are_an_error():
 def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed():
     """One pass of gpt3_350M's 32 micro-batches does not fit 21 GiB; the planner's own passes
     would, so that is the first suggestion (before any extra processes)."""
-    config = preset("gpt3_350M", "--passes", "1")
+    budget = MemoryBudget(None, 21 * GiB)
     with pytest.raises(ConfigError) as err:
-        choose_plan(RunShape.of(config), "cpu", MemoryBudget(None, 21 * GiB))
+        choose_plan(RunShape.of(preset("gpt3_350M", "--passes", "1")), "cpu", budget)
     assert "it would fit without --passes 1 or with --" in str(err.value)
-    assert (
-        choose_plan(RunShape.of(preset("gpt3_350M")), "cpu", MemoryBudget(None, 21 * GiB)).passes
-        > 1
-    )
+    assert choose_plan(RunShape.of(preset("gpt3_350M")), "cpu", budget).passes > 1
 
 
 @pytest.mark.slow
@@ -207,12 +202,9 @@ def test_host_traffic_is_what_the_engine_copies(passes):
         for state, place in zip(("weights", "grads", "activations"), where, strict=True):
             placement += [f"--{state}_placement", place]
         config = small_config(*run, *placement)
-        plan = candidate_plans(RunShape.of(config), "cuda", measured=False)[
-            0
-        ]  # traffic: no working set
-        engine = PhasedEngine(
-            RunShape.of(config).engine_plan(plan), ParallelLayout.shapes_only(1, 2, 1)
-        )
+        shape_of_run = RunShape.of(config)
+        plan = candidate_plans(shape_of_run, "cuda", measured=False)[0]  # traffic: no working set
+        engine = PhasedEngine(shape_of_run.engine_plan(plan), ParallelLayout.shapes_only(1, 2, 1))
         shape = (3, 2, config.model.sequence_length + 1)
         tokens = torch.zeros(shape, dtype=torch.long, device="meta")
         engine.train_step(tokens, 0, 1e-3)

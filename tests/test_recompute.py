@@ -116,21 +116,21 @@ def test_auto_weighs_recompute_against_memory_and_the_host_link():
     fits by the planner's own estimate."""
     roomy = MemoryBudget(device=None, host=1 << 50)
     assert choose_plan(RunShape.of(small_config(*FLAGS)), "cpu", roomy).recompute == "none"
-    hosted = small_config(*FLAGS, "--activations_placement", "host")
+    hosted = RunShape.of(small_config(*FLAGS, "--activations_placement", "host"))
     gpu = MemoryBudget(device=1 << 40, host=1 << 40)
-    plan = choose_plan(RunShape.of(hosted), "cuda", gpu)
+    plan = choose_plan(hosted, "cuda", gpu)
     assert plan.recompute == "full"
-    rank = RankShape.of(RunShape.of(hosted))
+    rank = RankShape.of(hosted)
     kernel = attention_kernel("cuda", 0.1, rank.dtype)
-    plans = candidate_plans(RunShape.of(hosted), "cuda")
+    plans = candidate_plans(hosted, "cuda")
     assert {p.recompute for p in plans} == set(MODES)
-    assert step_seconds(RunShape.of(hosted), rank, kernel, plan) == min(
-        step_seconds(RunShape.of(hosted), rank, kernel, p) for p in plans
+    assert step_seconds(hosted, rank, kernel, plan) == min(
+        step_seconds(hosted, rank, kernel, p) for p in plans
     )
     # Only the device memory to hold full recompute's activations: auto must still fit.
     full = next(p for p in plans if p.recompute == "full" and p.passes == 2)
     tight = MemoryBudget(device=full.bytes_on("device")["total"], host=1 << 40)
-    assert tight.fits(choose_plan(RunShape.of(hosted), "cuda", tight))
+    assert tight.fits(choose_plan(hosted, "cuda", tight))
 
 
 def test_the_attention_kernel_follows_the_device_and_the_precision():

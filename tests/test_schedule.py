@@ -144,11 +144,9 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
         ),
     )
     memory = dataclasses.replace(planned, passes=2, placement=by_hand.memory.placement)
-    assert RunShape.of(config).engine_plan(memory) == dataclasses.replace(by_hand, memory=memory)
-    engines = [
-        PhasedEngine(plan, ParallelLayout.single(CPU))
-        for plan in (by_hand, RunShape.of(config).engine_plan(memory))
-    ]
+    from_run = RunShape.of(config).engine_plan(memory)
+    assert from_run == dataclasses.replace(by_hand, memory=memory)
+    engines = [PhasedEngine(plan, ParallelLayout.single(CPU)) for plan in (by_hand, from_run)]
     batches = global_batches(config, 2)
     losses = [
         [e.train_step(engine_batch(e, batches[s], 0), s, 1e-3).loss for s in range(2)]

@@ -60,6 +60,16 @@ class PlanRequest:
 
 
 @dataclass(frozen=True)
+class EngineSettings:
+    """What an engine takes of a run that planning neither reads nor changes."""
+
+    seed: int
+    init_std: float
+    loss_scaling: float
+    optimizer: OptimizerConfig
+
+
+@dataclass(frozen=True)
 class RunShape:
     """A run as planning sees it: the model, the layout and batch, what the flags ask of the
     plan, the device it is planned for, and the settings an engine takes unchanged.
@@ -71,8 +81,8 @@ class RunShape:
         request: The passes, placements and recompute the flags fix.
         device_memory_gb, host_memory_gb: The memory a process may plan with (0: measured).
         spec: The device it is planned for (``--device_spec`` and its overrides).
-        seed, init_std, loss_scaling, optimizer, sparsity: what the engine needs of the run
-            besides the plan (:meth:`engine_plan`); planning reads only ``sparsity``.
+        sparsity: RigL's schedule (None: dense), whose masks the plan holds.
+        engine: What the engine takes besides the plan (:meth:`engine_plan`).
     """
 
     model: GPTShapes
@@ -88,11 +98,8 @@ class RunShape:
     device_memory_gb: float
     host_memory_gb: float
     spec: DeviceSpec
-    seed: int
-    init_std: float
-    loss_scaling: float
-    optimizer: OptimizerConfig
     sparsity: SparsitySchedule | None
+    engine: EngineSettings
 
     @classmethod
     def of(cls, config: PretrainingConfig) -> RunShape:
@@ -119,11 +126,13 @@ class RunShape:
             device_memory_gb=ex.device_memory_gb,
             host_memory_gb=ex.host_memory_gb,
             spec=resolve_spec(config.planning, ex),
-            seed=training.seed,
-            init_std=config.model.init_std,
-            loss_scaling=training.loss_scaling,
-            optimizer=training.optimizer,
             sparsity=SparsitySchedule.of(config.rigl, training.steps),
+            engine=EngineSettings(
+                seed=training.seed,
+                init_std=config.model.init_std,
+                loss_scaling=training.loss_scaling,
+                optimizer=training.optimizer,
+            ),
         )
 
     @property
@@ -206,10 +215,10 @@ class RunShape:
             precision=self.precision,
             prefetch=self.prefetch,
             overlap_communication=self.overlap_communication,
-            seed=self.seed,
-            init_std=self.init_std,
-            loss_scaling=self.loss_scaling,
-            optimizer=self.optimizer,
+            seed=self.engine.seed,
+            init_std=self.engine.init_std,
+            loss_scaling=self.engine.loss_scaling,
+            optimizer=self.engine.optimizer,
             memory=memory,
             sparsity=self.sparsity,
         )
