@@ -14,7 +14,7 @@ from execution.planning.dry_run import measure_planned_step
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
 from execution.planning.micro_batch_limits import divisors_of
-from execution.planning.plan_search import _inner, layouts, search, tensor_parallel_floor
+from execution.planning.plan_search import layouts, search, spans_nodes, tensor_parallel_floor
 from execution.planning.plan_table import print_layouts
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
 from execution.planning.run_shape import RunShape
@@ -168,7 +168,7 @@ def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win():
     spec, across = run.spec, {"across_nodes": True, "workers": 1}
     measurements = Measurements()
     every, _, none_pruned = search(run, 4, measurements, prune=False, **across)
-    spans = {id(r): _inner(r["run"]) > spec.devices_per_node for r in every}
+    spans = {id(r): spans_nodes(r["run"].mesh, spec.devices_per_node) for r in every}
     floors = {id(r): tensor_parallel_floor(r["run"], spec) for r in every}
     assert none_pruned == 0 and any(spans.values()) and not all(spans.values())
     for row in every:

@@ -166,14 +166,13 @@ def layouts(run: RunShape, devices: int, across_nodes: bool = False) -> list[Run
         [n for n in divisors if n == 1 or n in PIPELINES],
     )
     for tp1, tp2, cp, pp in itertools.product(*axes):
-        inner = tp1 * tp2 * cp
-        if devices % (inner * pp):
+        if devices % (tp1 * tp2 * cp * pp):
             continue
-        if inner > per_node and not across_nodes:
+        mesh = MeshShape(devices // (tp1 * tp2 * cp * pp), tp1, tp2, cp, pp)
+        if spans_nodes(mesh, per_node) and not across_nodes:
             continue
-        if pp > 1 and inner != min(per_node, devices // pp):
+        if pp > 1 and _inner(mesh) != min(per_node, devices // pp):
             continue
-        mesh = MeshShape(devices // (inner * pp), tp1, tp2, cp, pp)
         for micro in MICRO_BATCH_SIZES if pp == 1 else PIPELINE_MICRO_BATCHES:
             if run.allows(mesh, micro):
                 out.append(run.with_layout(mesh, micro, even_stages=True).with_request(passes=0))
@@ -207,7 +206,7 @@ def _moves(run: RunShape, plan: MemoryPlan, spec: DeviceSpec) -> tuple[int, floa
     per_micro = x_slice + entry if mesh.pp > 2 else entry
     nbytes = run.gradient_accumulation * per_micro
     nbytes *= DTYPES[run.precision].itemsize
-    within = _inner(run) * mesh.pp <= spec.devices_per_node
+    within = _inner(mesh) * mesh.pp <= spec.devices_per_node
     rate = spec.intra_node_gb_per_s if within else spec.inter_node_gb_per_s
     return nbytes, nbytes / (rate * 1e9)
 
@@ -241,8 +240,8 @@ def search(
     spec = run.spec
     check_plan_for_batch(run.global_batch_size, devices, max(MICRO_BATCH_SIZES))
     candidates = layouts(run, devices, across_nodes)
-    within = [c for c in candidates if _inner(c) <= spec.devices_per_node]
-    spanning = [c for c in candidates if _inner(c) > spec.devices_per_node]
+    within = [c for c in candidates if not spans_nodes(c.mesh, spec.devices_per_node)]
+    spanning = [c for c in candidates if spans_nodes(c.mesh, spec.devices_per_node)]
     rows, misfits = _measure_layouts(within, measurements, workers)
     pruned = 0
     if spanning:
@@ -258,10 +257,15 @@ def search(
     return rows, misfits, pruned
 
 
-def _inner(candidate: RunShape) -> int:
-    """Ranks of a layout's tensor and context axes: those that must share a node."""
-    mesh = candidate.mesh
+def _inner(mesh: MeshShape) -> int:
+    """Ranks of a layout's tensor and context axes, the innermost of the rank formula: those
+    that communicate every layer, so that belong inside a node."""
     return mesh.tp1 * mesh.tp2 * mesh.cp
+
+
+def spans_nodes(mesh: MeshShape, devices_per_node: int) -> bool:
+    """Whether a layout's tensor and context groups span nodes (``--plan_across_nodes``)."""
+    return _inner(mesh) > devices_per_node
 
 
 def _measure_layouts(
