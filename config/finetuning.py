@@ -20,7 +20,7 @@ from config.errors import ConfigError, refuse_ignored_flags
 from config.field_help import doc as _doc
 from config.loading import parse_config
 from config.schema import PretrainingConfig
-from modelling.task_heads import MNLI, SQUAD, TASKS
+from modelling.task_heads import MNLI, SQUAD, TASKS, reads_whole_sequences
 
 SAMPLES = Path(__file__).resolve().parents[1] / "data" / "sample"
 # The shipped sample files of each task: (training files, validation files).
@@ -147,7 +147,7 @@ def validate_finetuning(config: FinetuningRunConfig, given: Collection[str] = ()
             f"{length - LEAST_WINDOW_OVERHEAD - 1}, less for longer questions); lower "
             "--doc_stride or raise --sequence_length"
         )
-    if ex.context_parallel > 1:
+    if ex.context_parallel > 1 and reads_whole_sequences(config.task):
         raise ConfigError(
             f"--context_parallel {ex.context_parallel}: fine-tuning heads read whole sequences "
             "(a softmax over every position, or the last token); use --context_parallel 1"

@@ -28,6 +28,23 @@ def plannable_recompute(context_parallel: int) -> tuple[str, ...]:
     return ("full",) if context_parallel > 1 else RECOMPUTE[1:]
 
 
+def uneven_splits(
+    heads: int, hidden_size: int, sequence_length: int, tp1: int = 1, tp2: int = 1, cp: int = 1
+) -> list[str]:
+    """The splits of the model that a layout's tensor and context axes leave uneven, by name:
+    ``heads`` (each tensor_parallel_1 rank holds whole heads), ``hidden`` (the hidden columns
+    over tensor_parallel_2), ``sequence`` (each context rank an equal piece of every
+    sequence), ``context_heads`` (and an equal share of its tensor_parallel_1 rank's heads,
+    which attention's all-to-all hands it). Empty: the layout splits the model evenly."""
+    checks = {
+        "heads": heads % tp1,
+        "hidden": hidden_size % tp2,
+        "sequence": sequence_length % cp,
+        "context_heads": (heads // tp1) % cp,
+    }
+    return [name for name, remainder in checks.items() if remainder]
+
+
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 

@@ -33,6 +33,13 @@ TARGET_WIDTH = 2
 NUM_LABELS = 3  # entailment, neutral, contradiction
 
 
+def reads_whole_sequences(task: str) -> bool:
+    """Whether a run's head needs every position of a sequence on one rank, so that it cannot
+    run context-parallel: a task's does (a softmax over every position, or the last token);
+    the language model's head ("") reads each position alone."""
+    return bool(task)
+
+
 class SpanHead(nn.Module):
     """Start and end logits of an answer span at every position.
 

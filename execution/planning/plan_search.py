@@ -153,16 +153,15 @@ def layouts(run: RunShape, devices: int, across_nodes: bool = False) -> list[Run
     pipeline is the axis that crosses nodes); tensor and context axes that span nodes only
     ``across_nodes`` (``--plan_across_nodes``: their per-layer collectives would wait on the
     network, which is why Megatron keeps tensor parallelism inside a node). Each is ``run`` on that layout, its passes and pipeline split left to the planner."""
-    m = run.model
     per_node = run.spec.devices_per_node
     out = []
     divisors = divisors_of(devices)
-    # Each axis's sizes that the model allows, so that the product stays small however many
-    # divisors ``devices`` has (720720 has 240).
+    # Each axis's sizes that the model allows alone, so that the product stays small however
+    # many divisors ``devices`` has (720720 has 240).
     axes = (
-        [n for n in divisors if m.heads % n == 0],
-        [n for n in divisors if m.hidden % n == 0],
-        [n for n in divisors if run.sequence_length % n == 0],
+        [n for n in divisors if run.splits_evenly(tp1=n)],
+        [n for n in divisors if run.splits_evenly(tp2=n)],
+        [n for n in divisors if run.splits_evenly(cp=n)],
         [n for n in divisors if n == 1 or n in PIPELINES],
     )
     for tp1, tp2, cp, pp in itertools.product(*axes):

@@ -16,12 +16,14 @@ from config.schema import (
     PretrainingConfig,
     even_stage_layers,
     micro_batches_per_replica,
+    uneven_splits,
 )
 from execution.engine.plan import EnginePlan, MemoryPlan
 from execution.parallel.mesh_shape import MeshShape
 from execution.planning.device_specs import DeviceSpec, resolve_spec
 from modelling.gpt import GPTShapes
 from modelling.sparsity import SparsitySchedule
+from modelling.task_heads import reads_whole_sequences
 
 # The most micro-batches a replica may run per step: every count of passes such a step splits
 # into (about 2 sqrt(N)) is costed under each placement and recompute mode, on every stage
@@ -162,22 +164,23 @@ class RunShape:
         """The layout sentence with its micro-batch: ``dp 2 x pp 1 x ..., micro-batch 4``."""
         return f"{self.mesh.describe()}, micro-batch {self.micro_batch_size}"
 
+    def splits_evenly(self, tp1: int = 1, tp2: int = 1, cp: int = 1) -> bool:
+        """Whether tensor and context axes of these sizes split this model evenly
+        (:func:`config.schema.uneven_splits`, by which the config's validation names the
+        flag that does not)."""
+        model = self.model
+        return not uneven_splits(model.heads, model.hidden, self.sequence_length, tp1, tp2, cp)
+
     def allows(self, mesh: MeshShape, micro_batch_size: int) -> bool:
-        """Whether this model and batch split evenly over ``mesh`` in micro-batches of
-        ``micro_batch_size``, no more of them per replica and step than the planner takes
-        (:data:`MOST_MICRO_BATCHES`):
-        whole heads per tensor_parallel_1 rank, and per context rank an equal piece of every
-        sequence and of those heads; hidden columns over tensor_parallel_2; a layer or more
-        per stage; no context axis under a fine-tuning head, which reads whole sequences.
-        (The config's validation says which flag breaks which of these.)"""
-        heads, hidden, per_step = self.model.heads, self.model.hidden, micro_batch_size * mesh.dp
+        """Whether this model and batch split evenly over ``mesh`` (:meth:`splits_evenly`, a
+        layer or more per stage) in micro-batches of ``micro_batch_size``, no more of them per
+        replica and step than the planner takes (:data:`MOST_MICRO_BATCHES`); and no context
+        axis under a head that reads whole sequences."""
+        per_step = micro_batch_size * mesh.dp
         micro_batches = micro_batches_per_replica(self.global_batch_size, micro_batch_size, mesh.dp)
         return (
-            heads % mesh.tp1 == 0
-            and hidden % mesh.tp2 == 0
-            and self.sequence_length % mesh.cp == 0
-            and (heads // mesh.tp1) % mesh.cp == 0
-            and not (mesh.cp > 1 and self.task)
+            self.splits_evenly(mesh.tp1, mesh.tp2, mesh.cp)
+            and not (mesh.cp > 1 and reads_whole_sequences(self.task))
             and mesh.pp <= self.model.layers
             and self.global_batch_size % per_step == 0
             and micro_batches <= MOST_MICRO_BATCHES
