@@ -9,6 +9,7 @@ import shlex
 import pytest
 
 from execution.parallel.fake_job import fake_job
+from execution.parallel.mesh_shape import MeshShape
 from execution.planning import step_meter
 from execution.planning.dry_run import measure_planned_step
 from execution.planning.measure import Measurements
@@ -191,6 +192,37 @@ def test_divisors_come_in_pairs_up_to_the_square_root():
     assert divisors_of(12) == [1, 2, 3, 4, 6, 12]
     assert divisors_of(36) == [1, 2, 3, 4, 6, 9, 12, 18, 36]
     assert len(divisors_of(720720)) == 240  # 2^4 3^2 5 7 11 13: 5 x 3 x 2 x 2 x 2 x 2
+
+
+@pytest.mark.parametrize(
+    "base, layout",
+    [
+        ("--passes 2", (2, 1, 2, 1, 1, 2)),  # dp, pp, cp, tp1, tp2, micro-batch
+        ("--pipeline_parallel 2 --pipeline_layers 3,1", (1, 2, 1, 2, 1, 1)),
+        ("--placement remote --recompute full", (1, 1, 1, 2, 2, 4)),
+    ],
+)
+def test_a_layout_of_the_run_shape_is_the_run_shape_of_that_layout_s_config(base, layout):
+    """What --plan_for weighs on a mesh (RunShape.with_layout, passes left to the planner and
+    the layers split evenly) is what the config of that layout would plan: RunShape.of a copy
+    of the config with those flags, as the search made its candidates before."""
+    flags = shlex.split(f"--layers 4 --global_batch_size 16 {base}")
+    dp, pp, cp, tp1, tp2, micro = layout
+    run = RunShape.of(small_config(*flags))
+    laid_out = run.with_layout(MeshShape(dp, tp1, tp2, cp, pp), micro, even_stages=True)
+    config = small_config(*flags)
+    config.execution = dataclasses.replace(
+        config.execution,
+        data_parallel=dp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        tensor_parallel_1=tp1,
+        tensor_parallel_2=tp2,
+        micro_batch_size=micro,
+        passes=0,
+        pipeline_layers="",
+    )
+    assert laid_out.with_request(passes=0) == RunShape.of(config)
 
 
 def test_layouts_leave_out_steps_of_too_many_micro_batches():
