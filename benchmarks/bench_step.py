@@ -61,11 +61,11 @@ from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import engine_plan
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
 from modelling.host_threads import team_thread
@@ -118,8 +118,9 @@ def our_engine(config: PretrainingConfig, device: torch.device, batches) -> Step
     (``step.plan``: passes, placements, recompute, micro-batch and the budget planned
     against)."""
     layout = ParallelLayout.single(device)
-    memory, budget = plan_for_process(config, layout)
-    engine = PhasedEngine(engine_plan(config, memory), layout)
+    run = RunShape.of(config)
+    memory, budget = plan_for_process(run, layout)
+    engine = PhasedEngine(run.engine_plan(memory), layout)
     t = config.training
 
     def step(i: int) -> float:

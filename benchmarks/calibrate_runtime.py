@@ -43,6 +43,7 @@ from execution.planning.device_specs import DeviceSpec
 from execution.planning.measure import meta_step
 from execution.planning.op_costs import device_seconds
 from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
 from execution.planning.time_model import estimate_step, phase_costs
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
@@ -290,7 +291,7 @@ def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
     for layers, micro_batches in ENGINE_SHAPES:
         flags = [*ENGINE_FLAGS, "--layers", str(layers), "--global_batch_size", str(micro_batches)]
         config, _ = parse_config([*flags, "--device", device.type])
-        engine = planned_engine(config, ParallelLayout.single(device))
+        engine = planned_engine(RunShape.of(config), ParallelLayout.single(device))
         plan = engine.plan
         row = plan.sequence_length + plan.model.label_columns
         shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
@@ -341,7 +342,7 @@ def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> N
     for layers, micro_batches in shapes:
         flags = [*ENGINE_FLAGS, "--layers", str(layers), "--tensor_parallel_1", "2"]
         flags += ["--global_batch_size", str(micro_batches), "--device", device.type]
-        engine = planned_engine(parse_config(flags)[0], layout)
+        engine = planned_engine(RunShape.of(parse_config(flags)[0]), layout)
         plan = engine.plan
         row = plan.sequence_length + plan.model.label_columns
         shape = (plan.gradient_accumulation, plan.micro_batch_size, row)

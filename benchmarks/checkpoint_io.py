@@ -46,6 +46,7 @@ from execution.checkpoint.load import load_checkpoint
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
 
 MODEL = ["--layers", "12", "--hidden_size", "768", "--heads", "12", "--sequence_length", "64"]
 PLACEMENTS = {"host": "remote", "device": "resident"}
@@ -62,7 +63,7 @@ def _rank(rank: int, world: int, flags: list[str], folder: str) -> None:
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world,
                             timeout=timeout)  # fmt: skip
     config, _ = parse_config(flags)
-    engine = planned_engine(config, ParallelLayout.build(world, 1, 1, CPU))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.build(world, 1, 1, CPU))
     checkpointer = Checkpointer(Path(folder, "ckpt"), engine, config, log=lambda _: None)
     share = item_bytes(held_items(engine))
 

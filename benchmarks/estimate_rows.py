@@ -29,6 +29,7 @@ from config.errors import ConfigError
 from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
 from execution.planning.dry_run import dry_run
+from execution.planning.run_shape import RunShape
 
 
 def pinned_flags(plan: dict) -> list[str]:
@@ -49,7 +50,7 @@ def estimate(row: dict, spec_file: Path) -> dict:
     flags = [*row["flags"], *VARIANTS[row["key"]].flags, *pinned_flags(row["plan"])]
     config, _ = parse_config([*flags, "--dry_run", "--device_spec_file", str(spec_file)])
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stdout(io.StringIO()):
-        rank = dry_run(config, Path(tmp))["ranks"][0]
+        rank = dry_run(RunShape.of(config), Path(tmp))["ranks"][0]
     ran, priced = row["plan"], rank["plan"]
     same = (
         priced["passes"] == ran["passes"]

@@ -49,10 +49,10 @@ from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import engine_plan
 from execution.engine.storage.streams import late_side_streams
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
 from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 
 NO_GPU_EXIT = 2  # asked to check a GPU where there is none: a usage error
@@ -90,9 +90,10 @@ def losses(
 ) -> list[float]:
     """Losses of ``batches``, one step each, under the planner's choice; ``late``: with late
     side streams (module docstring)."""
-    plan, _ = plan_for_process(config, layout)
+    run = RunShape.of(config)
+    plan, _ = plan_for_process(run, layout)
     with late_side_streams(late):
-        engine = PhasedEngine(engine_plan(config, plan), layout)
+        engine = PhasedEngine(run.engine_plan(plan), layout)
     t = config.training
     out = []
     for step, batch in enumerate(batches):

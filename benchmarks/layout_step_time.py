@@ -32,6 +32,7 @@ from config.loading import parse_config
 from data.loader import training_loader
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 
 DEFAULT_LAYOUTS = ["1x1x1", "2x1x1", "1x2x1", "1x1x2", "2x2x2"]  # dp x tp1 x tp2
@@ -48,7 +49,7 @@ def _rank(rank: int, world_size: int, flags: list[str], steps: int, folder: str)
     ex, t = config.execution, config.training
     sizes = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
     layout = ParallelLayout.build(*sizes, torch.device("cpu"))
-    engine = planned_engine(config, layout)
+    engine = planned_engine(RunShape.of(config), layout)
     loader = training_loader(config, layout.dp.rank, layout.dp.size)
     times, losses = [], []
     for step in range(steps + 1):

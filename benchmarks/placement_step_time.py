@@ -23,12 +23,13 @@ from data.loader import training_loader
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
 
 
 def measure(flags: list[str], placement: str, steps: int) -> dict:
     config, _ = parse_config([*flags, "--placement", placement])
     device = select_device(config.execution.device, 0, 1)
-    engine = planned_engine(config, ParallelLayout.single(device))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(device))
     loader = training_loader(config, dp_rank=0, dp_size=1)  # one data-parallel replica
     times, losses = [], []
     for step in range(steps + 1):

@@ -148,19 +148,20 @@ def ranking_layouts(spec_dir: Path) -> list[dict]:
     from config.loading import parse_config
     from execution.planning.plan_search import search
     from execution.planning.plan_table import layout_rows
+    from execution.planning.run_shape import RunShape
 
     spec = spec_file(1, spec_dir)
     config, _ = parse_config([*MODEL, "--plan_for", "2", "--device_spec_file", str(spec)])
     out = []
-    for row in layout_rows(search(config, 2)[0]):
-        ex, plan = row["config"].execution, row["plan"]
-        layout = {flag: getattr(ex, flag) for flag in AXES}
-        chosen = {"micro_batch_size": ex.micro_batch_size, "passes": plan.passes}
+    for row in layout_rows(search(RunShape.of(config), 2)[0]):
+        run, plan = row["run"], row["plan"]
+        layout = {flag: getattr(run.mesh, axis) for flag, axis in AXES.items()}
+        chosen = {"micro_batch_size": run.micro_batch_size, "passes": plan.passes}
         chosen |= {f"{state}_placement": where for state, where in vars(plan.placement).items()}
         chosen["recompute"] = plan.recompute
         out.append(
             {
-                "layout": " x ".join(f"{AXES[k]} {v}" for k, v in layout.items() if v > 1),
+                "layout": run.mesh.describe(split_only=True),
                 "chosen": " ".join(f"--{k} {v}" for k, v in chosen.items()),
                 "flags": [f"--{k}={v}" for k, v in (layout | chosen).items()],
                 "estimated_s": row["step_time_s"],

@@ -29,6 +29,23 @@ def plannable_recompute(context_parallel: int) -> tuple[str, ...]:
     return ("full",) if context_parallel > 1 else RECOMPUTE[1:]
 
 
+def uneven_splits(
+    heads: int, hidden_size: int, sequence_length: int, tp1: int = 1, tp2: int = 1, cp: int = 1
+) -> list[str]:
+    """The splits of the model that a layout's tensor and context axes leave uneven, by name:
+    ``heads`` (each tensor_parallel_1 rank holds whole heads), ``hidden`` (the hidden columns
+    over tensor_parallel_2), ``sequence`` (each context rank an equal piece of every
+    sequence), ``context_heads`` (and an equal share of its tensor_parallel_1 rank's heads,
+    which attention's all-to-all hands it). Empty: the layout splits the model evenly."""
+    checks = {
+        "heads": heads % tp1,
+        "hidden": hidden_size % tp2,
+        "sequence": sequence_length % cp,
+        "context_heads": (heads // tp1) % cp,
+    }
+    return [name for name, remainder in checks.items() if remainder]
+
+
 LR_SCHEDULES = ("cosine", "linear", "constant")
 
 
@@ -318,8 +335,9 @@ class PretrainingConfig:
     @property
     def gradient_accumulation(self) -> int:
         """Micro-batches each data-parallel replica runs per optimizer step."""
-        return self.training.global_batch_size // (
-            self.execution.micro_batch_size * self.execution.data_parallel
+        ex = self.execution
+        return micro_batches_per_replica(
+            self.training.global_batch_size, ex.micro_batch_size, ex.data_parallel
         )
 
     @property
@@ -332,19 +350,12 @@ class PretrainingConfig:
 
     @property
     def stage_layers(self) -> tuple[int, ...]:
-        """Decoder layers of each pipeline stage: ``--pipeline_layers`` as given, else as
-        even as possible, the extra layers on the middle stages first (they hold neither the
-        embedding nor the head), then on the first. Validated by ``config.loading.validate``."""
+        """Decoder layers of each pipeline stage: ``--pipeline_layers`` as given, else
+        :func:`even_stage_layers`. Validated by ``config.loading.validate``."""
         ex = self.execution
         if ex.pipeline_layers.strip():
             return tuple(int(n) for n in ex.pipeline_layers.split(","))
-        stages = ex.pipeline_parallel
-        base, extra = divmod(self.model.layers, stages)
-        order = [*range(1, stages - 1), 0, stages - 1][:stages] if stages > 1 else [0]
-        sizes = [base] * stages
-        for stage in order[:extra]:
-            sizes[stage] += 1
-        return tuple(sizes)
+        return even_stage_layers(self.model.layers, ex.pipeline_parallel)
 
     @property
     def task(self) -> str:
@@ -355,6 +366,26 @@ class PretrainingConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.training.global_batch_size * self.model.sequence_length
+
+
+def micro_batches_per_replica(
+    global_batch_size: int, micro_batch_size: int, data_parallel: int
+) -> int:
+    """Micro-batches each data-parallel replica runs per optimizer step (its gradient
+    accumulation): a run's, and that of every layout --plan_for weighs."""
+    return global_batch_size // (micro_batch_size * data_parallel)
+
+
+def even_stage_layers(layers: int, stages: int) -> tuple[int, ...]:
+    """``layers`` split over ``stages`` as evenly as possible, the extra layers on the middle
+    stages first (they hold neither the embedding nor the head), then on the first: a run's
+    split without ``--pipeline_layers``, and every pipeline ``--plan_for`` weighs."""
+    base, extra = divmod(layers, stages)
+    order = [*range(1, stages - 1), 0, stages - 1][:stages] if stages > 1 else [0]
+    sizes = [base] * stages
+    for stage in order[:extra]:
+        sizes[stage] += 1
+    return tuple(sizes)
 
 
 def leaf_fields(node: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:

@@ -8,7 +8,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 from config.errors import ConfigError, refuse_ignored_flags
-from config.schema import PretrainingConfig, plannable_recompute
+from config.schema import PretrainingConfig, plannable_recompute, uneven_splits
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
 MOST_DEVICES = 1 << 20
@@ -236,12 +236,13 @@ def _validate_layout(config: PretrainingConfig) -> None:
             f"(--micro_batch_size {ex.micro_batch_size} x --data_parallel {ex.data_parallel})); "
             "each pass needs at least one micro-batch"
         )
-    if m.heads % ex.tensor_parallel_1:
+    uneven = _uneven_splits(config)
+    if "heads" in uneven:
         raise ConfigError(
             f"--heads {m.heads} is not divisible by --tensor_parallel_1 {ex.tensor_parallel_1}; "
             "each tensor_parallel_1 shard holds whole heads"
         )
-    if m.hidden_size % ex.tensor_parallel_2:
+    if "hidden" in uneven:
         raise ConfigError(
             f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
             f"{ex.tensor_parallel_2}"
@@ -251,13 +252,13 @@ def _validate_layout(config: PretrainingConfig) -> None:
 def _validate_context_parallel(config: PretrainingConfig) -> None:
     """A sequence and its heads split evenly over the context axis."""
     m, ex = config.model, config.execution
-    cp = ex.context_parallel
-    if m.sequence_length % cp:
+    cp, uneven = ex.context_parallel, _uneven_splits(config)
+    if "sequence" in uneven:
         raise ConfigError(
             f"--sequence_length {m.sequence_length} is not divisible by --context_parallel "
             f"{cp}; every rank of a sequence holds an equal piece of it"
         )
-    if (m.heads // ex.tensor_parallel_1) % cp:
+    if "context_heads" in uneven:
         raise ConfigError(
             f"--heads {m.heads} / --tensor_parallel_1 {ex.tensor_parallel_1} = "
             f"{m.heads // ex.tensor_parallel_1} heads per tensor_parallel_1 rank is not "
@@ -269,6 +270,18 @@ def _validate_context_parallel(config: PretrainingConfig) -> None:
             f"--recompute {ex.recompute} with --context_parallel {cp} is not supported yet; use "
             "--recompute full (or auto, which picks it for context-parallel layouts)"
         )
+
+
+def _uneven_splits(config: PretrainingConfig) -> list[str]:
+    m, ex = config.model, config.execution
+    return uneven_splits(
+        m.heads,
+        m.hidden_size,
+        m.sequence_length,
+        ex.tensor_parallel_1,
+        ex.tensor_parallel_2,
+        ex.context_parallel,
+    )
 
 
 def _validate_pipeline(config: PretrainingConfig) -> None:

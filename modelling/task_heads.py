@@ -76,6 +76,13 @@ class TaskHead(nn.Module, ABC):
         config.architectures = [cls.HF_ARCHITECTURE]
 
 
+def reads_whole_sequences(head: type[TaskHead] | None) -> bool:
+    """Whether a run's head needs every position of a sequence on one rank, so that it cannot
+    run context-parallel: a task's does (a softmax over every position, or the last token);
+    the language model's (None) reads each position alone."""
+    return head is not None
+
+
 class SpanHead(TaskHead):
     """Start and end logits of an answer span at every position.
 

@@ -41,6 +41,7 @@ from execution.engine.engine import PhasedEngine
 from execution.parallel.mesh import ParallelLayout
 from execution.planning import planner
 from execution.planning.measure import Measurements
+from execution.planning.run_shape import RunShape
 from tests.reference import small_config as reference_small_config
 
 CPU = torch.device("cpu")
@@ -52,7 +53,7 @@ SESSION_MEASUREMENTS = Measurements()
 
 def planned_engine(config: PretrainingConfig, layout: ParallelLayout) -> PhasedEngine:
     """:func:`execution.planning.planner.planned_engine` with the session's measurements."""
-    return planner.planned_engine(config, layout, SESSION_MEASUREMENTS)
+    return planner.planned_engine(RunShape.of(config), layout, SESSION_MEASUREMENTS)
 
 
 # Losses and every unsharded weight of a float32 run must match the single-process run this
@@ -346,13 +347,12 @@ def world_layout(config: PretrainingConfig) -> ParallelLayout:
 def real_step_traffic(config: PretrainingConfig) -> dict:
     """One real gloo step of this rank (call inside a rank): its buffers and the bytes it sent
     over each group, as the dry run counts them."""
-    from execution.planning.device_specs import resolve_spec
     from execution.planning.time_model import axis_traffic
 
     layout = world_layout(config)
     engine = planned_engine(config, layout)
     batch = replica_batch(config, global_batches(config, 1)[0], layout.dp.rank)
     engine.train_step(batch, 0, 1e-3)
-    spec = resolve_spec(config)
+    spec = RunShape.of(config).spec
     sent = {axis.name: axis_traffic(axis, spec)[0] for axis in layout.axes()}
     return {"buffers": engine.buffer_bytes(), "sent": sent}

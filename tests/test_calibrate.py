@@ -25,9 +25,10 @@ from config.loading import parse_config  # noqa: E402
 from config.schema import OptimizerConfig  # noqa: E402
 from execution.engine.update.optimizer import AdamWDriver  # noqa: E402
 from execution.parallel.mesh import ParallelLayout  # noqa: E402
-from execution.planning.device_specs import SPECS, read_spec_file, resolve_spec  # noqa: E402
+from execution.planning.device_specs import SPECS, read_spec_file  # noqa: E402
 from execution.planning.dry_run import estimate, measure_rank  # noqa: E402
 from execution.planning.planner import planned_engine  # noqa: E402
+from execution.planning.run_shape import RunShape  # noqa: E402
 from tests.entry_points import run_script  # noqa: E402
 
 
@@ -139,7 +140,7 @@ def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
     suite's other processes share the cores, as the calibration's own timings do."""
     _, spec_path = quick_calibration
     config, _ = parse_config([*SMALL, *shlex.split(flags), "--device_spec_file", str(spec_path)])
-    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(torch.device("cpu")))
     plan = engine.plan
     row = plan.sequence_length + plan.model.label_columns
     tokens = torch.randint(0, 1024, (plan.gradient_accumulation, plan.micro_batch_size, row))
@@ -148,8 +149,8 @@ def test_the_dry_run_estimates_a_measured_step(quick_calibration, flags):
         train_step = functools.partial(engine.train_step, tokens, step=step, lr=1e-3)
         times.append(take_sample(train_step, torch.device("cpu")).seconds)
     measured = statistics.median(times[2:])
-    spec = resolve_spec(config)
-    estimated = estimate(config, measure_rank(config, 0, spec), spec)["step_time_s"]
+    run = RunShape.of(config)
+    estimated = estimate(run, measure_rank(run, 0, run.spec), run.spec)["step_time_s"]
     assert 1 / FACTOR <= estimated / measured <= FACTOR, (estimated, measured)
 
 

@@ -14,10 +14,10 @@ from execution.planning.device_specs import (
     SPECS,
     DeviceSpec,
     read_spec_file,
-    resolve_spec,
     spec_file_dict,
 )
 from execution.planning.dry_run import estimate, measure_rank
+from execution.planning.run_shape import RunShape
 
 TINY = ["--config", "tiny", "--device", "cpu"]
 
@@ -38,7 +38,7 @@ def test_file_fields_replace_the_data_sheet_and_flags_still_win(tmp_path):
     )
     path = write_spec(tmp_path, **measured)
     config, _ = parse_config([*TINY, "--device_spec_file", path, "--host_link_gb_per_s", "33"])
-    spec = resolve_spec(config)
+    spec = RunShape.of(config).spec
     h100 = SPECS["h100_sxm"]
     assert (spec.name, spec.peak_tflops, spec.compute_efficiency) == ("calibrated", 500.0, 0.5)
     assert spec.h2d_gb_per_s == 40.0 and spec.host_link_gb_per_s == 33.0  # the flag on top
@@ -73,16 +73,18 @@ def test_the_dry_run_estimates_with_the_measured_rate(tmp_path):
     bandwidth without bound): a file that halves the rate doubles it. (Attention at the matmul
     rate here: its own rate is tested in test_attention_dropout.)"""
     config, _ = parse_config([*TINY, "--dry_run"])
+    run = RunShape.of(config)
     unbound = {"attention_efficiency": 0.0, "device_memory_gb_per_s": 1e12}
-    sheet = dataclasses.replace(resolve_spec(config), **unbound)
+    sheet = dataclasses.replace(run.spec, **unbound)
     path = write_spec(tmp_path, peak_tflops=sheet.peak_tflops / 2, **unbound)
     measured_config = dataclasses.replace(
         config, planning=dataclasses.replace(config.planning, device_spec_file=path)
     )
-    measured = resolve_spec(measured_config)
-    m = measure_rank(config, 0, sheet)
-    by_sheet = estimate(config, m, sheet)
-    by_file = estimate(measured_config, measure_rank(measured_config, 0, measured), measured)
+    measured_run = RunShape.of(measured_config)
+    measured = measured_run.spec
+    m = measure_rank(run, 0, sheet)
+    by_sheet = estimate(run, m, sheet)
+    by_file = estimate(measured_run, measure_rank(measured_run, 0, measured), measured)
     expected = m.flops / (sheet.peak_tflops / 2 * 1e12 * sheet.compute_efficiency)
     assert by_file["compute_s"] == pytest.approx(expected)
     assert by_file["compute_s"] == pytest.approx(2 * by_sheet["compute_s"])
@@ -123,7 +125,7 @@ def test_a_value_out_of_range_is_one_config_error_naming_field_and_range(
     assert "\n" not in str(raised.value)
     config, _ = parse_config([*TINY, "--dry_run", "--device_spec_file", path])
     with pytest.raises(ConfigError, match=f"it must be {allowed}"):  # what a dry run plans on
-        resolve_spec(config)
+        RunShape.of(config)
 
 
 def test_not_measured_may_be_zero_or_null(tmp_path):

@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from execution.engine.plan import engine_plan
 from execution.parallel.fake_job import fake_job
-from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import (
     _step_probes,
     checkpoint_figures,
@@ -26,6 +24,7 @@ from execution.planning.dry_run import (
 from execution.planning.measure import _adamw_bytes_per_element, measured_working_set
 from execution.planning.plan_search import extrapolated_step, search
 from execution.planning.planner import candidate_plans
+from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
 from modelling.gpt import GPTShapes, logical_shapes
 from tests.distributed import (
@@ -109,11 +108,11 @@ def test_checkpoint_bytes_of_every_rank_add_up_to_the_logical_state_once(layout)
     """The dry run's per-rank checkpoint bytes, over every rank, are 12 bytes (float32 weights
     and two moments) per logical parameter: no padding, nothing twice."""
     config = distributed_config(*layout_flags(*layout))
-    spec = resolve_spec(config)
-    plan = next(iter(candidate_plans(config, "cuda", measured=False)))
+    run = RunShape.of(config)
+    plan = next(iter(candidate_plans(run, "cuda", measured=False)))
     written = [
-        checkpoint_figures(config, plan, spec, rank)["bytes_written"]
-        for rank in range(config.world_size)
+        checkpoint_figures(run, plan, run.spec, rank)["bytes_written"]
+        for rank in range(run.world_size)
     ]
     shapes = GPTShapes.from_config(config.model)
     params = sum(math.prod(shape) for shape in logical_shapes(shapes).values())
@@ -148,7 +147,8 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     sizes = shlex.split("--global_batch_size 8 --micro_batch_size 1 --hidden_size 64")
     config = distributed_config(*layout_flags(*layout), *sizes, *shlex.split(flags))
     real = run_ranks(_real_rank, config.world_size, tmp_path, config)[0]
-    dry = measure_rank(config, 0, resolve_spec(config))
+    run = RunShape.of(config)
+    dry = measure_rank(run, 0, run.spec)
     assert dry.buffer_bytes == real["buffers"]
     assert abs(dry.working_set - real["working_set"]) <= 0.10 * real["working_set"], (
         dry.working_set,
@@ -156,7 +156,7 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     )
     # The planner's own figure (one layer, one micro-batch, everything on the host) is the real
     # step's to within the few bytes of per-micro-batch losses, or above it (copies from host).
-    planned = measured_working_set(config, "cpu")
+    planned = measured_working_set(run, "cpu")
     assert 0.99 * real["working_set"] <= planned <= 1.5 * real["working_set"], (planned, real)
 
 
@@ -175,7 +175,7 @@ def test_the_planned_working_set_counts_the_gradients_a_reduction_still_reads(tm
     config = distributed_config(*layout_flags(8, 1, 1), *flags)
     assert config.execution.overlap_communication
     real = run_ranks(_real_rank, config.world_size, tmp_path, config)
-    planned = measured_working_set(config, "cpu")
+    planned = measured_working_set(RunShape.of(config), "cpu")
     for rank in real:
         assert abs(planned - rank["working_set"]) <= 64, (planned, rank["working_set"])
 
@@ -191,7 +191,8 @@ def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
     )
     config = distributed_config(*layout_flags(*layout), *flags)
     real = run_ranks(real_step_traffic, config.world_size, tmp_path, config)[0]
-    dry = measure_rank(config, 0, resolve_spec(config))
+    run = RunShape.of(config)
+    dry = measure_rank(run, 0, run.spec)
     assert dry.buffer_bytes == real["buffers"]
     dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}
     assert dry_sent == real["sent"]
@@ -202,8 +203,8 @@ def test_dry_run_context_axis_equals_a_real_gloo_step(tmp_path, layout):
     per_exchange = 4 * (m.sequence_length // cp) * m.hidden_size // tp1 * 4
     micro_batches = config.gradient_accumulation
     assert dry_sent["cp"] == 3 * m.layers * micro_batches * per_exchange * (cp - 1) // cp
-    whole = distributed_config(*layout_flags(*layout[:3]), *flags)
-    whole_activations = measure_rank(whole, 0, resolve_spec(whole)).buffer_bytes["activations"]
+    whole = RunShape.of(distributed_config(*layout_flags(*layout[:3]), *flags))
+    whole_activations = measure_rank(whole, 0, whole.spec).buffer_bytes["activations"]
     assert dry.buffer_bytes["activations"] * cp == whole_activations
 
 
@@ -213,13 +214,12 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
         "--layers 5 --global_batch_size 12 --micro_batch_size 1 --passes 3 --placement remote "
         "--grads_placement device"
     )
-    config = distributed_config(*layout_flags(2, 2, 1), *run)
-    spec = resolve_spec(config)
-    plan = candidate_plans(config, "cuda", measured=False)[0]
+    run = RunShape.of(distributed_config(*layout_flags(2, 2, 1), *run))
+    plan = candidate_plans(run, "cuda", measured=False)[0]
     metered_adamw_once()
-    flops, comm, _, _, phases = extrapolated_step(config, plan, spec)
-    with fake_job(0, config.world_size):
-        full = measure_planned_step(config, plan, spec, whole_step=True)
+    flops, comm, _, _, phases = extrapolated_step(run, plan, run.spec)
+    with fake_job(0, run.world_size):
+        full = measure_planned_step(run, plan, run.spec, whole_step=True)
     assert flops == full.flops
     assert comm == full.comm_bytes
     assert comm["host_link"] > 0 and comm["dp"] > 0
@@ -250,18 +250,18 @@ def test_a_step_measured_from_probes_equals_the_whole_step(layout, flags):
     FLOPs, bytes of every group and of the host link, and buffers equal; the working set
     within the 4 bytes per micro-batch of a kept loss; each kind of phase's costs, and the
     estimate, to rounding."""
-    run = ["--layers", "3", "--micro_batch_size", "1", *shlex.split(flags)]
-    config = distributed_config(*layout_flags(*layout), *run)
-    spec = resolve_spec(config)
-    plan = candidate_plans(config, "cuda", measured=False)[0]
-    probes, _ = _step_probes(engine_plan(config, plan), config.execution.pipeline_parallel)
-    assert sum(m for _, m in probes) < config.gradient_accumulation  # the probes are taken
+    sizes = ["--layers", "3", "--micro_batch_size", "1", *shlex.split(flags)]
+    run = RunShape.of(distributed_config(*layout_flags(*layout), *sizes))
+    spec = run.spec
+    plan = candidate_plans(run, "cuda", measured=False)[0]
+    probes, _ = _step_probes(run.engine_plan(plan), run.mesh.pp)
+    assert sum(m for _, m in probes) < run.gradient_accumulation  # the probes are taken
     metered_adamw_once()
     # A pipeline's last stage holds the head.
-    for rank in sorted({0, config.world_size - 1 if "pipeline" in flags else 0}):
-        with fake_job(rank, config.world_size):
-            whole = measure_planned_step(config, plan, spec, whole_step=True)
-            probed = measure_planned_step(config, plan, spec)
+    for rank in sorted({0, run.world_size - 1 if "pipeline" in flags else 0}):
+        with fake_job(rank, run.world_size):
+            whole = measure_planned_step(run, plan, spec, whole_step=True)
+            probed = measure_planned_step(run, plan, spec)
         assert probed.flops == whole.flops > 0
         assert probed.comm_bytes == whole.comm_bytes
         assert probed.buffer_bytes == whole.buffer_bytes
@@ -269,32 +269,30 @@ def test_a_step_measured_from_probes_equals_the_whole_step(layout, flags):
         # boundary tensors above the whole step, never below it (pass_boundary_bytes).
         margin = 0
         if "pipeline" in flags:  # float32 x and dx of a pass's micro-batches, by hand
-            entries = engine_plan(config, plan).memory.micro_batches_per_pass
-            m = config.model
-            tokens = config.execution.micro_batch_size * m.sequence_length
-            margin = 2 * entries * tokens * m.hidden_size * 4
+            entries = run.engine_plan(plan).memory.micro_batches_per_pass
+            tokens = run.micro_batch_size * run.sequence_length
+            margin = 2 * entries * tokens * run.model.hidden * 4
         excess = probed.working_set - whole.working_set
-        assert -4 * config.gradient_accumulation <= excess <= margin
+        assert -4 * run.gradient_accumulation <= excess <= margin
         assert probed.phases.keys() == whole.phases.keys()
         for kind, values in whole.phases.items():
             # A pipeline's reductions carried into the next phase may land in another kind.
             assert probed.phases[kind] == pytest.approx(values, rel=1e-9, abs=1e-7), kind
-        step = estimate(config, whole, spec)["step_time_s"]
-        assert estimate(config, probed, spec)["step_time_s"] == pytest.approx(step, rel=1e-6)
+        step = estimate(run, whole, spec)["step_time_s"]
+        assert estimate(run, probed, spec)["step_time_s"] == pytest.approx(step, rel=1e-6)
 
 
 def test_a_step_of_many_layers_is_measured_on_three_and_four():
     """Six layers of four micro-batches (too few to probe): two steps, of 3 and 4 layers,
     stand for the step, and give exactly what stepping all six gives (the working set too:
     from three layers on, each further layer repeats the middle one's)."""
-    config = small_config("--layers", "6", "--placement", "remote")
-    spec = resolve_spec(config)
-    plan = candidate_plans(config, "cuda", measured=False)[0]
+    run = RunShape.of(small_config("--layers", "6", "--placement", "remote"))
+    plan = candidate_plans(run, "cuda", measured=False)[0]
     told: list[str] = []
     metered_adamw_once()
-    with fake_job(0, config.world_size):
-        whole = measure_planned_step(config, plan, spec, whole_step=True)
-        probed = measure_planned_step(config, plan, spec, progress=told.append)
+    with fake_job(0, run.world_size):
+        whole = measure_planned_step(run, plan, run.spec, whole_step=True)
+        probed = measure_planned_step(run, plan, run.spec, progress=told.append)
     assert told == [
         "step 1 of 2: 3 layers, 4 micro-batches in 1 pass(es)",
         "step 2 of 2: 4 layers, 4 micro-batches in 1 pass(es)",
@@ -308,12 +306,11 @@ def test_a_step_of_many_layers_is_measured_on_three_and_four():
 
 
 def _estimate(config):
-    spec = resolve_spec(config)
-    with fake_job(0, config.world_size):
-        measured = measure_planned_step(
-            config, candidate_plans(config, "cuda", measured=False)[0], spec
-        )
-    return estimate(config, measured, spec)
+    run = RunShape.of(config)
+    with fake_job(0, run.world_size):
+        plan = candidate_plans(run, "cuda", measured=False)[0]
+        measured = measure_planned_step(run, plan, run.spec)
+    return estimate(run, measured, run.spec)
 
 
 def test_overlap_hides_data_parallel_traffic_in_the_estimate():
@@ -339,7 +336,8 @@ def test_overlap_hides_data_parallel_traffic_in_the_estimate():
 def _search_four_devices() -> tuple[list[dict], list[dict]]:
     """``--plan_for 4`` of a small model with 4 layers (pipelines of up to 4 stages), shared
     by the tests that read its rows."""
-    rows, misfits, _ = search(small_config("--layers", "4", "--global_batch_size", "4"), 4)
+    run = RunShape.of(small_config("--layers", "4", "--global_batch_size", "4"))
+    rows, misfits, _ = search(run, 4)
     return rows, misfits
 
 
@@ -349,15 +347,15 @@ def test_plan_for_ranks_layouts_that_fit_by_step_time():
     assert rows and not misfits
     times = [r["step_time_s"] for r in rows]
     assert times == sorted(times)
-    executions = [r["config"].execution for r in rows]
-    layouts = {(e.data_parallel, e.tensor_parallel_1, e.tensor_parallel_2) for e in executions}
+    meshes = [r["run"].mesh for r in rows]
+    layouts = {(m.dp, m.tp1, m.tp2) for m in meshes}
     assert {(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)} <= layouts
-    assert all(r["config"].world_size == 4 for r in rows)
+    assert all(m.world_size == 4 for m in meshes)
     # The context axis is searched too: the 16-token sequence over 2 and 4 ranks, alone and
     # beside data parallelism (a 3-way split would not divide it).
-    contexts = {(e.data_parallel, e.context_parallel) for e in executions}
+    contexts = {(m.dp, m.cp) for m in meshes}
     assert {(1, 4), (2, 2), (1, 2)} <= contexts
-    assert all(e.context_parallel in (1, 2, 4) for e in executions)
+    assert all(m.cp in (1, 2, 4) for m in meshes)
 
 
 @pytest.mark.slow
@@ -374,14 +372,14 @@ def test_plan_for_through_the_entry_point():
 
 def test_kinds_of_rank_group_equal_shards_and_node_spans():
     config = distributed_config(*layout_flags(2, 4, 1))
-    kinds = rank_kinds(config, devices_per_node=8)
+    kinds = rank_kinds(RunShape.of(config), devices_per_node=8)
     assert sorted(r for kind in kinds for r in kind) == list(range(8))
     assert len(kinds) == 1  # padding keeps every shard the same shape; one node holds all
     # tp1 2 x tp2 3 over nodes of 8: rank 0's tp1 group {0, 3} is one node, rank 6's {6, 9}
     # spans two, so they are measured apart.
     shape = shlex.split("--global_batch_size 8 --micro_batch_size 1 --heads 6 --hidden_size 36")
     config = distributed_config(*layout_flags(4, 2, 3), *shape)
-    kinds = rank_kinds(config, devices_per_node=8)
+    kinds = rank_kinds(RunShape.of(config), devices_per_node=8)
     kind_of = {r: k for k, ranks in enumerate(kinds) for r in ranks}
     assert kind_of[0] != kind_of[6]
     assert sorted(r for kind in kinds for r in kind) == list(range(24))
@@ -395,19 +393,16 @@ def test_plan_for_lists_pipeline_layouts_one_row_each():
     from execution.planning.plan_table import layout_rows
 
     rows, _ = _search_four_devices()
-    executions = [r["config"].execution for r in rows]
-    stages = {e.pipeline_parallel for e in executions}
+    stages = {r["run"].mesh.pp for r in rows}
     assert {1, 2, 4} <= stages
     for row in rows:
-        ex, passes = row["config"].execution, row["plan"].passes
-        s = ex.pipeline_parallel
+        mesh, passes = row["run"].mesh, row["plan"].passes
+        s = mesh.pp
         assert row["bubble"] == (s - 1) / (passes + s - 1)
         if s > 1:
-            assert ex.tensor_parallel_1 * ex.tensor_parallel_2 * ex.context_parallel == 4 // s
+            assert mesh.tp1 * mesh.tp2 * mesh.cp == 4 // s
     shown = layout_rows(rows)
-    axes = ("data_parallel", "pipeline_parallel", "context_parallel")
-    axes += ("tensor_parallel_1", "tensor_parallel_2")
-    keys = [tuple(getattr(r["config"].execution, n) for n in axes) for r in shown]
+    keys = [r["run"].mesh for r in shown]
     assert len(keys) == len(set(keys)) and len(shown) < len(rows)
     assert all(r["micro_batches"] for r in shown)
 

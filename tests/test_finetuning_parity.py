@@ -17,6 +17,7 @@ import torch
 from config.finetuning import FinetuningRunConfig
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 from tasks.specs import parse_finetuning_config, run_shapes
 from tests.distributed import CPU, engine_batch, run_ranks, world_layout
@@ -90,7 +91,7 @@ def _huggingface_losses(config: FinetuningRunConfig, rows: torch.Tensor) -> list
 
 def _engine_losses(config: FinetuningRunConfig, rows: torch.Tensor, layout=None) -> list[tuple]:
     layout = layout or ParallelLayout.single(CPU)
-    engine = planned_engine(config, layout)
+    engine = planned_engine(RunShape.of(config), layout)
     losses = []
     for step, lr in enumerate(_learning_rates(config)):
         result = engine.train_step(engine_batch(engine, rows[step], layout.dp.rank), step, lr)

@@ -18,6 +18,7 @@ from execution.checkpoint.files import CheckpointError
 from execution.checkpoint.load import SavedWeights, read_weights
 from execution.checkpoint.logical import full_state
 from execution.parallel.mesh import ParallelLayout
+from execution.planning.run_shape import RunShape
 from execution.training.finetuning import build_finetuning
 from modelling.gpt import HEAD, init_full_part
 from tasks.specs import parse_finetuning_config, task_spec, training_files
@@ -118,7 +119,7 @@ def test_hf_model_gives_the_transformer_and_a_task_models_projection(with_projec
     torch.manual_seed(0)
     kind(hf_config).save_pretrained(tmp_path)
     hf_state = kind.from_pretrained(tmp_path).state_dict()
-    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(torch.device("cpu")))
     fresh = full_state(engine)
     load_hf_weights(tmp_path, engine)
     for name, tensor in full_state(engine).items():
@@ -143,7 +144,7 @@ def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
     from modelling.hf_interchange import export_hf
 
     config, _ = parse_finetuning_config([*shlex.split(SMALL), "--task", task])
-    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(torch.device("cpu")))
     export_hf(config_to_dict(config)["model"], full_state(engine), tmp_path)
     kinds = {
         "squad": transformers.GPT2ForQuestionAnswering,

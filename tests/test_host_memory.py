@@ -37,6 +37,7 @@ from execution.engine.storage.host_memory import (
     host_memory_for,
 )
 from execution.planning.memory import RankShape, state_bytes
+from execution.planning.run_shape import RunShape
 from modelling.gpt import PARTS
 
 PAGE = 4096  # x86-64 Linux; mmap hands out whole pages
@@ -60,7 +61,7 @@ def _host_buffers(name: str, placement: Placement, rounding) -> tuple[RecordingH
     """The buffers of one rank of preset ``name`` under ``placement``, their host tensors made
     on meta by a recording stand-in, and the planner's bytes for them."""
     config, _ = parse_config(["--config", name])
-    rank = RankShape.from_config(config)
+    rank = RankShape.of(RunShape.of(config))
     entries = 2
     memory = RecordingHostMemory(rounding, device="meta")
     host = Place(torch.device("cpu"), True, memory)

@@ -19,10 +19,10 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import engine_plan
 from execution.engine.storage.streams import LateStream, late_side_streams
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
 from tests.distributed import CPU, global_batches, replica_batch
 from tests.reference import small_config
 
@@ -41,9 +41,10 @@ def _config(weights: str, activations: str, recompute: str, overlap: bool, passe
 
 def _train(config, late: bool) -> tuple[list[float], PhasedEngine]:
     layout = ParallelLayout.single(CPU)
-    plan, _ = plan_for_process(config, layout)
+    run = RunShape.of(config)
+    plan, _ = plan_for_process(run, layout)
     with late_side_streams(late):
-        engine = PhasedEngine(engine_plan(config, plan), layout)
+        engine = PhasedEngine(run.engine_plan(plan), layout)
     assert isinstance(engine.state.loads, LateStream) == late
     batches = global_batches(config, STEPS)
     losses = [

@@ -11,7 +11,6 @@ from config.loading import ConfigError, parse_config
 from execution.engine.phases.recompute import attention_kernel
 from execution.engine.plan import GiB, Placement
 from execution.planning import memory
-from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
@@ -26,6 +25,7 @@ from execution.planning.planner import (
     choose_or_least,
     choose_plan,
 )
+from execution.planning.run_shape import RunShape
 
 MiB = 1 << 20
 # What gpt3_1.3B (bf16: the flash kernel; micro-batches of 4 x 2048 tokens, 16 heads of 128)
@@ -35,17 +35,17 @@ MiB = 1 << 20
 RESERVE = 2 * 32 * MiB + 64 * MiB + MiB // 2
 
 
-def _h100(*flags: str):
+def _h100(*flags: str) -> RunShape:
     config, _ = parse_config(["--config", "gpt3_1.3B", "--device_spec", "h100_sxm", *flags])
-    return config
+    return RunShape.of(config)
 
 
-def _real_run_budget(monkeypatch, config, free_gib: float, node_host_gib: float, processes: int):
+def _real_run_budget(monkeypatch, run, free_gib: float, node_host_gib: float, processes: int):
     """What a real run on a GPU measures, with the free device and host memory mocked."""
     free, total = int(free_gib * GiB), int(80 * GiB)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
     monkeypatch.setattr(memory, "_host_memory_available", lambda: int(node_host_gib * GiB))
-    return measure_budget(config, torch.device("cuda", 0), processes)
+    return measure_budget(run, torch.device("cuda", 0), processes)
 
 
 def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
@@ -53,14 +53,14 @@ def test_the_dry_run_budgets_as_a_real_run_on_an_idle_device(monkeypatch):
     run with 79 GiB free, on a node of 8 such devices and 8 processes, plans with 90% of each,
     less on the device the workspaces the run allocates outside its plan: 71.1 GiB - 128.5 MiB
     of device and 115.2 GiB of host memory; so does the dry run."""
-    config = _h100()
-    dry = spec_budget(config, resolve_spec(config))
-    real = _real_run_budget(monkeypatch, config, 79, 8 * 128, 8)
+    run = _h100()
+    dry = spec_budget(run, run.spec)
+    real = _real_run_budget(monkeypatch, run, 79, 8 * 128, 8)
     assert dry == real == MemoryBudget(int(0.9 * 79 * GiB) - RESERVE, int(0.9 * 128 * GiB))
     # The flags are budgets already: taken as given by both, with no headroom, but what the
     # run allocates outside its plan still comes out of the device's.
     flagged = _h100("--device_memory_gb", "40", "--host_memory_gb", "100")
-    dry = spec_budget(flagged, resolve_spec(flagged))
+    dry = spec_budget(flagged, flagged.spec)
     real = _real_run_budget(monkeypatch, flagged, 79, 8 * 128, 8)
     assert dry == real == MemoryBudget(40 * GiB - RESERVE, 100 * GiB)
 
@@ -90,10 +90,10 @@ def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     everything on the device in 2 passes of 64 micro-batches with full recompute, 78.6 GiB of
     device memory) are refused by both the dry run and a real run, and both choose the same
     plan."""
-    config = _h100()
-    plans = candidate_plans(config, "cuda")  # with the working sets measured
-    dry = spec_budget(config, resolve_spec(config))
-    real = _real_run_budget(monkeypatch, config, 79, 8 * 128, 8)
+    run = _h100()
+    plans = candidate_plans(run, "cuda")  # with the working sets measured
+    dry = spec_budget(run, run.spec)
+    real = _real_run_budget(monkeypatch, run, 79, 8 * 128, 8)
     whole = MemoryBudget(79 * GiB, 128 * GiB)  # the spec's memory with no headroom
     refused = [p for p in plans if whole.fits(p) and not real.fits(p)]
     assert refused, "the example needs plans between the two budgets"
@@ -105,7 +105,7 @@ def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     assert everything[-1].passes == 2
     assert round(everything[-1].bytes_on("device")["total"] / GiB, 1) == 78.6
     assert [dry.fits(p) for p in plans] == [real.fits(p) for p in plans]
-    assert choose_or_least(config, dry)[0] == choose_plan(config, "cuda", real)
+    assert choose_or_least(run, dry)[0] == choose_plan(run, "cuda", real)
 
 
 def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
@@ -117,9 +117,9 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
     against a third of the step's 6 N + 12 L h S FLOPs a token, 4.60 s at 70% of 989
     TFLOPS. The planner keeps the weights on the device and keeps what fits of the
     activations instead (selective recompute)."""
-    config = _h100()
-    budget = spec_budget(config, resolve_spec(config))
-    plan, fits = choose_or_least(config, budget)
+    run = _h100()
+    budget = spec_budget(run, run.spec)
+    plan, fits = choose_or_least(run, budget)
     assert fits and plan.placement == Placement("device", "device", "device")
     assert plan.traffic == 0 and plan.bytes_on("device")["total"] <= budget.device
 
@@ -132,24 +132,23 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
 
     streamed = next(
         p
-        for p in advisory_plans(config, "cuda")
+        for p in advisory_plans(run, "cuda")
         if p.placement == Placement("host", "device", "device")
         and (p.passes, p.recompute) == (128, "none")
     )
     assert budget.fits(streamed) and streamed.traffic / GiB == pytest.approx(657.8, abs=0.1)
-    rank = RankShape.from_config(config)
+    rank = RankShape.of(run)
     kernel = attention_kernel("cuda", 0.1, rank.dtype)
     # Forward: its copies; backward: its compute (twice the forward's; nothing recomputed),
     # behind which its own copies hide; the optimizer: the float32 gradients to the host.
     by_hand = forward_copies + 2 * forward_compute + 4 * parameters / 55e9
-    streaming = step_seconds(config, rank, kernel, streamed)
+    streaming = step_seconds(run, rank, kernel, streamed)
     assert streaming == pytest.approx(by_hand, rel=1e-3)
-    assert streaming > step_seconds(config, rank, kernel, plan)
+    assert streaming > step_seconds(run, rank, kernel, plan)
 
 
 def test_device_memory_flag_on_a_cpu_run_is_one_line_not_ignored():
     """On the CPU the device is the host: --device_memory_gb was silently ignored there."""
-    config = _h100("--device_memory_gb", "40")
     with pytest.raises(ConfigError, match="--device_memory_gb 40 does not apply to a run on"):
-        measure_budget(config, torch.device("cpu"), 1)
+        measure_budget(_h100("--device_memory_gb", "40"), torch.device("cpu"), 1)
     assert measure_budget(_h100(), torch.device("cpu"), 1).device is None

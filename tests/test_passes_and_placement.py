@@ -16,6 +16,7 @@ from execution.engine.phases.schedule import pass_groups
 from execution.engine.storage.streams import CudaStream
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape, state_bytes
+from execution.planning.run_shape import RunShape
 from tests.distributed import (
     assert_states_close,
     global_batches,
@@ -255,7 +256,7 @@ def test_allocated_bytes_equal_the_plan(dp, tp1, tp2, passes, weights):
         engine = planned_engine(config, ParallelLayout.shapes_only(dp, tp1, tp2, CPU))
         assert engine.memory.recompute == recompute
         allocated = engine.buffer_bytes()
-        rank = RankShape.from_config(config)
+        rank = RankShape.of(RunShape.of(config))
         plan = engine.memory
         predicted = state_bytes(rank, plan.micro_batches_per_pass, plan.placement, plan.kept)
         assert allocated == predicted == plan.state_bytes

@@ -18,6 +18,7 @@ from execution.checkpoint.logical import full_state
 from execution.engine.phases.schedule import Stage, training_phases
 from execution.parallel.mesh import MeshShape
 from execution.planning.pipeline_figures import bubble_fraction
+from execution.planning.run_shape import RunShape
 from tests.distributed import (
     FLOAT32_TOLERANCE,
     assert_curves_close,
@@ -334,18 +335,18 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
     (each its layers and parts, stage 0 two passes of activations in flight) and the bytes each
     group sends, the point-to-point moves included, equal a real gloo step's exactly; the moves
     by hand."""
-    from execution.planning.device_specs import resolve_spec
     from execution.planning.dry_run import measure_rank
 
     flags = shlex.split("--layers 3 --global_batch_size 4 --micro_batch_size 1 --recompute full")
     config = small_config(*flags, *_flags(1, 2, 2, 1, 2))
     real = run_ranks(_recorded_traffic, config.world_size, tmp_path, config)
     assert check_pairing(dict(r["p2p"] for r in real)) > 0
-    spec = resolve_spec(config)
+    run = RunShape.of(config)
+    spec = run.spec
     m, micro_batches = config.model, config.gradient_accumulation
     entry = config.execution.micro_batch_size * m.sequence_length * m.hidden_size * 4
     for rank in (0, 2):  # the first rank of each stage
-        dry = measure_rank(config, rank, spec)
+        dry = measure_rank(run, rank, spec)
         assert dry.buffer_bytes == real[rank]["buffers"], rank
         dry_sent = {k: v for k, v in dry.comm_bytes.items() if k != "host_link"}
         assert dry_sent == real[rank]["sent"], rank
@@ -353,5 +354,5 @@ def test_dry_run_pipeline_equals_a_real_gloo_step(tmp_path):
         # the loss with its count (two float64) is summed over the pipeline.
         moves = micro_batches * (entry // 2 if rank == 0 else entry)
         assert dry_sent["pp"] == moves + 2 * 8
-    first, last = (measure_rank(config, r, spec).buffer_bytes for r in (0, 2))
+    first, last = (measure_rank(run, r, spec).buffer_bytes for r in (0, 2))
     assert first["weights"] != last["weights"]  # 2 layers and the embedding vs 1, both, head

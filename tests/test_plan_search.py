@@ -9,15 +9,16 @@ import shlex
 import pytest
 
 from execution.parallel.fake_job import fake_job
+from execution.parallel.mesh_shape import MeshShape
 from execution.planning import step_meter
-from execution.planning.device_specs import resolve_spec
 from execution.planning.dry_run import measure_planned_step
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
 from execution.planning.micro_batch_limits import divisors_of
-from execution.planning.plan_search import _inner, layouts, search, tensor_parallel_floor
+from execution.planning.plan_search import layouts, search, spans_nodes, tensor_parallel_floor
 from execution.planning.plan_table import print_layouts
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
+from execution.planning.run_shape import RunShape
 from tests.distributed import layout_flags
 from tests.distributed import small_config as distributed_config
 from tests.reference import small_config
@@ -28,10 +29,10 @@ def _measured(config, monkeypatch, replay: bool):
     measurements = Measurements()
     if not replay:
         monkeypatch.setattr(measurements.meta_results, "key", lambda *args: None)
-    spec = resolve_spec(config)
-    plan = candidate_plans(config, "cuda", measured=False)[0]
-    with fake_job(0, config.world_size):
-        return measure_planned_step(config, plan, spec, measurements), measurements
+    run = RunShape.of(config)
+    plan = candidate_plans(run, "cuda", measured=False)[0]
+    with fake_job(0, run.world_size):
+        return measure_planned_step(run, plan, run.spec, measurements), measurements
 
 
 @pytest.mark.parametrize(
@@ -84,8 +85,8 @@ def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans()
     even before a working set: --plan_for's planner call does not measure that mode's working
     set, and finds the same fitting plans, with the same bytes, as measuring every mode."""
     run = "--layers 12 --global_batch_size 16 --micro_batch_size 8 --passes 1 --placement resident"
-    config = distributed_config(*layout_flags(2, 2, 1), *shlex.split(run))
-    plans, _ = plans_fitting_every_stage(config, "cuda", MemoryBudget(None, 1 << 50), 0)
+    run = RunShape.of(distributed_config(*layout_flags(2, 2, 1), *shlex.split(run)))
+    plans, _ = plans_fitting_every_stage(run, "cuda", MemoryBudget(None, 1 << 50), 0)
     assert {p.recompute for p in plans} == {"full", "selective", "none"}
     full = min(p.bytes_on("device")["total"] for p in plans if p.recompute == "full")
     none = min(
@@ -93,10 +94,10 @@ def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans()
     )
     assert full < none
     budget = MemoryBudget((full + none) // 2, 1 << 50)
-    _, everywhere = plans_fitting_every_stage(config, "cuda", budget, 0)
+    _, everywhere = plans_fitting_every_stage(run, "cuda", budget, 0)
     measured = Measurements()
     _, searched = plans_fitting_every_stage(
-        config, "cuda", budget, 0, fitting_only=True, measurements=measured
+        run, "cuda", budget, 0, fitting_only=True, measurements=measured
     )
     assert measured.working_sets and "none" not in {key[-1] for key in measured.working_sets}
     fitting = [p for p in everywhere if budget.fits(p)]
@@ -108,17 +109,14 @@ def test_workers_find_the_rows_one_process_finds():
     """Groups of layouts of 2 devices (dp, pp, cp, tp1, tp2 and micro-batch sizes) measured in
     two forked workers give the same rows, in the same order, as one process measuring them
     again from nothing."""
-    config = small_config("--layers", "1", "--global_batch_size", "2")
-    config.planning.plan_workers = 2
-    side_by_side, misfits_by_two, _ = search(config, 2)
-    config.planning.plan_workers = 1
-    alone, misfits, _ = search(config, 2, Measurements())  # from nothing
-    assert [m["config"] for m in misfits_by_two] == [m["config"] for m in misfits]
+    run = RunShape.of(small_config("--layers", "1", "--global_batch_size", "2"))
+    side_by_side, misfits_by_two, _ = search(run, 2, workers=2)
+    alone, misfits, _ = search(run, 2, Measurements(), workers=1)  # from nothing
+    assert [m["run"] for m in misfits_by_two] == [m["run"] for m in misfits]
     assert len(side_by_side) == len(alone) > 5
 
     def figures(row):
-        ex = row["config"].execution
-        return ex, row["plan"], row["step_time_s"], row["mfu"], row["checkpoint"]
+        return row["run"], row["plan"], row["step_time_s"], row["mfu"], row["checkpoint"]
 
     assert [figures(r) for r in side_by_side] == [figures(r) for r in alone]
 
@@ -126,27 +124,21 @@ def test_workers_find_the_rows_one_process_finds():
 def test_layouts_spanning_nodes_only_when_asked():
     """Nodes of 2 devices: tensor and context groups of 4 span two nodes, so --plan_for 4
     weighs them only with --plan_across_nodes."""
-    config = small_config("--layers", "2", "--global_batch_size", "8", "--devices_per_node", "2")
+    flags = ("--layers", "2", "--global_batch_size", "8", "--devices_per_node", "2")
+    run = RunShape.of(small_config(*flags))
 
     def inner_sizes(candidates):
-        return {
-            c.execution.context_parallel
-            * c.execution.tensor_parallel_1
-            * c.execution.tensor_parallel_2
-            for c in candidates
-        }
+        return {c.mesh.cp * c.mesh.tp1 * c.mesh.tp2 for c in candidates}
 
-    assert inner_sizes(layouts(config, 4)) == {1, 2}
-    config.planning.plan_across_nodes = True
-    assert inner_sizes(layouts(config, 4)) == {1, 2, 4}
+    assert inner_sizes(layouts(run, 4)) == {1, 2}
+    assert inner_sizes(layouts(run, 4, across_nodes=True)) == {1, 2, 4}
 
 
 def test_plan_for_where_nothing_fits_says_what_the_nearest_layout_needs(capsys):
     """No empty table: one line with the nearest layout's plan and memory, as --dry_run says."""
     config = small_config("--layers", "1", "--global_batch_size", "4", "--hidden_size", "256")
-    config.planning.plan_for = 2
     config.execution.device_memory_gb = config.execution.host_memory_gb = 0.001
-    print_layouts(config, "small")
+    print_layouts(RunShape.of(config), "small", 2)
     out = capsys.readouterr().out
     assert "0 layouts fit" in out and "step s" not in out  # no table header
     (line,) = [x for x in out.splitlines() if x.startswith("nothing fits")]
@@ -159,10 +151,9 @@ def test_the_floor_prices_each_all_reduce_as_a_waited_for_call():
     the time model adds that to every waited-for call, so the floor does to each of its
     eight all-reduces per layer and micro-batch: 8 x 1 ms x layers x micro-batches more."""
     flags = "--tensor_parallel_1 2 --tensor_parallel_2 2 --layers 3 --global_batch_size 8"
-    config = small_config(*shlex.split(flags), "--micro_batch_size", "2")
-    spec = resolve_spec(config)
-    waited = dataclasses.replace(spec, waited_collective_us=1000.0)
-    extra = tensor_parallel_floor(config, waited) - tensor_parallel_floor(config, spec)
+    run = RunShape.of(small_config(*shlex.split(flags), "--micro_batch_size", "2"))
+    waited = dataclasses.replace(run.spec, waited_collective_us=1000.0)
+    extra = tensor_parallel_floor(run, waited) - tensor_parallel_floor(run, run.spec)
     assert extra == pytest.approx(8 * 1e-3 * 3 * 4)
 
 
@@ -172,26 +163,25 @@ def test_layouts_spanning_nodes_are_measured_only_where_their_floor_may_win():
     tensor-parallel floor is below its own measured estimate (it is a lower bound), and the
     search that prunes by it measures exactly the spanning layouts whose floor is below the
     fastest in-node step, and finds the same rows otherwise."""
-    flags = "--layers 1 --global_batch_size 2 --devices_per_node 2 --plan_across_nodes "
+    flags = "--layers 1 --global_batch_size 2 --devices_per_node 2 "
     flags += "--sequence_length 64 --max_positional_length 64"  # activations outweigh weights
-    config = small_config(*shlex.split(flags), "--inter_node_gb_per_s", "0.001")
-    config.planning.plan_workers = 1
-    spec = resolve_spec(config)
+    run = RunShape.of(small_config(*shlex.split(flags), "--inter_node_gb_per_s", "0.001"))
+    spec, across = run.spec, {"across_nodes": True, "workers": 1}
     measurements = Measurements()
-    every, _, none_pruned = search(config, 4, measurements, prune=False)
-    spans = {id(r): _inner(r["config"]) > spec.devices_per_node for r in every}
-    floors = {id(r): tensor_parallel_floor(r["config"], spec) for r in every}
+    every, _, none_pruned = search(run, 4, measurements, prune=False, **across)
+    spans = {id(r): spans_nodes(r["run"].mesh, spec.devices_per_node) for r in every}
+    floors = {id(r): tensor_parallel_floor(r["run"], spec) for r in every}
     assert none_pruned == 0 and any(spans.values()) and not all(spans.values())
     for row in every:
-        assert floors[id(row)] <= row["step_time_s"], row["config"].execution
+        assert floors[id(row)] <= row["step_time_s"], row["run"].describe()
     fastest_within = min(r["step_time_s"] for r in every if not spans[id(r)])
     dropped = [r for r in every if spans[id(r)] and floors[id(r)] >= fastest_within]
     assert dropped, "the slow network should leave some layout no chance"
-    kept, _, pruned = search(config, 4, measurements)
+    kept, _, pruned = search(run, 4, measurements, **across)
     assert pruned == len(dropped)
 
     def figures(row):
-        return row["config"].execution, row["plan"], row["step_time_s"]
+        return row["run"], row["plan"], row["step_time_s"]
 
     assert [figures(r) for r in kept] == [figures(r) for r in every if r not in dropped]
 
@@ -204,15 +194,45 @@ def test_divisors_come_in_pairs_up_to_the_square_root():
     assert len(divisors_of(720720)) == 240  # 2^4 3^2 5 7 11 13: 5 x 3 x 2 x 2 x 2 x 2
 
 
+@pytest.mark.parametrize(
+    "base, layout",
+    [
+        ("--passes 2", (2, 1, 2, 1, 1, 2)),  # dp, pp, cp, tp1, tp2, micro-batch
+        ("--pipeline_parallel 2 --pipeline_layers 3,1", (1, 2, 1, 2, 1, 1)),
+        ("--placement remote --recompute full", (1, 1, 1, 2, 2, 4)),
+    ],
+)
+def test_a_layout_of_the_run_shape_is_the_run_shape_of_that_layout_s_config(base, layout):
+    """What --plan_for weighs on a mesh (RunShape.with_layout, passes left to the planner and
+    the layers split evenly) is what the config of that layout would plan: RunShape.of a copy
+    of the config with those flags, as the search made its candidates before."""
+    flags = shlex.split(f"--layers 4 --global_batch_size 16 {base}")
+    dp, pp, cp, tp1, tp2, micro = layout
+    run = RunShape.of(small_config(*flags))
+    laid_out = run.with_layout(MeshShape(dp, tp1, tp2, cp, pp), micro, even_stages=True)
+    config = small_config(*flags)
+    config.execution = dataclasses.replace(
+        config.execution,
+        data_parallel=dp,
+        pipeline_parallel=pp,
+        context_parallel=cp,
+        tensor_parallel_1=tp1,
+        tensor_parallel_2=tp2,
+        micro_batch_size=micro,
+        passes=0,
+        pipeline_layers="",
+    )
+    assert laid_out.with_request(passes=0) == RunShape.of(config)
+
+
 def test_layouts_leave_out_steps_of_too_many_micro_batches():
     """131,072 sequences on 2 devices, at most 16,384 micro-batches per replica: a replica of
     dp 2 takes micro-batches of 4 and more, one of dp 1 (tensor, context or pipeline axis of
     2) 8 and more, so no pipeline layout (micro-batches of 1 or 2) is left."""
-    config = small_config("--global_batch_size", "131072")
-    candidates = layouts(config, 2)
-    pairs = {(c.execution.data_parallel, c.execution.micro_batch_size) for c in candidates}
+    candidates = layouts(RunShape.of(small_config("--global_batch_size", "131072")), 2)
+    pairs = {(c.mesh.dp, c.micro_batch_size) for c in candidates}
     assert pairs == {(2, 4), (2, 8), (2, 16), (1, 8), (1, 16)}
-    assert all(c.execution.pipeline_parallel == 1 for c in candidates)
+    assert all(c.mesh.pp == 1 for c in candidates)
 
 
 def test_layouts_of_a_count_with_many_divisors_keep_to_what_the_model_divides():
@@ -220,12 +240,12 @@ def test_layouts_of_a_count_with_many_divisors_keep_to_what_the_model_divides():
     sequences per device: the small model's 4 heads allow tensor_parallel_1 of 1, 2 or 4, and
     with 8 devices a node the tensor and context axes stay within 8; a pipeline only beside
     axes that fill a node, and 720720 = 2^4 x 45045 leaves it 2 of them."""
-    candidates = layouts(small_config("--global_batch_size", str(720720 * 16)), 720720)
+    candidates = layouts(RunShape.of(small_config("--global_batch_size", str(720720 * 16))), 720720)
     assert candidates
     for c in candidates:
-        ex = c.execution
-        inner = ex.tensor_parallel_1 * ex.tensor_parallel_2 * ex.context_parallel
-        assert ex.data_parallel * ex.pipeline_parallel * inner == 720720
-        assert ex.tensor_parallel_1 in (1, 2, 4) and inner in (1, 2, 4, 8)
-        assert ex.pipeline_parallel == 1 or (ex.pipeline_parallel == 2 and inner == 8)
-    assert {c.execution.pipeline_parallel for c in candidates} == {1, 2}
+        mesh = c.mesh
+        inner = mesh.tp1 * mesh.tp2 * mesh.cp
+        assert mesh.world_size == 720720
+        assert mesh.tp1 in (1, 2, 4) and inner in (1, 2, 4, 8)
+        assert mesh.pp == 1 or (mesh.pp == 2 and inner == 8)
+    assert {c.mesh.pp for c in candidates} == {1, 2}

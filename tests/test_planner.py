@@ -20,6 +20,7 @@ from execution.planning.planner import (
     first_fitting_every_stage,
     plans_fitting_every_stage,
 )
+from execution.planning.run_shape import RunShape
 from tests.reference import small_config
 
 UNLIMITED = MemoryBudget(device=None, host=1 << 50)
@@ -32,7 +33,7 @@ def preset(name: str, *flags: str):
 
 
 def test_everything_on_the_device_in_one_pass_when_it_fits():
-    plan = choose_plan(small_config(), "cpu", UNLIMITED)
+    plan = choose_plan(RunShape.of(small_config()), "cpu", UNLIMITED)
     assert plan.passes == 1
     assert plan.placement == Placement("device", "device", "device")
     assert plan.traffic == 0
@@ -44,21 +45,21 @@ def test_tighter_device_memory_moves_state_off_the_device():
     memory shrinks, each chosen plan fits, holds less on the device, moves more bytes over
     the host link, and no plan that fits is estimated faster, or as fast with fewer bytes
     moved. (Full recompute: what each layer keeps is a choice of its own, tested below.)"""
-    config = preset("gpt3_1.3B", "--recompute", "full")
-    rank = RankShape.from_config(config)
+    run = RunShape.of(preset("gpt3_1.3B", "--recompute", "full"))
+    rank = RankShape.of(run)
     one_pass = state_bytes(
         rank, rank.gradient_accumulation, Placement("device", "device", "device")
     )
     everything = sum(one_pass.values())
-    roomy = choose_plan(config, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
+    roomy = choose_plan(run, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
     assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
-    chosen, kernel = [], attention_kernel("cuda", config.model.dropout_prob, rank.dtype)
+    chosen, kernel = [], attention_kernel("cuda", run.model.dropout_prob, rank.dtype)
     for device_gib in (80, 40, 20, 12):
         budget = MemoryBudget(device_gib * GiB, 512 * GiB)
-        plan = choose_plan(config, "cuda", budget)
+        plan = choose_plan(run, "cuda", budget)
         assert budget.fits(plan) and plan.bytes_on("device")["total"] <= device_gib * GiB
-        fitting = [p for p in candidate_plans(config, "cuda") if budget.fits(p)]
-        time = {id(p): step_seconds(config, rank, kernel, p) for p in [plan, *fitting]}
+        fitting = [p for p in candidate_plans(run, "cuda") if budget.fits(p)]
+        time = {id(p): step_seconds(run, rank, kernel, p) for p in [plan, *fitting]}
         assert not any(time[id(p)] < time[id(plan)] for p in fitting)
         ties = [p for p in fitting if time[id(p)] == time[id(plan)]]
         assert not any(p.traffic < plan.traffic for p in ties)
@@ -82,11 +83,11 @@ def test_the_lazy_walk_chooses_what_measuring_every_mode_chooses(flags):
     above what the largest needs (so the fastest modes stop fitting one by one), on every stage, it
     chooses the plan that measuring every mode first chooses; with memory to spare it
     measures one mode."""
-    config = small_config(*shlex.split(flags))
-    stages = range(config.execution.pipeline_parallel)
+    run = RunShape.of(small_config(*shlex.split(flags)))
+    stages = range(run.mesh.pp)
     known = Measurements()  # what both ways measure, measured once
     eager = {
-        s: plans_fitting_every_stage(config, "cuda", UNLIMITED, s, measurements=known)[0]
+        s: plans_fitting_every_stage(run, "cuda", UNLIMITED, s, measurements=known)[0]
         for s in stages
     }
     needs = sorted({p.bytes_on("device")["total"] for plans in eager.values() for p in plans})
@@ -96,46 +97,46 @@ def test_the_lazy_walk_chooses_what_measuring_every_mode_chooses(flags):
         budget = MemoryBudget(device, 1 << 50)
         for stage in stages:
             _, everywhere = plans_fitting_every_stage(
-                config, "cuda", budget, stage, measurements=known
+                run, "cuda", budget, stage, measurements=known
             )
             want = fastest_fitting(everywhere, budget)
-            got = first_fitting_every_stage(config, "cuda", budget, stage, known)
+            got = first_fitting_every_stage(run, "cuda", budget, stage, known)
             assert got == want, (device, stage)
             chosen.add(None if got is None else got.recompute)
     assert {None, "none", "full"} <= chosen  # the walk went past unfitting modes
     measured = Measurements()
-    first_fitting_every_stage(config, "cuda", UNLIMITED, 0, measured)
+    first_fitting_every_stage(run, "cuda", UNLIMITED, 0, measured)
     assert len(measured.working_sets) == 1
 
 
 def test_passes_shrink_activations_to_fit_a_cpu():
     """gpt3_350M (paper global batch 256, micro-batch 8) on 24 GiB: more than one pass."""
-    config = preset("gpt3_350M")
-    plan = choose_plan(config, "cpu", MemoryBudget(None, int(24 * GiB * 0.9)))
+    run = RunShape.of(preset("gpt3_350M"))
+    plan = choose_plan(run, "cpu", MemoryBudget(None, int(24 * GiB * 0.9)))
     assert plan.passes > 1
     assert plan.placement == Placement("device", "device", "device")
-    rank = RankShape.from_config(config)
+    rank = RankShape.of(run)
     per_entry = state_bytes(rank, 1, ALL_DEVICE)["activations"]
     assert plan.state_bytes["activations"] == per_entry * plan.micro_batches_per_pass
 
 
 def test_flags_fix_what_the_planner_may_choose():
     config = small_config("--placement", "remote", "--passes", "2")
-    plans = candidate_plans(config, "cuda", measured=False)
+    plans = candidate_plans(RunShape.of(config), "cuda", measured=False)
     assert {(p.passes, p.placement) for p in plans} == {(2, Placement("host", "host", "host"))}
     mixed = small_config("--placement", "remote", "--grads_placement", "device")
-    assert {p.placement for p in candidate_plans(mixed, "cuda", measured=False)} == {
+    assert {p.placement for p in candidate_plans(RunShape.of(mixed), "cuda", measured=False)} == {
         Placement("host", "device", "host")
     }
     resident = small_config("--placement", "resident")
-    assert {p.placement for p in candidate_plans(resident, "cpu", measured=False)} == {
+    assert {p.placement for p in candidate_plans(RunShape.of(resident), "cpu", measured=False)} == {
         Placement("device", "device", "device")
     }
 
 
 def test_host_traffic_grows_with_passes_only_when_weights_stream():
     config = small_config("--global_batch_size", "16", "--micro_batch_size", "1")
-    plans = candidate_plans(config, "cuda", measured=False)
+    plans = candidate_plans(RunShape.of(config), "cuda", measured=False)
     by = {
         (p.placement.weights, p.placement.grads, p.placement.activations, p.passes): p.traffic
         for p in plans
@@ -148,7 +149,7 @@ def test_host_traffic_grows_with_passes_only_when_weights_stream():
 def test_a_misfit_names_the_least_memory_and_the_flags_that_fit():
     config = preset("gpt3_6.7B")
     with pytest.raises(ConfigError) as err:
-        choose_plan(config, "cpu", MemoryBudget(None, 20 * GiB))
+        choose_plan(RunShape.of(config), "cpu", MemoryBudget(None, 20 * GiB))
     message = str(err.value)
     assert "\n" not in message
     assert "needs at least" in message and "20.0 GiB of host memory" in message
@@ -156,7 +157,7 @@ def test_a_misfit_names_the_least_memory_and_the_flags_that_fit():
 
 
 def test_plan_description_lists_every_state():
-    plan = choose_plan(small_config(), "cpu", UNLIMITED)
+    plan = choose_plan(RunShape.of(small_config()), "cpu", UNLIMITED)
     text = plan.describe()
     for key in ("plan: 1 pass(es)", "weights", "optimizer", "grads", "activations", "working_set"):
         assert key in text
@@ -173,11 +174,11 @@ def test_passes_beyond_the_micro_batches_are_an_error():
 def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed():
     """One pass of gpt3_350M's 32 micro-batches does not fit 21 GiB; the planner's own passes
     would, so that is the first suggestion (before any extra processes)."""
-    config = preset("gpt3_350M", "--passes", "1")
+    budget = MemoryBudget(None, 21 * GiB)
     with pytest.raises(ConfigError) as err:
-        choose_plan(config, "cpu", MemoryBudget(None, 21 * GiB))
+        choose_plan(RunShape.of(preset("gpt3_350M", "--passes", "1")), "cpu", budget)
     assert "it would fit without --passes 1 or with --" in str(err.value)
-    assert choose_plan(preset("gpt3_350M"), "cpu", MemoryBudget(None, 21 * GiB)).passes > 1
+    assert choose_plan(RunShape.of(preset("gpt3_350M")), "cpu", budget).passes > 1
 
 
 @pytest.mark.slow
@@ -190,7 +191,6 @@ def test_host_traffic_is_what_the_engine_copies(passes):
     import torch
 
     from execution.engine.engine import PhasedEngine
-    from execution.engine.plan import engine_plan
     from execution.parallel.mesh import ParallelLayout
 
     run = shlex.split(
@@ -202,8 +202,9 @@ def test_host_traffic_is_what_the_engine_copies(passes):
         for state, place in zip(("weights", "grads", "activations"), where, strict=True):
             placement += [f"--{state}_placement", place]
         config = small_config(*run, *placement)
-        plan = candidate_plans(config, "cuda", measured=False)[0]  # traffic: no working set
-        engine = PhasedEngine(engine_plan(config, plan), ParallelLayout.shapes_only(1, 2, 1))
+        shape_of_run = RunShape.of(config)
+        plan = candidate_plans(shape_of_run, "cuda", measured=False)[0]  # traffic: no working set
+        engine = PhasedEngine(shape_of_run.engine_plan(plan), ParallelLayout.shapes_only(1, 2, 1))
         shape = (3, 2, config.model.sequence_length + 1)
         tokens = torch.zeros(shape, dtype=torch.long, device="meta")
         engine.train_step(tokens, 0, 1e-3)
@@ -241,7 +242,7 @@ def test_the_planned_working_set_holds_however_many_micro_batches_share_a_pass(r
         with StepMeter() as meter:
             engine.train_step(batch, 0, 1e-3)
         peaks[passes] = meter.peak
-    planned = measured_working_set(config, "cpu", recompute)
+    planned = measured_working_set(RunShape.of(config), "cpu", recompute)
     assert max(peaks.values()) <= planned + 64, (planned, peaks)
 
 
@@ -276,7 +277,7 @@ def test_a_step_of_too_many_micro_batches_is_refused_in_one_line():
     and 16,384 x 4 = 65,536 sequences the most the planner takes (65,540 is refused)."""
     config = preset("tiny", "--global_batch_size", "1000000000")
     with pytest.raises(ConfigError) as err:
-        candidate_plans(config, "cuda", measured=False)
+        candidate_plans(RunShape.of(config), "cuda", measured=False)
     message = str(err.value)
     assert "\n" not in message
     assert "is 250,000,000 micro-batches per replica per step" in message
@@ -284,6 +285,6 @@ def test_a_step_of_too_many_micro_batches_is_refused_in_one_line():
     assert "use --global_batch_size at most 65,536" in message
     # 129 int64 tokens per sequence: 10^9 x 129 x 8 bytes.
     assert "1,032.0 GB here" in message
-    check_micro_batches(preset("tiny", "--global_batch_size", "65536"))
+    check_micro_batches(RunShape.of(preset("tiny", "--global_batch_size", "65536")))
     with pytest.raises(ConfigError, match="at most 65,536"):
-        check_micro_batches(preset("tiny", "--global_batch_size", "65540"))
+        check_micro_batches(RunShape.of(preset("tiny", "--global_batch_size", "65540")))

@@ -23,6 +23,7 @@ from execution.planning.measure import recompute_flops
 from execution.planning.memory import MemoryBudget, RankShape, host_traffic
 from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import candidate_plans, choose_plan
+from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
 from modelling.gpt import GPTShapes
 from modelling.layers import BlockSeeds
@@ -83,7 +84,7 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
         if mode != "full":
             assert plan.kept > 0 and engine.kept.overflow == 0
             assert engine.kept.largest == plan.kept
-        rank = RankShape.from_config(config)
+        rank = RankShape.of(RunShape.of(config))
         kept = rank.kept(mode, attention_kernel("cpu", 0.1, torch.float32))
         entries = plan.micro_batches_per_pass
         want = host_traffic(rank, plan.placement, plan.passes, entries, kept)
@@ -97,7 +98,7 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
         for state in ("grads", "weights", "exp_avg_sq"):
             assert_states_close(run[state], reference[state], TOLERANCE, f"{mode} {state}")
     # The backward recomputes the layer (full), its attention core (selective) or nothing.
-    rank = RankShape.from_config(small_config(*FLAGS, "--placement", placement))
+    rank = RankShape.of(RunShape.of(small_config(*FLAGS, "--placement", placement)))
     layers, micro_batches = rank.shapes.layers, rank.gradient_accumulation
     for mode in ("full", "selective"):
         extra = runs[mode]["flops"] - runs["none"]["flops"]
@@ -114,12 +115,12 @@ def test_auto_weighs_recompute_against_memory_and_the_host_link():
     costs less than its activations' copies); and what it picks is the fastest plan that
     fits by the planner's own estimate."""
     roomy = MemoryBudget(device=None, host=1 << 50)
-    assert choose_plan(small_config(*FLAGS), "cpu", roomy).recompute == "none"
-    hosted = small_config(*FLAGS, "--activations_placement", "host")
+    assert choose_plan(RunShape.of(small_config(*FLAGS)), "cpu", roomy).recompute == "none"
+    hosted = RunShape.of(small_config(*FLAGS, "--activations_placement", "host"))
     gpu = MemoryBudget(device=1 << 40, host=1 << 40)
     plan = choose_plan(hosted, "cuda", gpu)
     assert plan.recompute == "full"
-    rank = RankShape.from_config(hosted)
+    rank = RankShape.of(hosted)
     kernel = attention_kernel("cuda", 0.1, rank.dtype)
     plans = candidate_plans(hosted, "cuda")
     assert {p.recompute for p in plans} == set(MODES)

@@ -32,6 +32,7 @@ from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.selection import select_largest, sort_keys
 from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
 from modelling.gpt import LAYERS, GPTShapes, part_inits
 from modelling.hf_interchange import hf_name
 from modelling.sparsity import (
@@ -141,7 +142,7 @@ def expected(*flags: str) -> dict:
 
 def _engine_run(config, layout: ParallelLayout) -> dict:
     """Trains the engine on ``layout``; the unsharded weights and masks (collective)."""
-    engine = planned_engine(config, layout)
+    engine = planned_engine(RunShape.of(config), layout)
     train_steps(engine, global_batches(config, STEPS), layout.dp.rank)
     return {"weights": full_state(engine, "weights"), "masks": engine.rigl.logical_masks()}
 
@@ -193,7 +194,7 @@ def test_dp2_tp2_tp2_matches_plain_rigl(tmp_path):
 
 def _pipeline_rank(config) -> dict:
     layout = world_layout(config)
-    engine = planned_engine(config, layout)
+    engine = planned_engine(RunShape.of(config), layout)
     train_steps(engine, global_batches(config, STEPS), layout.dp.rank)
     masks = engine.rigl.logical_masks()
     return masks if layout.tp1.rank == layout.tp2.rank == layout.dp.rank == 0 else {}
@@ -299,7 +300,7 @@ def _train_range(engine, batches, start: int, stop: int, dp_rank: int) -> None:
 
 def _saved_run(config, folder) -> dict:
     """One process: trains SAVED_AT steps, saves, trains on; its final state."""
-    engine = planned_engine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(CPU))
     batches = global_batches(config, STEPS)
     _train_range(engine, batches, 0, SAVED_AT, 0)
     checkpointer = Checkpointer(folder, engine, config)
@@ -314,7 +315,7 @@ def _resumed_rank(config, folder) -> dict:
 
 
 def _resumed(config, folder, layout: ParallelLayout) -> dict:
-    engine = planned_engine(config, layout)
+    engine = planned_engine(RunShape.of(config), layout)
     trainer = load_checkpoint(folder, engine)
     _train_range(engine, global_batches(config, STEPS), trainer["step"], STEPS, layout.dp.rank)
     out = {"weights": full_state(engine, "weights"), "masks": engine.rigl.logical_masks()}
@@ -342,12 +343,12 @@ def test_resume_on_another_layout_within_tolerance(tmp_path):
 
 def test_dense_checkpoint_loads_into_a_sparse_run_pruned(tmp_path):
     dense = small_config("--steps", "8")
-    engine = planned_engine(dense, ParallelLayout.single(CPU))
+    engine = planned_engine(RunShape.of(dense), ParallelLayout.single(CPU))
     _train_range(engine, global_batches(dense, STEPS), 0, 1, 0)
     checkpointer = Checkpointer(tmp_path / "dense", engine, dense)
     checkpointer.save(1, None)
     checkpointer.close()
-    sparse = planned_engine(small_config(*RIGL), ParallelLayout.single(CPU))
+    sparse = planned_engine(RunShape.of(small_config(*RIGL)), ParallelLayout.single(CPU))
     load_checkpoint(tmp_path / "dense", sparse)
     weights, masks = full_state(sparse, "weights"), sparse.rigl.logical_masks()
     for key, mask in masks.items():
@@ -356,7 +357,7 @@ def test_dense_checkpoint_loads_into_a_sparse_run_pruned(tmp_path):
 
 def test_hf_export_writes_the_zeros_and_generation_runs(tmp_path, capsys):
     config = small_config(*RIGL, "--vocab_size", "50257", "--layers", "1")
-    engine = planned_engine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(CPU))
     # An update after step 4; its grown weights start at zero and step 5 moves them.
     _train_range(engine, global_batches(config, STEPS), 0, 5, 0)
     masks = engine.rigl.logical_masks()
@@ -408,7 +409,7 @@ def test_tiny_at_90_percent_keeps_its_density_at_every_logged_step(tmp_path):
 @pytest.mark.parametrize("placement", ["resident", "remote"])
 def test_the_plan_counts_the_mask_bytes_the_store_allocates(placement):
     config = small_config(*RIGL, "--placement", placement)
-    engine = planned_engine(config, ParallelLayout.single(CPU))
+    engine = planned_engine(RunShape.of(config), ParallelLayout.single(CPU))
     planned = engine.memory.state_bytes["masks"]
     sparse = sum(
         math.prod(i.shape)
@@ -418,7 +419,7 @@ def test_the_plan_counts_the_mask_bytes_the_store_allocates(placement):
     assert planned == engine.buffer_bytes()["masks"] == sparse * config.model.layers
     where = "device" if placement == "resident" else "host"
     assert engine.memory.bytes_on(where)["masks"] == planned
-    dense = planned_engine(small_config(), ParallelLayout.single(CPU))
+    dense = planned_engine(RunShape.of(small_config()), ParallelLayout.single(CPU))
     assert "masks" not in dense.memory.state_bytes and dense.rigl is None
 
 

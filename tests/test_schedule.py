@@ -10,9 +10,10 @@ from config.schema import OptimizerConfig, PretrainingConfig
 from execution.engine.engine import PhasedEngine
 from execution.engine.phases import schedule
 from execution.engine.phases.schedule import Stage, evaluation_phases, training_phases
-from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
+from execution.engine.plan import EnginePlan, MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
 from modelling.gpt import GPTShapes
 from tests.distributed import CPU, engine_batch, global_batches
 from tests.reference import small_config
@@ -107,7 +108,7 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
     """A plan written out by hand, with no config anywhere, gives the engine the config's
     run: the same losses and weights, bit for bit. The engine keeps no config."""
     config = small_config("--layers", "2", "--precision", "float32", "--passes", "2")
-    planned, _ = plan_for_process(config, ParallelLayout.single(CPU))
+    planned, _ = plan_for_process(RunShape.of(config), ParallelLayout.single(CPU))
     by_hand = EnginePlan(
         model=GPTShapes(
             layers=2,
@@ -143,11 +144,9 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
         ),
     )
     memory = dataclasses.replace(planned, passes=2, placement=by_hand.memory.placement)
-    assert engine_plan(config, memory) == dataclasses.replace(by_hand, memory=memory)
-    engines = [
-        PhasedEngine(plan, ParallelLayout.single(CPU))
-        for plan in (by_hand, engine_plan(config, memory))
-    ]
+    from_run = RunShape.of(config).engine_plan(memory)
+    assert from_run == dataclasses.replace(by_hand, memory=memory)
+    engines = [PhasedEngine(plan, ParallelLayout.single(CPU)) for plan in (by_hand, from_run)]
     batches = global_batches(config, 2)
     losses = [
         [e.train_step(engine_batch(e, batches[s], 0), s, 1e-3).loss for s in range(2)]

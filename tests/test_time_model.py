@@ -13,6 +13,7 @@ from config.loading import parse_config
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
 from execution.planning.measure import Window
+from execution.planning.run_shape import RunShape
 from execution.planning.time_model import (
     PHASE_COSTS,
     estimate_step,
@@ -102,7 +103,7 @@ def test_a_pipeline_dry_run_gives_every_rank_the_pipeline_s_step(tmp_path):
 
     flags = "--config tiny --pipeline_parallel 2 --micro_batch_size 1 --passes 4 --dry_run"
     config, _ = parse_config(shlex.split(flags + " --device_spec h100_sxm"))
-    ranks = dry_run(config, tmp_path)["ranks"]
+    ranks = dry_run(RunShape.of(config), tmp_path)["ranks"]
     assert len(ranks) == 2 and len({r["step_time_s"] for r in ranks}) == 1
     first, last = ranks
     assert first["bubble_s"] > last["bubble_s"] > 0
@@ -168,7 +169,9 @@ def test_a_dry_run_counts_the_elements_of_the_weights_on_the_host():
     measured = dataclasses.replace(sheet, host_adamw_elements_per_s=1e9)
     planning = Measurements()
     index = PHASE_COSTS.index("host_optimizer_s")
-    by_sheet, by_rate = (measure_rank(config, 0, s, planning) for s in (sheet, measured))
+    by_sheet, by_rate = (
+        measure_rank(RunShape.of(config), 0, s, planning) for s in (sheet, measured)
+    )
     elements = by_rate.buffer_bytes["weights"] // 4
     assert by_rate.plan.placement.weights == "host" and elements > 0
     assert by_rate.phases["optimizer"][index] == pytest.approx(elements / 1e9, rel=1e-9)
@@ -226,8 +229,8 @@ def test_a_dry_run_prices_the_update_behind_the_next_step_where_it_runs_there():
         flags = (
             f"--config tiny --device cpu --placement remote --passes 1 --overlap_update {choice}"
         )
-        config, _ = parse_config(shlex.split(flags))
-        return estimate(config, measure_rank(config, 0, spec, Measurements()), spec)
+        run = RunShape.of(parse_config(shlex.split(flags))[0])
+        return estimate(run, measure_rank(run, 0, spec, Measurements()), spec)
 
     sheet = dataclasses.replace(SPECS["h100_sxm"], host_adamw_elements_per_s=1e8)
     serial, behind = step(sheet, "false"), step(sheet, "auto")

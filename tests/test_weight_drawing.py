@@ -15,7 +15,7 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import MemoryPlan, Placement, engine_plan
+from execution.engine.plan import MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard
 from modelling.gpt import INIT_TILE, LAYERS, PARTS, GPTShapes, init_full_part
@@ -25,6 +25,8 @@ from tests.reference import small_config, unpadded
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 import baselines
+
+from execution.planning.run_shape import RunShape
 
 SEED, STD = 11, 0.02
 WORKERS = 3  # more threads than this machine's cores: finishing order is up to the OS
@@ -101,7 +103,9 @@ def test_the_baselines_meta_built_model_holds_the_engines_initial_weights():
         traffic=0,
         shared_memory=True,
     )
-    engine = PhasedEngine(engine_plan(config, memory), ParallelLayout.single(torch.device("cpu")))
+    engine = PhasedEngine(
+        RunShape.of(config).engine_plan(memory), ParallelLayout.single(torch.device("cpu"))
+    )
     model = baselines.initial_model(config)
     ours = full_state(engine)
     theirs = model.state_dict()

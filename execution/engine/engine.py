@@ -77,7 +77,8 @@ class PhasedEngine:
     """Owns the buffers of one rank and runs training and evaluation steps phase by phase.
 
     Args:
-        plan: How this rank executes (:func:`~execution.engine.plan.engine_plan`); the
+        plan: How this rank executes
+            (:meth:`~execution.planning.run_shape.RunShape.engine_plan`); the
             engine reads nothing else.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
     """

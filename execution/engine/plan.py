@@ -3,7 +3,8 @@ where each state lives.
 
 The engine requires one (:class:`EnginePlan`) and reads nothing else: no config.
 :mod:`execution.planning` makes it (the planner chooses the passes and places that fit and run
-fastest, the dry run measures them); :func:`engine_plan` joins the run's settings to them. The
+fastest, the dry run measures them);
+:meth:`~execution.planning.run_shape.RunShape.engine_plan` joins the run's settings to them. The
 byte figures a :class:`MemoryPlan` carries are the planner's, for reporting: the engine
 allocates its buffers from its own formulas, which the planner reads.
 """
@@ -16,10 +17,9 @@ from typing import TYPE_CHECKING
 
 from modelling.gpt import GPTShapes
 from modelling.sparsity import SparsitySchedule
-from tasks.specs import run_shapes
 
-if TYPE_CHECKING:  # the config is read once, by engine_plan; the engine never sees it
-    from config.schema import OptimizerConfig, PretrainingConfig
+if TYPE_CHECKING:  # the engine never sees the config, only the optimizer's settings
+    from config.schema import OptimizerConfig
 
 # The states a plan places, each on the compute device or in host memory.
 PLACED_STATES = ("weights", "grads", "activations")
@@ -169,25 +169,3 @@ class EnginePlan:
             model=dataclasses.replace(self.model, layers=layers),
             stage_layers=(layers,),
         )
-
-
-def engine_plan(config: PretrainingConfig, memory: MemoryPlan) -> EnginePlan:
-    """The plan of a run: its settings joined to the planner's passes and placement."""
-    ex, training = config.execution, config.training
-    return EnginePlan(
-        model=run_shapes(config),
-        sequence_length=config.model.sequence_length,
-        micro_batch_size=ex.micro_batch_size,
-        gradient_accumulation=config.gradient_accumulation,
-        stage_layers=tuple(config.stage_layers),
-        precision=training.precision,
-        prefetch=ex.prefetch,
-        overlap_communication=ex.overlap_communication,
-        seed=training.seed,
-        init_std=config.model.init_std,
-        loss_scaling=training.loss_scaling,
-        optimizer=training.optimizer,
-        memory=memory,
-        sparsity=SparsitySchedule.of(config.rigl, training.steps),
-        overlap_update=ex.overlap_update,
-    )

@@ -72,12 +72,13 @@ class MeshShape:
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp1 * self.tp2
 
-    def describe(self) -> str:
+    def describe(self, split_only: bool = False) -> str:
         """The layout sentence: ``dp 2 x pp 1 x cp 1 x tp1 2 x tp2 1``, in the rank formula's
-        order."""
+        order; ``split_only``: only the axes of more than one rank (``dp 2 x tp1 2``; empty
+        for one process), where a short label tells layouts apart."""
         sizes = (("dp", self.dp), ("pp", self.pp), ("cp", self.cp))
         sizes += (("tp1", self.tp1), ("tp2", self.tp2))
-        return " x ".join(f"{axis} {size}" for axis, size in sizes)
+        return " x ".join(f"{axis} {size}" for axis, size in sizes if size > 1 or not split_only)
 
     def rank(self, d: int, p: int, c: int, i: int, j: int) -> int:
         return (((d * self.pp + p) * self.cp + c) * self.tp1 + i) * self.tp2 + j

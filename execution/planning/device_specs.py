@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.loading import ConfigError
-from config.schema import PretrainingConfig
+from config.schema import ExecutionConfig
+from config.schema_run import PlanningConfig
 
 
 @dataclass(frozen=True)
@@ -318,10 +319,11 @@ def spec_file_dict(spec: DeviceSpec) -> dict:
     return fields
 
 
-def resolve_spec(config: PretrainingConfig) -> DeviceSpec:
+def resolve_spec(planning: PlanningConfig, execution: ExecutionConfig) -> DeviceSpec:
     """The ``--device_spec`` entry, measured numbers of ``--device_spec_file`` on top, then every
-    non-zero override flag."""
-    p, ex = config.planning, config.execution
+    non-zero override flag (of the planning section, and the execution section's memory and
+    peak)."""
+    p, ex = planning, execution
     base = SPECS[p.device_spec]
     if p.device_spec_file:
         base = read_spec_file(p.device_spec_file, base)

@@ -25,22 +25,22 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES, held_chunks
 from execution.engine.engine import PhasedEngine
 from execution.engine.phases.recompute import attention_kernel
 from execution.engine.phases.schedule import Stage
-from execution.engine.plan import EnginePlan, MemoryPlan, engine_plan
+from execution.engine.plan import EnginePlan, MemoryPlan
 from execution.engine.storage.buffers import DTYPES, WEIGHT_STATES, ActivationLayout, flat_specs
 from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
-from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.device_specs import DeviceSpec
 from execution.planning.dry_run_report import STATE_KEYS, fit_line, format_report
 from execution.planning.measure import Measurements, meta_step
 from execution.planning.memory import spec_budget
 from execution.planning.pipeline_figures import bubble_fraction
 from execution.planning.planner import choose_or_least
+from execution.planning.run_shape import RunShape
 from execution.planning.time_model import (
     axis_traffic,
     estimate_step,
@@ -48,7 +48,6 @@ from execution.planning.time_model import (
     pipeline_step,
 )
 from modelling.gpt import EMBEDDING, PARTS
-from tasks.specs import run_shapes
 from utils.metrics import flops_per_token
 
 META = torch.device("meta")
@@ -56,15 +55,13 @@ META = torch.device("meta")
 COMMUNICATING_AXES = ("dp", "pp", "embedding", "cp", "tp1", "tp2", "dp_cp", "dp_tp1", "dp_tp2")
 
 
-def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[int]]:
+def rank_kinds(run: RunShape, devices_per_node: int) -> list[list[int]]:
     """Ranks grouped by pipeline stage (its layers, parts and passes in flight), by the
     shapes of their tensor-parallel shards (so of every buffer and activation) and by how many
     nodes each of their groups spans (so the speed of each collective). Padding keeps the
     vocabulary and position shards equal, so layouts whose groups align with nodes have one
     kind per stage; ranks of a kind differ only in values."""
-    ex = config.execution
-    shapes = run_shapes(config, ex.tensor_parallel_1, ex.tensor_parallel_2)
-    mesh = _mesh(config)
+    shapes, mesh = run.shards(), run.mesh
 
     @functools.cache
     def shard_signature(i: int, j: int) -> tuple:
@@ -86,10 +83,6 @@ def rank_kinds(config: PretrainingConfig, devices_per_node: int) -> list[list[in
     return list(kinds.values())
 
 
-def _mesh(config: PretrainingConfig) -> MeshShape:
-    return MeshShape.of(config.execution)
-
-
 @dataclass(kw_only=True)
 class RankMeasurement:
     """What one real training step of one rank did, measured on meta tensors."""
@@ -107,19 +100,19 @@ class RankMeasurement:
 
 
 def measure_planned_step(
-    config: PretrainingConfig,
+    run: RunShape,
     plan: MemoryPlan,
     spec: DeviceSpec,
     measurements: Measurements | None = None,
     whole_step: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> RankMeasurement:
-    """Set-up and one training step of this fake job's rank under ``config`` and ``plan``
+    """Set-up and one training step of this fake job's rank under ``run`` and ``plan``
     (:func:`measure_step`; ``whole_step``: every micro-batch and layer stepped, however many;
     ``progress``: told what is being measured)."""
     if whole_step:
-        return measure_engine_step(engine_plan(config, plan), _mesh(config), spec, measurements)
-    return measure_step(engine_plan(config, plan), _mesh(config), spec, measurements, progress)
+        return measure_engine_step(run.engine_plan(plan), run.mesh, spec, measurements)
+    return measure_step(run.engine_plan(plan), run.mesh, spec, measurements, progress)
 
 
 def measure_step(
@@ -271,7 +264,7 @@ def measure_engine_step(
 
 
 def checkpoint_figures(
-    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, rank: int = 0
+    run: RunShape, plan: MemoryPlan, spec: DeviceSpec, rank: int = 0
 ) -> dict[str, float]:
     """What saving a checkpoint costs ``rank`` (:mod:`execution.checkpoint.save`).
 
@@ -280,8 +273,7 @@ def checkpoint_figures(
     first copied to host memory (staged: the training loop waits for that copy); state on the
     host is written from its buffers, one chunk copied at a time.
     """
-    mesh = _mesh(config)
-    shapes = run_shapes(config, mesh.tp1, mesh.tp2)
+    mesh, shapes = run.mesh, run.shards()
     specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
     rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
@@ -293,7 +285,7 @@ def checkpoint_figures(
     }
     # A stage writes the rows it holds; the last stage's copy of the tied embedding is the
     # first stage's to write.
-    stage = Stage.of(config.stage_layers, coords["p"], bool(config.task))
+    stage = Stage.of(run.stage_layers, coords["p"], run.model.task_head is not None)
     rows = {p: stage.rows(p) for p in PARTS}
     if stage.count > 1 and not stage.is_first:
         rows[EMBEDDING] = 0
@@ -311,7 +303,7 @@ def checkpoint_figures(
 
 
 def measure_rank(
-    config: PretrainingConfig,
+    run: RunShape,
     rank: int,
     spec: DeviceSpec,
     measurements: Measurements | None = None,
@@ -320,36 +312,36 @@ def measure_rank(
     """The planner's plan for ``rank`` on ``spec`` and its measured step; whether it fits
     (``progress``: told what is being done)."""
     progress = progress or (lambda _: None)
-    budget = spec_budget(config, spec)  # the rule a real run plans by
-    stage = _mesh(config).coords(rank)["p"]
+    budget = spec_budget(run, spec)  # the rule a real run plans by
+    stage = run.mesh.coords(rank)["p"]
     progress("planning")
-    plan, planned_fit = choose_or_least(config, budget, stage, measurements)
-    with fake_job(rank, config.world_size):
-        m = measure_planned_step(config, plan, spec, measurements, progress=progress)
+    plan, planned_fit = choose_or_least(run, budget, stage, measurements)
+    with fake_job(rank, run.world_size):
+        m = measure_planned_step(run, plan, spec, measurements, progress=progress)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured
     m.fits = planned_fit and budget.fits(m.plan)
     m.why = fit_line(m.plan, budget, planned_fit)
     return m
 
 
-def estimate(config: PretrainingConfig, m: RankMeasurement, spec: DeviceSpec) -> dict:
+def estimate(run: RunShape, m: RankMeasurement, spec: DeviceSpec) -> dict:
     """Step time, its breakdown (:func:`~execution.planning.time_model.estimate_step`) and MFU
     from a rank's measurements."""
     passes = m.plan.passes
-    stages = config.execution.pipeline_parallel
+    stages = run.mesh.pp
     out = estimate_step(m.phases, stages, passes, spec)
-    model_flops = flops_per_token(run_shapes(config), config.model.sequence_length)
-    per_rank = model_flops * config.tokens_per_step / config.world_size
+    model_flops = flops_per_token(run.model, run.sequence_length)
+    per_rank = model_flops * run.tokens_per_step / run.world_size
     out["mfu"] = per_rank / (out["step_time_s"] * spec.peak_tflops * 1e12)
     out["bubble"] = bubble_fraction(stages, passes)
     return out
 
 
-def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
+def dry_run(run: RunShape, output_dir: Path) -> dict:
     """Measures every kind of rank, prints the report and writes ``plan.json``."""
-    spec = resolve_spec(config)
+    spec = run.spec
     entries, measurements = [], Measurements()
-    kinds = rank_kinds(config, spec.devices_per_node)
+    kinds = rank_kinds(run, spec.devices_per_node)
     # On a terminal only (disable=None), and cleared when done: what stays is the report.
     progress = tqdm(
         total=len(kinds), desc="dry run", unit="kind", file=sys.stderr, disable=None, leave=False
@@ -357,12 +349,12 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     with progress:
         for ranks in kinds:
             progress.set_description(f"dry run: rank {ranks[0]} (for {len(ranks)} ranks)")
-            entries.append(_entry(config, ranks, spec, measurements, progress.set_postfix_str))
+            entries.append(_entry(run, ranks, spec, measurements, progress.set_postfix_str))
             progress.update()
-    if config.execution.pipeline_parallel > 1:
-        _pipeline_estimates(config, entries)
+    if run.mesh.pp > 1:
+        _pipeline_estimates(run.mesh, entries)
     report = {
-        "world_size": config.world_size,
+        "world_size": run.world_size,
         "device_spec": vars(spec),
         "plan": entries[0]["plan"],
         "ranks": entries,
@@ -370,20 +362,20 @@ def dry_run(config: PretrainingConfig, output_dir: Path) -> dict:
     }
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "plan.json").write_text(json.dumps(report, indent=2))
-    print(format_report(config, report))
+    print(format_report(run, report))
     print(f"written: {output_dir / 'plan.json'}")
     return report
 
 
 def _entry(
-    config: PretrainingConfig,
+    run: RunShape,
     ranks: list[int],
     spec: DeviceSpec,
     measurements: Measurements,
     progress: Callable[[str], None],
 ) -> dict:
     """One kind of rank's figures in ``plan.json``, measured on its first rank."""
-    m = measure_rank(config, ranks[0], spec, measurements, progress)
+    m = measure_rank(run, ranks[0], spec, measurements, progress)
     device, host = m.plan.bytes_on("device"), m.plan.bytes_on("host")
     return {
         "ranks": ranks,
@@ -391,19 +383,18 @@ def _entry(
         "device_bytes": {k: device[k] for k in STATE_KEYS if k in device},
         "comm_bytes": m.comm_bytes,
         "flops_per_step": m.flops,
-        "checkpoint": checkpoint_figures(config, m.plan, spec, ranks[0]),
-        **estimate(config, m, spec),
+        "checkpoint": checkpoint_figures(run, m.plan, spec, ranks[0]),
+        **estimate(run, m, spec),
         "fits": m.fits,
         "why": m.why,
         "plan": _plan_dict(m.plan),
     }
 
 
-def _pipeline_estimates(config: PretrainingConfig, entries: list[dict]) -> None:
+def _pipeline_estimates(mesh: MeshShape, entries: list[dict]) -> None:
     """Each rank's step, bubble and MFU as the whole pipeline sets them
     (:func:`~execution.planning.time_model.pipeline_step`): a stage that holds more (the head's
     vocabulary matmuls, say) sets the pace, and the others wait for it."""
-    mesh = _mesh(config)
     stages: dict[int, list[dict]] = {}
     for entry in entries:
         stages.setdefault(mesh.coords(entry["ranks"][0])["p"], []).append(entry)

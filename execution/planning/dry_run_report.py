@@ -3,10 +3,13 @@ figures (:func:`execution.planning.dry_run.dry_run` measures them)."""
 
 from __future__ import annotations
 
-from config.schema import PretrainingConfig
+from typing import TYPE_CHECKING
+
 from execution.engine.plan import GiB, MemoryPlan
-from execution.parallel.mesh_shape import MeshShape
 from execution.planning.memory import MemoryBudget
+
+if TYPE_CHECKING:
+    from execution.planning.run_shape import RunShape
 
 # The states a report shows per kind of rank, in order.
 STATE_KEYS = (
@@ -21,14 +24,15 @@ STATE_KEYS = (
 )
 
 
-def format_report(config: PretrainingConfig, report: dict) -> str:
+def format_report(run: RunShape, report: dict) -> str:
     """The console table: one block per kind of rank, then the verdict."""
-    ex, spec = config.execution, report["device_spec"]
+    spec = report["device_spec"]
     lines = [
-        f"dry run: {config.model.layers} layers x {config.model.hidden_size}, "
-        f"{MeshShape.of(ex).describe()} = {report['world_size']} ranks of {spec['name']} ({spec['peak_tflops']:g} TFLOPS, "
+        f"dry run: {run.model.layers} layers x {run.model.hidden}, "
+        f"{run.mesh.describe()} = {report['world_size']} ranks of {spec['name']} "
+        f"({spec['peak_tflops']:g} TFLOPS, "
         f"{spec['memory_gb']:g} GiB, host {spec['host_memory_gb']:g} GiB), "
-        f"global batch {config.training.global_batch_size} x {config.model.sequence_length}"
+        f"global batch {run.global_batch_size} x {run.sequence_length}"
     ]
     for entry in report["ranks"]:
         plan = entry["plan"]

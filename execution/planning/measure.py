@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from config.schema import OptimizerConfig, PretrainingConfig
+from config.schema import OptimizerConfig
 from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.phases.recompute import (
     attention_kernel,
@@ -26,11 +26,12 @@ from execution.engine.phases.recompute import (
     meta_block,
 )
 from execution.engine.phases.schedule import Phase, weights_loaded
-from execution.engine.plan import EnginePlan, MemoryPlan, Placement, engine_plan
+from execution.engine.plan import EnginePlan, MemoryPlan, Placement
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
 from execution.planning.op_costs import OpCosts
+from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import MetaResults, StepMeter
 from modelling.layers import BlockSeeds
 
@@ -229,7 +230,7 @@ class Measurements:
 
 
 def measured_working_set(
-    config: PretrainingConfig,
+    run: RunShape,
     device_type: str,
     recompute: str = "full",
     measurements: Measurements | None = None,
@@ -250,18 +251,17 @@ def measured_working_set(
     """
     measurements = measurements or Measurements()
     known = measurements.working_sets
-    ex = config.execution
-    layers = min(3, config.model.layers)
-    whole = RankShape.from_config(config, layer_memo=measurements.layers)
-    kernel = attention_kernel(device_type, config.model.dropout_prob, whole.dtype)
-    # Keyed by what is measured: configs that differ only in layers or micro-batches share it.
+    layers = min(3, run.model.layers)
+    whole = RankShape.of(run, layer_memo=measurements.layers)
+    kernel = attention_kernel(device_type, run.model.dropout_prob, whole.dtype)
+    # Keyed by what is measured: runs that differ only in layers or micro-batches share it.
     rank = dataclasses.replace(
         whole,
         shapes=dataclasses.replace(whole.shapes, layers=layers),
         gradient_accumulation=2,
         stage=None,  # one stage of a pipeline runs a subset of the whole model's phases
     )
-    key = (rank, kernel, ex.prefetch, ex.overlap_communication, recompute)
+    key = (rank, kernel, run.prefetch, run.overlap_communication, recompute)
     if key not in known:
         host = Placement("host", "host", "host")
         kept = rank.kept(recompute, kernel).entry
@@ -276,9 +276,9 @@ def measured_working_set(
             recompute=recompute,
             kept=kept,
         )
-        plan = engine_plan(config, memory).shrunk(layers, micro_batches=2, passes=2)
-        mesh = (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
-        layout = ParallelLayout.shapes_only(*mesh, cp=ex.context_parallel)
+        plan = run.engine_plan(memory).shrunk(layers, micro_batches=2, passes=2)
+        mesh = run.mesh  # without its pipeline axis, as the rank's stage above
+        layout = ParallelLayout.shapes_only(mesh.dp, mesh.tp1, mesh.tp2, cp=mesh.cp)
         known[key] = meta_step(plan, layout, kernel, measurements).working_set
     return known[key]
 

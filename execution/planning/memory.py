@@ -29,11 +29,11 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from config.errors import ConfigError
-from config.schema import PretrainingConfig
 from execution.engine.phases.recompute import KeptBytes, attention_kernel, kept_bytes
 from execution.engine.phases.schedule import Stage
 from execution.engine.plan import GiB, MemoryPlan, Placement
@@ -52,7 +52,9 @@ from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.parallel.sharding import rts_sizes
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
-from tasks.specs import run_shapes
+
+if TYPE_CHECKING:
+    from execution.planning.run_shape import RunShape
 
 # Host memory the planner leaves to the interpreter, torch and the data loader.
 HOST_HEADROOM = 0.10
@@ -103,19 +105,17 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def device_reserve(config: PretrainingConfig, device_type: str) -> int:
+def device_reserve(run: RunShape, device_type: str) -> int:
     """Device bytes a run allocates outside its plan, which its budget leaves free: the cuBLAS
     workspaces and one attention backward's workspace at this rank's shapes (one runs at a
     time; its heads are a tp1 shard's, over cp ranks' whole sequence). 0 on a CPU."""
     if device_type != "cuda":
         return 0
-    model, ex = config.model, config.execution
-    dtype = DTYPES[config.training.precision]
-    kernel = attention_kernel(device_type, model.dropout_prob, dtype)
-    heads = model.heads // ex.tensor_parallel_1 // ex.context_parallel
-    head_dim = model.hidden_size // model.heads
+    model, mesh = run.model, run.mesh
+    kernel = attention_kernel(device_type, model.dropout_prob, DTYPES[run.precision])
+    heads = model.heads // mesh.tp1 // mesh.cp
     attention = attention_workspace_bytes(
-        kernel, ex.micro_batch_size, heads, model.sequence_length, head_dim
+        kernel, run.micro_batch_size, heads, run.sequence_length, model.head_dim
     )
     return CUBLAS_WORKSPACES * CUBLAS_WORKSPACE + attention
 
@@ -141,7 +141,7 @@ class MemoryBudget:
 
 
 def plan_budget(
-    config: PretrainingConfig,
+    run: RunShape,
     device_available: int | None,
     host_available: int,
     processes_per_node: int = 1,
@@ -164,35 +164,34 @@ def plan_budget(
         processes_per_node: Processes sharing ``host_available``.
         device_type: ``cuda`` or ``cpu``: whether the workspaces are reserved.
     """
-    ex = config.execution
-    host = ex.host_memory_gb * GiB
+    host = run.host_memory_gb * GiB
     host = host or host_available * (1 - HOST_HEADROOM) / processes_per_node
     device = None
     if device_available is not None:
-        device = ex.device_memory_gb * GiB or device_available * (1 - DEVICE_HEADROOM)
-        device = max(int(device) - device_reserve(config, device_type), 0)
+        device = run.device_memory_gb * GiB or device_available * (1 - DEVICE_HEADROOM)
+        device = max(int(device) - device_reserve(run, device_type), 0)
     return MemoryBudget(device, int(host))
 
 
-def measure_budget(config: PretrainingConfig, device: torch.device, processes_per_node: int):
+def measure_budget(run: RunShape, device: torch.device, processes_per_node: int):
     """:func:`plan_budget` of what this machine has free."""
-    if device.type == "cpu" and config.execution.device_memory_gb:
+    if device.type == "cpu" and run.device_memory_gb:
         # Not ignored in silence: on the CPU the device is the host, one pool.
         raise ConfigError(
-            f"--device_memory_gb {config.execution.device_memory_gb:g} does not apply to a run "
+            f"--device_memory_gb {run.device_memory_gb:g} does not apply to a run "
             "on the CPU, whose one memory pool --host_memory_gb sets; leave it out (it applies "
             "on a GPU, and to --dry_run and --plan_for)"
         )
     free = torch.cuda.mem_get_info(device)[0] if device.type != "cpu" else None
     host = _host_memory_available() or 0
-    return plan_budget(config, free, host, processes_per_node, device_type=device.type)
+    return plan_budget(run, free, host, processes_per_node, device_type=device.type)
 
 
-def spec_budget(config: PretrainingConfig, spec: DeviceSpec) -> MemoryBudget:
+def spec_budget(run: RunShape, spec: DeviceSpec) -> MemoryBudget:
     """:func:`plan_budget` of one idle device of ``spec`` and its share of host memory (the
     dry run and ``--plan_for``)."""
     device, host = int(spec.memory_gb * GiB), int(spec.host_memory_gb * GiB)
-    return plan_budget(config, device, host, device_type=spec.device_type)
+    return plan_budget(run, device, host, device_type=spec.device_type)
 
 
 def _host_memory_available() -> int | None:
@@ -225,25 +224,23 @@ class RankShape:
     layer_memo: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
-    def from_config(
-        cls, config: PretrainingConfig, stage: int = 0, layer_memo: dict | None = None
-    ) -> RankShape:
+    def of(cls, run: RunShape, stage: int = 0, layer_memo: dict | None = None) -> RankShape:
         """The shape of a rank of pipeline stage ``stage`` (without a pipeline, every rank);
         ``layer_memo``: the planning's layer measurements, to reuse and add to."""
-        ex = config.execution
+        mesh = run.mesh
         pipeline = None
-        if ex.pipeline_parallel > 1:
-            pipeline = Stage.of(config.stage_layers, stage, bool(config.task))
+        if mesh.pp > 1:
+            pipeline = Stage.of(run.stage_layers, stage, run.model.task_head is not None)
         return cls(
-            shapes=run_shapes(config, ex.tensor_parallel_1, ex.tensor_parallel_2),
-            dp=ex.data_parallel,
-            micro_batch=ex.micro_batch_size,
-            sequence=config.model.sequence_length // ex.context_parallel,
-            gradient_accumulation=config.gradient_accumulation,
-            dtype=DTYPES[config.training.precision],
-            cp=ex.context_parallel,
+            shapes=run.shards(),
+            dp=mesh.dp,
+            micro_batch=run.micro_batch_size,
+            sequence=run.sequence_length // mesh.cp,
+            gradient_accumulation=run.gradient_accumulation,
+            dtype=DTYPES[run.precision],
+            cp=mesh.cp,
             stage=pipeline,
-            sparse=config.rigl.enabled,
+            sparse=run.sparsity is not None,
             layer_memo={} if layer_memo is None else layer_memo,
         )
 

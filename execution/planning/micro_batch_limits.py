@@ -7,14 +7,8 @@ from __future__ import annotations
 import math
 
 from config.errors import ConfigError
-from config.schema import PretrainingConfig
 from execution.planning.memory import micro_batches_per_pass
-
-# The most micro-batches a replica may run per step: every count of passes such a step splits
-# into (about 2 sqrt(N)) is costed under each placement and recompute mode, on every stage
-# that decides a pipeline's plan, which keeps a dry run of 96 layers in 8 stages under half a
-# minute. Ten times GPT-3's largest batch (1536 sequences) at one sequence per micro-batch.
-MOST_MICRO_BATCHES = 1 << 14
+from execution.planning.run_shape import MOST_MICRO_BATCHES, RunShape
 
 
 def pass_counts(micro_batches: int) -> list[int]:
@@ -34,17 +28,17 @@ def pass_counts(micro_batches: int) -> list[int]:
         passes = math.ceil(micro_batches / (per_pass - 1))  # the fewest holding one less
 
 
-def check_micro_batches(config: PretrainingConfig) -> None:
+def check_micro_batches(run: RunShape) -> None:
     """Refuses a step of more micro-batches per replica than :data:`MOST_MICRO_BATCHES`, in
     one line naming the flags that set it and the largest global batch they allow."""
-    ex, micro_batches = config.execution, config.gradient_accumulation
+    micro, dp, micro_batches = run.micro_batch_size, run.mesh.dp, run.gradient_accumulation
     if micro_batches <= MOST_MICRO_BATCHES:
         return
-    per_step = ex.micro_batch_size * ex.data_parallel
-    token_bytes = micro_batches * ex.micro_batch_size * (config.model.sequence_length + 1) * 8
+    per_step = micro * dp
+    token_bytes = micro_batches * micro * (run.sequence_length + 1) * 8
     raise ConfigError(
-        f"--global_batch_size {config.training.global_batch_size:,} over --micro_batch_size "
-        f"{ex.micro_batch_size} x --data_parallel {ex.data_parallel} is {micro_batches:,} "
+        f"--global_batch_size {run.global_batch_size:,} over --micro_batch_size "
+        f"{micro} x --data_parallel {dp} is {micro_batches:,} "
         f"micro-batches per replica per step; the planner takes 1 to {MOST_MICRO_BATCHES:,} "
         "(it costs every pass count a step splits into, and a step holds its tokens in host "
         f"memory: {token_bytes / 1e9:,.1f} GB here); use --global_batch_size at most "
@@ -52,15 +46,15 @@ def check_micro_batches(config: PretrainingConfig) -> None:
     )
 
 
-def check_plan_for_batch(config: PretrainingConfig, devices: int, largest_micro_batch: int) -> None:
+def check_plan_for_batch(global_batch_size: int, devices: int, largest_micro_batch: int) -> None:
     """``--plan_for``'s :func:`check_micro_batches`: refuses a global batch that every layout of
     ``devices`` would split into too many micro-batches per replica (the fewest: micro-batches
     of ``largest_micro_batch`` on ``devices`` data-parallel replicas). The search leaves out
     the layouts that would, where others would not."""
-    fewest = config.training.global_batch_size // (largest_micro_batch * devices)
+    fewest = global_batch_size // (largest_micro_batch * devices)
     if fewest > MOST_MICRO_BATCHES:
         raise ConfigError(
-            f"--plan_for {devices} with --global_batch_size {config.training.global_batch_size:,}"
+            f"--plan_for {devices} with --global_batch_size {global_batch_size:,}"
             f": even micro-batches of {largest_micro_batch} on {devices} data-parallel "
             f"replicas make {fewest:,} micro-batches per replica per step; the planner takes 1 "
             f"to {MOST_MICRO_BATCHES:,}; use --global_batch_size at most "

@@ -8,19 +8,18 @@ each phase's host copies, recompute, and the all-gathers that every further pass
 
 from __future__ import annotations
 
-from config.schema import PretrainingConfig
+import dataclasses
+
 from execution.engine.plan import MemoryPlan
-from execution.parallel.mesh import MeshShape
-from execution.planning.device_specs import resolve_spec
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import RankShape, host_traffic_by_phase
 from execution.planning.pipeline_figures import step_stretch
+from execution.planning.run_shape import RunShape
 from modelling.gpt import EMBEDDING, HEAD, LAYERS
-from tasks.specs import run_shapes
 from utils.metrics import flops_per_token
 
 
-def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: MemoryPlan):
+def step_seconds(run: RunShape, rank: RankShape, kernel: str, plan: MemoryPlan):
     """What the planner ranks plans by, at ``--device_spec``'s rates (on a CPU device only the
     relative sizes matter): the forward phases' compute or their host copies, whichever is
     longer, the same of the backward phases (recompute included), the optimizer's copies,
@@ -31,18 +30,18 @@ def step_seconds(config: PretrainingConfig, rank: RankShape, kernel: str, plan: 
     layer twice per pass while the forward holds a third of the compute, so copies that
     would fit behind the step's whole compute still leave the forward waiting on the link
     (gpt3_1.3B on an H100: 658 GiB a step, 6 s of forward copies behind 4.6 s of compute)."""
-    return step_timer(config, rank, kernel)(plan)
+    return step_timer(run, rank, kernel)(plan)
 
 
-def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
+def step_timer(run: RunShape, rank: RankShape, kernel: str):
     """:func:`step_seconds` of the plans of one rank, with what they share worked out once."""
-    spec = resolve_spec(config)
-    model = flops_per_token(run_shapes(config), rank.sequence)
-    model_flops = model * config.tokens_per_step / config.world_size
+    spec = run.spec
+    model = flops_per_token(run.model, rank.sequence)
+    model_flops = model * run.tokens_per_step / run.world_size
     rate = spec.peak_tflops * 1e12 * spec.compute_efficiency
     link = spec.host_link_gb_per_s * 1e9
-    pass_gathers = _pass_gather_seconds(config, rank, spec)
-    stages = config.execution.pipeline_parallel
+    pass_gathers = _pass_gather_seconds(run, rank, spec)
+    stages = run.mesh.pp
 
     def seconds(plan: MemoryPlan, copies: dict[str, int] | None = None) -> float:
         """``copies``: the plan's :func:`host_traffic_by_phase`, where already worked out."""
@@ -65,10 +64,9 @@ def step_timer(config: PretrainingConfig, rank: RankShape, kernel: str):
     return seconds
 
 
-def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> float:
+def _pass_gather_seconds(run: RunShape, rank: RankShape, spec) -> float:
     """Seconds of one pass's RTS all-gathers: each layer twice, the embedding three times,
     the head once, in the compute dtype, over the data-parallel group's links."""
-    ex = config.execution
     loads = {LAYERS: 2, EMBEDDING: 3, HEAD: 1}
     sent = 0.0
     for part, specs in rank.specs.items():
@@ -76,7 +74,8 @@ def _pass_gather_seconds(config: PretrainingConfig, rank: RankShape, spec) -> fl
         for spec_ in specs.values():
             share = (spec_.rts_size - 1) / spec_.rts_size
             sent += loads[part] * rows * spec_.padded * rank.dtype.itemsize * share
-    mesh = MeshShape(ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2)
+    # The data-parallel group of rank 0 in the layout without its pipeline and context axes.
+    mesh = dataclasses.replace(run.mesh, cp=1, pp=1)
     nodes = {member // spec.devices_per_node for member in mesh.members("dp", 0)}
     rate = spec.intra_node_gb_per_s if len(nodes) == 1 else spec.inter_node_gb_per_s
     return sent / (rate * 1e9)

@@ -42,14 +42,12 @@ from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 
-from config.loading import validate
-from config.schema import PretrainingConfig
-from execution.engine.plan import MemoryPlan, Placement, engine_plan
+from execution.engine.plan import MemoryPlan, Placement
 from execution.engine.storage.buffers import DTYPES
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import MeshShape, ParallelLayout
-from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.device_specs import DeviceSpec
 from execution.planning.dry_run import (
     RankMeasurement,
     checkpoint_figures,
@@ -59,7 +57,6 @@ from execution.planning.dry_run import (
 from execution.planning.measure import Measurements
 from execution.planning.memory import spec_budget
 from execution.planning.micro_batch_limits import (
-    MOST_MICRO_BATCHES,
     check_plan_for_batch,
     divisors_of,
 )
@@ -68,6 +65,7 @@ from execution.planning.planner import (
     plans_fitting_every_stage,
     shortfall,
 )
+from execution.planning.run_shape import RunShape
 from execution.planning.time_model import COST_INDEX, PHASE_COSTS, waited_call_seconds
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
@@ -80,7 +78,7 @@ def _basis(layers: int, micro_batches: int, passes: int) -> list[int]:
 
 
 def extrapolated_step(
-    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, probes: tuple | None = None
+    run: RunShape, plan: MemoryPlan, spec: DeviceSpec, probes: tuple | None = None
 ):
     """Rank 0's FLOPs, bytes per group and working set for the full step, from six small ones.
 
@@ -88,14 +86,14 @@ def extrapolated_step(
         (flops, comm bytes by group incl. ``host_link``, comm seconds by group, working set,
         per kind of phase its summed FLOPs, overlappable and critical seconds). The phase sums
         are linear in the same terms: a kind's phases repeat per layer and pass, and their
-        work per micro-batch. ``probes``: ``_probes(config, plan, spec)`` if already taken.
+        work per micro-batch. ``probes``: ``_probes(run, plan, spec)`` if already taken.
     """
-    samples, working_set = probes or _probes(config, plan, spec, Measurements())
+    samples, working_set = probes or _probes(run, plan, spec, Measurements())
     keys = ["flops", *samples[0].comm_bytes]
     matrix = np.array([_basis(*probe) for probe in PROBES], dtype=np.float64)
     values = np.array([[s.flops, *s.comm_bytes.values()] for s in samples], dtype=np.float64)
     coefficients = np.linalg.solve(matrix, values)
-    full = np.array(_basis(config.model.layers, config.gradient_accumulation, plan.passes))
+    full = np.array(_basis(run.model.layers, run.gradient_accumulation, plan.passes))
     totals = dict(zip(keys, (full @ coefficients).round().astype(np.int64).tolist(), strict=True))
     seconds = {}
     for group, nbytes in totals.items():
@@ -125,21 +123,16 @@ PIPELINES = (2, 4, 8)
 PIPELINE_MICRO_BATCHES = (1, 2)
 
 
-def _probes(
-    config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec, measurements: Measurements
-):
+def _probes(run: RunShape, plan: MemoryPlan, spec: DeviceSpec, measurements: Measurements):
     """The six shrunk steps of a layout under a plan's placement and recompute, measured once
     per distinct shape in a planning (layouts that differ only in layers, batch or passes
     share them)."""
     # The plan's placement and recompute; its bytes are the full step's, not the probes'.
     placed = dataclasses.replace(plan, state_bytes={}, working_set=0, traffic=0)
-    whole = engine_plan(config, placed)
+    whole = run.engine_plan(placed)
     smalls = [whole.shrunk(layers, micro, passes) for layers, micro, passes in PROBES]
-    ex = config.execution
     # One stage of any pipeline runs a subset of the whole model's phases: measured whole.
-    mesh = MeshShape(
-        ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2, ex.context_parallel
-    )
+    mesh = dataclasses.replace(run.mesh, pp=1)
     key = repr((smalls[0], mesh, vars(spec)))
     known = measurements.probes
     if key not in known:
@@ -153,103 +146,83 @@ def _probes(
     return known[key]
 
 
-def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
+def layouts(run: RunShape, devices: int, across_nodes: bool = False) -> list[RunShape]:
     """Every (dp, pp, cp, tp1, tp2, micro-batch) of ``devices`` that the model and batch
-    allow; a pipeline only where the tensor and context axes fill a node (the pipeline is the
-    axis that crosses nodes); tensor and context axes that span nodes only with
-    ``--plan_across_nodes`` (their per-layer collectives would wait on the network, which is
-    why Megatron keeps tensor parallelism inside a node); no context axis for a fine-tuning
-    task, whose head reads whole sequences; no replica of more micro-batches a step than the
-    planner takes (:data:`MOST_MICRO_BATCHES`)."""
-    m, t = config.model, config.training
-    per_node = resolve_spec(config).devices_per_node
+    allow (:meth:`RunShape.allows`: even splits, no more micro-batches per replica than the
+    planner takes); a pipeline only where the tensor and context axes fill a node (the
+    pipeline is the axis that crosses nodes); tensor and context axes that span nodes only
+    ``across_nodes`` (``--plan_across_nodes``: their per-layer collectives would wait on the
+    network, which is why Megatron keeps tensor parallelism inside a node). Each is ``run`` on that layout, its passes and pipeline split left to the planner."""
+    per_node = run.spec.devices_per_node
     out = []
     divisors = divisors_of(devices)
-    # Each axis's sizes that the model allows, so that the product stays small however many
-    # divisors ``devices`` has (720720 has 240).
+    # Each axis's sizes that the model allows alone, so that the product stays small however
+    # many divisors ``devices`` has (720720 has 240).
     axes = (
-        [n for n in divisors if m.heads % n == 0],
-        [n for n in divisors if m.hidden_size % n == 0],
-        [n for n in divisors if m.sequence_length % n == 0],
+        [n for n in divisors if run.splits_evenly(tp1=n)],
+        [n for n in divisors if run.splits_evenly(tp2=n)],
+        [n for n in divisors if run.splits_evenly(cp=n)],
         [n for n in divisors if n == 1 or n in PIPELINES],
     )
     for tp1, tp2, cp, pp in itertools.product(*axes):
-        inner = tp1 * tp2 * cp
-        if devices % (inner * pp):
+        if devices % (tp1 * tp2 * cp * pp):
             continue
-        if inner > per_node and not config.planning.plan_across_nodes:
+        mesh = MeshShape(devices // (tp1 * tp2 * cp * pp), tp1, tp2, cp, pp)
+        if spans_nodes(mesh, per_node) and not across_nodes:
             continue
-        if (m.heads // tp1) % cp or (cp > 1 and config.task):
+        if pp > 1 and _inner(mesh) != min(per_node, devices // pp):
             continue
-        if pp > 1 and (pp > m.layers or inner != min(per_node, devices // pp)):
-            continue
-        dp = devices // (inner * pp)
         for micro in MICRO_BATCH_SIZES if pp == 1 else PIPELINE_MICRO_BATCHES:
-            if t.global_batch_size % (micro * dp):
-                continue
-            if t.global_batch_size // (micro * dp) > MOST_MICRO_BATCHES:
-                continue
-            execution = dataclasses.replace(
-                config.execution,
-                data_parallel=dp,
-                tensor_parallel_1=tp1,
-                tensor_parallel_2=tp2,
-                context_parallel=cp,
-                micro_batch_size=micro,
-                passes=0,
-                pipeline_parallel=pp,
-                pipeline_layers="",
-            )
-            candidate = dataclasses.replace(config, execution=execution)
-            validate(candidate)
-            out.append(candidate)
+            if run.allows(mesh, micro):
+                out.append(run.with_layout(mesh, micro, even_stages=True).with_request(passes=0))
     return out
 
 
-def _sibling(config: PretrainingConfig) -> PretrainingConfig:
+def _sibling(run: RunShape) -> RunShape:
     """What a pipeline stage's rank is measured as: the layout without its pipeline axis (pp
     times the replicas), holding the largest stage's layers (and the embedding and head) and
     the same micro-batches per replica."""
-    ex, pp = config.execution, config.execution.pipeline_parallel
+    mesh, layers = run.mesh, max(run.stage_layers)
     return dataclasses.replace(
-        config,
-        model=dataclasses.replace(config.model, layers=max(config.stage_layers)),
-        execution=dataclasses.replace(
-            ex, data_parallel=ex.data_parallel * pp, pipeline_parallel=1, pipeline_layers=""
-        ),
-        training=dataclasses.replace(
-            config.training, global_batch_size=config.training.global_batch_size * pp
-        ),
+        run,
+        model=dataclasses.replace(run.model, layers=layers),
+        mesh=dataclasses.replace(mesh, dp=mesh.dp * mesh.pp, pp=1),
+        stage_layers=(layers,),
+        global_batch_size=run.global_batch_size * mesh.pp,
     )
 
 
-def _moves(config: PretrainingConfig, plan: MemoryPlan, spec: DeviceSpec) -> tuple[int, float]:
+def _moves(run: RunShape, plan: MemoryPlan, spec: DeviceSpec) -> tuple[int, float]:
     """Bytes the busiest stage sends to its neighbours per step (x slices forward, dx back, per
     micro-batch), and their seconds on the pipeline group's links."""
-    ex, m = config.execution, config.model
-    if ex.pipeline_parallel == 1:
+    mesh = run.mesh
+    if mesh.pp == 1:
         return 0, 0.0
-    entry = ex.micro_batch_size * m.sequence_length // ex.context_parallel
-    entry *= m.hidden_size // ex.tensor_parallel_2
-    x_slice = -(-entry // ex.tensor_parallel_1)
+    entry = run.micro_batch_size * run.sequence_length // mesh.cp
+    entry *= run.model.hidden // mesh.tp2
+    x_slice = -(-entry // mesh.tp1)
     # A middle stage sends both ways; with two stages the busier sends the whole dx.
-    per_micro = x_slice + entry if ex.pipeline_parallel > 2 else entry
-    nbytes = config.gradient_accumulation * per_micro
-    nbytes *= DTYPES[config.training.precision].itemsize
-    within = _inner(config) * ex.pipeline_parallel <= spec.devices_per_node
+    per_micro = x_slice + entry if mesh.pp > 2 else entry
+    nbytes = run.gradient_accumulation * per_micro
+    nbytes *= DTYPES[run.precision].itemsize
+    within = _inner(mesh) * mesh.pp <= spec.devices_per_node
     rate = spec.intra_node_gb_per_s if within else spec.inter_node_gb_per_s
     return nbytes, nbytes / (rate * 1e9)
 
 
 def search(
-    config: PretrainingConfig,
+    run: RunShape,
     devices: int,
     measurements: Measurements | None = None,
     prune: bool = True,
+    *,
+    across_nodes: bool = False,
+    workers: int = 0,
 ) -> tuple[list[dict], list[dict], int]:
-    """Layouts that fit, each with its plan and estimate, fastest first; those that do not,
-    each with its least-memory plan (``config``, ``plan``, ``shortfall`` in bytes); and how many
-    layouts spanning nodes were pruned unmeasured.
+    """Layouts of ``run``'s model and batch on ``devices`` that fit, each with its plan and
+    estimate, fastest first; those that do not, each with its least-memory plan (``run``,
+    ``plan``, ``shortfall`` in bytes); and how many layouts spanning nodes were pruned
+    unmeasured.
 
     Layouts whose tensor and context groups stay inside a node are measured first. A layout
     whose groups span nodes (``--plan_across_nodes``) is then measured only if its
@@ -257,16 +230,18 @@ def search(
     every one is measured, as the test of the floor does).
 
     Layouts that share probes (:func:`_probe_group`) are measured together, and groups side by
-    side in ``--plan_workers`` forked processes: measuring is single-threaded Python, so each
-    further core shortens the search about as much as the first. ``measurements``: what
-    this process measured in an earlier planning (forked workers each add to a copy)."""
+    side in ``workers`` (``--plan_workers``; 0: one per usable core) forked processes:
+    measuring is single-threaded Python, so each further core shortens the search about as
+    much as the first. ``across_nodes``: ``--plan_across_nodes`` (:func:`layouts`).
+    ``measurements``: what this process measured in an earlier planning (forked workers each
+    add to a copy)."""
     measurements = measurements or Measurements()
-    spec = resolve_spec(config)
-    check_plan_for_batch(config, devices, max(MICRO_BATCH_SIZES))
-    candidates = layouts(config, devices)
-    within = [c for c in candidates if _inner(c) <= spec.devices_per_node]
-    spanning = [c for c in candidates if _inner(c) > spec.devices_per_node]
-    rows, misfits = _measure_layouts(config, within, measurements)
+    spec = run.spec
+    check_plan_for_batch(run.global_batch_size, devices, max(MICRO_BATCH_SIZES))
+    candidates = layouts(run, devices, across_nodes)
+    within = [c for c in candidates if not spans_nodes(c.mesh, spec.devices_per_node)]
+    spanning = [c for c in candidates if spans_nodes(c.mesh, spec.devices_per_node)]
+    rows, misfits = _measure_layouts(within, measurements, workers)
     pruned = 0
     if spanning:
         if prune and rows:
@@ -274,27 +249,34 @@ def search(
             kept = [c for c in spanning if tensor_parallel_floor(c, spec) < fastest]
             pruned = len(spanning) - len(kept)
             spanning = kept
-        more_rows, more_misfits = _measure_layouts(config, spanning, measurements)
+        more_rows, more_misfits = _measure_layouts(spanning, measurements, workers)
         rows, misfits = rows + more_rows, misfits + more_misfits
     rows.sort(key=lambda r: (r["step_time_s"], r["device_bytes"]))
     misfits.sort(key=lambda m: m["shortfall"])
     return rows, misfits, pruned
 
 
-def _inner(candidate: PretrainingConfig) -> int:
-    ex = candidate.execution
-    return ex.tensor_parallel_1 * ex.tensor_parallel_2 * ex.context_parallel
+def _inner(mesh: MeshShape) -> int:
+    """Ranks of a layout's tensor and context axes, the innermost of the rank formula: those
+    that communicate every layer, so that belong inside a node."""
+    return mesh.tp1 * mesh.tp2 * mesh.cp
+
+
+def spans_nodes(mesh: MeshShape, devices_per_node: int) -> bool:
+    """Whether a layout's tensor and context groups span nodes (``--plan_across_nodes``)."""
+    return _inner(mesh) > devices_per_node
 
 
 def _measure_layouts(
-    config: PretrainingConfig, candidates: list[PretrainingConfig], measurements: Measurements
+    candidates: list[RunShape], measurements: Measurements, workers: int
 ) -> tuple[list[dict], list[dict]]:
-    """:func:`_search_group` of each probe group, in worker processes where there are several."""
+    """:func:`_search_group` of each probe group, in worker processes where there are several
+    (``workers``; 0: one per usable core)."""
     measure_group = functools.partial(_search_group, measurements=measurements)
-    groups: dict[tuple, list[PretrainingConfig]] = {}
+    groups: dict[tuple, list[RunShape]] = {}
     for candidate in candidates:
         groups.setdefault(_probe_group(candidate), []).append(candidate)
-    workers = min(config.planning.plan_workers or usable_cores(), len(groups))
+    workers = min(workers or usable_cores(), len(groups))
     if workers > 1:
         fork = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(workers, mp_context=fork) as pool:
@@ -305,7 +287,7 @@ def _measure_layouts(
     return rows, [misfit for _, group_misfits in results for misfit in group_misfits]
 
 
-def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
+def tensor_parallel_floor(run: RunShape, spec: DeviceSpec) -> float:
     """A lower bound on a layout's step time, from what no plan avoids: the tensor-parallel
     all-reduces of each decoder layer's four matmuls, which every rank waits for where they are
     issued (on the critical path, :func:`~execution.planning.time_model.phase_costs`).
@@ -318,13 +300,11 @@ def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
     priced as the time model prices it (across nodes at the network's rate); recompute, layer
     norm statistics, the embedding and the head only add to it. A test checks the bound
     against measured steps."""
-    ex, m = config.execution, config.model
-    h, tp1, tp2 = m.hidden_size, ex.tensor_parallel_1, ex.tensor_parallel_2
-    layout = ParallelLayout.shapes_only(
-        ex.data_parallel, tp1, tp2, cp=ex.context_parallel, pp=ex.pipeline_parallel
-    )
-    tokens = ex.micro_batch_size * m.sequence_length // ex.context_parallel
-    itemsize = DTYPES[config.training.precision].itemsize
+    mesh = run.mesh
+    h, tp1, tp2 = run.model.hidden, mesh.tp1, mesh.tp2
+    layout = ParallelLayout.shapes_only(mesh.dp, tp1, tp2, cp=mesh.cp, pp=mesh.pp)
+    tokens = run.micro_batch_size * run.sequence_length // mesh.cp
+    itemsize = DTYPES[run.precision].itemsize
     widths = {
         layout.tp1: (h // tp2,) * 4,
         layout.tp2: (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1),
@@ -334,24 +314,18 @@ def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
         for axis, columns in widths.items()
         for width in columns
     )
-    return per_layer * min(config.stage_layers) * config.gradient_accumulation
+    return per_layer * min(run.stage_layers) * run.gradient_accumulation
 
 
-def _probe_group(candidate: PretrainingConfig) -> tuple:
+def _probe_group(candidate: RunShape) -> tuple:
     """What a layout's probes depend on besides its plan: a rank's shards and micro-batch,
     and the replicas of the layout without its pipeline (a stage's sibling)."""
-    ex = candidate.execution
-    return (
-        ex.data_parallel * ex.pipeline_parallel,
-        ex.context_parallel,
-        ex.tensor_parallel_1,
-        ex.tensor_parallel_2,
-        ex.micro_batch_size,
-    )
+    mesh = candidate.mesh
+    return (mesh.dp * mesh.pp, mesh.cp, mesh.tp1, mesh.tp2, candidate.micro_batch_size)
 
 
 def _search_group(
-    candidates: list[PretrainingConfig], measurements: Measurements
+    candidates: list[RunShape], measurements: Measurements
 ) -> tuple[list[dict], list[dict]]:
     """The rows of the layouts of one probe group that fit, and those that do not.
 
@@ -361,10 +335,10 @@ def _search_group(
     all on the device with full recompute (the probes do not depend on
     passes, so each adds one measurement per stage shape), and the fastest kept."""
     rows, misfits = [], []
-    spec = resolve_spec(candidates[0])  # the planning flags, the same for every layout
+    spec = candidates[0].spec  # the planning flags, the same for every layout
     budget = spec_budget(candidates[0], spec)  # the rule a real run plans by
     for candidate in candidates:
-        sibling = _sibling(candidate) if candidate.execution.pipeline_parallel > 1 else None
+        sibling = _sibling(candidate) if candidate.mesh.pp > 1 else None
         plans, everywhere = plans_fitting_every_stage(
             candidate, "cuda", budget, 0, sibling, fitting_only=True, measurements=measurements
         )
@@ -395,21 +369,21 @@ def _search_group(
     return rows, misfits
 
 
-def _misfit(candidate: PretrainingConfig, plans: list[MemoryPlan], budget) -> dict:
+def _misfit(candidate: RunShape, plans: list[MemoryPlan], budget) -> dict:
     """A layout that does not fit, with its plan nearest to fitting (None: none measured)."""
     least = min(plans, key=lambda p: shortfall(p, budget), default=None)
     missing = shortfall(least, budget) if least is not None else float("inf")
-    return {"config": candidate, "plan": least, "shortfall": missing}
+    return {"run": candidate, "plan": least, "shortfall": missing}
 
 
 def _estimated_row(
-    candidate: PretrainingConfig, measured_as: PretrainingConfig, plan: MemoryPlan, spec, probes
+    candidate: RunShape, measured_as: RunShape, plan: MemoryPlan, spec, probes
 ) -> dict:
     """A layout's row under ``plan``: its step extrapolated from the probes of ``measured_as``
     (itself, or a pipeline stage's sibling), with the pipeline's moves and bubble."""
     flops, comm, seconds, working_set, phases = extrapolated_step(measured_as, plan, spec, probes)
     plan = dataclasses.replace(plan, working_set=working_set)  # the full step's, measured
-    if candidate.execution.pipeline_parallel > 1:
+    if candidate.mesh.pp > 1:
         comm["pp"], seconds["pp"] = _moves(candidate, plan, spec)
         moves = [0.0] * len(PHASE_COSTS)
         moves[COST_INDEX["critical_comm_s"]] = seconds["pp"]
@@ -426,7 +400,7 @@ def _estimated_row(
         phases=phases,
     )
     return {
-        "config": candidate,
+        "run": candidate,
         "plan": plan,
         "device_bytes": plan.bytes_on("device")["total"],
         "host_bytes": plan.bytes_on("host")["total"],

@@ -3,15 +3,12 @@ misfit needs (:func:`execution.planning.plan_search.search` measures them)."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
-from config.schema import PretrainingConfig
 from execution.engine.plan import GiB
-from execution.parallel.mesh import MeshShape
-from execution.planning.device_specs import resolve_spec
 from execution.planning.memory import spec_budget
 from execution.planning.plan_search import layouts, search
+from execution.planning.run_shape import RunShape
 
 # Micro-batch sizes of one layout whose step times are within this fraction of its fastest
 # are shown as one row.
@@ -24,18 +21,11 @@ def layout_rows(rows: list[dict]) -> list[dict]:
     best: dict[tuple, dict] = {}
     ties: dict[tuple, list[int]] = {}
     for row in rows:  # fastest first
-        ex = row["config"].execution
-        key = (
-            ex.data_parallel,
-            ex.pipeline_parallel,
-            ex.context_parallel,
-            ex.tensor_parallel_1,
-            ex.tensor_parallel_2,
-        )
+        key = row["run"].mesh
         if key not in best:
             best[key], ties[key] = row, []
         if row["step_time_s"] <= best[key]["step_time_s"] * (1 + TIE):
-            ties[key].append(ex.micro_batch_size)
+            ties[key].append(row["run"].micro_batch_size)
     out = []
     for key, row in best.items():
         sizes = sorted(ties[key])
@@ -49,16 +39,19 @@ def layout_rows(rows: list[dict]) -> list[dict]:
     return out
 
 
-def print_layouts(config: PretrainingConfig, preset: str) -> None:
-    devices = config.planning.plan_for
-    spec = resolve_spec(config)
-    rows, misfits, pruned = search(config, devices)
+def print_layouts(
+    run: RunShape, preset: str, devices: int, across_nodes: bool = False, workers: int = 0
+) -> None:
+    """``--plan_for devices``: the table of the layouts of ``run``'s model and batch
+    (``across_nodes``: ``--plan_across_nodes``; ``workers``: ``--plan_workers``)."""
+    spec = run.spec
+    rows, misfits, pruned = search(run, devices, across_nodes=across_nodes, workers=workers)
     shown = layout_rows(rows)
-    tokens = config.tokens_per_step
+    tokens = run.tokens_per_step
     print(
         f"{preset} on {devices} x {spec.name} ({spec.memory_gb:g} GiB, host "
-        f"{spec.host_memory_gb:g} GiB each): global batch {config.training.global_batch_size} "
-        f"x {config.model.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
+        f"{spec.host_memory_gb:g} GiB each): global batch {run.global_batch_size} "
+        f"x {run.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
         f"micro-batch sizes), {len(misfits)} do not; mbs: micro-batch sizes within "
         f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
         f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
@@ -72,11 +65,10 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
     if shown:
         print(header)
     for row in shown:
-        ex, plan = row["config"].execution, row["plan"]
+        mesh, plan = row["run"].mesh, row["plan"]
         where = "/".join(vars(plan.placement).values())
         print(
-            f"{ex.data_parallel:>3} {ex.pipeline_parallel:>3} {ex.context_parallel:>3} "
-            f"{ex.tensor_parallel_1:>4} {ex.tensor_parallel_2:>4} "
+            f"{mesh.dp:>3} {mesh.pp:>3} {mesh.cp:>3} {mesh.tp1:>4} {mesh.tp2:>4} "
             f"{row['micro_batches']:>6} {plan.passes:>6} {row['bubble']:>6.1%}  "
             f"{where:<21}{plan.recompute:<10}"
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
@@ -84,11 +76,8 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
             f"{row['checkpoint']['save_s']:>7.1f}"
         )
-    if not config.planning.plan_across_nodes:
-        wide = dataclasses.replace(
-            config, planning=dataclasses.replace(config.planning, plan_across_nodes=True)
-        )
-        spanning = len(layouts(wide, devices)) - len(layouts(config, devices))
+    if not across_nodes:
+        spanning = len(layouts(run, devices, across_nodes=True)) - len(layouts(run, devices))
         if spanning:
             print(
                 f"not weighed: {spanning} layouts (with their micro-batch sizes) whose tensor "
@@ -100,31 +89,31 @@ def print_layouts(config: PretrainingConfig, preset: str) -> None:
             "nodes and whose tensor-parallel all-reduces alone take longer than the fastest step"
         )
     if not rows and not misfits:
-        m = config.model
+        m = run.model
         print(
             f"no layout of {devices} devices suits this model: tensor_parallel_1 must divide "
-            f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden_size}, "
-            f"context_parallel --sequence_length {m.sequence_length} and the heads per "
+            f"--heads {m.heads}, tensor_parallel_2 --hidden_size {m.hidden}, "
+            f"context_parallel --sequence_length {run.sequence_length} and the heads per "
             "tensor_parallel_1 rank, and "
             f"micro-batch x data_parallel --global_batch_size "
-            f"{config.training.global_batch_size}"
+            f"{run.global_batch_size}"
         )
     if not rows and misfits and misfits[0]["plan"] is not None:
-        print(_nearest_misfit_line(misfits[0], spec_budget(config, spec), devices))
+        print(_nearest_misfit_line(misfits[0], spec_budget(run, spec), devices))
     if rows:
-        ex = rows[0]["config"].execution
+        fastest = rows[0]["run"]
+        mesh = fastest.mesh
         print(
-            f"fastest: --data_parallel {ex.data_parallel} --pipeline_parallel "
-            f"{ex.pipeline_parallel} --context_parallel {ex.context_parallel} "
-            f"--tensor_parallel_1 {ex.tensor_parallel_1} --tensor_parallel_2 "
-            f"{ex.tensor_parallel_2} --micro_batch_size {ex.micro_batch_size}"
+            f"fastest: --data_parallel {mesh.dp} --pipeline_parallel {mesh.pp} "
+            f"--context_parallel {mesh.cp} --tensor_parallel_1 {mesh.tp1} "
+            f"--tensor_parallel_2 {mesh.tp2} --micro_batch_size {fastest.micro_batch_size}"
         )
 
 
 def _nearest_misfit_line(misfit: dict, budget, devices: int) -> str:
     """What the layout nearest to fitting needs, as ``--dry_run`` says it for one layout."""
-    ex, plan = misfit["config"].execution, misfit["plan"]
-    layout = f"{MeshShape.of(ex).describe()}, micro-batch {ex.micro_batch_size}"
+    plan = misfit["plan"]
+    layout = misfit["run"].describe()
     device, host = (plan.bytes_on(where)["total"] / GiB for where in ("device", "host"))
     return (
         f"nothing fits on {devices} devices: the nearest layout ({layout}; {plan.passes} "

@@ -17,7 +17,7 @@ import itertools
 from collections.abc import Callable
 
 from config.loading import ConfigError
-from config.schema import PretrainingConfig, plannable_recompute
+from config.schema import plannable_recompute
 from execution.engine.engine import PhasedEngine
 from execution.engine.phases.recompute import MODES, attention_kernel
 from execution.engine.plan import (
@@ -26,9 +26,9 @@ from execution.engine.plan import (
     GiB,
     MemoryPlan,
     Placement,
-    engine_plan,
 )
 from execution.parallel.mesh import ParallelLayout
+from execution.parallel.mesh_shape import MeshShape
 from execution.planning.measure import Measurements, measured_working_set
 from execution.planning.memory import (
     MemoryBudget,
@@ -40,31 +40,19 @@ from execution.planning.memory import (
     working_set_bytes,
 )
 from execution.planning.micro_batch_limits import (
-    MOST_MICRO_BATCHES,
     check_micro_batches,
     pass_counts,
 )
 from execution.planning.pipeline_figures import deciding_stages
 from execution.planning.plan_ranking import step_timer
-
-
-def requested_placement(config: PretrainingConfig) -> dict[str, str | None]:
-    """Each state's place as the flags fix it (None: the planner chooses)."""
-    ex = config.execution
-    shorthand = {"remote": "host", "resident": "device", "auto": None}[ex.placement]
-    flags = {
-        "weights": ex.weights_placement,
-        "grads": ex.grads_placement,
-        "activations": ex.activations_placement,
-    }
-    return {s: (v if v != "auto" else shorthand) for s, v in flags.items()}
+from execution.planning.run_shape import RunShape
 
 
 def candidate_plans(
-    config: PretrainingConfig,
+    run: RunShape,
     device_type: str,
     stage: int = 0,
-    measure_as: PretrainingConfig | None = None,
+    measure_as: RunShape | None = None,
     budget: MemoryBudget | None = None,
     measurements: Measurements | None = None,
     measured: bool = True,
@@ -74,7 +62,7 @@ def candidate_plans(
     least kept), each with its working set measured on the real step (``measured``; else the
     quick formula's: the order does not depend on it).
 
-    ``measure_as``: the config whose step measures the working set (``--plan_for`` shares one
+    ``measure_as``: the run whose step measures the working set (``--plan_for`` shares one
     across pipeline sizes). ``budget``: measure a recompute mode's working set only if one of
     its plans fits ``budget`` before any working set (a plan that does not fit without one
     fits with none); the others get the quick formula's, so only whether they fit is exact.
@@ -84,28 +72,28 @@ def candidate_plans(
     def working_set(mode: str, plans: list[MemoryPlan]) -> int | None:
         if not measured or (budget is not None and not any(budget.fits(p) for p in plans)):
             return None
-        return measured_working_set(measure_as or config, device_type, mode, measurements)
+        return measured_working_set(measure_as or run, device_type, mode, measurements)
 
-    check_micro_batches(config)
+    check_micro_batches(run)
     layers = measurements.layers if measurements is not None else None
-    rank = RankShape.from_config(config, stage, layer_memo=layers)
+    rank = RankShape.of(run, stage, layer_memo=layers)
     passes = pass_counts(rank.gradient_accumulation)
-    return _plans(config, device_type, rank, passes, working_set)
+    return _plans(run, device_type, rank, passes, working_set)
 
 
 def advisory_plans(
-    config: PretrainingConfig, device_type: str, layer_memo: dict | None = None
+    run: RunShape, device_type: str, layer_memo: dict | None = None
 ) -> list[MemoryPlan]:
     """Per placement and recompute mode, the plan of least memory (the most passes), with the
     quick formula's working set: what a one-line suggestion weighs, for each flag it tries (a
     measured step for each would take minutes). ``layer_memo``: layer measurements shared by
-    the suggestions' configs (:attr:`RankShape.layer_memo`)."""
-    rank = RankShape.from_config(config, layer_memo=layer_memo)
-    return _plans(config, device_type, rank, [rank.gradient_accumulation], lambda *_: None)
+    the suggestions' runs (:attr:`RankShape.layer_memo`)."""
+    rank = RankShape.of(run, layer_memo=layer_memo)
+    return _plans(run, device_type, rank, [rank.gradient_accumulation], lambda *_: None)
 
 
 def _plans(
-    config: PretrainingConfig,
+    run: RunShape,
     device_type: str,
     rank: RankShape,
     pass_options: list[int],
@@ -114,15 +102,15 @@ def _plans(
     """The plans of every placement and recompute mode the flags allow, at ``pass_options``
     passes (``--passes`` where given), fastest first; ``working_set(mode, plans)`` gives a
     mode's measured working set, or None for the quick formula's."""
-    fixed = requested_placement(config)
-    ex = config.execution
+    request = run.request
+    fixed = request.fixed_places()
     ga = rank.gradient_accumulation
-    if ex.passes:
-        pass_options = [ex.passes]
+    if request.passes:
+        pass_options = [request.passes]
     places = [[fixed[s]] if fixed[s] else list(PLACES) for s in PLACED_STATES]
-    kernel = attention_kernel(device_type, config.model.dropout_prob, rank.dtype)
-    asked = MODES if ex.recompute == "auto" else (ex.recompute,)
-    plannable = plannable_recompute(ex.context_parallel)
+    kernel = attention_kernel(device_type, run.model.dropout_prob, rank.dtype)
+    asked = MODES if request.recompute == "auto" else (request.recompute,)
+    plannable = plannable_recompute(run.mesh.cp)
     # A layout that cannot run the mode asked for (one --plan_for tries) runs the one it can.
     modes = [m for m in asked if m in plannable] or [plannable[0]]
     shared = device_type == "cpu"
@@ -131,7 +119,7 @@ def _plans(
     def hosted(plan: MemoryPlan) -> int:
         return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
 
-    seconds = step_timer(config, rank, kernel)
+    seconds = step_timer(run, rank, kernel)
     ranked = []
     for mode in modes:
         kept = rank.kept(mode, kernel)
@@ -166,8 +154,8 @@ def _plans(
                         rank,
                         plan.placement,
                         kernel != "math",
-                        ex.prefetch,
-                        ex.overlap_communication,
+                        run.prefetch,
+                        run.overlap_communication,
                     )
                 working = quick[plan.placement]
             plan = dataclasses.replace(plan, working_set=working)
@@ -188,11 +176,11 @@ def _same_choice(plan: MemoryPlan) -> tuple:
 
 
 def plans_fitting_every_stage(
-    config: PretrainingConfig,
+    run: RunShape,
     device_type: str,
     budget: MemoryBudget,
     stage: int,
-    measure_as: PretrainingConfig | None = None,
+    measure_as: RunShape | None = None,
     fitting_only: bool = False,
     measurements: Measurements | None = None,
 ) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
@@ -206,13 +194,12 @@ def plans_fitting_every_stage(
         "budget": budget if fitting_only else None,
         "measurements": measurements or Measurements(),  # the stages share what they measure
     }
-    plans = candidate_plans(config, device_type, stage=stage, **plan_options)
-    stages = config.execution.pipeline_parallel
-    if stages == 1:
+    plans = candidate_plans(run, device_type, stage=stage, **plan_options)
+    if run.mesh.pp == 1:
         return plans, plans
-    deciding = deciding_stages(config.stage_layers)
+    deciding = deciding_stages(run.stage_layers)
     by_stage = {
-        s: plans if s == stage else candidate_plans(config, device_type, stage=s, **plan_options)
+        s: plans if s == stage else candidate_plans(run, device_type, stage=s, **plan_options)
         for s in {0, *deciding}
     }
     fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage.values()]
@@ -223,7 +210,7 @@ def plans_fitting_every_stage(
 
 
 def first_fitting_every_stage(
-    config: PretrainingConfig,
+    run: RunShape,
     device_type: str,
     budget: MemoryBudget,
     stage: int = 0,
@@ -238,10 +225,10 @@ def first_fitting_every_stage(
     measures one mode instead of every one (a step on meta tensors each)."""
     measurements = measurements or Measurements()
     stages = {stage}
-    if config.execution.pipeline_parallel > 1:
-        stages |= {0, *deciding_stages(config.stage_layers)}
+    if run.mesh.pp > 1:
+        stages |= {0, *deciding_stages(run.stage_layers)}
     unmeasured = {
-        s: candidate_plans(config, device_type, s, measurements=measurements, measured=False)
+        s: candidate_plans(run, device_type, s, measurements=measurements, measured=False)
         for s in stages
     }
     by_stage = {s: {_same_choice(p): p for p in plans} for s, plans in unmeasured.items()}
@@ -250,7 +237,7 @@ def first_fitting_every_stage(
     for choice in map(_same_choice, order):
         mode = choice[2]
         if mode not in working_sets:
-            working_sets[mode] = measured_working_set(config, device_type, mode, measurements)
+            working_sets[mode] = measured_working_set(run, device_type, mode, measurements)
         measured = {
             s: dataclasses.replace(plans[choice], working_set=working_sets[mode])
             for s, plans in by_stage.items()
@@ -262,7 +249,7 @@ def first_fitting_every_stage(
 
 
 def choose_plan(
-    config: PretrainingConfig,
+    run: RunShape,
     device_type: str,
     budget: MemoryBudget,
     stage: int = 0,
@@ -274,12 +261,10 @@ def choose_plan(
     same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
     bytes are returned)."""
     measurements = measurements or Measurements()
-    plan = first_fitting_every_stage(config, device_type, budget, stage, measurements)
+    plan = first_fitting_every_stage(run, device_type, budget, stage, measurements)
     if plan is not None:
         return plan
-    plans, _ = plans_fitting_every_stage(
-        config, device_type, budget, stage, measurements=measurements
-    )
+    plans, _ = plans_fitting_every_stage(run, device_type, budget, stage, measurements=measurements)
     least = min(plans, key=lambda p: shortfall(p, budget))
     need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
     if budget.device is None:
@@ -289,12 +274,12 @@ def choose_plan(
     raise ConfigError(
         f"this run needs at least {needed} per process (with {least.passes} pass(es), "
         f"{least.placement.describe()}), but it may use {budget.describe()}; "
-        f"{_suggestions(config, device_type, budget)}"
+        f"{_suggestions(run, device_type, budget)}"
     )
 
 
 def plan_for_process(
-    config: PretrainingConfig,
+    run: RunShape,
     layout: ParallelLayout,
     measurements: Measurements | None = None,
 ) -> tuple[MemoryPlan, MemoryBudget]:
@@ -304,23 +289,23 @@ def plan_for_process(
     Raises:
         ConfigError: no plan fits (one line with the least memory needed and what would fit).
     """
-    budget = measure_budget(config, layout.device, layout.local_world_size)
-    plan = choose_plan(config, layout.device.type, budget, layout.pp.rank, measurements)
+    budget = measure_budget(run, layout.device, layout.local_world_size)
+    plan = choose_plan(run, layout.device.type, budget, layout.pp.rank, measurements)
     return plan, budget
 
 
 def planned_engine(
-    config: PretrainingConfig,
+    run: RunShape,
     layout: ParallelLayout,
     measurements: Measurements | None = None,
 ) -> PhasedEngine:
     """This rank's engine under the plan :func:`plan_for_process` chooses."""
-    plan, _ = plan_for_process(config, layout, measurements)
-    return PhasedEngine(engine_plan(config, plan), layout)
+    plan, _ = plan_for_process(run, layout, measurements)
+    return PhasedEngine(run.engine_plan(plan), layout)
 
 
 def choose_or_least(
-    config: PretrainingConfig,
+    run: RunShape,
     budget: MemoryBudget,
     stage: int = 0,
     measurements: Measurements | None = None,
@@ -329,10 +314,10 @@ def choose_or_least(
     that needs the least device memory and False (so a dry run can show what it would take);
     for a rank of pipeline stage ``stage``."""
     measurements = measurements or Measurements()
-    plan = first_fitting_every_stage(config, "cuda", budget, stage, measurements)
+    plan = first_fitting_every_stage(run, "cuda", budget, stage, measurements)
     if plan is not None:
         return plan, True
-    plans, _ = plans_fitting_every_stage(config, "cuda", budget, stage, measurements=measurements)
+    plans, _ = plans_fitting_every_stage(run, "cuda", budget, stage, measurements=measurements)
     return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
 
 
@@ -343,42 +328,37 @@ def shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
     return max(device - budget.device, 0) + max(host - budget.host, 0)
 
 
-def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudget) -> str:
+def _suggestions(run: RunShape, device_type: str, budget: MemoryBudget) -> str:
     """Flags that would make the run fit, tried one change at a time: first letting the planner
     choose what the flags fixed, then smaller micro-batches, then more processes."""
-    ex = config.execution
-    changes: list[tuple[str, object, str]] = []
-    if ex.passes:
-        changes.append(("passes", 0, f"without --passes {ex.passes}"))
-    fixed = [
-        n
-        for n in ("placement", "weights_placement", "grads_placement", "activations_placement")
-        if getattr(ex, n) != "auto"
-    ]
+    request, mesh, micro = run.request, run.mesh, run.micro_batch_size
+    changes: list[tuple[str, RunShape, str]] = []
+    if request.passes:
+        changes.append(("passes", run.with_request(passes=0), f"without --passes {request.passes}"))
+    fixed = request.placement_flags()
     if fixed:
-        flags = " ".join(f"--{n} {getattr(ex, n)}" for n in fixed)
-        changes.append(("placements", None, f"without {flags}"))
-    micro = ex.micro_batch_size // 2
-    while micro >= 1:
-        changes.append(("micro_batch_size", micro, f"--micro_batch_size {micro}"))
-        micro //= 2
+        flags = " ".join(f"--{n} {v}" for n, v in fixed.items())
+        changes.append(
+            ("placements", run.with_request(**dict.fromkeys(fixed, "auto")), f"without {flags}")
+        )
+    smaller = micro // 2
+    while smaller >= 1:
+        shown = f"--micro_batch_size {smaller}"
+        changes.append(("micro_batch_size", _relaid(run, mesh, smaller), shown))
+        smaller //= 2
     for factor in (2, 4, 8, 16, 32, 64):
-        for name in ("data_parallel", "tensor_parallel_1", "tensor_parallel_2", "context_parallel"):
-            changes.append((name, getattr(ex, name) * factor, ""))
+        for name, axis in AXIS_FLAGS.items():
+            grown = dataclasses.replace(mesh, **{axis: getattr(mesh, axis) * factor})
+            shown = f"--{name} {getattr(grown, axis)} ({grown.world_size} processes)"
+            changes.append((name, _relaid(run, grown, micro), shown))
     found: dict[str, str] = {}
-    layer_memo: dict = {}  # the changed configs share most of their layers' shapes
-    for name, value, text in changes:
-        if name in found:
+    layer_memo: dict = {}  # the changed runs share most of their layers' shapes
+    for name, changed, text in changes:
+        if name in found or changed is None:
             continue
-        if name == "placements":
-            changed = _with_execution(config, **{n: "auto" for n in fixed})
-        elif not _valid_change(config, name, value):
-            continue
-        else:
-            changed = _with_execution(config, **{name: value})
         plans = advisory_plans(changed, device_type, layer_memo)
         if any(budget.fits(p) for p in plans):
-            found[name] = text or f"--{name} {value} ({changed.world_size} processes)"
+            found[name] = text
     if not found:
         return "no single change of passes, placement, micro-batch size or parallelism makes it fit"
     return "it would fit " + " or ".join(
@@ -386,21 +366,18 @@ def _suggestions(config: PretrainingConfig, device_type: str, budget: MemoryBudg
     )
 
 
-def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:
-    m, ex = config.model, dataclasses.replace(config.execution, **{name: value})
-    per_step = ex.micro_batch_size * ex.data_parallel
-    return (
-        config.training.global_batch_size % per_step == 0
-        and config.training.global_batch_size // per_step <= MOST_MICRO_BATCHES
-        and m.heads % ex.tensor_parallel_1 == 0
-        and m.hidden_size % ex.tensor_parallel_2 == 0
-        and m.sequence_length % ex.context_parallel == 0
-        and (m.heads // ex.tensor_parallel_1) % ex.context_parallel == 0
-    )
+# The flags of the axes a suggestion grows, by the mesh's name of each.
+AXIS_FLAGS = {
+    "data_parallel": "dp",
+    "tensor_parallel_1": "tp1",
+    "tensor_parallel_2": "tp2",
+    "context_parallel": "cp",
+}
 
 
-def _with_execution(config: PretrainingConfig, **changes) -> PretrainingConfig:
-    ex = dataclasses.replace(config.execution, **changes)
-    if ex.passes > (config.training.global_batch_size // (ex.micro_batch_size * ex.data_parallel)):
-        ex = dataclasses.replace(ex, passes=0)
-    return dataclasses.replace(config, execution=ex)
+def _relaid(run: RunShape, mesh: MeshShape, micro_batch_size: int) -> RunShape | None:
+    """``run`` on ``mesh`` in micro-batches of ``micro_batch_size``; None where the model or
+    batch does not split over it."""
+    if not run.allows(mesh, micro_batch_size):
+        return None
+    return run.with_layout(mesh, micro_batch_size)

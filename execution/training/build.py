@@ -45,11 +45,11 @@ from execution.checkpoint.ownership import (
 )
 from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine
-from execution.engine.plan import engine_plan
 from execution.parallel.launch import LaunchInfo
 from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.planning.pipeline_figures import bubble_fraction
 from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
 from execution.training.checkpoint_flags import check_resumed_sparsity
 from execution.training.restart import Restart
 from utils.tracking import NullTracker, Tracker, run_trackers
@@ -188,10 +188,11 @@ def assemble(
     checkpointer = None
     try:
         # Before any output: a run that cannot fit says so, and the claims' folders go.
-        plan, budget = plan_for_process(config, layout)
+        run = RunShape.of(config)
+        plan, budget = plan_for_process(run, layout)
         if layout.is_main:
             print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
-        engine = PhasedEngine(engine_plan(config, plan), layout)
+        engine = PhasedEngine(run.engine_plan(plan), layout)
         start_step, restored = inputs.restore(engine, inputs.loader)
         if save is not None:
             checkpointer = Checkpointer(

@@ -61,11 +61,19 @@ def plan_without_launching(program: Program, config, preset: str) -> None:
     """--dry_run and --plan_for: one CPU process, no data read, no weights drawn."""
     from execution.planning.dry_run import dry_run
     from execution.planning.plan_table import print_layouts
+    from execution.planning.run_shape import RunShape
 
-    if config.planning.plan_for:
-        print_layouts(config, preset)
+    planning = config.planning
+    if planning.plan_for:
+        print_layouts(
+            RunShape.of(config),
+            preset,
+            planning.plan_for,
+            planning.plan_across_nodes,
+            planning.plan_workers,
+        )
         return
     if program.check_inputs is not None:
         program.check_inputs(config)
     default = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{program.dry_run_name(config, preset)}"
-    dry_run(config, Path(config.logging.output_dir or default))
+    dry_run(RunShape.of(config), Path(config.logging.output_dir or default))
