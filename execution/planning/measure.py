@@ -198,6 +198,9 @@ def meta_step(
     row = plan.sequence_length + plan.model.label_columns
     shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
+    # Metered once per process, on meta tensors of its own, and before this step's meter
+    # starts: inside it, that first metering would count as the step's ops.
+    _adamw_bytes_per_element()
     with attention_on_meta(kernel, *engine.templates.values()), StepMeter(replayed) as meter:
         recorder = PhaseRecorder(meter, engine)
         hooks = StepHooks(on_phase=recorder.start)
