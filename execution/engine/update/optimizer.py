@@ -3,7 +3,8 @@ holds (:class:`AdamWDriver`)."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import torch
@@ -111,6 +112,17 @@ class AdamWDriver:
         self.overlap = overlap
         self.steps = 0  # updates applied (AdamW's bias correction counts them)
         self._in_flight: Future | None = None
+        self._host: ThreadPoolExecutor | None = None  # made at the first host update
+
+    def _host_thread(self) -> ThreadPoolExecutor:
+        """The rank's host update thread, made once and kept: the scheduler's waits of it and
+        of its OpenMP team, which a step spends, stay visible to whoever times the step
+        (benchmarks/sample_clock.py reads every thread of the process). It goes with the
+        driver."""
+        if self._host is None:
+            self._host = team_thread("host-adamw", self.host_threads)
+            weakref.finalize(self, self._host.shutdown, wait=False)
+        return self._host
 
     def update(self, lr: float, grad_scale: float) -> None:
         """One update of every shard with the step's gradients times ``grad_scale``; with
@@ -131,11 +143,7 @@ class AdamWDriver:
         if state.device.type == "meta":  # a dry run: its ops are metered on this thread
             self._host_update(rows, hyper)
             return
-        host = team_thread("host-adamw", self.host_threads)
-        try:
-            future = host.submit(self._host_update, rows, hyper)
-        finally:
-            host.shutdown(wait=False)  # the thread ends with this update
+        future = self._host_thread().submit(self._host_update, rows, hyper)
         if self.overlap:
             state.updating, self._in_flight = rows, future
             return
