@@ -30,11 +30,16 @@ def plannable_recompute(context_parallel: int) -> tuple[str, ...]:
 
 
 LR_SCHEDULES = ("cosine", "linear", "constant")
+# The architecture choices of modelling.gpt.GPTShapes, GPT-3's first.
+POSITION_EMBEDDINGS = ("learned", "rotary")
+NORMALIZATIONS = ("layer_norm", "rms_norm")
+MLP_ACTIVATIONS = ("gelu", "swiglu")
 
 
 @dataclass
 class ModelConfig:
-    """Shape of the GPT-3 model (pre-layer-norm decoder, learned positions, tied embedding)."""
+    """Shape of the model: GPT-3's by default (pre-layer-norm decoder, learned positions, tied
+    embedding); the architecture fields after ``init_std`` choose the Llama family's parts."""
 
     layers: int = field(default=12, metadata=_doc("Number of decoder layers."))
     hidden_size: int = field(default=768, metadata=_doc("Width of the residual stream."))
@@ -62,6 +67,43 @@ class ModelConfig:
             "Std of the truncated-normal weight init; residual projections use "
             "init_std / sqrt(2 * layers) as in GPT-2."
         ),
+    )
+    kv_heads: int = field(
+        default=0,
+        metadata=_doc(
+            "Key/value heads (grouped-query attention); must divide heads. 0: as many as heads."
+        ),
+    )
+    position_embedding: str = field(
+        default="learned",
+        metadata=_doc(
+            "learned (a table of max_positional_length rows) or rotary (RoPE in attention).",
+            choices=POSITION_EMBEDDINGS,
+        ),
+    )
+    rope_theta: float = field(
+        default=10000.0, metadata=_doc("Base of the rotary position frequencies.")
+    )
+    normalization: str = field(
+        default="layer_norm",
+        metadata=_doc("layer_norm (with bias) or rms_norm (gain only).", choices=NORMALIZATIONS),
+    )
+    mlp_activation: str = field(
+        default="gelu",
+        metadata=_doc(
+            "gelu (h -> intermediate -> h) or swiglu (down(silu(gate x) * up x)).",
+            choices=MLP_ACTIVATIONS,
+        ),
+    )
+    intermediate_size: int = field(
+        default=0, metadata=_doc("Width of the MLP's intermediate layer. 0: 4 * hidden_size.")
+    )
+    linear_bias: bool = field(
+        default=True, metadata=_doc("Biases on the attention and MLP projections.")
+    )
+    tied_head: bool = field(
+        default=True,
+        metadata=_doc("The output projection is the word embedding (false: a matrix of its own)."),
     )
 
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from modelling.gpt import LAYERS, GPTShapes, init_part_region, part_inits, tile_seed
+from modelling.gpt import LAYERS, GPTShapes, init_part_region, part_inits
+from modelling.tiles import tile_seed
 
 SPARSE_WEIGHTS = ("attn.qkv.weight", "attn.out.weight", "mlp.fc.weight", "mlp.proj.weight")
 
