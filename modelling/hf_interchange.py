@@ -8,6 +8,9 @@ there). The LM head is tied to ``transformer.wte.weight``, as ours is to ``embed
 Reading uses ``safetensors`` (or ``torch.load`` for ``pytorch_model.bin``) tensor by tensor;
 writing streams the safetensors file tensor by tensor (the ``safetensors`` package writes only
 whole state dicts), and tests load it with ``from_pretrained``.
+
+A Llama folder (``model_type`` llama) and a Llama-architecture model are
+:mod:`modelling.hf_llama`'s: :func:`open_hf_weights` and :func:`export_hf` hand them over.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from modelling.hf_llama import LlamaWeights, export_llama, is_llama
 from modelling.task_heads import HEADS
 
 
@@ -114,6 +118,8 @@ def export_hf(
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
+    if is_llama(model):
+        return export_llama(model, weights, folder)
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config = hf_config(model)
     for head in HEADS:
@@ -139,29 +145,49 @@ def export_hf(
     return offset // 4
 
 
+def open_hf_weights(folder: str | Path) -> HFWeights | LlamaWeights:
+    """The tensors of a local HuggingFace folder: GPT-2's (:class:`HFWeights`) or Llama's
+    (:class:`modelling.hf_llama.LlamaWeights`), as its ``config.json`` says.
+
+    Raises:
+        HFModelError: missing or unreadable files, or a model that is neither.
+    """
+    folder = Path(folder)
+    config = _read_config(folder)
+    if config.get("model_type") == "llama":
+        return LlamaWeights(folder, config, HFModelError)
+    return HFWeights(folder, config)
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    config_file = folder / "config.json"
+    try:
+        return json.loads(config_file.read_text())
+    except OSError as err:
+        raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
+    except ValueError:
+        raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
+
+
 class HFWeights:
     """Tensors of a local HuggingFace GPT-2 folder, read one at a time.
 
     Args:
         folder: Holds ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``.
+        config: Its parsed ``config.json`` (None: read here).
 
     Raises:
         HFModelError: missing or unreadable files, or a model that is not GPT-2.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, config: dict[str, Any] | None = None):
         self.folder = Path(folder)
-        config_file = self.folder / "config.json"
-        try:
-            self.config = json.loads(config_file.read_text())
-        except OSError as err:
-            raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
-        except ValueError:
-            raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
+        self.config = config if config is not None else _read_config(self.folder)
         if self.config.get("model_type") != "gpt2":
             raise HFModelError(
-                f"--hf_model: {config_file} describes a {self.config.get('model_type')!r} "
-                "model; only GPT-2 (model_type gpt2) maps onto this model"
+                f"--hf_model: {self.folder / 'config.json'} describes a "
+                f"{self.config.get('model_type')!r} model; only GPT-2 (model_type gpt2) and "
+                "Llama (model_type llama) map onto this model"
             )
         safetensors_file = self.folder / "model.safetensors"
         bin_file = self.folder / "pytorch_model.bin"
@@ -213,6 +239,10 @@ class HFWeights:
             raise HFModelError(
                 f"--hf_model {self.folder} scales attention differently from GPT-2/GPT-3"
             )
+
+    def source_name(self, ours: str) -> str:
+        """The HF tensor name of our ``ours``, for messages."""
+        return hf_name(ours)[0]
 
     def has(self, ours: str) -> bool:
         """Whether the folder holds our logical tensor ``ours``."""
