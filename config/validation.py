@@ -299,6 +299,21 @@ def _validate_context_parallel(config: PretrainingConfig) -> None:
         )
 
 
+def kv_heads_note(config: PretrainingConfig) -> str | None:
+    """The one line a run prints where context parallelism cannot split the KV heads of
+    grouped-query attention (they are repeated for their query heads instead), else None."""
+    m, ex = config.model, config.execution
+    local = (m.kv_heads or m.heads) // ex.tensor_parallel_1
+    if local % ex.context_parallel == 0:
+        return None
+    return (
+        f"note: {local} KV head(s) per tensor_parallel_1 rank (--kv_heads {m.kv_heads}) do not "
+        f"split over --context_parallel {ex.context_parallel}; each is repeated for its query "
+        "heads before attention's all-to-all, which sends as much as without grouped-query "
+        "attention"
+    )
+
+
 def _validate_pipeline(config: PretrainingConfig) -> None:
     """One line for a pipeline that cannot split the decoder layers."""
     m, ex = config.model, config.execution

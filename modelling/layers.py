@@ -227,12 +227,12 @@ class Attention(nn.Module):
         group = self.local_heads // kv_heads
         q, kv = qkv.split([self.local_heads * self.head_dim, 2 * kv_heads * self.head_dim], -1)
         q = sequence_to_heads(q.view(B, S, self.local_heads, self.head_dim), self.cp)
-        kv = kv.view(B, S, 2, kv_heads, 1, self.head_dim)
         before = 1 if kv_heads % self.cp.size == 0 else group
-        kv = kv.expand(-1, -1, -1, -1, before, -1).reshape(B, S, 2, kv_heads * before, -1)
+        kv = kv.view(B, S, 2, kv_heads, self.head_dim).repeat_interleave(before, dim=3)
         kv = sequence_to_heads(kv, self.cp)  # (B, S * cp, 2, kv_heads * before / cp, head_dim)
-        kv = kv.unsqueeze(-2).expand(-1, -1, -1, -1, group // before, -1).flatten(3, 4)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        # Copies, not stride-0 views: what autograd saves of them must be whole tensors.
+        k, v = k.repeat_interleave(group // before, 1), v.repeat_interleave(group // before, 1)
         return q.transpose(1, 2), k, v
 
     def core(

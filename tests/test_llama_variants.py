@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from config.loading import parse_config
+from config.validation import kv_heads_note
 from execution.parallel.sharding import init_part_shard, shard_part, unshard_part
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
 from tasks.specs import run_shapes
@@ -93,3 +94,13 @@ def test_the_gpt3_presets_keep_their_architecture():
     shapes = run_shapes(config)
     assert shapes.ties_word_embedding and shapes.key_value_heads == shapes.heads
     assert shapes.num_parameters == 125_226_240  # as main counted it
+
+
+def test_a_cp_split_that_cannot_split_the_kv_heads_says_so_in_one_line():
+    split, _ = parse_config(["--config", "llama_tiny", "--context_parallel", "2"])
+    assert kv_heads_note(split) is None  # 2 KV heads, one per context rank
+    repeated, _ = parse_config(
+        ["--config", "llama_tiny", "--context_parallel", "2", "--tensor_parallel_1", "2"]
+    )
+    note = kv_heads_note(repeated)
+    assert note.startswith("note: 1 KV head(s) per tensor_parallel_1 rank") and "\n" not in note
