@@ -106,6 +106,12 @@ class ModelConfig:
         metadata=_doc("The output projection is the word embedding (false: a matrix of its own)."),
     )
 
+    def splits_over_tp1(self, tp1: int) -> bool:
+        """Whether ``tp1`` shards each hold whole query heads, whole KV heads and an equal
+        slice of the MLP's intermediate layer."""
+        ffn = self.intermediate_size or 4 * self.hidden_size
+        return all(n % tp1 == 0 for n in (self.heads, self.kv_heads or self.heads, ffn))
+
 
 @dataclass
 class OptimizerConfig:

@@ -11,8 +11,10 @@ import torch
 from config.loading import parse_config
 from config.validation import kv_heads_note
 from execution.parallel.sharding import init_part_shard, shard_part, unshard_part
+from execution.planning.plan_search import layouts
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
 from tasks.specs import run_shapes
+from utils.metrics import flops_per_token
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
 
@@ -104,3 +106,17 @@ def test_a_cp_split_that_cannot_split_the_kv_heads_says_so_in_one_line():
     )
     note = kv_heads_note(repeated)
     assert note.startswith("note: 1 KV head(s) per tensor_parallel_1 rank") and "\n" not in note
+
+
+def test_plan_for_offers_only_tensor_layouts_that_split_the_kv_heads():
+    config, _ = parse_config(["--config", "llama3_8B", "--plan_across_nodes", "true"])
+    tp1_sizes = {candidate.execution.tensor_parallel_1 for candidate in layouts(config, 64)}
+    assert tp1_sizes == {1, 2, 4, 8}  # 32 query heads, but 8 KV heads
+
+
+def test_an_untied_word_embedding_does_no_flops():
+    config, _ = parse_config(["--config", "llama3_8B"])
+    shapes = run_shapes(config)
+    attention = 12 * 32 * 4096 * 8192
+    embedding = 128256 * 4096
+    assert flops_per_token(shapes, 8192) == 6 * (8_030_261_248 - embedding) + attention

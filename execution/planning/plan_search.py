@@ -168,7 +168,7 @@ def layouts(config: PretrainingConfig, devices: int) -> list[PretrainingConfig]:
     # Each axis's sizes that the model allows, so that the product stays small however many
     # divisors ``devices`` has (720720 has 240).
     axes = (
-        [n for n in divisors if m.heads % n == 0],
+        [n for n in divisors if m.splits_over_tp1(n)],
         [n for n in divisors if m.hidden_size % n == 0],
         [n for n in divisors if m.sequence_length % n == 0],
         [n for n in divisors if n == 1 or n in PIPELINES],
@@ -314,12 +314,17 @@ def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
     the QKV output ``[t, 3h/tp1]`` and the first feed-forward output ``[t, 4h/tp1]``, over tp1
     the attention projection's and second feed-forward's ``[t, h/tp2]``; backward, the
     conjugates: over tp1 the QKV and first feed-forward inputs' gradients ``[t, h/tp2]``, over
-    tp2 the projection's and second feed-forward's ``[t, h/tp1]`` and ``[t, 4h/tp1]``. Each is
+    tp2 the projection's and second feed-forward's ``[t, h/tp1]`` and ``[t, 4h/tp1]``. (With
+    grouped-query attention the QKV output is ``h + 2 kv`` wide; SwiGLU's first feed-forward
+    output, gate and up, twice its intermediate size.) Each is
     priced as the time model prices it (across nodes at the network's rate); recompute, layer
     norm statistics, the embedding and the head only add to it. A test checks the bound
     against measured steps."""
     ex, m = config.execution, config.model
     h, tp1, tp2 = m.hidden_size, ex.tensor_parallel_1, ex.tensor_parallel_2
+    qkv = h + 2 * (m.kv_heads or m.heads) * (h // m.heads)
+    ffn = m.intermediate_size or 4 * h
+    ffn_in = 2 * ffn if m.mlp_activation == "swiglu" else ffn
     layout = ParallelLayout.shapes_only(
         ex.data_parallel, tp1, tp2, cp=ex.context_parallel, pp=ex.pipeline_parallel
     )
@@ -327,7 +332,7 @@ def tensor_parallel_floor(config: PretrainingConfig, spec: DeviceSpec) -> float:
     itemsize = DTYPES[config.training.precision].itemsize
     widths = {
         layout.tp1: (h // tp2,) * 4,
-        layout.tp2: (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1),
+        layout.tp2: (qkv // tp1, ffn_in // tp1, h // tp1, ffn // tp1),
     }
     per_layer = sum(
         waited_call_seconds(axis, "all_reduce", tokens * width * itemsize, spec)

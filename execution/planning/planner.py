@@ -392,7 +392,7 @@ def _valid_change(config: PretrainingConfig, name: str, value: int) -> bool:
     return (
         config.training.global_batch_size % per_step == 0
         and config.training.global_batch_size // per_step <= MOST_MICRO_BATCHES
-        and m.heads % ex.tensor_parallel_1 == 0
+        and m.splits_over_tp1(ex.tensor_parallel_1)
         and m.hidden_size % ex.tensor_parallel_2 == 0
         and m.sequence_length % ex.context_parallel == 0
         and (m.heads // ex.tensor_parallel_1) % ex.context_parallel == 0
