@@ -40,6 +40,7 @@ from modelling.sparsity import (
     active_counts,
     densities,
     mask_scores,
+    sparse_weights,
 )
 from tests.distributed import (
     CPU,
@@ -90,7 +91,7 @@ def reference_rigl(config, batches: torch.Tensor) -> dict:
     masks = {}
     for layer in range(shapes.layers):
         scores = mask_scores(shapes, layer, config.training.seed, whole)
-        for name in SPARSE_WEIGHTS:
+        for name in sparse_weights(shapes):
             key = f"layers.{layer}.{name}"
             masks[key] = _top(scores[name].flatten(), counts[name]).view(scores[name].shape)
             params[key].data.mul_(masks[key])
@@ -153,7 +154,7 @@ def _assert_matches(got: dict, want: dict, what: str) -> None:
         assert torch.all(weight[~mask] == 0), f"{what}: {key} has weights outside its mask"
     for key, weight in got["weights"].items():
         reference = want["weights"][key]
-        if key.startswith("embedding.word") or key.startswith("embedding.position"):
+        if key.startswith(("embedding.word", "embedding.position", "head.output")):
             reference = reference[: weight.shape[0]]  # the reference pads these
         error = relative_error(weight, reference)
         assert error <= WEIGHT_TOLERANCE, f"{what}: {key} relative error {error:.2e}"
@@ -172,6 +173,42 @@ def test_single_process_engine_matches_plain_rigl():
     first = reference_rigl_masks_at_start(config_dense)[some]
     assert not torch.equal(want["masks"][some], first), "no connectivity update happened"
     _assert_matches(got, want, "1 process")
+
+
+LLAMA = (
+    *[
+        "--position_embedding",
+        "rotary",
+        "--normalization",
+        "rms_norm",
+        "--mlp_activation",
+        "swiglu",
+    ],
+    *[
+        "--linear_bias",
+        "false",
+        "--tied_head",
+        "false",
+        "--kv_heads",
+        "2",
+        "--intermediate_size",
+        "44",
+    ],
+)
+
+
+def test_llama_s_three_mlp_matrices_train_sparse_like_plain_rigl():
+    """SwiGLU's gate and up (one matrix of ours) and down, and grouped-query attention's
+    narrower qkv: ERK gives gate and up the density of down, their shape's transpose."""
+    config = small_config(*RIGL, *LLAMA)
+    density = densities(GPTShapes.from_config(config.model), 0.8, "erk")
+    assert density["mlp.gate_up.weight"] == pytest.approx(density["mlp.down.weight"], rel=1e-12)
+    got = _engine_run(config, ParallelLayout.single(CPU))
+    want = expected(*LLAMA)
+    some = "layers.0.mlp.gate_up.weight"
+    first = reference_rigl_masks_at_start(config)[some]
+    assert not torch.equal(want["masks"][some], first), "no connectivity update happened"
+    _assert_matches(got, want, "llama, 1 process")
 
 
 def reference_rigl_masks_at_start(config) -> dict[str, torch.Tensor]:
