@@ -17,6 +17,7 @@ import shlex
 import pytest
 import torch
 
+from config.loading import parse_config
 from execution.checkpoint.logical import full_state
 from tests.distributed import (
     FLOAT32_TOLERANCE,
@@ -46,10 +47,11 @@ LLAMA = shlex.split(
 
 
 def _validation(config, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
-    """Replica ``dp_rank``'s share of 2 held-out sequences, as ``[1, seq + 1]`` micro-batches."""
-    ids = global_batches(config, 1, seed=7)[0, :2]
+    """Replica ``dp_rank``'s share of 2 held-out micro-batches ``[micro_batch, seq + 1]``."""
+    micro = config.execution.micro_batch_size
+    ids = global_batches(config, 1, seed=7)[0, : 2 * micro].view(2, micro, -1)
     share = len(ids) // dp_size
-    return list(ids[dp_rank * share : (dp_rank + 1) * share].unsqueeze(1))
+    return list(ids[dp_rank * share : (dp_rank + 1) * share])
 
 
 @functools.cache
@@ -89,6 +91,22 @@ def test_llama_layout_trains_like_one_process(tmp_path, layout):
         _train_rank, config.world_size, tmp_path, config, global_batches(config, STEPS)
     )
     expected = _single_process()
+    assert_curves_close(results, expected, TOLERANCE)
+    for state in ("weights", "grads"):
+        merged = {name: t for r in results if state in r for name, t in r[state].items()}
+        assert_states_close(merged, expected[state], FLOAT32_TOLERANCE, state)
+
+
+def test_the_llama_tiny_preset_trains_at_dp2_tp1_2_tp2_2_like_one_process(tmp_path):
+    """The preset itself (GPT-2's vocabulary, padded over tp1; 128 wide, sequences of 128)
+    for 2 steps, with AdamW epsilon 1e-2 as tests.distributed.small_config explains."""
+    preset = ["--config", "llama_tiny", "--device", "cpu", "--eps", "1e-2", "--steps", "2"]
+    single, _ = parse_config(preset)
+    batches = global_batches(single, 2)
+    expected = single_process_run(single, batches)
+    expected["eval_loss"] = expected.pop("engine").evaluate(_validation(single))
+    config, _ = parse_config([*preset, *layout_flags(2, 2, 2)])
+    results = run_ranks(_train_rank, config.world_size, tmp_path, config, batches)
     assert_curves_close(results, expected, TOLERANCE)
     for state in ("weights", "grads"):
         merged = {name: t for r in results if state in r for name, t in r[state].items()}
