@@ -153,7 +153,9 @@ class GPT(nn.Module):
     """GPT-3 language model for one (tp1, tp2) shard; ``LOCAL`` axes give the whole model.
 
     With a context axis ``cp`` it runs on piece ``cp.rank`` of each sequence (weights are the
-    same on every piece) and its loss is the mean over that piece's tokens.
+    same on every piece) and its loss is the mean over that piece's tokens. The shapes'
+    architecture fields choose each part's modules here, once: GPT-3's, or the Llama family's
+    (:mod:`modelling.variants`, :class:`modelling.lm_heads.UntiedLMHead`).
     """
 
     def __init__(self, shapes: GPTShapes, tp1: Axis = LOCAL, tp2: Axis = LOCAL, cp: Axis = LOCAL):

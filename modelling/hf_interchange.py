@@ -57,6 +57,14 @@ OTHER_NAMES = {
 # A fine-tuning head's projection -> the name HuggingFace's class for it gives it (each head
 # declares its own: modelling.task_heads).
 TASK_NAMES = {f"head.{ours}": theirs for head in HEADS for ours, theirs in head.HF_NAMES.items()}
+# The architecture fields (config/schema.py: ModelConfig) of a model GPT2LMHeadModel holds.
+GPT2_ARCHITECTURE = {
+    "position_embedding": "learned",
+    "normalization": "layer_norm",
+    "mlp_activation": "gelu",
+    "linear_bias": True,
+    "tied_head": True,
+}
 # HF activations that are GPT-2's tanh approximation of GELU (ours).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -117,9 +125,15 @@ def export_hf(
         The number of parameters written.
     """
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     if is_llama(model):
+        folder.mkdir(parents=True, exist_ok=True)
         return export_llama(model, weights, folder)
+    if unlike_gpt2 := _unlike_gpt2(model):
+        raise HFModelError(
+            f"--hf_output: the model's --{', --'.join(unlike_gpt2)} are not GPT-2's, nor is it "
+            "all Llama (rotary, rms_norm, swiglu, no biases); HuggingFace has no class for it"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config = hf_config(model)
     for head in HEADS:
@@ -167,6 +181,16 @@ def _read_config(folder: Path) -> dict[str, Any]:
         raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
     except ValueError:
         raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
+
+
+def _unlike_gpt2(model: dict[str, Any]) -> list[str]:
+    """The architecture flags of a ``model`` section that ``GPT2LMHeadModel`` cannot hold."""
+    unlike = [flag for flag, gpt2 in GPT2_ARCHITECTURE.items() if model.get(flag, gpt2) != gpt2]
+    if model.get("kv_heads") not in (None, 0, model["heads"]):
+        unlike.append("kv_heads")
+    if model.get("intermediate_size") not in (None, 0, 4 * model["hidden_size"]):
+        unlike.append("intermediate_size")
+    return unlike
 
 
 class HFWeights:

@@ -320,7 +320,8 @@ def _attention_with_head_masks(
 
 
 class FeedForward(nn.Module):
-    """h -> 4h -> h with tanh-GELU; the 4h hidden layer is sharded over tp1."""
+    """h -> ffn -> h with tanh-GELU (ffn = 4h for GPT-3); the ffn hidden layer is sharded
+    over tp1."""
 
     def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis, bias: bool = True):
         super().__init__()

@@ -227,3 +227,16 @@ def test_six_steps_beside_huggingface_with_adamw_and_clipping_give_its_losses():
         optimizer.step()
         assert result.loss == pytest.approx(total / len(batches), abs=1e-6), step
         assert result.grad_norm == pytest.approx(norm, rel=1e-5), step
+
+
+def test_a_model_neither_gpt2_nor_llama_is_not_exported(tmp_path):
+    config = small_config("--kv_heads", "2")  # GPT-3 otherwise: no HuggingFace class holds it
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
+    checkpointer.save(0, None)
+    checkpointer.close()
+    with pytest.raises(ConfigError, match="the model's --kv_heads are not GPT-2's"):
+        convert_checkpoint.main(
+            ["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")]
+        )
+    assert not (tmp_path / "hf").exists()
