@@ -239,6 +239,14 @@ class HFWeights:
     def check_shape(self, model) -> None:
         """Raises a one-line HFModelError when the HF model differs from ``model`` (the run's
         :class:`~modelling.gpt.GPTShapes`), naming the flag to change."""
+        unlike = [f for f, gpt2 in GPT2_ARCHITECTURE.items() if getattr(model, f) != gpt2]
+        if model.key_value_heads != model.heads or model.ffn != 4 * model.hidden:
+            unlike.append("kv_heads or --intermediate_size")
+        if unlike:
+            raise HFModelError(
+                f"--hf_model {self.folder} is a GPT-2 model but this run's --{', --'.join(unlike)} "
+                "are not GPT-2's; leave them at their defaults (a GPT-3 preset)"
+            )
         c = self.config
         pairs = {
             "n_layer": ("layers", model.layers),

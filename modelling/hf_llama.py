@@ -165,6 +165,18 @@ class LlamaWeights:
     def check_shape(self, model) -> None:
         """Raises a one-line refusal when the HF model differs from ``model`` (the run's
         :class:`~modelling.gpt.GPTShapes`), naming the flag to change."""
+        architecture = {
+            "position_embedding": (model.position_embedding, "rotary"),
+            "normalization": (model.normalization, "rms_norm"),
+            "mlp_activation": (model.mlp_activation, "swiglu"),
+            "linear_bias": (model.linear_bias, False),
+        }
+        for flag, (ours, theirs) in architecture.items():
+            if ours != theirs:
+                raise self.error(
+                    f"--hf_model {self.folder} is a Llama model but this run has --{flag} "
+                    f"{ours}; pass --config llama_tiny (or --{flag} {theirs})"
+                )
         c = self.config
         rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
@@ -193,18 +205,6 @@ class LlamaWeights:
                 raise self.error(
                     f"--hf_model {self.folder} has {key} {theirs} but this run has --{flag} "
                     f"{ours}; pass --{flag} {theirs}"
-                )
-        architecture = {
-            "position_embedding": (model.position_embedding, "rotary"),
-            "normalization": (model.normalization, "rms_norm"),
-            "mlp_activation": (model.mlp_activation, "swiglu"),
-            "linear_bias": (model.linear_bias, False),
-        }
-        for flag, (ours, theirs) in architecture.items():
-            if ours != theirs:
-                raise self.error(
-                    f"--hf_model {self.folder} is a Llama model but this run has --{flag} "
-                    f"{ours}; pass --config llama_tiny (or --{flag} {theirs})"
                 )
         unsupported = {
             "hidden_act": c.get("hidden_act", "silu") != "silu",

@@ -165,8 +165,11 @@ def test_import_checks_the_shape_in_one_line(tmp_path):
     engine = planned_engine(llama_config("--kv_heads", "4"), ParallelLayout.single(CPU))
     with pytest.raises(ConfigError, match="has num_key_value_heads 2 but this run has --kv_heads"):
         load_hf_weights(tmp_path / "hf", engine)
-    engine = planned_engine(small_config(), ParallelLayout.single(CPU))
+    engine = planned_engine(llama_config("--layers", "2"), ParallelLayout.single(CPU))
     with pytest.raises(ConfigError, match="num_hidden_layers 3 but this run has --layers 2"):
+        load_hf_weights(tmp_path / "hf", engine)
+    engine = planned_engine(small_config(), ParallelLayout.single(CPU))
+    with pytest.raises(ConfigError, match="is a Llama model but this run has --position_embedding"):
         load_hf_weights(tmp_path / "hf", engine)
 
 
@@ -240,3 +243,11 @@ def test_a_model_neither_gpt2_nor_llama_is_not_exported(tmp_path):
             ["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")]
         )
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_gpt2_folder_does_not_start_a_llama_run(tmp_path):
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=40, n_head=4))
+    hf.save_pretrained(tmp_path / "hf")
+    engine = planned_engine(llama_config(), ParallelLayout.single(CPU))
+    with pytest.raises(ConfigError, match="is a GPT-2 model but this run's --position_embedding"):
+        load_hf_weights(tmp_path / "hf", engine)
