@@ -190,8 +190,16 @@ class Attention(nn.Module):
         # Rotary positions (modelling.variants.Rotary), or none where the embedding adds them.
         self.position = rotary if rotary is not None else _unrotated
         self.split_heads = self._split_heads
+        # Each KV head repeated for its query heads inside the core (selective recompute keeps
+        # k and v as they come, one per KV head), or not at all without grouped-query attention.
+        self.repeat_kv: Callable[[torch.Tensor], torch.Tensor] = _unrepeated
         if kv_heads != local_heads:
-            self.split_heads = functools.partial(self._split_grouped_heads, kv_heads)
+            group = local_heads // kv_heads
+            before = 1 if kv_heads % cp.size == 0 else group  # repeated before the exchange
+            self.split_heads = functools.partial(self._split_grouped_heads, kv_heads, before)
+            self.repeat_kv = functools.partial(
+                torch.repeat_interleave, repeats=group // before, dim=1
+            )
         # What runs SDPA (None: F.scaled_dot_product_attention). Planning gives this module the
         # op a device's kernel runs on meta tensors, where SDPA itself would take the math path
         # (execution/engine/phases/recompute.py: attention_on_meta), and no other module sees it.
@@ -205,7 +213,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
         qkv = self.qkv(copy_to(x, self.tp1))  # (B, S, (heads + 2 kv_heads) * head_dim)
-        q, k, v = self.split_heads(qkv)  # (B, heads / cp, S * cp, head_dim) each
+        q, k, v = self.split_heads(qkv)  # (B, heads / cp or kv_heads / cp, S * cp, head_dim)
         q, k = self.position(q, k)
         y = self.core(q, k, v, seeds)  # (B, local_heads / cp, S * cp, head_dim)
         y = heads_to_sequence(y.transpose(1, 2), self.cp)  # (B, S, local_heads, head_dim)
@@ -219,20 +227,18 @@ class Attention(nn.Module):
         qkv = sequence_to_heads(qkv, self.cp)  # (B, S * cp, 3, local_heads / cp, head_dim)
         return qkv.permute(2, 0, 3, 1, 4).unbind(0)
 
-    def _split_grouped_heads(self, kv_heads: int, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """As :meth:`_split_heads` with fewer KV heads than q heads; k and v come back
-        repeated to one per q head, after the exchange (or before it, where cp does not
-        divide the KV heads)."""
+    def _split_grouped_heads(
+        self, kv_heads: int, before: int, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """As :meth:`_split_heads` with fewer KV heads than q heads: k and v of this rank's cp
+        group of KV heads, each repeated ``before`` times first (where cp does not divide the
+        KV heads, so that each cp rank's q heads get theirs)."""
         B, S, _ = qkv.shape
-        group = self.local_heads // kv_heads
         q, kv = qkv.split([self.local_heads * self.head_dim, 2 * kv_heads * self.head_dim], -1)
         q = sequence_to_heads(q.view(B, S, self.local_heads, self.head_dim), self.cp)
-        before = 1 if kv_heads % self.cp.size == 0 else group
         kv = kv.view(B, S, 2, kv_heads, self.head_dim).repeat_interleave(before, dim=3)
         kv = sequence_to_heads(kv, self.cp)  # (B, S * cp, 2, kv_heads * before / cp, head_dim)
         k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
-        # Copies, not stride-0 views: what autograd saves of them must be whole tensors.
-        k, v = k.repeat_interleave(group // before, 1), v.repeat_interleave(group // before, 1)
         return q.transpose(1, 2), k, v
 
     def core(
@@ -246,8 +252,10 @@ class Attention(nn.Module):
         layer's attention seed and the global index of this shard's first head: the same draw
         wherever this shard's heads are recomputed, but another layout's shards draw other
         masks. ``dropout_parity`` draws each head's own mask instead (written out, slower), so
-        every layout draws the single process's masks.
+        every layout draws the single process's masks. With grouped-query attention k and v
+        come with their KV heads and are repeated here, one for each query head.
         """
+        k, v = self.repeat_kv(k), self.repeat_kv(v)
         p = self.dropout_prob if seeds is not None else 0.0
         sdpa = self.sdpa or F.scaled_dot_product_attention
         pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
@@ -260,6 +268,10 @@ class Attention(nn.Module):
                 return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
             seed = mix_seed(seeds.attention, first)
             return fused_attention_with_dropout(q, k, v, p, seed, sdpa)
+
+
+def _unrepeated(kv: torch.Tensor) -> torch.Tensor:
+    return kv
 
 
 def _unrotated(
