@@ -31,12 +31,12 @@ from modelling.variants import RMSNorm, Rotary, SwiGLU, WordEmbedding
 VOCAB_SHARD_MULTIPLE = 16
 
 EMBEDDING, LAYERS, HEAD = "embedding", "layers", "head"
+PARTS = (EMBEDDING, LAYERS, HEAD)
 
 # The architecture choices (GPTShapes): GPT-3's first, then the Llama family's.
 LEARNED, ROTARY = "learned", "rotary"
 LAYER_NORM, RMS_NORM = "layer_norm", "rms_norm"
 GELU, SWIGLU = "gelu", "swiglu"
-PARTS = (EMBEDDING, LAYERS, HEAD)
 
 
 def padded_vocab_size(vocab_size: int, tp1: int) -> int:
@@ -273,8 +273,10 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
     """Unpadded shape and initialisation of every parameter of a part, named as in :class:`GPT`.
 
     Linear and embedding weights are truncated normal (std ``init_std``, cut at 2 std); the
-    residual projections ``attn.out`` and ``mlp.proj`` use ``init_std / sqrt(2 * layers)`` as
-    in GPT-2; biases are zero and layer-norm gains one.
+    residual projections ``attn.out`` and ``mlp.proj`` (``mlp.down``) use ``init_std /
+    sqrt(2 * layers)`` as in GPT-2; biases are zero and norm gains one. The Llama variants
+    drop what they lack (the position table with rotary positions, norm biases with RMSNorm,
+    every bias without linear biases) and an untied head adds ``output.weight``.
     """
     h = shapes.hidden
     if part == EMBEDDING:
@@ -288,7 +290,7 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
             name: ParamInit(shape, NORMAL if len(shape) == 2 else ZEROS, init_std)
             for name, shape in shapes.task_head_shapes.items()
         }
-        if not shapes.ties_word_embedding and not shapes.task_head:
+        if shapes.task_head is None and not shapes.tied_head:
             task["output.weight"] = ParamInit((shapes.vocab, h), NORMAL, init_std)
         return {**_norm_inits(shapes, "ln_f", h), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)

@@ -3,7 +3,9 @@
 Shapes are per shard (docs/design.md, "Sharding rules"): the residual stream is ``[B, S, h/tp2]`` (sharded over
 tp2, identical over tp1); attention and the FFN hidden layer are sharded over tp1. Local sizes
 come from the weights, and every collective is a call into :mod:`modelling.parallel`, so with
-size-1 axes this is a plain GPT-2/GPT-3 block.
+size-1 axes this is a plain GPT-2/GPT-3 block. Attention also takes the Llama family's
+grouped KV heads and rotary positions (:mod:`modelling.variants`); the language model's heads
+are :mod:`modelling.lm_heads`'s.
 
 Dropout draws from explicit seeds rather than the global generator: the phased engine recomputes
 each layer in backward and must reproduce the forward's masks exactly.
