@@ -76,6 +76,26 @@ def _tokens() -> torch.Tensor:
     return torch.randint(0, SIZES["vocab"], (3, 9), generator=torch.Generator().manual_seed(5))
 
 
+def test_an_imported_llama_exported_back_loads_in_transformers_with_its_logits(tmp_path):
+    hf = hf_llama(seed=1)
+    hf.save_pretrained(tmp_path / "hf")
+    config = llama_config()
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    load_hf_weights(tmp_path / "hf", engine)
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
+    checkpointer.save(0, None)
+    checkpointer.close()
+    convert_checkpoint.main(
+        ["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "out")]
+    )
+    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
+    with torch.no_grad():
+        theirs, again = hf(input_ids=_tokens()).logits, back(input_ids=_tokens()).logits
+    assert relative_error(again, theirs) <= TOLERANCE
+    for name, p in hf.state_dict().items():
+        assert torch.equal(back.state_dict()[name], p), name  # every tensor, bit for bit
+
+
 @pytest.mark.parametrize("shard_size", [None, "20KB"])
 def test_import_a_llama_folder_gives_its_logits_and_loss(tmp_path, shard_size):
     hf = hf_llama()
