@@ -39,7 +39,7 @@ from tests.distributed import (
 )
 from tests.distributed import small_config as distributed_config
 from tests.entry_points import run_script
-from tests.reference import small_config
+from tests.reference import LLAMA_VARIANTS, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,10 +130,7 @@ def _real_rank(config) -> dict:
     return {"buffers": engine.buffer_bytes(), "working_set": meter.peak}
 
 
-LLAMA = (
-    "--position_embedding rotary --normalization rms_norm --mlp_activation swiglu "
-    "--linear_bias false --tied_head false --kv_heads 2 --intermediate_size 88"
-)
+LLAMA = " ".join([*LLAMA_VARIANTS, "--kv_heads", "2", "--intermediate_size", "88"])
 # Weights and activations in host memory, gradients on the device.
 STREAMED = "--weights_placement host --activations_placement host --grads_placement device"
 # The dry run plans for a GPU (flash attention), so a layer that keeps its activations keeps

@@ -23,16 +23,13 @@ from modelling.hf_llama import hf_names, row_split
 from modelling.hf_llama import llama_config as llama_config_of
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.finetuning_reference import hf_optimizer, initial_weights
-from tests.reference import relative_error, small_config
+from tests.reference import LLAMA_VARIANTS, relative_error, small_config
 
 transformers = pytest.importorskip("transformers")
 TOLERANCE = 1e-5
 # Odd sizes: 3 layers, 4 query heads of 10 sharing 2 KV heads, intermediate 54, vocabulary 97.
 SIZES = dict(layers=3, hidden=40, heads=4, kv_heads=2, intermediate=54, vocab=97, positions=24)
-LLAMA_FLAGS = shlex.split(
-    "--position_embedding rotary --normalization rms_norm --mlp_activation swiglu "
-    "--linear_bias false --tied_head false --rope_theta 5000"
-)
+LLAMA_FLAGS = [*LLAMA_VARIANTS, "--rope_theta", "5000"]
 
 
 def llama_config(*flags: str):

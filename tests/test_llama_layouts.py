@@ -33,17 +33,18 @@ from tests.distributed import (
     with_execution,
     world_layout,
 )
+from tests.reference import LLAMA_VARIANTS
 
 pytestmark = pytest.mark.distributed
 
 STEPS = 3
 TOLERANCE = 1e-6
 # Hidden 32 in 4 query heads of 8 sharing 2 KV heads; an intermediate size of 44.
-LLAMA = shlex.split(
-    "--position_embedding rotary --normalization rms_norm --mlp_activation swiglu "
-    "--linear_bias false --tied_head false --kv_heads 2 --intermediate_size 44 --rope_theta 500 "
-    "--global_batch_size 4 --micro_batch_size 1 --passes 2"
-)
+LLAMA = [
+    *LLAMA_VARIANTS,
+    *shlex.split("--kv_heads 2 --intermediate_size 44 --rope_theta 500 --global_batch_size 4"),
+    *shlex.split("--micro_batch_size 1 --passes 2"),
+]
 
 
 def _validation(config, dp_rank: int = 0, dp_size: int = 1) -> list[torch.Tensor]:
