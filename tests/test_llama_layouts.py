@@ -112,3 +112,17 @@ def test_the_llama_tiny_preset_trains_at_dp2_tp1_2_tp2_2_like_one_process(tmp_pa
     for state in ("weights", "grads"):
         merged = {name: t for r in results if state in r for name, t in r[state].items()}
         assert_states_close(merged, expected[state], FLOAT32_TOLERANCE, state)
+
+
+def test_llama_dropout_draws_the_single_process_s_masks(tmp_path):
+    """Dropout 0.1 (attention probabilities head by head, --dropout_parity, and residuals) at
+    tp1 2 x cp 2: each query head draws its global index's mask with its KV head repeated."""
+    flags = [*LLAMA, "--dropout_prob", "0.1"]
+    single = small_config(*flags)
+    batches = global_batches(single, STEPS)
+    expected = single_process_run(single, batches)
+    expected["eval_loss"] = expected.pop("engine").evaluate(_validation(single))
+    config = small_config(*flags, *layout_flags(1, 2, 1, cp=2))
+    results = run_ranks(_train_rank, config.world_size, tmp_path, config, batches)
+    assert_curves_close(results, expected, TOLERANCE)
+    assert_states_close(results[0]["weights"], expected["weights"], FLOAT32_TOLERANCE, "weights")
