@@ -1,10 +1,11 @@
-"""Convert a checkpoint of any layout into a HuggingFace GPT-2 folder.
+"""Convert a checkpoint of any layout into a HuggingFace GPT-2 or Llama folder.
 
     python convert_checkpoint.py --load runs/ckpt --hf_output gpt2-export
 
 The folder (``config.json`` and ``model.safetensors``) loads with
 ``transformers.GPT2LMHeadModel.from_pretrained`` and no code of ours (a fine-tuned checkpoint's
-with ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification``). The other direction is
+with ``GPT2ForQuestionAnswering`` or ``GPT2ForSequenceClassification``), or, for a model of the
+Llama variants, with ``transformers.LlamaForCausalLM.from_pretrained``. The other direction is
 ``run_pretraining.py --hf_model FOLDER``.
 """
 
@@ -17,7 +18,7 @@ from typing import NoReturn
 
 from config.loading import ConfigError
 from execution.checkpoint.load import read_weights
-from modelling.hf_interchange import export_hf
+from modelling.hf_interchange import HFModelError, export_hf
 
 
 class _Parser(argparse.ArgumentParser):
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         params = export_hf(model_config, weights, out)
     except OSError as err:
         raise ConfigError(f"cannot write --hf_output {out}: {err.strerror}") from None
+    except HFModelError as err:
+        raise ConfigError(str(err)) from None
     print(f"wrote {out}/config.json and {out}/model.safetensors ({params:,} parameters)")
 
 

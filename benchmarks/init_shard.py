@@ -38,13 +38,12 @@ from execution.parallel.sharding import init_part_shard, shard_index
 from modelling.gpt import (
     EMBEDDING,
     HEAD,
-    INIT_TILE,
     LAYERS,
     GPTShapes,
     init_full_part,
     part_inits,
-    tile_groups,
 )
+from modelling.tiles import INIT_TILE, tile_groups
 
 SEED, INIT_STD = 1234, 0.006
 # gpt3_175B's depth, vocabulary and context; the width, heads and tensor layout are flags.

@@ -12,8 +12,8 @@ SPARSITY_DISTRIBUTIONS = ("erk", "uniform")
 
 @dataclass
 class RigLConfig:
-    """Sparse training of the decoder layers' qkv, out, fc and proj weights (embeddings,
-    biases and layer norms stay dense)."""
+    """Sparse training of the decoder layers' qkv, out, fc and proj (or SwiGLU's gate_up and
+    down) weights (embeddings, biases and norms stay dense)."""
 
     sparsity: float = field(
         default=0.0,

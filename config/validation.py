@@ -213,6 +213,23 @@ def _validate_model(config: PretrainingConfig) -> None:
             f"--hidden_size {m.hidden_size} is not divisible by --heads {m.heads}; "
             "pick sizes so that every head has the same width"
         )
+    if m.kv_heads < 0 or m.intermediate_size < 0:
+        raise ConfigError(
+            f"--kv_heads {m.kv_heads} and --intermediate_size {m.intermediate_size} must be at "
+            "least 0 (0: as many as --heads, 4 x --hidden_size)"
+        )
+    if m.kv_heads and m.heads % m.kv_heads:
+        raise ConfigError(
+            f"--heads {m.heads} is not divisible by --kv_heads {m.kv_heads}; each key/value "
+            "head serves an equal group of query heads"
+        )
+    if m.position_embedding == "rotary" and (m.hidden_size // m.heads) % 2:
+        raise ConfigError(
+            f"--position_embedding rotary needs an even head width, got --hidden_size "
+            f"{m.hidden_size} / --heads {m.heads} = {m.hidden_size // m.heads}"
+        )
+    if not (m.rope_theta > 1 and math.isfinite(m.rope_theta)):
+        raise ConfigError(f"--rope_theta must be a finite number > 1, got {m.rope_theta}")
     if m.sequence_length > m.max_positional_length:
         raise ConfigError(
             f"--sequence_length {m.sequence_length} exceeds --max_positional_length "
@@ -246,6 +263,17 @@ def _validate_layout(config: PretrainingConfig) -> None:
         raise ConfigError(
             f"--hidden_size {m.hidden_size} is not divisible by --tensor_parallel_2 "
             f"{ex.tensor_parallel_2}"
+        )
+    if "kv_heads" in uneven:
+        raise ConfigError(
+            f"--kv_heads {m.kv_heads} is not divisible by --tensor_parallel_1 "
+            f"{ex.tensor_parallel_1}; each tensor_parallel_1 shard holds whole key/value heads"
+        )
+    if "intermediate" in uneven:
+        ffn = m.intermediate_size or 4 * m.hidden_size
+        raise ConfigError(
+            f"--intermediate_size {ffn} is not divisible by --tensor_parallel_1 "
+            f"{ex.tensor_parallel_1}; each tensor_parallel_1 shard holds an equal slice of it"
         )
 
 
@@ -281,6 +309,23 @@ def _uneven_splits(config: PretrainingConfig) -> list[str]:
         ex.tensor_parallel_1,
         ex.tensor_parallel_2,
         ex.context_parallel,
+        m.kv_heads,
+        m.intermediate_size,
+    )
+
+
+def kv_heads_note(config: PretrainingConfig) -> str | None:
+    """The one line a run prints where context parallelism cannot split the KV heads of
+    grouped-query attention (they are repeated for their query heads instead), else None."""
+    m, ex = config.model, config.execution
+    local = (m.kv_heads or m.heads) // ex.tensor_parallel_1
+    if local % ex.context_parallel == 0:
+        return None
+    return (
+        f"note: {local} KV head(s) per tensor_parallel_1 rank (--kv_heads {m.kv_heads}) do not "
+        f"split over --context_parallel {ex.context_parallel}; each is repeated for its query "
+        "heads before attention's all-to-all, which sends as much as without grouped-query "
+        "attention"
     )
 
 

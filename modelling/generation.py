@@ -3,7 +3,8 @@
 The training path computes a loss and never logits over a whole sequence; generation needs the
 logits of the last position, one new token at a time. This module runs the same blocks (their
 layer norms, projections and MLP) with attention over cached keys and values, so each new token
-costs one position's work instead of the whole prefix's.
+costs one position's work instead of the whole prefix's. The Llama variants run here too: the
+cache holds the KV heads only (grouped-query attention), rotated at their own positions.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from modelling.gpt import GPT, GPTShapes
+from modelling.gpt import GPT, LEARNED, GPTShapes
 from modelling.layers import DecoderBlock
 
 
@@ -49,10 +50,10 @@ class KVCache:
     """
 
     def __init__(self, model: GPT, batch: int, max_length: int):
-        block = model.layers[0]
-        heads = block.attn.qkv.weight.shape[0] // (3 * block.attn.head_dim)
-        p = block.attn.qkv.weight
-        shape = (len(model.layers), batch, heads, max_length, block.attn.head_dim)
+        attn = model.layers[0].attn
+        p = attn.qkv.weight
+        heads = (p.shape[0] // attn.head_dim - attn.local_heads) // 2  # the KV heads
+        shape = (len(model.layers), batch, heads, max_length, attn.head_dim)
         self.keys = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.values = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.length = 0
@@ -62,18 +63,26 @@ def _attention(block: DecoderBlock, x: torch.Tensor, cache: KVCache | None, n: i
     """The block's attention on ``x`` (B, S, h) at positions ``[start, start + S)``."""
     attn = block.attn
     B, S, _ = x.shape
-    qkv = attn.qkv(x)  # (B, S, 3h)
-    q, k, v = qkv.view(B, S, 3, -1, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    d = attn.head_dim
+    qkv = attn.qkv(x)  # (B, S, (heads + 2 kv_heads) * d): q, k and v of every head
+    kv_width = (qkv.shape[-1] - attn.local_heads * d) // 2
+    q, k, v = (
+        t.view(B, S, -1, d).transpose(1, 2)
+        for t in qkv.split([attn.local_heads * d, kv_width, kv_width], -1)
+    )
+    start = 0 if cache is None else cache.length
+    q, k = attn.position(q, k, start)
     if cache is None:
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        mask = None
     else:
-        start = cache.length
         cache.keys[n, :, :, start : start + S] = k
         cache.values[n, :, :, start : start + S] = v
         k, v = cache.keys[n, :, :, : start + S], cache.values[n, :, :, : start + S]
         # Query i (at position start + i) sees keys 0 .. start + i.
         mask = torch.ones(S, start + S, dtype=torch.bool, device=x.device).tril(start)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    group = attn.local_heads // k.shape[1]  # query heads per KV head
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
     return attn.out(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -84,15 +93,19 @@ def forward_logits(model: GPT, ids: torch.Tensor, cache: KVCache | None = None) 
     the ``cache.length`` positions already cached, and the cache grows by S.
     """
     start = 0 if cache is None else cache.length
-    positions = torch.arange(start, start + ids.shape[1], device=ids.device)
     emb = model.embedding
-    x = F.embedding(ids, emb.word.weight) + F.embedding(positions, emb.position.weight)
+    x = F.embedding(ids, emb.word.weight)
+    if model.shapes.position_embedding == LEARNED:  # else rotary, in attention
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+        x = x + F.embedding(positions, emb.position.weight)
     for n, block in enumerate(model.layers):
         x = x + _attention(block, block.ln_1(x), cache, n)
         x = x + block.mlp(block.ln_2(x))
     if cache is not None:
         cache.length += ids.shape[1]
-    logits = F.linear(model.head.ln_f(x), emb.word.weight)
+    head = model.head
+    projection = emb.word.weight if model.shapes.tied_head else head.output.weight
+    logits = F.linear(head.ln_f(x), projection)
     return logits[..., : model.shapes.vocab]  # padded rows are not tokens
 
 

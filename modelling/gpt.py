@@ -1,4 +1,5 @@
-"""The GPT-3 model: an embedding, an indexable stack of identical decoder blocks and a tied head.
+"""The GPT-3 model: an embedding, an indexable stack of identical decoder blocks and a tied head;
+or, with the Llama family's variants in :class:`GPTShapes`, a Llama model on the same parts.
 
 The three named parts (``embedding``, ``layers``, ``head``) are the units the phase engine
 streams; the model never knows it is phased. :func:`init_full_part` creates the *unsharded*
@@ -10,7 +11,6 @@ every parallel layout holds the same numbers and no process ever draws the whole
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
 import math
 from collections.abc import Callable
@@ -19,10 +19,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modelling.host_threads import one_core_pool
-from modelling.layers import BlockSeeds, DecoderBlock, Embedding, LMHead
+from modelling.layers import Attention, BlockSeeds, DecoderBlock, Embedding, FeedForward, LayerNorm
+from modelling.lm_heads import LMHead, UntiedLMHead
 from modelling.parallel import LOCAL, Axis
 from modelling.task_heads import TaskHead
+from modelling.tiles import draw_into, outer, run_all, tile_groups
+from modelling.variants import RMSNorm, Rotary, SwiGLU, WordEmbedding
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.
@@ -30,6 +32,11 @@ VOCAB_SHARD_MULTIPLE = 16
 
 EMBEDDING, LAYERS, HEAD = "embedding", "layers", "head"
 PARTS = (EMBEDDING, LAYERS, HEAD)
+
+# The architecture choices (GPTShapes): GPT-3's first, then the Llama family's.
+LEARNED, ROTARY = "learned", "rotary"
+LAYER_NORM, RMS_NORM = "layer_norm", "rms_norm"
+GELU, SWIGLU = "gelu", "swiglu"
 
 
 def padded_vocab_size(vocab_size: int, tp1: int) -> int:
@@ -56,6 +63,16 @@ class GPTShapes:
     # The head: None for the language model's (tied to the word embedding), else the class of
     # a fine-tuning task's (modelling.task_heads; the task's spec names it), which replaces it.
     task_head: type[TaskHead] | None = None
+    # The architecture (modelling/variants.py); the defaults are GPT-3's. 0 for kv_heads and
+    # intermediate_size: as many as heads, 4 * hidden.
+    kv_heads: int = 0
+    position_embedding: str = LEARNED
+    rope_theta: float = 10000.0
+    normalization: str = LAYER_NORM
+    mlp_activation: str = GELU
+    intermediate_size: int = 0
+    linear_bias: bool = True
+    tied_head: bool = True
 
     @classmethod
     def from_config(
@@ -74,6 +91,14 @@ class GPTShapes:
             tp2=tp2,
             dropout_parity=model.dropout_parity,
             task_head=task_head,
+            kv_heads=model.kv_heads,
+            position_embedding=model.position_embedding,
+            rope_theta=model.rope_theta,
+            normalization=model.normalization,
+            mlp_activation=model.mlp_activation,
+            intermediate_size=model.intermediate_size,
+            linear_bias=model.linear_bias,
+            tied_head=model.tied_head,
         )
 
     @property
@@ -87,8 +112,19 @@ class GPTShapes:
         return self.hidden // self.heads
 
     @property
+    def key_value_heads(self) -> int:
+        """Heads of k and v: fewer than the query heads with grouped-query attention."""
+        return self.kv_heads or self.heads
+
+    @property
     def ffn(self) -> int:
-        return 4 * self.hidden
+        """Width of the MLP's intermediate layer."""
+        return self.intermediate_size or 4 * self.hidden
+
+    @property
+    def ties_word_embedding(self) -> bool:
+        """The head projects with the word embedding (GPT-3's language model head)."""
+        return self.task_head is None and self.tied_head
 
     @property
     def vocab_padded(self) -> int:
@@ -105,18 +141,21 @@ class GPTShapes:
 
     @property
     def num_parameters(self) -> int:
-        """Trainable parameters of the unpadded model (the tied embedding counted once)."""
-        h = self.hidden
-        per_layer = 12 * h * h + 13 * h  # qkv, out, fc, proj weights + biases + 2 layer norms
-        task = sum(math.prod(s) for s in self.task_head_shapes.values())
-        return (self.vocab + self.positions) * h + self.layers * per_layer + 2 * h + task
+        """Trainable parameters of the unpadded model (a tied embedding counted once)."""
+        return sum(
+            math.prod(init.shape) * (self.layers if part == LAYERS else 1)
+            for part in PARTS
+            for init in part_inits(self, part).values()
+        )
 
 
 class GPT(nn.Module):
     """GPT-3 language model for one (tp1, tp2) shard; ``LOCAL`` axes give the whole model.
 
     With a context axis ``cp`` it runs on piece ``cp.rank`` of each sequence (weights are the
-    same on every piece) and its loss is the mean over that piece's tokens.
+    same on every piece) and its loss is the mean over that piece's tokens. The shapes'
+    architecture fields choose each part's modules here, once: GPT-3's, or the Llama family's
+    (:mod:`modelling.variants`, :class:`modelling.lm_heads.UntiedLMHead`).
     """
 
     def __init__(self, shapes: GPTShapes, tp1: Axis = LOCAL, tp2: Axis = LOCAL, cp: Axis = LOCAL):
@@ -125,34 +164,75 @@ class GPT(nn.Module):
         s = shapes
         local_hidden = s.hidden // s.tp2
         self.shapes = s
-        self.embedding = Embedding(
-            s.vocab_padded // s.tp1,
-            s.positions_padded // s.tp1,
-            local_hidden,
+        norm_class = RMSNorm if s.normalization == RMS_NORM else LayerNorm
+        norm = functools.partial(norm_class, local_hidden, tp2, s.layer_norm_eps)
+        if s.position_embedding == ROTARY:
+            self.embedding = WordEmbedding(
+                s.vocab_padded // s.tp1, local_hidden, s.dropout_prob, tp1, tp2, cp
+            )
+        else:
+            self.embedding = Embedding(
+                s.vocab_padded // s.tp1,
+                s.positions_padded // s.tp1,
+                local_hidden,
+                s.dropout_prob,
+                tp1,
+                tp2,
+                cp,
+            )
+        self.layers = nn.ModuleList(
+            DecoderBlock(
+                self._attention(s, tp1, tp2, cp),
+                self._mlp(s, tp1, tp2),
+                norm,
+                s.dropout_prob,
+                tp2,
+                cp,
+            )
+            for _ in range(s.layers)
+        )
+        # What the head takes besides x: the targets, and for a language model's head the
+        # vocabulary size, after the word embedding where the head is tied to it.
+        self.head_inputs: Callable[[torch.Tensor], tuple] = self._task_head_inputs
+        if s.task_head:
+            self.head = s.task_head(local_hidden, s.layer_norm_eps, tp2)
+        elif s.tied_head:
+            self.head = LMHead(norm(), tp1, tp2)
+            self.head_inputs = self._tied_head_inputs
+        else:
+            self.head = UntiedLMHead(norm(), s.vocab_padded // s.tp1, local_hidden, tp1, tp2)
+            self.head_inputs = self._untied_head_inputs
+
+    def _task_head_inputs(self, labels: torch.Tensor) -> tuple:
+        return (labels,)
+
+    def _tied_head_inputs(self, labels: torch.Tensor) -> tuple:
+        return (self.embedding.word.weight, labels, self.shapes.vocab)
+
+    def _untied_head_inputs(self, labels: torch.Tensor) -> tuple:
+        return (labels, self.shapes.vocab)
+
+    @staticmethod
+    def _attention(s: GPTShapes, tp1: Axis, tp2: Axis, cp: Axis) -> Attention:
+        rotary = Rotary(s.head_dim, s.rope_theta) if s.position_embedding == ROTARY else None
+        return Attention(
+            s.hidden // s.tp2,
+            s.heads // s.tp1,
+            s.head_dim,
             s.dropout_prob,
             tp1,
             tp2,
             cp,
+            dropout_parity=s.dropout_parity,
+            local_kv_heads=s.key_value_heads // s.tp1,
+            rotary=rotary,
+            bias=s.linear_bias,
         )
-        self.layers = nn.ModuleList(
-            DecoderBlock(
-                local_hidden,
-                s.heads // s.tp1,
-                s.head_dim,
-                s.ffn // s.tp1,
-                s.dropout_prob,
-                s.layer_norm_eps,
-                tp1,
-                tp2,
-                cp,
-                dropout_parity=s.dropout_parity,
-            )
-            for _ in range(s.layers)
-        )
-        if s.task_head:
-            self.head = s.task_head(local_hidden, s.layer_norm_eps, tp2)
-        else:
-            self.head = LMHead(local_hidden, s.layer_norm_eps, tp1, tp2)
+
+    @staticmethod
+    def _mlp(s: GPTShapes, tp1: Axis, tp2: Axis) -> nn.Module:
+        mlp = SwiGLU if s.mlp_activation == SWIGLU else FeedForward
+        return mlp(s.hidden // s.tp2, s.ffn // s.tp1, tp1, tp2, bias=s.linear_bias)
 
     def forward(
         self,
@@ -169,15 +249,13 @@ class GPT(nn.Module):
         x = self.embedding(ids, embedding_seed)
         for n, layer in enumerate(self.layers):
             x = layer(x, layer_seeds[n] if layer_seeds else None)
-        if self.shapes.task_head:
-            return self.head(x, labels)
-        return self.head(x, self.embedding.word.weight, labels, self.shapes.vocab)
+        return self.head(x, *self.head_inputs(labels))
 
 
-# Initial weights are drawn per fixed tile of each full tensor: a tile's numbers depend only on
-# (seed, part, layer, name, tile index), never on the layout, so a rank can draw just the tiles
-# its shard touches and still hold exactly the numbers every other layout holds.
-INIT_TILE = 256
+# Initial weights are drawn per fixed tile of each full tensor (modelling/tiles.py): a tile's
+# numbers depend only on (seed, part, layer, name, tile index), never on the layout, so a rank
+# can draw just the tiles its shard touches and still hold exactly the numbers every other
+# layout holds.
 
 NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
 
@@ -195,37 +273,58 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
     """Unpadded shape and initialisation of every parameter of a part, named as in :class:`GPT`.
 
     Linear and embedding weights are truncated normal (std ``init_std``, cut at 2 std); the
-    residual projections ``attn.out`` and ``mlp.proj`` use ``init_std / sqrt(2 * layers)`` as
-    in GPT-2; biases are zero and layer-norm gains one.
+    residual projections ``attn.out`` and ``mlp.proj`` (``mlp.down``) use ``init_std /
+    sqrt(2 * layers)`` as in GPT-2; biases are zero and norm gains one. The Llama variants
+    drop what they lack (the position table with rotary positions, norm biases with RMSNorm,
+    every bias without linear biases) and an untied head adds ``output.weight``.
     """
     h = shapes.hidden
     if part == EMBEDDING:
-        return {
-            "word.weight": ParamInit((shapes.vocab, h), NORMAL, init_std),
-            "position.weight": ParamInit((shapes.positions, h), NORMAL, init_std),
-        }
+        word = {"word.weight": ParamInit((shapes.vocab, h), NORMAL, init_std)}
+        if shapes.position_embedding == ROTARY:
+            return word
+        return {**word, "position.weight": ParamInit((shapes.positions, h), NORMAL, init_std)}
     if part == HEAD:
         # A task's projection after ln_f: weights like other linear layers, biases zero.
         task = {
             name: ParamInit(shape, NORMAL if len(shape) == 2 else ZEROS, init_std)
             for name, shape in shapes.task_head_shapes.items()
         }
-        return {"ln_f.weight": ParamInit((h,), ONES), "ln_f.bias": ParamInit((h,), ZEROS), **task}
+        if shapes.task_head is None and not shapes.tied_head:
+            task["output.weight"] = ParamInit((shapes.vocab, h), NORMAL, init_std)
+        return {**_norm_inits(shapes, "ln_f", h), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)
-    return {
-        "ln_1.weight": ParamInit((h,), ONES),
-        "ln_1.bias": ParamInit((h,), ZEROS),
-        "attn.qkv.weight": ParamInit((3 * h, h), NORMAL, init_std),
-        "attn.qkv.bias": ParamInit((3 * h,), ZEROS),
+    qkv_rows = h + 2 * shapes.key_value_heads * shapes.head_dim
+    ffn = shapes.ffn
+    if shapes.mlp_activation == SWIGLU:
+        mlp_in, mlp_out, mlp_rows = "mlp.gate_up", "mlp.down", 2 * ffn
+    else:
+        mlp_in, mlp_out, mlp_rows = "mlp.fc", "mlp.proj", ffn
+    inits = {
+        **_norm_inits(shapes, "ln_1", h),
+        "attn.qkv.weight": ParamInit((qkv_rows, h), NORMAL, init_std),
+        "attn.qkv.bias": ParamInit((qkv_rows,), ZEROS),
         "attn.out.weight": ParamInit((h, h), NORMAL, residual_std),
         "attn.out.bias": ParamInit((h,), ZEROS),
-        "ln_2.weight": ParamInit((h,), ONES),
-        "ln_2.bias": ParamInit((h,), ZEROS),
-        "mlp.fc.weight": ParamInit((4 * h, h), NORMAL, init_std),
-        "mlp.fc.bias": ParamInit((4 * h,), ZEROS),
-        "mlp.proj.weight": ParamInit((h, 4 * h), NORMAL, residual_std),
-        "mlp.proj.bias": ParamInit((h,), ZEROS),
+        **_norm_inits(shapes, "ln_2", h),
+        f"{mlp_in}.weight": ParamInit((mlp_rows, h), NORMAL, init_std),
+        f"{mlp_in}.bias": ParamInit((mlp_rows,), ZEROS),
+        f"{mlp_out}.weight": ParamInit((h, ffn), NORMAL, residual_std),
+        f"{mlp_out}.bias": ParamInit((h,), ZEROS),
     }
+    if shapes.linear_bias:
+        return inits
+    return {
+        name: init for name, init in inits.items() if name.startswith("ln_") or len(init.shape) == 2
+    }
+
+
+def _norm_inits(shapes: GPTShapes, name: str, h: int) -> dict[str, ParamInit]:
+    """A norm's gain (ones) and, for a layer norm, its bias (zeros)."""
+    gain = {f"{name}.weight": ParamInit((h,), ONES)}
+    if shapes.normalization == RMS_NORM:
+        return gain
+    return {**gain, f"{name}.bias": ParamInit((h,), ZEROS)}
 
 
 def qualified_name(part: str, row: int, name: str) -> str:
@@ -296,98 +395,13 @@ def init_part_region(
         assert len(index) == len(init.shape), f"{name}: {len(index)} index dims for {init.shape}"
         region = torch.zeros([len(p) for p in index])
         if init.fill == ONES:
-            region[_outer(*(p >= 0 for p in index))] = 1.0
+            region[outer(*(p >= 0 for p in index))] = 1.0
         elif init.fill == NORMAL:
             key = (seed, part, layer, name)
             draws += [
-                functools.partial(_draw_into, region, init, key, tiles)
+                functools.partial(draw_into, region, init, key, tiles)
                 for tiles in itertools.product(*(tile_groups(p) for p in index))
             ]
         out[name] = region
-    _run_all(draws, workers)
+    run_all(draws, workers)
     return out
-
-
-def _draw_into(
-    region: torch.Tensor,
-    init: ParamInit,
-    key: tuple,
-    tiles: tuple[tuple[int, torch.Tensor, torch.Tensor], ...],
-) -> None:
-    """Draws one tile and writes the part of it a region keeps (per dim: :func:`tile_groups`).
-
-    Tiles write disjoint elements of the region (each position belongs to one tile per dim),
-    so several threads may fill one region at once.
-    """
-    tile = _draw_tile(init, tuple(t for t, _, _ in tiles), key)
-    region[_where(*(at for _, at, _ in tiles))] = tile[_where(*(offset for _, _, offset in tiles))]
-
-
-def _run_all(tasks: list[Callable[[], None]], workers: int) -> None:
-    """Runs every task: in order in this thread for one worker, else spread over a pool."""
-    if workers <= 1 or len(tasks) <= 1:
-        for task in tasks:
-            task()
-        return
-    with one_core_pool(min(workers, len(tasks)), "init-tile") as pool:
-        futures = [pool.submit(task) for task in tasks]
-        try:
-            for future in futures:
-                future.result()  # re-raises a worker's error here
-        except BaseException:
-            pool.shutdown(cancel_futures=True)  # out of memory or ^C: draw no more tiles
-            raise
-
-
-def tile_groups(index: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """For each tile an index touches: (tile number, positions in the index, offsets in it)."""
-    real = index >= 0
-    tile_of = torch.where(real, index // INIT_TILE, -1)
-    groups = []
-    for tile in torch.unique(tile_of[real]).tolist():
-        at = torch.nonzero(tile_of == tile).squeeze(1)
-        groups.append((tile, at, index[at] - tile * INIT_TILE))
-    return groups
-
-
-def _draw_tile(init: ParamInit, tile: tuple[int, ...], key: tuple) -> torch.Tensor:
-    """One whole tile of a truncated normal tensor, from a generator of its own.
-
-    The tile is always drawn whole and contiguous, so its numbers do not depend on which of
-    its elements a caller keeps.
-    """
-    size = [min(INIT_TILE, n - t * INIT_TILE) for n, t in zip(init.shape, tile, strict=True)]
-    generator = torch.Generator().manual_seed(tile_seed(*key, *tile))
-    std = init.std
-    return nn.init.trunc_normal_(
-        torch.empty(size), 0.0, std, -2 * std, 2 * std, generator=generator
-    )
-
-
-def tile_seed(*key: int | str) -> int:
-    """A stable 63-bit seed from ints and strings (Python's ``hash`` is salted per process)."""
-    text = "/".join(f"{type(k).__name__}:{k}" for k in key)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def _where(*indices: torch.Tensor) -> tuple:
-    """Index of the product of per-dim positions: slices where contiguous (a view), else outer."""
-    slices = tuple(_as_slice(p) for p in indices)
-    return slices if all(s is not None for s in slices) else _outer(*indices)
-
-
-def _outer(*indices: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Per-dim index or mask tensors reshaped to broadcast into their outer product."""
-    indices = tuple(torch.nonzero(p).squeeze(1) if p.dtype == torch.bool else p for p in indices)
-    n = len(indices)
-    return tuple(p.view([-1 if d == k else 1 for k in range(n)]) for d, p in enumerate(indices))
-
-
-def _as_slice(index: torch.Tensor) -> slice | None:
-    """``slice(a, b)`` when ``index`` is ``a, a + 1, ..., b - 1``; otherwise None."""
-    if len(index) == 0:
-        return slice(0, 0)
-    start, stop = int(index[0]), int(index[-1]) + 1
-    if stop - start == len(index) and torch.equal(index, torch.arange(start, stop)):
-        return slice(start, stop)
-    return None

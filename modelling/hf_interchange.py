@@ -8,6 +8,9 @@ there). The LM head is tied to ``transformer.wte.weight``, as ours is to ``embed
 Reading uses ``safetensors`` (or ``torch.load`` for ``pytorch_model.bin``) tensor by tensor;
 writing streams the safetensors file tensor by tensor (the ``safetensors`` package writes only
 whole state dicts), and tests load it with ``from_pretrained``.
+
+A Llama folder (``model_type`` llama) and a Llama-architecture model are
+:mod:`modelling.hf_llama`'s: :func:`open_hf_weights` and :func:`export_hf` hand them over.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 import torch
 
+from modelling.hf_llama import LlamaWeights, export_llama, is_llama
 from modelling.task_heads import HEADS
 
 
@@ -53,6 +57,14 @@ OTHER_NAMES = {
 # A fine-tuning head's projection -> the name HuggingFace's class for it gives it (each head
 # declares its own: modelling.task_heads).
 TASK_NAMES = {f"head.{ours}": theirs for head in HEADS for ours, theirs in head.HF_NAMES.items()}
+# The architecture fields (config/schema.py: ModelConfig) of a model GPT2LMHeadModel holds.
+GPT2_ARCHITECTURE = {
+    "position_embedding": "learned",
+    "normalization": "layer_norm",
+    "mlp_activation": "gelu",
+    "linear_bias": True,
+    "tied_head": True,
+}
 # HF activations that are GPT-2's tanh approximation of GELU (ours).
 TANH_GELUS = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast")
 
@@ -113,6 +125,14 @@ def export_hf(
         The number of parameters written.
     """
     folder = Path(folder)
+    if is_llama(model):
+        folder.mkdir(parents=True, exist_ok=True)
+        return export_llama(model, weights, folder)
+    if unlike_gpt2 := _unlike_gpt2(model):
+        raise HFModelError(
+            f"--hf_output: the model's --{', --'.join(unlike_gpt2)} are not GPT-2's, nor is it "
+            "all Llama (rotary, rms_norm, swiglu, no biases); HuggingFace has no class for it"
+        )
     folder.mkdir(parents=True, exist_ok=True)
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config = hf_config(model)
@@ -139,29 +159,59 @@ def export_hf(
     return offset // 4
 
 
+def open_hf_weights(folder: str | Path) -> HFWeights | LlamaWeights:
+    """The tensors of a local HuggingFace folder: GPT-2's (:class:`HFWeights`) or Llama's
+    (:class:`modelling.hf_llama.LlamaWeights`), as its ``config.json`` says.
+
+    Raises:
+        HFModelError: missing or unreadable files, or a model that is neither.
+    """
+    folder = Path(folder)
+    config = _read_config(folder)
+    if config.get("model_type") == "llama":
+        return LlamaWeights(folder, config, HFModelError)
+    return HFWeights(folder, config)
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    config_file = folder / "config.json"
+    try:
+        return json.loads(config_file.read_text())
+    except OSError as err:
+        raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
+    except ValueError:
+        raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
+
+
+def _unlike_gpt2(model: dict[str, Any]) -> list[str]:
+    """The architecture flags of a ``model`` section that ``GPT2LMHeadModel`` cannot hold."""
+    unlike = [flag for flag, gpt2 in GPT2_ARCHITECTURE.items() if model.get(flag, gpt2) != gpt2]
+    if model.get("kv_heads") not in (None, 0, model["heads"]):
+        unlike.append("kv_heads")
+    if model.get("intermediate_size") not in (None, 0, 4 * model["hidden_size"]):
+        unlike.append("intermediate_size")
+    return unlike
+
+
 class HFWeights:
     """Tensors of a local HuggingFace GPT-2 folder, read one at a time.
 
     Args:
         folder: Holds ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin``.
+        config: Its parsed ``config.json`` (None: read here).
 
     Raises:
         HFModelError: missing or unreadable files, or a model that is not GPT-2.
     """
 
-    def __init__(self, folder: str | Path):
+    def __init__(self, folder: str | Path, config: dict[str, Any] | None = None):
         self.folder = Path(folder)
-        config_file = self.folder / "config.json"
-        try:
-            self.config = json.loads(config_file.read_text())
-        except OSError as err:
-            raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
-        except ValueError:
-            raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
+        self.config = config if config is not None else _read_config(self.folder)
         if self.config.get("model_type") != "gpt2":
             raise HFModelError(
-                f"--hf_model: {config_file} describes a {self.config.get('model_type')!r} "
-                "model; only GPT-2 (model_type gpt2) maps onto this model"
+                f"--hf_model: {self.folder / 'config.json'} describes a "
+                f"{self.config.get('model_type')!r} model; only GPT-2 (model_type gpt2) and "
+                "Llama (model_type llama) map onto this model"
             )
         safetensors_file = self.folder / "model.safetensors"
         bin_file = self.folder / "pytorch_model.bin"
@@ -189,6 +239,14 @@ class HFWeights:
     def check_shape(self, model) -> None:
         """Raises a one-line HFModelError when the HF model differs from ``model`` (the run's
         :class:`~modelling.gpt.GPTShapes`), naming the flag to change."""
+        unlike = [f for f, gpt2 in GPT2_ARCHITECTURE.items() if getattr(model, f) != gpt2]
+        if model.key_value_heads != model.heads or model.ffn != 4 * model.hidden:
+            unlike.append("kv_heads or --intermediate_size")
+        if unlike:
+            raise HFModelError(
+                f"--hf_model {self.folder} is a GPT-2 model but this run's --{', --'.join(unlike)} "
+                "are not GPT-2's; leave them at their defaults (a GPT-3 preset)"
+            )
         c = self.config
         pairs = {
             "n_layer": ("layers", model.layers),
@@ -213,6 +271,10 @@ class HFWeights:
             raise HFModelError(
                 f"--hf_model {self.folder} scales attention differently from GPT-2/GPT-3"
             )
+
+    def source_name(self, ours: str) -> str:
+        """The HF tensor name of our ``ours``, for messages."""
+        return hf_name(ours)[0]
 
     def has(self, ours: str) -> bool:
         """Whether the folder holds our logical tensor ``ours``."""

@@ -3,7 +3,9 @@
 Shapes are per shard (docs/design.md, "Sharding rules"): the residual stream is ``[B, S, h/tp2]`` (sharded over
 tp2, identical over tp1); attention and the FFN hidden layer are sharded over tp1. Local sizes
 come from the weights, and every collective is a call into :mod:`modelling.parallel`, so with
-size-1 axes this is a plain GPT-2/GPT-3 block.
+size-1 axes this is a plain GPT-2/GPT-3 block. Attention also takes the Llama family's
+grouped KV heads and rotary positions (:mod:`modelling.variants`); the language model's heads
+are :mod:`modelling.lm_heads`'s.
 
 Dropout draws from explicit seeds rather than the global generator: the phased engine recomputes
 each layer in backward and must reproduce the forward's masks exactly.
@@ -24,6 +26,7 @@ or a cp head group draws exactly the single process's masks: for the layout-pari
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
 from typing import NamedTuple
@@ -154,6 +157,12 @@ class Attention(nn.Module):
     With a context axis, q, k and v of this rank's sequence piece are exchanged for those of
     the whole sequence and 1/cp of the heads (which the cp size must divide), attention runs
     on them whole, and its output is exchanged back (:func:`sequence_to_heads`).
+
+    Grouped-query attention (``local_kv_heads`` < ``local_heads``): ``qkv`` gives this shard's
+    q heads, then its k heads, then its v heads, each KV head serving ``local_heads /
+    local_kv_heads`` consecutive q heads. The cp exchange splits the KV heads too where cp
+    divides them; where it does not, each KV head is repeated for its q heads before the
+    exchange. ``rotary`` rotates q and k once the sequence is whole (positions are global).
     """
 
     def __init__(
@@ -166,16 +175,33 @@ class Attention(nn.Module):
         tp2: Axis,
         cp: Axis = LOCAL,
         dropout_parity: bool = False,
+        local_kv_heads: int | None = None,
+        rotary: nn.Module | None = None,
+        bias: bool = True,
     ):
         super().__init__()
+        kv_heads = local_kv_heads or local_heads
         width = local_heads * head_dim
-        # Columns hold [q | k | v] of the same local heads so a shard never splits a head.
-        self.qkv = ParallelLinear(local_hidden, 3 * width, reduce_axis=tp2)
-        self.out = ParallelLinear(width, local_hidden, reduce_axis=tp1)
+        # Rows hold [q | k | v] of the same local heads so a shard never splits a head.
+        self.qkv = ParallelLinear(local_hidden, width + 2 * kv_heads * head_dim, tp2, bias)
+        self.out = ParallelLinear(width, local_hidden, reduce_axis=tp1, bias=bias)
         self.local_heads, self.head_dim = local_heads, head_dim
         self.dropout_prob = dropout_prob
         self.dropout_parity = dropout_parity
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
+        # Rotary positions (modelling.variants.Rotary), or none where the embedding adds them.
+        self.position = rotary if rotary is not None else _unrotated
+        self.split_heads = self._split_heads
+        # Each KV head repeated for its query heads inside the core (selective recompute keeps
+        # k and v as they come, one per KV head), or not at all without grouped-query attention.
+        self.repeat_kv: Callable[[torch.Tensor], torch.Tensor] = _unrepeated
+        if kv_heads != local_heads:
+            group = local_heads // kv_heads
+            before = 1 if kv_heads % cp.size == 0 else group  # repeated before the exchange
+            self.split_heads = functools.partial(self._split_grouped_heads, kv_heads, before)
+            self.repeat_kv = functools.partial(
+                torch.repeat_interleave, repeats=group // before, dim=1
+            )
         # What runs SDPA (None: F.scaled_dot_product_attention). Planning gives this module the
         # op a device's kernel runs on meta tensors, where SDPA itself would take the math path
         # (execution/engine/phases/recompute.py: attention_on_meta), and no other module sees it.
@@ -188,14 +214,34 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
-        qkv = self.qkv(copy_to(x, self.tp1))  # (B, S, 3 * local_heads * head_dim)
-        qkv = qkv.view(B, S, 3, -1, self.head_dim)
-        qkv = sequence_to_heads(qkv, self.cp)  # (B, S * cp, 3, local_heads / cp, head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        qkv = self.qkv(copy_to(x, self.tp1))  # (B, S, (heads + 2 kv_heads) * head_dim)
+        q, k, v = self.split_heads(qkv)  # (B, heads / cp or kv_heads / cp, S * cp, head_dim)
+        q, k = self.position(q, k)
         y = self.core(q, k, v, seeds)  # (B, local_heads / cp, S * cp, head_dim)
         y = heads_to_sequence(y.transpose(1, 2), self.cp)  # (B, S, local_heads, head_dim)
         y = y.reshape(B, S, -1)  # (B, S, local_heads * head_dim)
         return self.out(copy_to(y, self.tp2))
+
+    def _split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v of every head, whole sequences of this rank's cp head group."""
+        B, S, _ = qkv.shape
+        qkv = qkv.view(B, S, 3, -1, self.head_dim)
+        qkv = sequence_to_heads(qkv, self.cp)  # (B, S * cp, 3, local_heads / cp, head_dim)
+        return qkv.permute(2, 0, 3, 1, 4).unbind(0)
+
+    def _split_grouped_heads(
+        self, kv_heads: int, before: int, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """As :meth:`_split_heads` with fewer KV heads than q heads: k and v of this rank's cp
+        group of KV heads, each repeated ``before`` times first (where cp does not divide the
+        KV heads, so that each cp rank's q heads get theirs)."""
+        B, S, _ = qkv.shape
+        q, kv = qkv.split([self.local_heads * self.head_dim, 2 * kv_heads * self.head_dim], -1)
+        q = sequence_to_heads(q.view(B, S, self.local_heads, self.head_dim), self.cp)
+        kv = kv.view(B, S, 2, kv_heads, self.head_dim).repeat_interleave(before, dim=3)
+        kv = sequence_to_heads(kv, self.cp)  # (B, S * cp, 2, kv_heads * before / cp, head_dim)
+        k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)
+        return q.transpose(1, 2), k, v
 
     def core(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seeds: BlockSeeds | None
@@ -208,8 +254,10 @@ class Attention(nn.Module):
         layer's attention seed and the global index of this shard's first head: the same draw
         wherever this shard's heads are recomputed, but another layout's shards draw other
         masks. ``dropout_parity`` draws each head's own mask instead (written out, slower), so
-        every layout draws the single process's masks.
+        every layout draws the single process's masks. With grouped-query attention k and v
+        come with their KV heads and are repeated here, one for each query head.
         """
+        k, v = self.repeat_kv(k), self.repeat_kv(v)
         p = self.dropout_prob if seeds is not None else 0.0
         sdpa = self.sdpa or F.scaled_dot_product_attention
         pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
@@ -222,6 +270,16 @@ class Attention(nn.Module):
                 return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
             seed = mix_seed(seeds.attention, first)
             return fused_attention_with_dropout(q, k, v, p, seed, sdpa)
+
+
+def _unrepeated(kv: torch.Tensor) -> torch.Tensor:
+    return kv
+
+
+def _unrotated(
+    q: torch.Tensor, k: torch.Tensor, start: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return q, k
 
 
 def fused_attention_with_dropout(
@@ -276,12 +334,13 @@ def _attention_with_head_masks(
 
 
 class FeedForward(nn.Module):
-    """h -> 4h -> h with tanh-GELU; the 4h hidden layer is sharded over tp1."""
+    """h -> ffn -> h with tanh-GELU (ffn = 4h for GPT-3); the ffn hidden layer is sharded
+    over tp1."""
 
-    def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis):
+    def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis, bias: bool = True):
         super().__init__()
-        self.fc = ParallelLinear(local_hidden, local_ffn, reduce_axis=tp2)
-        self.proj = ParallelLinear(local_ffn, local_hidden, reduce_axis=tp1)
+        self.fc = ParallelLinear(local_hidden, local_ffn, reduce_axis=tp2, bias=bias)
+        self.proj = ParallelLinear(local_ffn, local_hidden, reduce_axis=tp1, bias=bias)
         self.tp1, self.tp2 = tp1, tp2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -291,28 +350,27 @@ class FeedForward(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-layer-norm GPT block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x)))."""
+    """Pre-norm decoder block: x + drop(attn(ln_1(x))), then x + drop(mlp(ln_2(x))).
+
+    Its parts are built by whoever builds the model (:class:`modelling.gpt.GPT`): GPT-3's
+    layer norms and GELU MLP or the Llama family's (:mod:`modelling.variants`); ``norm``
+    makes each of the two norms.
+    """
 
     def __init__(
         self,
-        local_hidden: int,
-        local_heads: int,
-        head_dim: int,
-        local_ffn: int,
+        attn: Attention,
+        mlp: nn.Module,
+        norm: Callable[[], nn.Module],
         dropout_prob: float,
-        eps: float,
-        tp1: Axis,
         tp2: Axis,
         cp: Axis = LOCAL,
-        dropout_parity: bool = False,
     ):
         super().__init__()
-        self.ln_1 = LayerNorm(local_hidden, tp2, eps)
-        self.attn = Attention(
-            local_hidden, local_heads, head_dim, dropout_prob, tp1, tp2, cp, dropout_parity
-        )
-        self.ln_2 = LayerNorm(local_hidden, tp2, eps)
-        self.mlp = FeedForward(local_hidden, local_ffn, tp1, tp2)
+        self.ln_1 = norm()
+        self.attn = attn
+        self.ln_2 = norm()
+        self.mlp = mlp
         self.dropout_prob = dropout_prob
         self.cp, self.tp2 = cp, tp2
 
@@ -352,13 +410,13 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]
         positions = torch.arange(start, start + ids.shape[-1], device=ids.device).expand_as(ids)
-        x = _lookup_rows(self.word.weight, ids, self.tp1) + _lookup_rows(
+        x = lookup_rows(self.word.weight, ids, self.tp1) + lookup_rows(
             self.position.weight, positions, self.tp1
         )
         return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp, self.tp2)
 
 
-def _lookup_rows(table: torch.Tensor, ids: torch.Tensor, tp1: Axis) -> torch.Tensor:
+def lookup_rows(table: torch.Tensor, ids: torch.Tensor, tp1: Axis) -> torch.Tensor:
     """Embedding lookup of the rows this tp1 shard owns; ids owned elsewhere give zeros."""
     if tp1.size == 1:
         return F.embedding(ids, table)
@@ -366,79 +424,3 @@ def _lookup_rows(table: torch.Tensor, ids: torch.Tensor, tp1: Axis) -> torch.Ten
     owned = (local >= 0) & (local < table.shape[0])
     rows = F.embedding(local.clamp(0, table.shape[0] - 1), table)
     return rows * owned.unsqueeze(-1).to(rows.dtype)
-
-
-class LMHead(nn.Module):
-    """Final layer norm and the tied projection onto this tp1 shard of the (padded) vocabulary."""
-
-    def __init__(self, local_hidden: int, eps: float, tp1: Axis, tp2: Axis):
-        super().__init__()
-        self.ln_f = LayerNorm(local_hidden, tp2, eps)
-        self.tp1, self.tp2 = tp1, tp2
-
-    def forward(
-        self, x: torch.Tensor, word_embedding: torch.Tensor, labels: torch.Tensor, vocab_size: int
-    ) -> torch.Tensor:
-        """Mean next-token cross-entropy over every token of the micro-batch.
-
-        Args:
-            x: Final residual stream (B, S, h/tp2).
-            word_embedding: This rank's shard of the tied word embedding (V_pad/tp1, h/tp2).
-            labels: Next-token ids (B, S).
-            vocab_size: Real vocabulary size; padded columns never receive probability.
-        """
-        z = copy_to(self.ln_f(x), self.tp1)
-        logits = reduce_from(F.linear(z, word_embedding), self.tp2)  # (B, S, V_pad / tp1)
-        return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
-
-
-class _VocabParallelCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of logits sharded over tp1 along the vocabulary, never gathering them.
-
-    Three all-reduces over tp1: the max (for stability), the sum of exponentials and the logit of
-    the target. The backward needs no communication: softmax minus one-hot on the local shard.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, tp1: Axis, vocab_size: int):
-        ctx.input_dtype = logits.dtype
-        local_vocab = logits.shape[-1]
-        start = tp1.rank * local_vocab
-        # Columns past the real vocabulary are padding: excluded from the max, zero probability.
-        real = min(max(vocab_size - start, 0), local_vocab)
-        if real:
-            local_max = logits[..., :real].amax(-1).float()
-        else:
-            local_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
-        max_logit = tp1.all_reduce_(local_max, op="max")
-
-        # One fp32 buffer of the logits' size, reused in place: shifted logits -> exp -> softmax.
-        shifted = logits.float() - max_logit.unsqueeze(-1)
-        shifted[..., real:] = float("-inf")
-        local_label = labels - start
-        owned = (local_label >= 0) & (local_label < local_vocab)
-        local_label = local_label.clamp(0, local_vocab - 1)
-        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1)
-        target = tp1.all_reduce_(torch.where(owned, target, 0.0))
-
-        exp = shifted.exp_()
-        sum_exp = tp1.all_reduce_(exp.sum(-1))
-        loss = sum_exp.log() - target
-        softmax = exp.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_label, owned)
-        return loss.mean()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        softmax, local_label, owned = ctx.saved_tensors
-        grad = softmax
-        grad.scatter_add_(-1, local_label.unsqueeze(-1), -owned.unsqueeze(-1).to(grad.dtype))
-        grad.mul_(grad_loss / local_label.numel())
-        return grad.to(ctx.input_dtype), None, None, None
-
-
-def vocab_parallel_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, tp1: Axis, vocab_size: int
-) -> torch.Tensor:
-    """Mean cross-entropy over all tokens; see :class:`_VocabParallelCrossEntropy`."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, tp1, vocab_size)

@@ -2,8 +2,8 @@
 how dense each of them is, how much of it changes at each update, and the random scores the
 initial masks are drawn from. Communication and buffers are :mod:`execution.engine.update.rigl`'s.
 
-Only the decoder layers' matrices are sparse (qkv, out, fc, proj); embeddings, biases and layer
-norms stay dense, as in the paper's transformer experiments.
+Only the decoder layers' matrices are sparse (qkv, out, fc, proj; with SwiGLU qkv, out, gate_up,
+down); embeddings, biases and norms stay dense, as in the paper's transformer experiments.
 """
 
 from __future__ import annotations
@@ -13,9 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
-from modelling.gpt import LAYERS, GPTShapes, init_part_region, part_inits, tile_seed
+from modelling.gpt import LAYERS, GPTShapes, init_part_region, part_inits
+from modelling.tiles import tile_seed
 
 SPARSE_WEIGHTS = ("attn.qkv.weight", "attn.out.weight", "mlp.fc.weight", "mlp.proj.weight")
+# Every matrix a decoder layer of either architecture may hold (GPT-3's, then SwiGLU's).
+LAYER_MATRICES = (*SPARSE_WEIGHTS, "mlp.gate_up.weight", "mlp.down.weight")
+# Ours that stack several matrices by rows, each a matrix of its own to ERK: SwiGLU's gate and
+# up projections (the MLP's three matrices with down).
+STACKED_MATRICES = {"mlp.gate_up.weight": 2}
+
+
+def sparse_weights(shapes: GPTShapes) -> tuple[str, ...]:
+    """The sparse matrices of a decoder layer of ``shapes``, in the model's order:
+    :data:`SPARSE_WEIGHTS` for GPT-3."""
+    return tuple(name for name, init in part_inits(shapes, LAYERS).items() if len(init.shape) == 2)
 
 
 def densities(shapes: GPTShapes, sparsity: float, distribution: str) -> dict[str, float]:
@@ -26,17 +38,22 @@ def densities(shapes: GPTShapes, sparsity: float, distribution: str) -> dict[str
     connections grows with its sides, not its area. Where that fraction would exceed 1 the
     matrix is made dense and the others share what is left, until none exceeds 1 (as the
     google-research/rigl implementation does). Every decoder layer has the same shapes, so one
-    layer's densities are every layer's.
+    layer's densities are every layer's. SwiGLU's gate and up, stacked in one of ours, are two
+    matrices to ERK (:data:`STACKED_MATRICES`), of one density since they have one shape.
     """
-    sizes = {name: part_inits(shapes, LAYERS)[name].shape for name in SPARSE_WEIGHTS}
+    names = sparse_weights(shapes)
+    sizes = {name: part_inits(shapes, LAYERS)[name].shape for name in names}
     if distribution == "uniform" or sparsity == 0.0:
-        return dict.fromkeys(SPARSE_WEIGHTS, 1.0 - sparsity)
+        return dict.fromkeys(names, 1.0 - sparsity)
     assert distribution == "erk", distribution
     numel = {name: math.prod(shape) for name, shape in sizes.items()}
-    raw = {name: sum(shape) / numel[name] for name, shape in sizes.items()}
+    raw = {}
+    for name, (rows, columns) in sizes.items():
+        rows //= STACKED_MATRICES.get(name, 1)  # one of the stacked matrices
+        raw[name] = (rows + columns) / (rows * columns)
     dense: set[str] = set()
     while True:
-        sparse = [n for n in SPARSE_WEIGHTS if n not in dense]
+        sparse = [n for n in names if n not in dense]
         # Weights the sparse matrices share: the budget less what the dense ones take.
         budget = (1.0 - sparsity) * sum(numel.values()) - sum(numel[n] for n in dense)
         scale = budget / sum(raw[n] * numel[n] for n in sparse)
@@ -44,7 +61,7 @@ def densities(shapes: GPTShapes, sparsity: float, distribution: str) -> dict[str
         if highest * scale <= 1.0:
             break
         dense.update(n for n in sparse if raw[n] == highest)
-    return {n: 1.0 if n in dense else raw[n] * scale for n in SPARSE_WEIGHTS}
+    return {n: 1.0 if n in dense else raw[n] * scale for n in names}
 
 
 def active_counts(shapes: GPTShapes, sparsity: float, distribution: str) -> dict[str, int]:
@@ -99,7 +116,7 @@ def mask_scores(
     layout's shards hold the scores of the single process.
     """
     mask_seed = tile_seed("rigl-mask", seed)
-    wanted = {name: positions[name] for name in SPARSE_WEIGHTS}
+    wanted = {name: positions[name] for name in sparse_weights(shapes)}
     return init_part_region(shapes, LAYERS, layer, mask_seed, 1.0, wanted)
 
 

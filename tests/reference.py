@@ -15,6 +15,12 @@ from config.schema import PretrainingConfig
 from execution.parallel.sharding import shard_part
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
 
+# The flags of the Llama variants (the llama presets' architecture; sizes are each test's).
+LLAMA_VARIANTS = shlex.split(
+    "--position_embedding rotary --normalization rms_norm --mlp_activation swiglu "
+    "--linear_bias false --tied_head false"
+)
+
 
 def small_config(*flags: str) -> PretrainingConfig:
     """A small float32, dropout-free config on top of the ``tiny`` preset, plus ``flags``.

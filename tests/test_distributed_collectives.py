@@ -17,7 +17,8 @@ from execution.engine.phases.gradients import start_reduction
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import MATRIX, SHARD_KINDS, TP1_VECTOR, TP2_VECTOR, shard_part
 from modelling.gpt import EMBEDDING, PARTS, GPTShapes, init_full_part
-from modelling.layers import Embedding, LayerNorm, vocab_parallel_cross_entropy
+from modelling.layers import Embedding, LayerNorm
+from modelling.lm_heads import vocab_parallel_cross_entropy
 from modelling.parallel import all_reduce_sum, copy_to, reduce_from
 from tests.distributed import (
     CPU,

@@ -38,7 +38,7 @@ from tests.distributed import (
 )
 from tests.distributed import small_config as distributed_config
 from tests.entry_points import run_script
-from tests.reference import small_config
+from tests.reference import LLAMA_VARIANTS, small_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -129,6 +129,7 @@ def _real_rank(config) -> dict:
     return {"buffers": engine.buffer_bytes(), "working_set": meter.peak}
 
 
+LLAMA = " ".join([*LLAMA_VARIANTS, "--kv_heads", "2", "--intermediate_size", "88"])
 # Weights and activations in host memory, gradients on the device.
 STREAMED = "--weights_placement host --activations_placement host --grads_placement device"
 # The dry run plans for a GPU (flash attention), so a layer that keeps its activations keeps
@@ -137,10 +138,13 @@ CASES = [
     ((1, 1, 1), "--placement resident --passes 1 --recompute full"),
     ((2, 2, 1), "--placement remote --passes 2 --recompute selective"),
     ((1, 2, 2), f"{STREAMED} --passes 4 --recompute full"),
+    # The Llama variants: KV projections smaller than q's, SwiGLU's three matrices, an untied
+    # head loading no embedding.
+    ((2, 2, 1), f"--placement remote --passes 2 --recompute selective {LLAMA}"),
 ]
 
 
-@pytest.mark.parametrize(("layout", "flags"), CASES, ids=["1x1x1", "2x2x1", "1x2x2"])
+@pytest.mark.parametrize(("layout", "flags"), CASES, ids=["1x1x1", "2x2x1", "1x2x2", "llama-2x2x1"])
 @pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     """Buffers exactly, and the working set within 10%, of a real CPU step of the same plan."""

@@ -17,13 +17,13 @@ from execution.parallel.sharding import init_part_shard, shard_part, unshard_par
 from modelling.gpt import (
     EMBEDDING,
     HEAD,
-    INIT_TILE,
     LAYERS,
     NORMAL,
     GPTShapes,
     init_full_part,
     part_inits,
 )
+from modelling.tiles import INIT_TILE
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2), (4, 2), (1, 4)]
 SEED, STD = 7, 0.02

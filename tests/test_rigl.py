@@ -1,18 +1,10 @@
-"""RigL: the engine's masks and weights against a plain single-process RigL, at 1 process and
-on layouts, plus the pieces underneath (ERK, the collective selection, the flags).
-
-The reference is written here on the dense autograd GPT of ``tests.reference`` with
-``torch.optim.AdamW``: masks as bool tensors beside the parameters, the gradient masked before
-clipping and the update, the weights masked after it, and every ``rigl_every`` steps a drop of
-the smallest |w| and a growth of the largest |dense gradient|, chosen with a stable sort (ties
-to the lower index). It shares with the engine only the model, the initial weights, the initial
-mask scores and the per-matrix counts (``modelling.sparsity``): the selection, the masking and
-the optimizer are its own.
+"""RigL: the engine's masks and weights against a plain single-process RigL
+(``tests.rigl_reference``), at 1 process and on layouts, with the Llama variants' matrices,
+plus the pieces underneath (ERK, the collective selection, the flags).
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import subprocess
@@ -37,10 +29,7 @@ from modelling.gpt import LAYERS, GPTShapes, part_inits
 from modelling.hf_interchange import hf_name
 from modelling.sparsity import (
     SPARSE_WEIGHTS,
-    SparsitySchedule,
-    active_counts,
     densities,
-    mask_scores,
 )
 from tests.distributed import (
     CPU,
@@ -48,139 +37,58 @@ from tests.distributed import (
     global_batches,
     layout_flags,
     learning_rates,
-    relative_error,
     run_ranks,
     small_config,
     train_steps,
     world_layout,
 )
 from tests.entry_points import run_script
-from tests.reference import reference_model, reference_optimizer
+from tests.reference import LLAMA_VARIANTS
+from tests.rigl_reference import (
+    RIGL,
+    STEPS,
+    assert_matches,
+    engine_run,
+    expected,
+    reference_rigl_masks_at_start,
+)
 from utils.plot import plot_losses
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS = 8  # connectivity updates after steps 2, 4 and 6
-RIGL = ("--sparsity", "0.8", "--rigl_every", "2", "--rigl_end_fraction", "1", "--steps", "8")
-# The tests' tolerance on weights, relative to each tensor's largest element.
-WEIGHT_TOLERANCE = 1e-6
-
-
-# ------------------------------------------------------------------ the reference
-
-
-def _top(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The k highest of a flat tensor, ties to the lower index (a stable descending sort)."""
-    order = torch.argsort(scores, descending=True, stable=True)
-    chosen = torch.zeros_like(scores, dtype=torch.bool)
-    chosen[order[:k]] = True
-    return chosen
-
-
-def reference_rigl(config, batches: torch.Tensor) -> dict:
-    """Plain RigL on one process: the final weights and masks, named as in the GPT."""
-    model = reference_model(config)
-    optimizer = reference_optimizer(model, config)
-    shapes = GPTShapes.from_config(config.model)
-    r = config.rigl
-    schedule = SparsitySchedule.of(r, config.training.steps)
-    counts = active_counts(shapes, r.sparsity, r.sparsity_distribution)
-    params = dict(model.named_parameters())
-    whole = {
-        n: tuple(torch.arange(s) for s in i.shape) for n, i in part_inits(shapes, LAYERS).items()
-    }
-    masks = {}
-    for layer in range(shapes.layers):
-        scores = mask_scores(shapes, layer, config.training.seed, whole)
-        for name in SPARSE_WEIGHTS:
-            key = f"layers.{layer}.{name}"
-            masks[key] = _top(scores[name].flatten(), counts[name]).view(scores[name].shape)
-            params[key].data.mul_(masks[key])
-    accumulation = config.gradient_accumulation
-    for step, lr in enumerate(learning_rates(len(batches))):
-        tokens = batches[step].view(accumulation, -1, batches.shape[-1])
-        optimizer.zero_grad()
-        for m in range(accumulation):
-            loss = model(tokens[m, :, :-1], tokens[m, :, 1:])
-            (loss / accumulation).backward()
-        dense = {key: params[key].grad.clone() for key in masks}
-        for key, mask in masks.items():
-            params[key].grad.mul_(mask)
-        torch.nn.utils.clip_grad_norm_(
-            model.parameters(), config.training.optimizer.gradient_clipping
-        )
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.step()
-        with torch.no_grad():
-            for key, mask in masks.items():
-                params[key].mul_(mask)
-        if schedule.updates_at(step + 1):
-            fraction = schedule.drop_fraction_at(step + 1)
-            for key, old in masks.items():
-                p, flat_old = params[key], old.flatten()
-                active = int(flat_old.sum())
-                drop = math.floor(active * fraction)
-                keep = _top(torch.where(flat_old, p.detach().abs().flatten(), -1.0), active - drop)
-                grow = _top(torch.where(keep, -1.0, dense[key].abs().flatten()), drop)
-                new = (keep | grow).view(old.shape)
-                grown = new & ~old
-                with torch.no_grad():
-                    p.masked_fill_(~new, 0.0)
-                state = optimizer.state[p]
-                state["exp_avg"].masked_fill_(grown, 0.0)
-                state["exp_avg_sq"].masked_fill_(grown, 0.0)
-                masks[key] = new
-    weights = {n: p.detach().clone() for n, p in params.items()}
-    return {"weights": weights, "masks": masks}
-
-
-@functools.cache
-def expected(*flags: str) -> dict:
-    config = small_config(*RIGL, *flags)
-    return reference_rigl(config, global_batches(config, STEPS))
-
-
-def _engine_run(config, layout: ParallelLayout) -> dict:
-    """Trains the engine on ``layout``; the unsharded weights and masks (collective)."""
-    engine = planned_engine(RunShape.of(config), layout)
-    train_steps(engine, global_batches(config, STEPS), layout.dp.rank)
-    return {"weights": full_state(engine, "weights"), "masks": engine.rigl.logical_masks()}
-
-
-def _assert_matches(got: dict, want: dict, what: str) -> None:
-    for key, mask in got["masks"].items():
-        assert torch.equal(mask, want["masks"][key]), f"{what}: mask {key} differs"
-        weight = got["weights"][key]
-        assert torch.all(weight[~mask] == 0), f"{what}: {key} has weights outside its mask"
-    for key, weight in got["weights"].items():
-        reference = want["weights"][key]
-        if key.startswith("embedding.word") or key.startswith("embedding.position"):
-            reference = reference[: weight.shape[0]]  # the reference pads these
-        error = relative_error(weight, reference)
-        assert error <= WEIGHT_TOLERANCE, f"{what}: {key} relative error {error:.2e}"
-
-
 # ------------------------------------------------------------------ engine against reference
 
 
 def test_single_process_engine_matches_plain_rigl():
     config = small_config(*RIGL)
-    got = _engine_run(config, ParallelLayout.single(CPU))
+    got = engine_run(config, ParallelLayout.single(CPU))
     want = expected()
     # The masks did move: each update replaced some of every matrix's connections.
     some = "layers.0.mlp.fc.weight"
     config_dense = small_config(*RIGL)
     first = reference_rigl_masks_at_start(config_dense)[some]
     assert not torch.equal(want["masks"][some], first), "no connectivity update happened"
-    _assert_matches(got, want, "1 process")
+    assert_matches(got, want, "1 process")
 
 
-def reference_rigl_masks_at_start(config) -> dict[str, torch.Tensor]:
-    return reference_rigl(config, global_batches(config, STEPS)[:0])["masks"]
+LLAMA = (*LLAMA_VARIANTS, "--kv_heads", "2", "--intermediate_size", "44")
+
+
+def test_llama_s_three_mlp_matrices_train_sparse_like_plain_rigl():
+    """SwiGLU's gate and up (one matrix of ours) and down, and grouped-query attention's
+    narrower qkv: ERK gives gate and up the density of down, their shape's transpose."""
+    config = small_config(*RIGL, *LLAMA)
+    density = densities(GPTShapes.from_config(config.model), 0.8, "erk")
+    assert density["mlp.gate_up.weight"] == pytest.approx(density["mlp.down.weight"], rel=1e-12)
+    got = engine_run(config, ParallelLayout.single(CPU))
+    want = expected(*LLAMA)
+    some = "layers.0.mlp.gate_up.weight"
+    first = reference_rigl_masks_at_start(config)[some]
+    assert not torch.equal(want["masks"][some], first), "no connectivity update happened"
+    assert_matches(got, want, "llama, 1 process")
 
 
 def _layout_rank(config) -> dict:
-    out = _engine_run(config, world_layout(config))
+    out = engine_run(config, world_layout(config))
     return out if world_layout(config).is_main else {}
 
 
@@ -189,7 +97,7 @@ def _layout_rank(config) -> dict:
 def test_dp2_tp2_tp2_matches_plain_rigl(tmp_path):
     config = small_config(*RIGL, *layout_flags(2, 2, 2))
     results = run_ranks(_layout_rank, 8, tmp_path, config, timeout=300)
-    _assert_matches(results[0], expected(), "dp 2 x tp1 2 x tp2 2")
+    assert_matches(results[0], expected(), "dp 2 x tp1 2 x tp2 2")
 
 
 def _pipeline_rank(config) -> dict:
@@ -338,7 +246,7 @@ def test_resume_on_another_layout_within_tolerance(tmp_path):
     uninterrupted = _saved_run(config, tmp_path / "ckpt")
     other = small_config(*RIGL, *layout_flags(1, 2, 1), "--placement", "remote")
     (result,) = run_ranks(_resumed_rank, 2, tmp_path / "job", other, tmp_path / "ckpt")[:1]
-    _assert_matches(result, uninterrupted, "resumed on tp1 2")
+    assert_matches(result, uninterrupted, "resumed on tp1 2")
 
 
 def test_dense_checkpoint_loads_into_a_sparse_run_pruned(tmp_path):

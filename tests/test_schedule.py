@@ -93,11 +93,15 @@ def test_evaluation_runs_the_forward_and_the_loss_only():
 def test_every_kind_is_in_the_one_table():
     kinds = {p.kind for s in range(3) for p in training_phases(Stage.of((1, 1, 1), s), 2, 2)}
     task = {p.kind for p in training_phases(Stage.of((1,), 0, task_head=True), 2, 2)}
-    assert kinds | task | {schedule.EMBEDDING_FORWARD} == set(schedule.PHASE_KINDS)
+    untied = {p.kind for p in training_phases(Stage.of((1,), 0, tied_head=False), 2, 2)}
+    everything = kinds | task | untied | {schedule.EMBEDDING_FORWARD}
+    assert everything == set(schedule.PHASE_KINDS)
     assert schedule.weights_loaded(schedule.Phase(schedule.HEAD_PHASE, 0, range(1))) == [
         ("head", 0),
         ("embedding", 0),
     ]
+    untied_head = schedule.Phase(schedule.UNTIED_HEAD, 0, range(1))
+    assert schedule.weights_loaded(untied_head) == [("head", 0)]
     assert schedule.weights_loaded(schedule.Phase(schedule.LAYER_BACKWARD, 3, range(1))) == [
         ("layers", 3)
     ]

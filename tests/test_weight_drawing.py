@@ -18,8 +18,9 @@ from execution.engine.engine import PhasedEngine
 from execution.engine.plan import MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard
-from modelling.gpt import INIT_TILE, LAYERS, PARTS, GPTShapes, init_full_part
+from modelling.gpt import LAYERS, PARTS, GPTShapes, init_full_part
 from modelling.host_threads import one_core_pool, openmp_team_setter
+from modelling.tiles import INIT_TILE
 from tests.reference import small_config, unpadded
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))

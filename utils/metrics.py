@@ -24,11 +24,12 @@ def flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
 
     ``6 N + 12 L h S``: N is the number of parameters (the tied embedding counted once), the
     second term the attention scores and values. Recomputation is not counted, so MFU does not
-    reward doing work twice. A fine-tuning task's head does not project onto the vocabulary,
-    so there the word embedding is only looked up and its parameters do no FLOPs.
+    reward doing work twice. Unless the head is tied to it (GPT-3's), the word embedding is
+    only looked up and its parameters do no FLOPs: a fine-tuning task's head does not project
+    onto the vocabulary, and an untied head (Llama's) projects with its own matrix.
     """
     parameters = shapes.num_parameters
-    if shapes.task_head:
+    if not shapes.ties_word_embedding:
         parameters -= shapes.vocab * shapes.hidden
     return 6 * parameters + 12 * shapes.layers * shapes.hidden * sequence_length
 

@@ -27,7 +27,7 @@ import torch
 from config.loading import ConfigError, one_line
 from execution.engine.storage.buffers import WEIGHT_STATES
 from modelling.gpt import LAYERS, GPTShapes, logical_shapes, qualified_name
-from modelling.sparsity import SPARSE_WEIGHTS
+from modelling.sparsity import sparse_weights
 from utils.checksum import crc32c
 
 FORMAT = 1
@@ -229,7 +229,7 @@ def sparse_names(shapes: GPTShapes) -> list[str]:
     return [
         qualified_name(LAYERS, layer, name)
         for layer in range(shapes.layers)
-        for name in SPARSE_WEIGHTS
+        for name in sparse_weights(shapes)
     ]
 
 

@@ -43,7 +43,7 @@ from modelling.gpt import (
     part_inits,
     qualified_name,
 )
-from modelling.hf_interchange import TASK_NAMES, HFModelError, HFWeights, hf_name
+from modelling.hf_interchange import TASK_NAMES, HFModelError, open_hf_weights
 
 
 def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
@@ -256,7 +256,8 @@ def hf_model_mistakes() -> Iterator[None]:
 
 
 def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
-    """Starts ``engine`` from a local HuggingFace GPT-2 folder (weights; moments stay zero).
+    """Starts ``engine`` from a local HuggingFace GPT-2 or Llama folder (weights; moments stay
+    zero).
 
     Not collective: every rank reads each tensor and keeps its shard, one part row at a time.
 
@@ -264,7 +265,7 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
         ConfigError: unreadable files, or a model shape that differs from the run's flags.
     """
     with hf_model_mistakes():
-        hf = HFWeights(folder)
+        hf = open_hf_weights(folder)
         hf.check_shape(engine.plan.model)
         drawn_head: dict[str, torch.Tensor] = {}  # the run's own initial head, drawn at most once
         for part, row in engine.state.part_rows():
@@ -282,7 +283,7 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
                 t = hf.get(ours)
                 if tuple(t.shape) != init.shape:
                     raise ConfigError(
-                        f"--hf_model {folder}: tensor {hf_name(ours)[0]} gives {ours} the shape "
+                        f"--hf_model {folder}: tensor {hf.source_name(ours)} gives {ours} the shape "
                         f"{list(t.shape)}, this model needs {list(init.shape)}"
                     )
                 full[name] = t

@@ -106,7 +106,12 @@ class PhasedEngine:
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
-        self.stage = Stage.of(plan.stage_layers, layout.pp.rank, plan.model.task_head is not None)
+        self.stage = Stage.of(
+            plan.stage_layers,
+            layout.pp.rank,
+            plan.model.task_head is not None,
+            plan.model.tied_head,
+        )
         self.state = self._buffers()
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
@@ -190,8 +195,8 @@ class PhasedEngine:
     @property
     def tied_across_stages(self) -> bool:
         """The word embedding's gradient is summed over the first and last pipeline stage
-        (the language model's head is tied to it; a task's head ties nothing)."""
-        return self.layout.embedding.size > 1 and not self.plan.model.task_head
+        (the language model's head is tied to it, unless untied; a task's head ties nothing)."""
+        return self.layout.embedding.size > 1 and self.plan.model.ties_word_embedding
 
     @property
     def overlaps_update(self) -> bool:

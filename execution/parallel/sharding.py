@@ -64,9 +64,24 @@ def _rows_padded(rows: Callable[[GPTShapes], int]) -> IndexRule:
 
 
 def _head_rows(n: int, s: GPTShapes, i: int) -> torch.Tensor:
-    """Rows [3h] of the qkv heads of tp1 shard i: its q rows, then its k rows, then its v rows."""
-    per_head = torch.arange(n).view(3, s.heads, s.head_dim)
-    return per_head.chunk(s.tp1, 1)[i].reshape(-1)
+    """Rows [h + 2 kv] of the qkv heads of tp1 shard i: its q rows, then its k rows, then its
+    v rows (with grouped-query attention, 1/tp1 of the KV heads beside 1/tp1 of the q heads)."""
+    heads = (s.heads, s.key_value_heads, s.key_value_heads)
+    blocks = torch.arange(n).split([count * s.head_dim for count in heads])
+    shards = [b.view(k, s.head_dim).chunk(s.tp1)[i] for b, k in zip(blocks, heads, strict=True)]
+    return torch.cat([shard.reshape(-1) for shard in shards])
+
+
+def _paired_rows(n: int, s: GPTShapes, i: int) -> torch.Tensor:
+    """Rows [2 f] of SwiGLU's gate and up projections of tp1 shard i: its gate rows, then its
+    up rows, so the shard's two halves pair elementwise."""
+    return torch.cat([half.chunk(s.tp1)[i] for half in torch.arange(n).chunk(2)])
+
+
+def _paired(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+    """gate_up weight [2 f, h] (rows: :func:`_paired_rows`, columns over tp2) or bias [2 f]."""
+    rows = _paired_rows(shape[0], s, i)
+    return (rows, _block(shape[1], s.tp2, j)) if len(shape) == 2 else (rows,)
 
 
 def _heads_rows(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
@@ -134,10 +149,16 @@ PLAN: dict[str, dict[str, ParamRule]] = {
         "mlp.fc.bias": ParamRule(TP1_VECTOR, _over_tp1),
         "mlp.proj.weight": ParamRule(MATRIX, _out_in(out_axis_tp1=False)),
         "mlp.proj.bias": ParamRule(TP2_VECTOR, _over_tp2),
+        "mlp.gate_up.weight": ParamRule(MATRIX, _paired),
+        "mlp.gate_up.bias": ParamRule(TP1_VECTOR, _paired),
+        "mlp.down.weight": ParamRule(MATRIX, _out_in(out_axis_tp1=False)),
+        "mlp.down.bias": ParamRule(TP2_VECTOR, _over_tp2),
     },
     HEAD: {
         "ln_f.weight": ParamRule(TP2_VECTOR, _over_tp2),
         "ln_f.bias": ParamRule(TP2_VECTOR, _over_tp2),
+        # An untied head's projection, split as the word embedding it is not tied to.
+        "output.weight": ParamRule(MATRIX, _rows_padded(lambda s: s.vocab_padded)),
     },
 }
 # The rule of each split a fine-tuning head declares for its projection (TaskHead.SPLITS).
@@ -149,11 +170,14 @@ HEAD_SPLITS = {
 
 def part_rules(part: str, shapes: GPTShapes) -> dict[str, ParamRule]:
     """The rule of every parameter of a part, named as in :class:`~modelling.gpt.GPT`: a task
-    head's projection (GPTShapes.task_head) after the final layer norm."""
-    head = shapes.task_head
-    if part != HEAD or head is None:
-        return PLAN[part]
-    return {**PLAN[part], **{name: HEAD_SPLITS[split] for name, split in head.SPLITS.items()}}
+    head's projection (GPTShapes.task_head) after the final layer norm; of the variants'
+    parameters in :data:`PLAN`, those the shapes' architecture has."""
+    rules = PLAN[part]
+    if part == HEAD and shapes.task_head is not None:
+        splits = shapes.task_head.SPLITS.items()
+        rules = {**rules, **{name: HEAD_SPLITS[split] for name, split in splits}}
+    # The parameters this architecture has (modelling.gpt.part_inits), in the model's order.
+    return {name: rules[name] for name in part_inits(shapes, part)}
 
 
 def shard_index(

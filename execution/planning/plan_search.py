@@ -67,6 +67,7 @@ from execution.planning.planner import (
 )
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import COST_INDEX, PHASE_COSTS, waited_call_seconds
+from modelling.gpt import SWIGLU
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -296,18 +297,22 @@ def tensor_parallel_floor(run: RunShape, spec: DeviceSpec) -> float:
     the QKV output ``[t, 3h/tp1]`` and the first feed-forward output ``[t, 4h/tp1]``, over tp1
     the attention projection's and second feed-forward's ``[t, h/tp2]``; backward, the
     conjugates: over tp1 the QKV and first feed-forward inputs' gradients ``[t, h/tp2]``, over
-    tp2 the projection's and second feed-forward's ``[t, h/tp1]`` and ``[t, 4h/tp1]``. Each is
+    tp2 the projection's and second feed-forward's ``[t, h/tp1]`` and ``[t, 4h/tp1]``. (With
+    grouped-query attention the QKV output is ``h + 2 kv`` wide; SwiGLU's first feed-forward
+    output, gate and up, twice its intermediate size.) Each is
     priced as the time model prices it (across nodes at the network's rate); recompute, layer
     norm statistics, the embedding and the head only add to it. A test checks the bound
     against measured steps."""
-    mesh = run.mesh
-    h, tp1, tp2 = run.model.hidden, mesh.tp1, mesh.tp2
+    mesh, m = run.mesh, run.model
+    h, tp1, tp2 = m.hidden, mesh.tp1, mesh.tp2
+    qkv = h + 2 * m.key_value_heads * m.head_dim
+    ffn_in = 2 * m.ffn if m.mlp_activation == SWIGLU else m.ffn
     layout = ParallelLayout.shapes_only(mesh.dp, tp1, tp2, cp=mesh.cp, pp=mesh.pp)
     tokens = run.micro_batch_size * run.sequence_length // mesh.cp
     itemsize = DTYPES[run.precision].itemsize
     widths = {
         layout.tp1: (h // tp2,) * 4,
-        layout.tp2: (3 * h // tp1, 4 * h // tp1, h // tp1, 4 * h // tp1),
+        layout.tp2: (qkv // tp1, ffn_in // tp1, h // tp1, m.ffn // tp1),
     }
     per_layer = sum(
         waited_call_seconds(axis, "all_reduce", tokens * width * itemsize, spec)

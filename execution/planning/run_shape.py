@@ -169,7 +169,16 @@ class RunShape:
         (:func:`config.schema.uneven_splits`, by which the config's validation names the
         flag that does not)."""
         model = self.model
-        return not uneven_splits(model.heads, model.hidden, self.sequence_length, tp1, tp2, cp)
+        return not uneven_splits(
+            model.heads,
+            model.hidden,
+            self.sequence_length,
+            tp1,
+            tp2,
+            cp,
+            model.key_value_heads,
+            model.ffn,
+        )
 
     def allows(self, mesh: MeshShape, micro_batch_size: int) -> bool:
         """Whether this model and batch split evenly over ``mesh`` (:meth:`splits_evenly`, a

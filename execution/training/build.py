@@ -22,6 +22,7 @@ import yaml
 
 from config.loading import ConfigError, config_to_dict
 from config.schema import PretrainingConfig
+from config.validation import kv_heads_note
 from data.loader import (
     SAMPLE_DATA_GLOB,
     PretrainingDataLoader,
@@ -192,6 +193,8 @@ def assemble(
         plan, budget = plan_for_process(run, layout)
         if layout.is_main:
             print(f"memory: {budget.describe()} for this process\n{plan.describe()}", flush=True)
+            if note := kv_heads_note(config):
+                print(note, flush=True)
         engine = PhasedEngine(run.engine_plan(plan), layout)
         start_step, restored = inputs.restore(engine, inputs.loader)
         if save is not None:

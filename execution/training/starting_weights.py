@@ -24,7 +24,7 @@ from execution.checkpoint.files import (
 )
 from execution.checkpoint.load import hf_model_mistakes
 from execution.training.finetuning import saved_task
-from modelling.hf_interchange import HFWeights
+from modelling.hf_interchange import open_hf_weights
 from tasks.specs import run_shapes, task_spec
 
 # The model flags that give the tensors their shapes.
@@ -46,7 +46,7 @@ def check_starting_weights(config: PretrainingConfig) -> None:
         _check_checkpoint(config, c.load)
     elif c.hf_model and Path(c.hf_model).is_dir():  # not a folder: said by the run's assembly
         with hf_model_mistakes():
-            HFWeights(c.hf_model).check_shape(run_shapes(config))
+            open_hf_weights(c.hf_model).check_shape(run_shapes(config))
 
 
 def _check_checkpoint(config: PretrainingConfig, path: str) -> None:

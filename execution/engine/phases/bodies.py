@@ -115,6 +115,7 @@ BODIES: dict[str, Callable[[Step, Phase], None]] = {
     schedule.EMBEDDING_FORWARD: embedding_forward,
     schedule.LAYER_FORWARD: layer_forward,
     schedule.HEAD_PHASE: head,
+    schedule.UNTIED_HEAD: head,
     schedule.TASK_HEAD: task_head,
     schedule.LAYER_BACKWARD: layer_backward,
     schedule.EMBEDDING_BACKWARD: embedding_backward,

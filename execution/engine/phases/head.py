@@ -3,6 +3,8 @@
 The head's output projection is tied to the word embedding, so this phase loads both; the
 word embedding's gradient from the head starts the embedding's accumulation, completed by the
 embedding backward phase (with a pipeline, on another stage: ``pipeline.sum_tied_gradient``).
+An untied head (``UNTIED_HEAD``, Llama's) projects with its own weights: it loads the head
+alone and hands the embedding nothing.
 A task head other than the language model's goes beside this one, with its own kind in
 :data:`execution.engine.phases.schedule.PHASE_KINDS`.
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.func import functional_call
 
-from execution.engine.phases.schedule import Phase
+from execution.engine.phases.schedule import HEAD_PHASE, Phase
 from execution.engine.phases.step import Step
 from modelling.gpt import EMBEDDING, HEAD
 
@@ -23,11 +25,14 @@ def head(step: Step, phase: Phase) -> None:
     state, backward = context.state, batch.training
     last = context.stage.layers
     weights = state.load_weights(HEAD, 0, context.dtype)
-    word = state.load_weights(EMBEDDING, 0, context.dtype)["word.weight"]  # tied
+    tied = phase.kind == HEAD_PHASE
+    # The tied word embedding, or none: it is the first of what the head is differentiated by.
+    word = [state.load_weights(EMBEDDING, 0, context.dtype)["word.weight"]] if tied else []
     if backward:
         weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
-        word = word.detach().requires_grad_()
-        head_acc, tied_acc = step.accumulators(HEAD), step.accumulators(EMBEDDING)
+        word = [w.detach().requires_grad_() for w in word]
+        head_acc = step.accumulators(HEAD)
+        tied_acc = step.accumulators(EMBEDDING) if tied else None
         # Every micro-batch's loss is 1/GA of the step's (whatever the passes), and each
         # sequence piece's mean loss 1/cp of its micro-batch's.
         pieces = batch.micro_batches * context.cp.size
@@ -37,19 +42,20 @@ def head(step: Step, phase: Phase) -> None:
         x = state.activations.fetch_x(last, e)
         with torch.set_grad_enabled(backward):
             x.requires_grad_(backward)
-            loss = functional_call(
-                context.templates[HEAD], weights, (x, word, batch.labels[m], context.shapes.vocab)
-            )
+            inputs = (x, *word, batch.labels[m], context.shapes.vocab)
+            loss = functional_call(context.templates[HEAD], weights, inputs)
         batch.losses.append(loss.detach())
         if backward:
-            dx, dword, *grads = torch.autograd.grad(loss, [x, word, *weights.values()], scale)
+            dx, *grads = torch.autograd.grad(loss, [x, *word, *weights.values()], scale)
             state.activations.store_dx(last, e, dx)
-            tied_acc.add_one("word.weight", dword)
+            if tied:
+                tied_acc.add_one("word.weight", grads.pop(0))
             head_acc.add(weights, grads)
-            del dx, dword, grads
+            del dx, grads
         del x, loss
     if backward:
         step.finish_grads(head_acc, 0, phase)
-        # Not the last word on the embedding's grads (its backward phase adds its own), so
-        # not counted in the norm yet.
-        step.finish_grads(tied_acc, 0, phase, norm=False)
+        if tied:
+            # Not the last word on the embedding's grads (its backward phase adds its own),
+            # so not counted in the norm yet.
+            step.finish_grads(tied_acc, 0, phase, norm=False)

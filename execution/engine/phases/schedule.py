@@ -32,6 +32,7 @@ from modelling.gpt import EMBEDDING, HEAD, LAYERS
 EMBEDDING_FORWARD = "embedding_forward"
 LAYER_FORWARD = "layer_forward"
 HEAD_PHASE = "head"  # forward, plus backward when training
+UNTIED_HEAD = "untied_head"  # a language model's head with a projection of its own (Llama)
 TASK_HEAD = "task_head"  # a fine-tuning task's head instead: no tied word embedding
 LAYER_BACKWARD = "layer_backward"
 EMBEDDING_BACKWARD = "embedding_backward"
@@ -61,6 +62,7 @@ PHASE_KINDS: dict[str, PhaseKind] = {
     EMBEDDING_FORWARD: PhaseKind(loads=(EMBEDDING,)),
     LAYER_FORWARD: PhaseKind(loads=(LAYERS,)),
     HEAD_PHASE: PhaseKind(loads=(HEAD, EMBEDDING)),
+    UNTIED_HEAD: PhaseKind(loads=(HEAD,)),
     TASK_HEAD: PhaseKind(loads=(HEAD,)),
     LAYER_BACKWARD: PhaseKind(loads=(LAYERS,)),
     EMBEDDING_BACKWARD: PhaseKind(loads=(EMBEDDING,)),
@@ -109,6 +111,8 @@ class Stage:
         layers: Decoder layers it holds.
         task_head: Whether its head is a fine-tuning task's (:mod:`modelling.task_heads`),
             which ties nothing, rather than the language model's (tied to the word embedding).
+        tied_head: Whether a language model's head is tied to the word embedding (GPT-3's)
+            rather than projecting with its own weights (Llama's).
     """
 
     index: int
@@ -116,12 +120,19 @@ class Stage:
     first_layer: int
     layers: int
     task_head: bool = False
+    tied_head: bool = True
 
     @classmethod
-    def of(cls, stage_layers: tuple[int, ...], index: int, task_head: bool = False) -> Stage:
+    def of(
+        cls,
+        stage_layers: tuple[int, ...],
+        index: int,
+        task_head: bool = False,
+        tied_head: bool = True,
+    ) -> Stage:
         """Stage ``index`` of a pipeline whose stages hold ``stage_layers`` layers each."""
         first = sum(stage_layers[:index])
-        return cls(index, len(stage_layers), first, stage_layers[index], task_head)
+        return cls(index, len(stage_layers), first, stage_layers[index], task_head, tied_head)
 
     @property
     def is_first(self) -> bool:
@@ -134,12 +145,14 @@ class Stage:
     @property
     def head_kind(self) -> str:
         """The kind of this stage's head phase (on the last stage)."""
-        return TASK_HEAD if self.task_head else HEAD_PHASE
+        if self.task_head:
+            return TASK_HEAD
+        return HEAD_PHASE if self.tied_head else UNTIED_HEAD
 
     @property
     def holds_tied_head(self) -> bool:
         """The language model's head is here: its projection is the word embedding."""
-        return self.is_last and not self.task_head
+        return self.is_last and not self.task_head and self.tied_head
 
     def rows(self, part: str) -> int:
         """Buffer rows of ``part`` this stage holds: its layers, the embedding on the first

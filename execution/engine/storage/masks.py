@@ -16,15 +16,15 @@ from execution.engine.storage.buffers import FlatSpec, Place
 from execution.engine.storage.moves import Mover
 from execution.parallel.sharding import MATRIX
 from modelling.gpt import LAYERS
-from modelling.sparsity import SPARSE_WEIGHTS
+from modelling.sparsity import LAYER_MATRICES
 
 # (part, kind) of the buffers that are sparse.
 SPARSE_PART, SPARSE_KIND = LAYERS, MATRIX
 
 
 def check_sparse_spec(spec: FlatSpec) -> None:
-    """The sparse kind packs exactly the sparse matrices (so a mask row is theirs alone)."""
-    assert set(spec.names) == set(SPARSE_WEIGHTS), f"sparse kind holds {spec.names}"
+    """The sparse kind packs only the layer's matrices (so a mask row is theirs alone)."""
+    assert set(spec.names) <= set(LAYER_MATRICES), f"sparse kind holds {spec.names}"
 
 
 class SparseMasks:

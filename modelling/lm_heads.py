@@ -1,0 +1,111 @@
+"""The language model's heads: the final norm and a projection onto this tp1 shard of the
+(padded) vocabulary, and the cross-entropy of vocabulary-sharded logits that never gathers them.
+
+:class:`LMHead` projects with the word embedding (tied, GPT-3); :class:`UntiedLMHead` with a
+projection of its own, split as the word embedding is (rows over tp1, columns over tp2: Llama).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelling.layers import ParallelLinear
+from modelling.parallel import Axis, copy_to, reduce_from
+
+
+class LMHead(nn.Module):
+    """Final norm (``norm``: a layer norm for GPT-3) and the tied projection onto this tp1
+    shard of the (padded) vocabulary."""
+
+    def __init__(self, norm: nn.Module, tp1: Axis, tp2: Axis):
+        super().__init__()
+        self.ln_f = norm
+        self.tp1, self.tp2 = tp1, tp2
+
+    def forward(
+        self, x: torch.Tensor, word_embedding: torch.Tensor, labels: torch.Tensor, vocab_size: int
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy over every token of the micro-batch.
+
+        Args:
+            x: Final residual stream (B, S, h/tp2).
+            word_embedding: This rank's shard of the tied word embedding (V_pad/tp1, h/tp2).
+            labels: Next-token ids (B, S).
+            vocab_size: Real vocabulary size; padded columns never receive probability.
+        """
+        z = copy_to(self.ln_f(x), self.tp1)
+        logits = reduce_from(F.linear(z, word_embedding), self.tp2)  # (B, S, V_pad / tp1)
+        return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of logits sharded over tp1 along the vocabulary, never gathering them.
+
+    Three all-reduces over tp1: the max (for stability), the sum of exponentials and the logit of
+    the target. The backward needs no communication: softmax minus one-hot on the local shard.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, labels, tp1: Axis, vocab_size: int):
+        ctx.input_dtype = logits.dtype
+        local_vocab = logits.shape[-1]
+        start = tp1.rank * local_vocab
+        # Columns past the real vocabulary are padding: excluded from the max, zero probability.
+        real = min(max(vocab_size - start, 0), local_vocab)
+        if real:
+            local_max = logits[..., :real].amax(-1).float()
+        else:
+            local_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
+        max_logit = tp1.all_reduce_(local_max, op="max")
+
+        # One fp32 buffer of the logits' size, reused in place: shifted logits -> exp -> softmax.
+        shifted = logits.float() - max_logit.unsqueeze(-1)
+        shifted[..., real:] = float("-inf")
+        local_label = labels - start
+        owned = (local_label >= 0) & (local_label < local_vocab)
+        local_label = local_label.clamp(0, local_vocab - 1)
+        target = shifted.gather(-1, local_label.unsqueeze(-1)).squeeze(-1)
+        target = tp1.all_reduce_(torch.where(owned, target, 0.0))
+
+        exp = shifted.exp_()
+        sum_exp = tp1.all_reduce_(exp.sum(-1))
+        loss = sum_exp.log() - target
+        softmax = exp.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_label, owned)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        softmax, local_label, owned = ctx.saved_tensors
+        grad = softmax
+        grad.scatter_add_(-1, local_label.unsqueeze(-1), -owned.unsqueeze(-1).to(grad.dtype))
+        grad.mul_(grad_loss / local_label.numel())
+        return grad.to(ctx.input_dtype), None, None, None
+
+
+class UntiedLMHead(nn.Module):
+    """Final norm and a projection of its own onto this tp1 shard of the (padded) vocabulary.
+
+    ``output`` is split as the word embedding is (rows over tp1, columns over tp2), so the
+    logits are vocabulary-sharded as the tied head's are.
+    """
+
+    def __init__(self, norm: nn.Module, local_vocab: int, local_hidden: int, tp1: Axis, tp2: Axis):
+        super().__init__()
+        self.ln_f = norm
+        self.output = ParallelLinear(local_hidden, local_vocab, reduce_axis=tp2, bias=False)
+        self.tp1 = tp1
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """Mean next-token cross-entropy of the final residual stream ``x`` (B, S, h/tp2)."""
+        logits = self.output(copy_to(self.ln_f(x), self.tp1))  # (B, S, V_pad / tp1)
+        return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, tp1: Axis, vocab_size: int
+) -> torch.Tensor:
+    """Mean cross-entropy over all tokens; see :class:`_VocabParallelCrossEntropy`."""
+    return _VocabParallelCrossEntropy.apply(logits, labels, tp1, vocab_size)

@@ -1,0 +1,135 @@
+"""The Llama family's building blocks beside GPT-3's (:mod:`modelling.layers`), for every shard.
+
+Each is a module of its own that :func:`modelling.gpt.GPT` builds instead of GPT-3's once, from
+:class:`~modelling.gpt.GPTShapes`; no forward asks which variant it is:
+
+- :class:`RMSNorm` for :class:`~modelling.layers.LayerNorm` (no mean, no bias), its sum of
+  squares all-reduced over tp2 like the layer norm's statistics;
+- :class:`Rotary` positions applied to q and k inside attention, for the learned position table;
+  positions are global, so a sequence split over context ranks rotates like the whole;
+- :class:`SwiGLU` for the GELU MLP: ``down(silu(gate x) * up x)``, the gate and up projections
+  one matrix whose rows each tp1 shard holds as (its gate rows, its up rows);
+- :class:`WordEmbedding` (no position table); the untied head is
+  :class:`modelling.lm_heads.UntiedLMHead`.
+
+Numerics follow HuggingFace's ``LlamaForCausalLM`` (float32 statistics, ``rotate_half``
+convention), so its weights load unpermuted (:mod:`modelling.hf_llama`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from modelling.layers import ParallelLinear, dropout, lookup_rows
+from modelling.parallel import LOCAL, Axis, all_reduce_sum, copy_to, reduce_from
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm over a hidden dimension sharded across ``tp2``: a gain, no bias.
+
+    The mean of squares is an fp32 sum all-reduced over tp2; with tp2 of size 1 it is
+    HuggingFace's ``LlamaRMSNorm`` op for op.
+    """
+
+    def __init__(self, local_hidden: int, tp2: Axis, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(local_hidden))
+        self.tp2 = tp2
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.tp2.size == 1:
+            mean_square = xf.pow(2).mean(-1, keepdim=True)
+        else:
+            full_hidden = x.shape[-1] * self.tp2.size
+            mean_square = all_reduce_sum(xf.pow(2).sum(-1, keepdim=True), self.tp2) / full_hidden
+        return self.weight * (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021) with base ``theta``, in HuggingFace's
+    ``rotate_half`` layout: dimension i pairs with i + head_dim / 2.
+
+    Attention applies it after the context all-to-all, to whole sequences, so the positions
+    it rotates by are global whatever the cp split.
+    """
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+
+    def angles(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``(len(positions), head_dim)`` in ``dtype``, computed in float32."""
+        exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device)
+        inv_freq = 1.0 / (self.theta ** (exponents.float() / self.head_dim))
+        freqs = positions.float()[:, None] * inv_freq[None, :]
+        both = torch.cat((freqs, freqs), dim=-1)
+        return both.cos().to(dtype), both.sin().to(dtype)
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k ``(B, heads, S, d)`` of positions ``start .. start + S - 1``, rotated."""
+        positions = torch.arange(start, start + q.shape[-2], device=q.device)
+        cos, sin = self.angles(positions, q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class NoRotation(nn.Module):
+    """Attention's position step for learned positions (added in the embedding): none."""
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, start: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return q, k
+
+
+class SwiGLU(nn.Module):
+    """``down(silu(gate(x)) * up(x))``; the intermediate layer is sharded over tp1.
+
+    ``gate_up`` holds this shard's gate rows then its up rows (one matmul, one column split);
+    ``down`` takes the intermediate features over tp1 and gives the hidden size over tp2.
+    """
+
+    def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis, bias: bool):
+        super().__init__()
+        self.gate_up = ParallelLinear(local_hidden, 2 * local_ffn, reduce_axis=tp2, bias=bias)
+        self.down = ParallelLinear(local_ffn, local_hidden, reduce_axis=tp1, bias=bias)
+        self.tp1, self.tp2 = tp1, tp2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(copy_to(x, self.tp1)).chunk(2, dim=-1)
+        return self.down(copy_to(F.silu(gate) * up, self.tp2))
+
+
+class WordEmbedding(nn.Module):
+    """Word embedding alone (positions are rotary, in attention); rows over tp1, columns over
+    tp2, looked up and summed over tp1 as :class:`~modelling.layers.Embedding` does."""
+
+    def __init__(
+        self,
+        local_vocab: int,
+        local_hidden: int,
+        dropout_prob: float,
+        tp1: Axis,
+        tp2: Axis = LOCAL,
+        cp: Axis = LOCAL,
+    ):
+        super().__init__()
+        self.word = nn.Embedding(local_vocab, local_hidden)
+        self.dropout_prob = dropout_prob
+        self.tp1, self.tp2, self.cp = tp1, tp2, cp
+
+    def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1), self.tp1)
+        return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)

@@ -1,0 +1,124 @@
+"""The Llama family's variants on the GPT-3 engine: their parameters, their shards and the
+presets (issue 40 item 1). Numerics against HuggingFace are tests/test_hf_llama.py's."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from config.loading import parse_config
+from config.validation import kv_heads_note
+from execution.parallel.sharding import init_part_shard, shard_part, unshard_part
+from execution.planning.plan_search import layouts
+from execution.planning.run_shape import RunShape
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
+from tasks.specs import run_shapes
+from utils.metrics import flops_per_token
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tests/conftest.py
+
+# Odd sizes: 6 query heads of 8 sharing 2 KV heads, an intermediate size no tile divides.
+LLAMA = GPTShapes(
+    layers=2,
+    hidden=48,
+    heads=6,
+    vocab=211,
+    positions=64,
+    dropout_prob=0.0,
+    layer_norm_eps=1e-5,
+    kv_heads=2,
+    position_embedding="rotary",
+    normalization="rms_norm",
+    mlp_activation="swiglu",
+    intermediate_size=70,
+    linear_bias=False,
+    tied_head=False,
+)
+
+
+def test_the_llama_parts_hold_exactly_their_parameters():
+    names = {part: set(GPT(LLAMA).get_submodule(part).state_dict()) for part in PARTS}
+    names[LAYERS] = set(GPT(LLAMA).layers[0].state_dict())
+    assert names[EMBEDDING] == {"word.weight"}
+    assert names[LAYERS] == {
+        "ln_1.weight",
+        "attn.qkv.weight",
+        "attn.out.weight",
+        "ln_2.weight",
+        "mlp.gate_up.weight",
+        "mlp.down.weight",
+    }
+    assert names[HEAD] == {"ln_f.weight", "output.weight"}
+    layer = init_full_part(LLAMA, LAYERS, 0, 1, 0.02)
+    assert layer["attn.qkv.weight"].shape == (48 + 2 * 2 * 8, 48)
+    assert layer["mlp.gate_up.weight"].shape == (2 * 70, 48)
+    assert layer["mlp.down.weight"].shape == (48, 70)
+
+
+@pytest.mark.parametrize(("tp1", "tp2"), [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("part", PARTS)
+def test_llama_shards_are_slices_of_the_whole_and_make_it_back(part: str, tp1: int, tp2: int):
+    shapes = dataclasses.replace(LLAMA, tp1=tp1, tp2=tp2)
+    full = init_full_part(LLAMA, part, 1, 7, 0.02)
+    shards = {}
+    for i in range(tp1):
+        for j in range(tp2):
+            want = shard_part(part, full, shapes, i, j)
+            got = init_part_shard(shapes, part, 1, 7, 0.02, i, j)
+            assert got.keys() == want.keys()
+            for name, t in want.items():
+                assert torch.equal(got[name], t), (name, i, j)
+            shards[i, j] = got
+    back = unshard_part(part, shards, shapes)
+    for name, t in full.items():
+        assert torch.equal(back[name], t), name
+
+
+def test_a_tp1_shard_holds_its_query_heads_with_their_kv_heads_and_paired_gate_up_rows():
+    shapes = dataclasses.replace(LLAMA, tp1=2)
+    full = init_full_part(LLAMA, LAYERS, 0, 3, 0.02)
+    shard = shard_part(LAYERS, full, shapes, 1, 0)
+    q, k, v = full["attn.qkv.weight"].split([48, 16, 16])
+    want = torch.cat([q[24:], k[8:], v[8:]])  # heads 3..5, KV head 1 of 0..1
+    assert torch.equal(shard["attn.qkv.weight"], want)
+    gate, up = full["mlp.gate_up.weight"].chunk(2)
+    assert torch.equal(shard["mlp.gate_up.weight"], torch.cat([gate[35:], up[35:]]))
+
+
+def test_the_llama3_8B_preset_has_its_8_billion_parameters():
+    config, _ = parse_config(["--config", "llama3_8B"])
+    assert run_shapes(config).num_parameters == 8_030_261_248
+
+
+def test_the_gpt3_presets_keep_their_architecture():
+    config, _ = parse_config(["--config", "gpt3_125M"])
+    shapes = run_shapes(config)
+    assert shapes.ties_word_embedding and shapes.key_value_heads == shapes.heads
+    assert shapes.num_parameters == 125_226_240  # as main counted it
+
+
+def test_a_cp_split_that_cannot_split_the_kv_heads_says_so_in_one_line():
+    split, _ = parse_config(["--config", "llama_tiny", "--context_parallel", "2"])
+    assert kv_heads_note(split) is None  # 2 KV heads, one per context rank
+    repeated, _ = parse_config(
+        ["--config", "llama_tiny", "--context_parallel", "2", "--tensor_parallel_1", "2"]
+    )
+    note = kv_heads_note(repeated)
+    assert note.startswith("note: 1 KV head(s) per tensor_parallel_1 rank") and "\n" not in note
+
+
+def test_plan_for_offers_only_tensor_layouts_that_split_the_kv_heads():
+    config, _ = parse_config(["--config", "llama3_8B", "--plan_across_nodes", "true"])
+    candidates = layouts(RunShape.of(config), 64, across_nodes=True)
+    tp1_sizes = {candidate.mesh.tp1 for candidate in candidates}
+    assert tp1_sizes == {1, 2, 4, 8}  # 32 query heads, but 8 KV heads
+
+
+def test_an_untied_word_embedding_does_no_flops():
+    config, _ = parse_config(["--config", "llama3_8B"])
+    shapes = run_shapes(config)
+    attention = 12 * 32 * 4096 * 8192
+    embedding = 128256 * 4096
+    assert flops_per_token(shapes, 8192) == 6 * (8_030_261_248 - embedding) + attention
