@@ -65,6 +65,9 @@ QUICK = shlex.split(
     "--config tiny --hidden_size 32 --sequence_length 32 --max_positional_length 32 "
     "--global_batch_size 4 --micro_batch_size 2"
 )
+QUICK_LLAMA = shlex.split(
+    "--config llama_tiny --layers 2 --global_batch_size 4 --micro_batch_size 2"
+)
 PROBE = """
 import json, os, sys, torch
 out = {"torch": torch.__version__, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
@@ -116,9 +119,12 @@ def stages(device: str, quick: bool) -> list[Stage]:
             Stage("row:resident", 5, 120, "resident", rows, 0, 1),
             Stage("row:streamed", 5, 120, "streamed", rows, 0, 1),
             Stage("row:fsdp2", 5, 120, "fsdp2", rows, 0, 1),
+            Stage("row:llama", 5, 120, "streamed", (*QUICK_LLAMA, *on), 0, 1),
         ]
     parity = (*PARITY_SIZE, *on)
     wide = ("--config", "gpt3_6.7B", "--layers", "8", *REDUCED_BATCH, *on)
+    # The 8B Llama's width (GQA, SwiGLU, its 128K vocabulary) with few layers, streamed.
+    llama = ("--config", "llama3_8B", "--layers", "4", "--sequence_length", "2048")
     return [
         Stage("probe", 0, 60),
         Stage("checks", 45, 120),
@@ -136,6 +142,7 @@ def stages(device: str, quick: bool) -> list[Stage]:
         ),
         Stage("row:streamed", 60, 150, "streamed", wide, 1, 2, True),
         Stage("row:fsdp2", 60, 150, "fsdp2", wide, 1, 2),
+        Stage("row:llama", 60, 150, "streamed", (*llama, *REDUCED_BATCH, *on), 1, 2),
     ]
 
 

@@ -56,10 +56,10 @@ def test_quick_cpu_first_run_has_every_stage_with_the_gpu_machines_packages_bloc
     rows = {r["stage"]: r for r in report["rows"]}
     assert list(rows) == [n for n in names if ":" in n]
     measured = [r for r in rows.values() if "step_s" in r]
-    assert len(measured) == 4
+    assert len(measured) == 5
     assert "needs CUDA" in rows["parity:fsdp2"]["skipped"]
     assert "needs CUDA" in rows["row:fsdp2"]["skipped"]
-    assert len({r["pid"] for r in measured}) == 4  # each in a process of its own
+    assert len({r["pid"] for r in measured}) == 5  # each in a process of its own
     # The plain loop trains the same model from the same weights: same first loss (float32).
     assert rows["parity:plain"]["first_loss"] == pytest.approx(
         rows["parity:ours"]["first_loss"], abs=gpu_first_run.PARITY_TOLERANCE
