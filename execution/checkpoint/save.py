@@ -131,11 +131,12 @@ class Checkpointer:
                 raise ConfigError(
                     f"cannot create --save {self.directory}: {err.strerror}"
                 ) from None
-            # A killed run's unfinished writes, removed now: no rank saves before the first
-            # step's collectives, which this rank joins only after this. (At a save instead,
-            # this rank could remove a folder another rank's write had already begun.)
+            # A killed run's unfinished writes, removed now. (At a save instead, this rank
+            # could remove a folder another rank's write had already begun.)
             for stale in self.directory.glob("step_*.tmp"):
                 shutil.rmtree(stale, ignore_errors=True)
+        if self.group is not None:  # no rank begins a write before they are gone
+            dist.barrier(group=self.group)
 
     def save(self, step: int, loader_state: dict | None) -> None:
         """Starts saving the state after ``step`` steps; returns once device state is copied off.
