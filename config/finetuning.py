@@ -121,8 +121,3 @@ def validate_finetuning(config: FinetuningRunConfig) -> None:
             "--validation_fraction does not apply to fine-tuning; give the task's evaluation "
             "files with --validation_files"
         )
-    if config.model.normalization != "layer_norm":
-        raise ConfigError(
-            f"--normalization {config.model.normalization}: the fine-tuning heads begin with "
-            "GPT-2's final layer norm; fine-tune a model with --normalization layer_norm"
-        )

@@ -195,7 +195,7 @@ class GPT(nn.Module):
         # vocabulary size, after the word embedding where the head is tied to it.
         self.head_inputs: Callable[[torch.Tensor], tuple] = self._task_head_inputs
         if s.task_head:
-            self.head = s.task_head(local_hidden, s.layer_norm_eps, tp2)
+            self.head = s.task_head(norm(), local_hidden, tp2)
         elif s.tied_head:
             self.head = LMHead(norm(), tp1, tp2)
             self.head_inputs = self._tied_head_inputs

@@ -1,8 +1,9 @@
 """Fine-tuning heads: span start/end logits (SQuAD) and a last-token classifier (MNLI).
 
 Each replaces the language-model head as the model's last part. Both begin with the final
-layer norm ``ln_f`` (the pretrained one, as HuggingFace's ``GPT2Model`` ends with it), then a
-small projection of the hidden size:
+norm ``ln_f`` (the pretrained one, as HuggingFace's ``GPT2Model`` and ``LlamaModel`` end with
+it), built by the model as its own final norm is (a layer norm for GPT-3, an RMSNorm for a
+Llama model) and handed in, then a small projection of the hidden size:
 
 - :class:`SpanHead`: ``Linear(hidden, 2)`` with bias, as ``GPT2ForQuestionAnswering``'s
   ``qa_outputs``; the loss is the mean of the start and end cross-entropies over positions.
@@ -30,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelling.layers import LayerNorm, ParallelLinear
+from modelling.layers import ParallelLinear
 from modelling.parallel import Axis, reduce_from
 
 TARGET_WIDTH = 2
@@ -48,7 +49,7 @@ class TaskHead(nn.Module, ABC):
     Attributes:
         TARGET_WIDTH: Target columns at the end of each row (:data:`TARGET_WIDTH`).
         SPLITS: Our parameter name within the head -> its split (:data:`INPUT_OVER_TP2`,
-            :data:`ON_FIRST_TP2`); the final layer norm ``ln_f`` is the language model's.
+            :data:`ON_FIRST_TP2`); the final norm ``ln_f`` is the language model's.
         HF_NAMES: Our parameter name within the head -> HuggingFace's (an ``nn.Linear``: not
             transposed); a ``GPT2LMHeadModel`` folder has none of them.
         HF_ARCHITECTURE: The HuggingFace class a fine-tuned model exports as.
@@ -106,9 +107,9 @@ class SpanHead(TaskHead):
     def output_shape(micro_batch: int, sequence_length: int) -> tuple[int, ...]:
         return (micro_batch, sequence_length, 2)
 
-    def __init__(self, local_hidden: int, eps: float, tp2: Axis):
+    def __init__(self, final_norm: nn.Module, local_hidden: int, tp2: Axis):
         super().__init__()
-        self.ln_f = LayerNorm(local_hidden, tp2, eps)
+        self.ln_f = final_norm
         self.qa = ParallelLinear(local_hidden, 2, tp2, bias=True)
         self.tp2 = tp2
 
@@ -152,13 +153,13 @@ class ClassifierHead(TaskHead):
         super().describe_hf(config)
         config.num_labels, config.pad_token_id = NUM_LABELS, config.eos_token_id
 
-    def __init__(self, local_hidden: int, eps: float, tp2: Axis):
+    def __init__(self, final_norm: nn.Module, local_hidden: int, tp2: Axis):
         super().__init__()
-        self.ln_f = LayerNorm(local_hidden, tp2, eps)
+        self.ln_f = final_norm
         self.score = ParallelLinear(local_hidden, NUM_LABELS, tp2, bias=False)
 
     def logits(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """``[B, 3]``. The layer norm acts per token, so picking the token first and then
+        """``[B, 3]``. The final norm acts per token, so picking the token first and then
         normalising it is what normalising every token and then picking gives."""
         last = x[torch.arange(x.shape[0], device=x.device), targets[:, 1]]  # (B, h/tp2)
         return self.score(self.ln_f(last))

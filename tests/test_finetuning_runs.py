@@ -85,6 +85,43 @@ def test_load_takes_a_pretraining_checkpoints_weights_only(tmp_path):
     assert "\n" not in str(err.value)
 
 
+LLAMA = (
+    "--config llama_tiny --layers 1 --hidden_size 32 --heads 2 --kv_heads 1 "
+    "--intermediate_size 64 --max_positional_length 96 --global_batch_size 4 "
+    "--micro_batch_size 2 --device cpu --log_every 100"
+)
+
+
+def test_a_llama_model_fine_tunes_from_its_pretrained_final_norm(tmp_path):
+    """Both tasks train a Llama model (RMSNorm, untied head) from a pretraining checkpoint to
+    their evaluation; the task head's final norm is the pretrained one (the untied output
+    projection is left behind)."""
+    pretrained = tmp_path / "pretrained"
+    out = ["--output_dir", str(tmp_path / "pretraining")]
+    pretraining = [*shlex.split(LLAMA), "--sequence_length", "96", "--steps", "2"]
+    run_pretraining.main([*pretraining, "--save", str(pretrained), *out])
+    saved = SavedWeights(next(pretrained.glob("step_*")))
+    assert not torch.equal(saved["head.ln_f.weight"], torch.ones(32))  # trained, not its init
+    for task, own in (("squad", ["--doc_stride", "16"]), ("mnli", [])):
+        folder = tmp_path / task
+        flags = [*shlex.split(LLAMA), "--task", task, *own, "--load", str(pretrained)]
+        built = ["--output_dir", str(tmp_path / f"built_{task}")]
+        config, preset = parse_finetuning_config([*flags, *built])
+        layout = ParallelLayout.single(torch.device("cpu"))
+        run = build_finetuning(config, preset, layout, launch=_single_launch())
+        try:
+            loaded = full_state(run.engine)
+        finally:
+            run.close()
+        assert "head.ln_f.bias" not in loaded and "head.output.weight" not in loaded
+        for name, tensor in loaded.items():
+            if name in saved:
+                assert torch.equal(tensor, saved[name]), name
+        assert torch.equal(loaded["head.ln_f.weight"], saved["head.ln_f.weight"])
+        run_finetuning.main([*flags, "--steps", "3", "--output_dir", str(folder)])
+        assert len(_losses(folder)) == 3 and (folder / "eval.json").is_file()
+
+
 def _single_launch():
     from execution.parallel.launch import read_launch_environment
 

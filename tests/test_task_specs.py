@@ -13,6 +13,7 @@ from config.finetuning import FinetuningConfig
 from execution.parallel.sharding import HEAD_SPLITS
 from modelling.parallel import LOCAL
 from modelling.task_heads import HEADS
+from modelling.variants import RMSNorm
 from tasks.specs import TASKS, parse_finetuning_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def test_a_head_declares_each_parameter_its_split_and_hf_name_and_its_output(hea
     shapes = head.parameter_shapes(hidden)
     assert set(head.SPLITS) == set(head.HF_NAMES) == set(shapes)
     assert set(head.SPLITS.values()) <= set(HEAD_SPLITS)
-    module = head(hidden, 1e-5, LOCAL)
+    module = head(RMSNorm(hidden, LOCAL, 1e-5), hidden, LOCAL)
     own = {n: tuple(p.shape) for n, p in module.named_parameters() if not n.startswith("ln_f")}
     assert own == shapes
     x = torch.randn(micro, seq, hidden)
