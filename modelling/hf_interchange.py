@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from modelling.hf_llama import LlamaWeights, export_llama, is_llama
-from modelling.task_heads import HEADS
+from modelling.task_heads import HF_TASK_NAMES, head_holding
 
 
 class HFModelError(ValueError):
@@ -56,7 +56,7 @@ OTHER_NAMES = {
 }
 # A fine-tuning head's projection -> the name HuggingFace's class for it gives it (each head
 # declares its own: modelling.task_heads).
-TASK_NAMES = {f"head.{ours}": theirs for head in HEADS for ours, theirs in head.HF_NAMES.items()}
+TASK_NAMES = HF_TASK_NAMES
 # The architecture fields (config/schema.py: ModelConfig) of a model GPT2LMHeadModel holds.
 GPT2_ARCHITECTURE = {
     "position_embedding": "learned",
@@ -136,9 +136,8 @@ def export_hf(
     folder.mkdir(parents=True, exist_ok=True)
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config = hf_config(model)
-    for head in HEADS:
-        if all(f"head.{name}" in shapes for name in head.HF_NAMES):
-            head.describe_hf(config)
+    if head := head_holding(shapes):
+        head.describe_hf(config)
     config.to_json_file(folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0

@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from modelling.task_heads import HEADS, HF_TASK_NAMES, head_holding
+
+# The attribute of LlamaForCausalLM holding its base model; a task class may name its own.
+BASE_MODEL = "model"
 # Our name within a decoder layer -> the HF names within model.layers.N, stacked by rows.
 LAYER_NAMES = {
     "ln_1.weight": ("input_layernorm.weight",),
@@ -52,12 +56,21 @@ def is_llama(model: Mapping[str, Any]) -> bool:
     )
 
 
-def hf_names(ours: str) -> tuple[str, ...]:
-    """The HF tensors that make up our logical parameter ``ours``, stacked by rows."""
+def hf_names(ours: str, base_model: str = BASE_MODEL) -> tuple[str, ...]:
+    """The HF tensors that make up our logical parameter ``ours``, stacked by rows, in a class
+    whose base model is the attribute ``base_model``."""
+    if ours in HF_TASK_NAMES:
+        return (HF_TASK_NAMES[ours],)
     if ours in OTHER_NAMES:
-        return OTHER_NAMES[ours]
-    _, n, rest = ours.split(".", 2)  # layers.N.rest
-    return tuple(f"model.layers.{n}.{name}" for name in LAYER_NAMES[rest])
+        names = OTHER_NAMES[ours]
+    else:
+        _, n, rest = ours.split(".", 2)  # layers.N.rest
+        names = tuple(f"model.layers.{n}.{name}" for name in LAYER_NAMES[rest])
+    prefix = f"{BASE_MODEL}."
+    return tuple(
+        f"{base_model}.{name.removeprefix(prefix)}" if name.startswith(prefix) else name
+        for name in names
+    )
 
 
 def row_split(ours: str, shape: tuple[int, ...], model: Mapping[str, Any]) -> list[int]:
@@ -76,6 +89,7 @@ def llama_config(model: Mapping[str, Any]):
     """A ``transformers.LlamaConfig`` for our model section (``config.yml``'s ``model``)."""
     import transformers  # imported here: only export needs it
 
+    eot = 50256 if model["vocab_size"] > 50256 else None  # GPT-2's <|endoftext|>, our tokenizer's
     return transformers.LlamaConfig(
         vocab_size=model["vocab_size"],
         hidden_size=model["hidden_size"],
@@ -92,18 +106,27 @@ def llama_config(model: Mapping[str, Any]):
         attention_bias=False,
         mlp_bias=False,
         architectures=["LlamaForCausalLM"],
+        bos_token_id=eot,
+        eos_token_id=eot,
     )
 
 
 def export_llama(model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: Path) -> int:
-    """Writes ``config.json`` and ``model.safetensors`` for ``LlamaForCausalLM``, one tensor
-    at a time (as :func:`modelling.hf_interchange.export_hf`); returns the parameters written."""
+    """Writes ``config.json`` and ``model.safetensors`` for ``LlamaForCausalLM`` or, for a
+    fine-tuned model, the Llama class its head names (``LlamaForQuestionAnswering``,
+    ``LlamaForSequenceClassification``), one tensor at a time (as
+    :func:`modelling.hf_interchange.export_hf`); returns the parameters written."""
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
-    llama_config(model).to_json_file(folder / "config.json")
+    config, base_model = llama_config(model), BASE_MODEL
+    if head := head_holding(shapes):
+        head.describe_hf(config)
+        base_model = head.HF_CLASSES[config.model_type].base_model
+    config.to_json_file(folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for ours, shape in shapes.items():
-        for name, rows in zip(hf_names(ours), row_split(ours, shape, model), strict=True):
+        names = hf_names(ours, base_model)
+        for name, rows in zip(names, row_split(ours, shape, model), strict=True):
             size = math.prod((rows, *shape[1:])) * 4
             header[name] = {
                 "dtype": "F32",
@@ -136,6 +159,11 @@ class LlamaWeights:
         from safetensors import safe_open
 
         self.folder, self.config, self.error = folder, config, error
+        architectures = config.get("architectures") or []
+        task_classes = (c for head in HEADS for c in head.HF_CLASSES.values())
+        self.base_model = next(
+            (c.base_model for c in task_classes if c.name in architectures), BASE_MODEL
+        )
         index_file = folder / "model.safetensors.index.json"
         if index_file.is_file():
             try:
@@ -223,7 +251,7 @@ class LlamaWeights:
 
     def source_name(self, ours: str) -> str:
         """The HF tensor names of our ``ours``, for messages."""
-        return " + ".join(self._tied(hf_names(ours)))
+        return " + ".join(self._tied(hf_names(ours, self.base_model)))
 
     def _tied(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """A tied model's folder has no ``lm_head.weight``: the word embedding is it."""
@@ -233,12 +261,12 @@ class LlamaWeights:
 
     def has(self, ours: str) -> bool:
         """Whether the folder holds every HF tensor of our ``ours``."""
-        return all(name in self._files for name in self._tied(hf_names(ours)))
+        return all(name in self._files for name in self._tied(hf_names(ours, self.base_model)))
 
     def get(self, ours: str) -> torch.Tensor:
         """Our logical float32 tensor ``ours`` (e.g. ``layers.0.attn.qkv.weight``)."""
         pieces = []
-        for name in self._tied(hf_names(ours)):
+        for name in self._tied(hf_names(ours, self.base_model)):
             if name not in self._files:
                 raise self.error(f"--hf_model {self.folder} has no tensor {name}")
             pieces.append(self._handles[self._files[name]].get_tensor(name).float())

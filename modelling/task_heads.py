@@ -25,7 +25,8 @@ task uses which head is the task's spec (``tasks/specs.py``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from collections.abc import Iterable
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +44,14 @@ INPUT_OVER_TP2 = "input_over_tp2"  # [out, in]: whole along out, input features 
 ON_FIRST_TP2 = "on_first_tp2"  # too short to split, added before a tp2 all-reduce: tp2 rank 0's
 
 
+class HFTaskClass(NamedTuple):
+    """A HuggingFace task class: its name, and the attribute holding its base model (whose
+    names prefix every weight but the projection's)."""
+
+    name: str
+    base_model: str
+
+
 class TaskHead(nn.Module, ABC):
     """What the rest of the house reads of a fine-tuning head, each head declaring its own.
 
@@ -52,13 +61,14 @@ class TaskHead(nn.Module, ABC):
             :data:`ON_FIRST_TP2`); the final norm ``ln_f`` is the language model's.
         HF_NAMES: Our parameter name within the head -> HuggingFace's (an ``nn.Linear``: not
             transposed); a ``GPT2LMHeadModel`` folder has none of them.
-        HF_ARCHITECTURE: The HuggingFace class a fine-tuned model exports as.
+        HF_CLASSES: HuggingFace ``model_type`` (``gpt2``, ``llama``) -> the class a fine-tuned
+            model of that family exports as.
     """
 
     TARGET_WIDTH: ClassVar[int] = TARGET_WIDTH
     SPLITS: ClassVar[dict[str, str]]
     HF_NAMES: ClassVar[dict[str, str]]
-    HF_ARCHITECTURE: ClassVar[str]
+    HF_CLASSES: ClassVar[dict[str, HFTaskClass]]
 
     @staticmethod
     @abstractmethod
@@ -73,8 +83,8 @@ class TaskHead(nn.Module, ABC):
     @classmethod
     def describe_hf(cls, config) -> None:
         """Fills what HuggingFace's class needs besides the sizes into ``config`` (a
-        ``transformers.GPT2Config``)."""
-        config.architectures = [cls.HF_ARCHITECTURE]
+        ``transformers.GPT2Config`` or ``LlamaConfig``)."""
+        config.architectures = [cls.HF_CLASSES[config.model_type].name]
 
 
 def reads_whole_sequences(head: type[TaskHead] | None) -> bool:
@@ -97,7 +107,10 @@ class SpanHead(TaskHead):
         "qa.weight": "qa_outputs.weight",
         "qa.bias": "qa_outputs.bias",
     }
-    HF_ARCHITECTURE: ClassVar[str] = "GPT2ForQuestionAnswering"
+    HF_CLASSES: ClassVar[dict[str, HFTaskClass]] = {
+        "gpt2": HFTaskClass("GPT2ForQuestionAnswering", "transformer"),
+        "llama": HFTaskClass("LlamaForQuestionAnswering", "transformer"),
+    }
 
     @staticmethod
     def parameter_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
@@ -137,7 +150,10 @@ class ClassifierHead(TaskHead):
 
     SPLITS: ClassVar[dict[str, str]] = {"score.weight": INPUT_OVER_TP2}
     HF_NAMES: ClassVar[dict[str, str]] = {"score.weight": "score.weight"}
-    HF_ARCHITECTURE: ClassVar[str] = "GPT2ForSequenceClassification"
+    HF_CLASSES: ClassVar[dict[str, HFTaskClass]] = {
+        "gpt2": HFTaskClass("GPT2ForSequenceClassification", "transformer"),
+        "llama": HFTaskClass("LlamaForSequenceClassification", "model"),
+    }
 
     @staticmethod
     def parameter_shapes(hidden: int) -> dict[str, tuple[int, ...]]:
@@ -175,3 +191,15 @@ class ClassifierHead(TaskHead):
 
 # Every kind of head, for what is read from parameter names alone (HuggingFace's names).
 HEADS: tuple[type[TaskHead], ...] = (SpanHead, ClassifierHead)
+# Our name of each head's projection in the whole model -> HuggingFace's.
+HF_TASK_NAMES = {f"head.{ours}": theirs for head in HEADS for ours, theirs in head.HF_NAMES.items()}
+
+
+def head_holding(names: Iterable[str]) -> type[TaskHead] | None:
+    """The head whose projection a model's parameter ``names`` hold (None: a language
+    model's)."""
+    names = set(names)
+    for head in HEADS:
+        if all(f"head.{name}" in names for name in head.HF_NAMES):
+            return head
+    return None

@@ -46,7 +46,7 @@ def hf_task_model(
         bos_token_id=None,
         eos_token_id=None,
     )
-    model = getattr(transformers, shapes.task_head.HF_ARCHITECTURE)(config).float()
+    model = getattr(transformers, shapes.task_head.HF_CLASSES["gpt2"].name)(config).float()
     state = {}
     for ours, t in weights.items():
         name, transpose = hf_name(ours)

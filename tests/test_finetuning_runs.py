@@ -169,10 +169,11 @@ def test_hf_model_gives_the_transformer_and_a_task_models_projection(with_projec
         assert torch.equal(tensor, expected), name
 
 
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
 @pytest.mark.parametrize("task", ["squad", "mnli"])
-def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
-    """convert_checkpoint.py's export of a fine-tuned model loads as HF's task model, whose
-    logits on the task's rows are the engine's."""
+def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, family, tmp_path):
+    """convert_checkpoint.py's export of a fine-tuned model loads as HF's task model of its
+    family, every weight found, whose logits on the task's rows are the engine's."""
     import transformers
 
     from config.loading import config_to_dict
@@ -180,14 +181,19 @@ def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
     from execution.planning.planner import planned_engine
     from modelling.hf_interchange import export_hf
 
-    config, _ = parse_finetuning_config([*shlex.split(SMALL), "--task", task])
+    small = {"gpt2": SMALL, "llama": LLAMA}[family]
+    config, _ = parse_finetuning_config([*shlex.split(small), "--task", task])
     engine = planned_engine(RunShape.of(config), ParallelLayout.single(torch.device("cpu")))
     export_hf(config_to_dict(config)["model"], full_state(engine), tmp_path)
     kinds = {
-        "squad": transformers.GPT2ForQuestionAnswering,
-        "mnli": transformers.GPT2ForSequenceClassification,
+        ("gpt2", "squad"): transformers.GPT2ForQuestionAnswering,
+        ("gpt2", "mnli"): transformers.GPT2ForSequenceClassification,
+        ("llama", "squad"): transformers.LlamaForQuestionAnswering,
+        ("llama", "mnli"): transformers.LlamaForSequenceClassification,
     }
-    hf = kinds[task].from_pretrained(tmp_path).eval()
+    hf, info = kinds[family, task].from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    hf.eval()
     tokenizer = load_tokenizer(TokenizerSpec())[0]
     path = training_files(config)[0]
     options = dataclasses.replace(config.finetuning, doc_stride=16)
@@ -197,3 +203,29 @@ def test_a_fine_tuned_model_exports_as_huggingfaces_task_model(task, tmp_path):
         out = hf(input_ids=rows[:, :-2])
     theirs = torch.stack([out.start_logits, out.end_logits], -1) if task == "squad" else out.logits
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("with_projection", [True, False])
+def test_hf_model_gives_a_llama_task_model_its_weights(with_projection, tmp_path):
+    """A LlamaForQuestionAnswering folder (base model under ``transformer``) gives every
+    weight; a LlamaForCausalLM folder all but the projection, which keeps its initialisation."""
+    from config.loading import config_to_dict, parse_config
+    from execution.checkpoint.load import load_hf_weights
+    from execution.planning.planner import planned_engine
+    from modelling.hf_interchange import export_hf
+
+    cpu = ParallelLayout.single(torch.device("cpu"))
+    config, _ = parse_finetuning_config([*shlex.split(LLAMA), "--task", "squad"])
+    other_seed = [*shlex.split(LLAMA), "--seed", "7"]  # other numbers than the run's own
+    if with_projection:
+        source_config, _ = parse_finetuning_config([*other_seed, "--task", "squad"])
+    else:
+        source_config, _ = parse_config([*other_seed, "--sequence_length", "96"])
+    source = full_state(planned_engine(RunShape.of(source_config), cpu))
+    export_hf(config_to_dict(source_config)["model"], source, tmp_path)
+    engine = planned_engine(RunShape.of(config), cpu)
+    fresh = full_state(engine)
+    load_hf_weights(tmp_path, engine)
+    for name, tensor in full_state(engine).items():
+        assert name in source or (not with_projection and name.startswith("head.qa")), name
+        assert torch.equal(tensor, source.get(name, fresh[name])), name
