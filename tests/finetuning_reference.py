@@ -1,7 +1,8 @@
 """HuggingFace's task models as independent references for the fine-tuning heads and engine.
 
-``GPT2ForQuestionAnswering`` and ``GPT2ForSequenceClassification`` are built from a config with
-our initial weights copied in (through the same name map as ``--hf_model``), and trained by
+``GPT2ForQuestionAnswering`` and ``GPT2ForSequenceClassification`` (their Llama classes for a
+Llama model) are built from a config with our initial weights copied in (through the same name
+map as ``--hf_model``), and trained by
 ``torch.optim.AdamW``: they share nothing with our engine but the numbers they start from.
 """
 
@@ -11,6 +12,7 @@ import torch
 
 from modelling.gpt import LAYERS, PARTS, GPTShapes, init_full_part, qualified_name
 from modelling.hf_interchange import hf_name
+from modelling.hf_llama import hf_names, llama_config, row_split
 
 
 def initial_weights(shapes: GPTShapes, seed: int, init_std: float) -> dict[str, torch.Tensor]:
@@ -54,6 +56,27 @@ def hf_task_model(
     missing, unexpected = model.load_state_dict(state, strict=False)
     assert not unexpected, unexpected
     assert all(".attn.bias" in m or "masked_bias" in m for m in missing), missing
+    return model.train()
+
+
+def hf_llama_task_model(
+    model_section: dict, shapes: GPTShapes, weights: dict[str, torch.Tensor], pad_token_id: int
+) -> torch.nn.Module:
+    """HF's Llama model for ``shapes.task_head`` (``LlamaForQuestionAnswering``,
+    ``LlamaForSequenceClassification``) of our ``model_section`` (``config.yml``'s ``model``)
+    in float32, holding ``weights`` through the same name map as ``--hf_model``."""
+    import transformers
+
+    config = llama_config(model_section)
+    shapes.task_head.describe_hf(config)
+    config.pad_token_id = pad_token_id
+    hf_class = shapes.task_head.HF_CLASSES[config.model_type]
+    model = getattr(transformers, hf_class.name)(config).float()
+    state = {}
+    for ours, t in weights.items():
+        names = hf_names(ours, hf_class.base_model)
+        state |= dict(zip(names, t.split(row_split(ours, t.shape, model_section)), strict=True))
+    model.load_state_dict(state, strict=True)
     return model.train()
 
 

@@ -2,7 +2,8 @@
 steps of GPT2ForQuestionAnswering / GPT2ForSequenceClassification trained by torch.optim.AdamW
 (same clipping, same learning-rate schedule) give the same losses, at one process, at
 data_parallel 2 x tensor_parallel_1 2 and at tensor_parallel_1 2 x tensor_parallel_2 2 (forked
-gloo ranks).
+gloo ranks). A Llama model against LlamaForQuestionAnswering / LlamaForSequenceClassification
+likewise, and at tp1 2 x tp2 2 and dp 2 x tp1 2 within 1e-6 of its single process.
 
 Odd sizes (3 layers, hidden 96, 3 heads, vocabulary 307) so that no shard is a power of two.
 """
@@ -15,13 +16,21 @@ import pytest
 import torch
 
 from config.finetuning import FinetuningRunConfig
+from config.loading import config_to_dict
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import planned_engine
 from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 from tasks.specs import parse_finetuning_config, run_shapes
 from tests.distributed import CPU, engine_batch, run_ranks, world_layout
-from tests.finetuning_reference import hf_loss, hf_optimizer, hf_task_model, initial_weights
+from tests.finetuning_reference import (
+    hf_llama_task_model,
+    hf_loss,
+    hf_optimizer,
+    hf_task_model,
+    initial_weights,
+)
+from tests.reference import LLAMA_VARIANTS
 
 STEPS = 3
 PAD = 306  # rows pad with this id, which no real token uses: HF finds the last token by it
@@ -69,7 +78,11 @@ def _huggingface_losses(config: FinetuningRunConfig, rows: torch.Tensor) -> list
     """
     shapes = run_shapes(config)
     weights = initial_weights(shapes, config.training.seed, config.model.init_std)
-    model = hf_task_model(shapes, weights, pad_token_id=PAD)
+    if shapes.normalization == "rms_norm":
+        model_section = config_to_dict(config)["model"]
+        model = hf_llama_task_model(model_section, shapes, weights, pad_token_id=PAD)
+    else:
+        model = hf_task_model(shapes, weights, pad_token_id=PAD)
     optimizer = hf_optimizer(model, config.training.optimizer)
     micro, losses = config.execution.micro_batch_size, []
     for step, lr in enumerate(_learning_rates(config)):
@@ -113,11 +126,21 @@ def test_one_process_matches_huggingface(task, flags):
     _assert_close(_engine_losses(config, rows), expected)
 
 
-def _assert_close(got: list[tuple], expected: list[tuple]) -> None:
-    """Losses within 1e-5; gradient norms (which decide the clipping) within 1e-5 of theirs."""
+@pytest.mark.parametrize("task", ["squad", "mnli"])
+def test_a_llama_model_matches_huggingfaces_llama_task_model(task):
+    """RMSNorm before the projection, rotary positions, SwiGLU, 3 query heads sharing one KV
+    head, no biases but the span head's."""
+    config = _config(task, *LLAMA_VARIANTS, "--kv_heads", "1", "--intermediate_size", "200")
+    rows = _rows(config)
+    _assert_close(_engine_losses(config, rows), _huggingface_losses(config, rows))
+
+
+def _assert_close(got: list[tuple], expected: list[tuple], tolerance: float = TOLERANCE) -> None:
+    """Losses within ``tolerance``; gradient norms (which decide the clipping) within
+    ``tolerance`` of theirs, relatively."""
     for step, ((loss, norm), (want_loss, want_norm)) in enumerate(zip(got, expected, strict=True)):
-        assert loss == pytest.approx(want_loss, abs=TOLERANCE), (step, got, expected)
-        assert norm == pytest.approx(want_norm, rel=TOLERANCE), (step, got, expected)
+        assert loss == pytest.approx(want_loss, abs=tolerance), (step, got, expected)
+        assert norm == pytest.approx(want_norm, rel=tolerance), (step, got, expected)
 
 
 def _rank_losses(config: FinetuningRunConfig, rows: torch.Tensor) -> list[tuple]:
@@ -145,3 +168,21 @@ def test_parallel_layouts_match_huggingface(task, layout, tmp_path):
     expected = _huggingface_losses(config, rows)
     for got in run_ranks(_rank_losses, config.world_size, tmp_path, config, rows):
         _assert_close(got, expected)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("task", "layout"), [("squad", (1, 2, 2, 1)), ("mnli", (2, 2, 1, 1))])
+def test_a_llama_model_on_parallel_layouts_is_the_single_process(task, layout, tmp_path):
+    """tp1 2 x tp2 2 (KV heads and the intermediate layer over tp1, RMSNorm's statistics and
+    the projection over tp2) and dp 2 x tp1 2 give the single process's losses."""
+    dp, tp1, tp2, pp = layout
+    sizes = {"--data_parallel": dp, "--tensor_parallel_1": tp1, "--tensor_parallel_2": tp2}
+    sizes["--pipeline_parallel"] = pp
+    flags = [text for flag, size in sizes.items() for text in (flag, str(size))]
+    llama = [*LLAMA_VARIANTS, "--heads", "6", "--kv_heads", "2", "--intermediate_size", "200"]
+    one = _config(task, *llama)
+    rows = _rows(one)
+    expected = _engine_losses(one, rows)
+    config = _config(task, *llama, *flags)
+    for got in run_ranks(_rank_losses, config.world_size, tmp_path, config, rows):
+        _assert_close(got, expected, tolerance=1e-6)
