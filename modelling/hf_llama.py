@@ -26,6 +26,7 @@ from modelling.task_heads import HEADS, HF_TASK_NAMES, head_holding
 
 # The attribute of LlamaForCausalLM holding its base model; a task class may name its own.
 BASE_MODEL = "model"
+
 # Our name within a decoder layer -> the HF names within model.layers.N, stacked by rows.
 LAYER_NAMES = {
     "ln_1.weight": ("input_layernorm.weight",),
@@ -256,7 +257,7 @@ class LlamaWeights:
     def _tied(self, names: tuple[str, ...]) -> tuple[str, ...]:
         """A tied model's folder has no ``lm_head.weight``: the word embedding is it."""
         if names == ("lm_head.weight",) and "lm_head.weight" not in self._files:
-            return ("model.embed_tokens.weight",)
+            return (f"{self.base_model}.embed_tokens.weight",)
         return names
 
     def has(self, ours: str) -> bool:

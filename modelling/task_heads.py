@@ -60,7 +60,8 @@ class TaskHead(nn.Module, ABC):
         SPLITS: Our parameter name within the head -> its split (:data:`INPUT_OVER_TP2`,
             :data:`ON_FIRST_TP2`); the final norm ``ln_f`` is the language model's.
         HF_NAMES: Our parameter name within the head -> HuggingFace's (an ``nn.Linear``: not
-            transposed); a ``GPT2LMHeadModel`` folder has none of them.
+            transposed); a language model's folder (``GPT2LMHeadModel``, ``LlamaForCausalLM``)
+            has none of them.
         HF_CLASSES: HuggingFace ``model_type`` (``gpt2``, ``llama``) -> the class a fine-tuned
             model of that family exports as.
     """
