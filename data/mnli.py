@@ -109,20 +109,27 @@ class MnliBatch:
         return len(self.input_ids)
 
 
-def mnli_prompts(examples: list[MnliExample], tokenizer: Tokenizer, max_length: int) -> MnliBatch:
+def mnli_prompts(
+    examples: list[MnliExample],
+    tokenizer: Tokenizer,
+    max_length: int,
+    eot_token: str = GPT2_EOT_TOKEN,
+) -> MnliBatch:
     """Tokenizes ``hypothesis <|endoftext|> premise`` for every example (module docstring).
 
     Args:
         examples: As read by :func:`read_mnli`.
-        tokenizer: GPT-2's BPE (:func:`data.tokenizer.load_tokenizer`); not modified.
+        tokenizer: GPT-2's BPE or the model's own (:func:`data.tokenizer.load_tokenizer`);
+            not modified.
         max_length: Tokens per example, padding included (the model's sequence length).
+        eot_token: The tokenizer's end-of-text token: the separator and the padding.
     """
     pair = Tokenizer.from_str(tokenizer.to_str())
-    eot = pair.token_to_id(GPT2_EOT_TOKEN)
+    eot = pair.token_to_id(eot_token)
     pair.post_processor = processors.TemplateProcessing(
         single="$A",
-        pair=f"$A:0 {GPT2_EOT_TOKEN}:0 $B:1",
-        special_tokens=[(GPT2_EOT_TOKEN, eot)],
+        pair=f"$A:0 {eot_token}:0 $B:1",
+        special_tokens=[(eot_token, eot)],
     )
     pair.enable_truncation(max_length, strategy="longest_first")
     encodings = pair.encode_batch([(e.hypothesis, e.premise) for e in examples])
@@ -143,7 +150,7 @@ def read_mnli_set(
         DataError: the file is missing or malformed (one line naming it).
     """
     examples = read_mnli(path)
-    prompts = mnli_prompts(examples, tokenizer, sequence_length)
+    prompts = mnli_prompts(examples, tokenizer, sequence_length, options.eot_token)
     return TaskSet.of(path, prompts.input_ids, prompts.targets, examples)
 
 

@@ -172,14 +172,17 @@ def squad_windows(
     tokenizer: Tokenizer,
     max_length: int = 384,
     doc_stride: int = 128,
+    eot_token: str = GPT2_EOT_TOKEN,
 ) -> SquadWindows:
     """Tokenizes every example into overlapping question-first windows (module docstring).
 
     Args:
         examples: As read by :func:`read_squad`.
-        tokenizer: GPT-2's BPE (:func:`data.tokenizer.load_tokenizer`); not modified.
+        tokenizer: GPT-2's BPE or the model's own (:func:`data.tokenizer.load_tokenizer`);
+            not modified.
         max_length: Tokens per window, padding included (the model's sequence length).
         doc_stride: Tokens each window of a context shares with the previous one.
+        eot_token: The tokenizer's end-of-text token: the separator and the padding.
 
     Raises:
         DataError: the lengths leave no room for the context.
@@ -193,8 +196,8 @@ def squad_windows(
             f"longest question ({longest} tokens), not more than --doc_stride {doc_stride}; "
             "raise --sequence_length or lower --doc_stride"
         )
-    pair = _pair_tokenizer(tokenizer, max_length - 1, doc_stride)
-    eot = pair.token_to_id(GPT2_EOT_TOKEN)
+    pair = _pair_tokenizer(tokenizer, max_length - 1, doc_stride, eot_token)
+    eot = pair.token_to_id(eot_token)
     encodings = pair.encode_batch(list(zip(questions, [e.context for e in examples], strict=True)))
     ids, targets, owner, offsets = [], [], [], []
     for index, (example, encoding) in enumerate(zip(examples, encodings, strict=True)):
@@ -237,22 +240,27 @@ def read_squad_set(
         DataError: the file is missing or malformed (one line naming it).
     """
     examples = read_squad(path)
-    windows = squad_windows(examples, tokenizer, sequence_length, options.doc_stride)
+    windows = squad_windows(
+        examples, tokenizer, sequence_length, options.doc_stride, options.eot_token
+    )
     return TaskSet.of(path, windows.input_ids, windows.targets, examples, windows)
 
 
-def _pair_tokenizer(tokenizer: Tokenizer, length: int, doc_stride: int) -> Tokenizer:
-    """A copy of ``tokenizer`` that joins question and context with the separator, cuts the
-    context into overflowing windows of ``length`` tokens and pads the last."""
+def _pair_tokenizer(
+    tokenizer: Tokenizer, length: int, doc_stride: int, eot_token: str = GPT2_EOT_TOKEN
+) -> Tokenizer:
+    """A copy of ``tokenizer`` that joins question and context with the separator
+    (``eot_token``), cuts the context into overflowing windows of ``length`` tokens and pads
+    the last."""
     pair = Tokenizer.from_str(tokenizer.to_str())
-    eot = pair.token_to_id(GPT2_EOT_TOKEN)
+    eot = pair.token_to_id(eot_token)
     pair.post_processor = processors.TemplateProcessing(
         single="$A",
-        pair=f"$A:0 {GPT2_EOT_TOKEN}:0 $B:1",
-        special_tokens=[(GPT2_EOT_TOKEN, eot)],
+        pair=f"$A:0 {eot_token}:0 $B:1",
+        special_tokens=[(eot_token, eot)],
     )
     pair.enable_truncation(length, stride=doc_stride, strategy="only_second")
-    pair.enable_padding(pad_id=eot, pad_token=GPT2_EOT_TOKEN, length=length)
+    pair.enable_padding(pad_id=eot, pad_token=eot_token, length=length)
     return pair
 
 

@@ -92,3 +92,49 @@ def test_squad_runs_on_every_preset_with_the_default_doc_stride():
         ["--config", "tiny", "--task", "squad", "--doc_stride", "32"]
     )
     assert given.finetuning.doc_stride == 32
+
+
+def _word_tokenizer(path: Path) -> None:
+    """A HuggingFace tokenizer.json of its own: the words of the shipped MNLI sample, split at
+    whitespace and punctuation, ``<eot>`` first (the sample's other words are ``<unk>``)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    text = (ROOT / "data" / "sample" / "mnli" / "train.tsv").read_text().split()[:400]
+    words = ["<eot>", "<unk>", *dict.fromkeys(w.strip(".,;:!?\"'()") for w in text)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+
+
+def test_a_model_s_own_tokenizer_json_tokenizes_the_task(tmp_path):
+    """--tokenizer and --eot_token: the pairs are the given tokenizer's ids, joined and padded
+    with its end-of-text id, and the run trains and scores on them (a model of a vocabulary
+    of its own, as an imported Llama's)."""
+    from data.mnli import mnli_prompts, read_mnli
+    from data.tokenizer import TokenizerSpec, load_tokenizer
+
+    words = tmp_path / "words.json"
+    _word_tokenizer(words)
+    tokenizer, eot, vocab = load_tokenizer(TokenizerSpec(str(words), "<eot>"))
+    examples = read_mnli(str(ROOT / "data" / "sample" / "mnli" / "train.tsv"))[:2]
+    prompts = mnli_prompts(examples, tokenizer, 64, "<eot>")
+    first = prompts.input_ids[0]
+    hypothesis = tokenizer.encode(examples[0].hypothesis).ids
+    assert first[: len(hypothesis) + 1].tolist() == [*hypothesis, eot]  # then the premise
+    assert first[int(prompts.targets[0, 1]) + 1 :].eq(eot).all()  # padded with it
+    flags = ["--task", "mnli", "--vocab_size", str(vocab), "--tokenizer", str(words)]
+    flags += ["--eot_token", "<eot>", "--output_dir", str(tmp_path / "run")]
+    run_finetuning.main([*SMALL, *flags])
+    scores = json.loads((tmp_path / "run" / "eval.json").read_text())
+    assert scores["dev_matched"]["examples"] > 0
+
+
+def test_a_tokenizer_that_cannot_serve_the_model_is_one_line(tmp_path):
+    words = tmp_path / "words.json"
+    _word_tokenizer(words)
+    out = ["--task", "mnli", "--output_dir", str(tmp_path / "run")]
+    _fails([*SMALL, *out, "--tokenizer", str(tmp_path / "none.json")], DataError, "--tokenizer")
+    _fails([*SMALL, *out, "--tokenizer", str(words)], ConfigError, "no end-of-text token")
+    small = ["--vocab_size", "8", "--tokenizer", str(words), "--eot_token", "<eot>"]
+    _fails([*SMALL, *out, *small], ConfigError, "--vocab_size 8 is smaller than")
+    assert not (tmp_path / "run").exists()

@@ -106,3 +106,56 @@ def test_bad_sampling_flags_and_prompts_exit_2_before_loading(tmp_path, flags, m
     result = run_script("run_generation.py", "--load", str(missing), "--prompt", "Hi", *flags)
     assert_refused(result, "run_generation.py", message)
     assert result.stdout == "" and "Traceback" not in result.stderr
+
+
+def _word_tokenizer(path) -> None:
+    """A HuggingFace tokenizer.json of its own (not GPT-2's): 30 words split at whitespace,
+    ``<eot>`` among them."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<eot>", "<unk>", *(f"w{n}" for n in range(28))]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, "<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+
+
+def test_the_cli_tokenizes_with_the_model_s_own_tokenizer_json(tmp_path, capsys):
+    """--tokenizer and --eot_token: the prompt is the given tokenizer's ids, the continuation
+    its decoding, and generation stops at its end-of-text id (a model of a vocabulary of its
+    own, as an imported Llama's)."""
+    config = small_config("--layers", "1")
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
+    checkpointer.save(0, None)
+    checkpointer.close()
+    _word_tokenizer(tmp_path / "tokenizer.json")
+    flags = ["--prompt", "w3 w7 w1", "--temperature", "0", "--max_new_tokens", "5"]
+    flags += ["--tokenizer", str(tmp_path / "tokenizer.json"), "--eot_token", "<eot>"]
+    run_generation.main(["--load", str(tmp_path / "ckpt"), *flags, "--device", "cpu"])
+    out = capsys.readouterr().out
+    from tokenizers import Tokenizer
+
+    from execution.checkpoint.load import read_weights, saved_model_shapes
+    from modelling.generation import build_model
+
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    model_section, weights = read_weights(tmp_path / "ckpt")
+    model = build_model(saved_model_shapes(model_section), weights)
+    prompt = tokenizer.encode("w3 w7 w1").ids
+    assert prompt == [5, 9, 3]
+    ids = [int(t[0]) for t in generate(model, torch.tensor([prompt]), 5, stop_token=0)]
+    assert out.startswith("w3 w7 w1" + tokenizer.decode(ids) + "\n[")
+
+
+def test_a_tokenizer_that_is_not_one_or_lacks_the_end_token_is_one_line(tmp_path):
+    (tmp_path / "bad.json").write_text("{}")
+    _word_tokenizer(tmp_path / "words.json")
+    for flags, message in (
+        (["--tokenizer", str(tmp_path / "none.json")], "--tokenizer: tokenizer file"),
+        (["--tokenizer", str(tmp_path / "bad.json")], "is not a HuggingFace tokenizer.json"),
+        (["--tokenizer", str(tmp_path / "words.json")], "has no end-of-text token"),
+    ):
+        result = run_script(
+            "run_generation.py", "--load", str(tmp_path / "none"), "--prompt", "w1", *flags
+        )
+        assert_refused(result, "run_generation.py", message)

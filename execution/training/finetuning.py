@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer
 
 from config.finetuning import FinetuningRunConfig
 from config.loading import ConfigError
@@ -43,6 +44,25 @@ def saved_task(trainer: dict) -> str:
     return trainer["config"].get("finetuning", {}).get("task", "")
 
 
+def task_tokenizer(path: str, eot_token: str, vocab_size: int) -> Tokenizer:
+    """The tokenizer of the task's text: the model's own tokenizer.json (``path``), else
+    GPT-2's BPE (shipped in a package); one line when it cannot be used."""
+    try:
+        tokenizer, _, vocab = load_tokenizer(TokenizerSpec(path or None, eot_token))
+    except FileNotFoundError as err:
+        flag = "--tokenizer: " if path else "cannot tokenize the task's text: "
+        raise DataError(f"{flag}{err}") from None
+    except ValueError as err:
+        raise ConfigError(f"--tokenizer: {err}") from None
+    if vocab > vocab_size:
+        which = path or "GPT-2's"
+        raise ConfigError(
+            f"--vocab_size {vocab_size} is smaller than {which} tokenizer's {vocab} tokens; "
+            "give the model's own with --tokenizer"
+        )
+    return tokenizer
+
+
 def build_finetuning(
     config: FinetuningRunConfig,
     preset: str,
@@ -57,10 +77,7 @@ def build_finetuning(
         ConfigError, DataError: the user's input cannot run (one line each).
     """
     f, model = config.finetuning, config.model
-    try:
-        tokenizer = load_tokenizer(TokenizerSpec())[0]  # GPT-2's BPE: shipped in a package
-    except FileNotFoundError as err:
-        raise DataError(f"cannot tokenize the task's text: {err}") from None
+    tokenizer = task_tokenizer(f.tokenizer, f.eot_token, model.vocab_size)
 
     spec = task_spec(f.task)
 
