@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, ClassVar
 
 from config.field_help import doc as _doc
+from config.schema_model import ModelConfig
 from config.schema_run import CheckpointConfig, LoggingConfig, PlanningConfig
 from config.schema_sparsity import RigLConfig
 
@@ -29,110 +30,7 @@ def plannable_recompute(context_parallel: int) -> tuple[str, ...]:
     return ("full",) if context_parallel > 1 else RECOMPUTE[1:]
 
 
-def uneven_splits(
-    heads: int,
-    hidden_size: int,
-    sequence_length: int,
-    tp1: int = 1,
-    tp2: int = 1,
-    cp: int = 1,
-    kv_heads: int = 0,
-    intermediate_size: int = 0,
-) -> list[str]:
-    """The splits of the model that a layout's tensor and context axes leave uneven, by name:
-    ``heads`` and ``kv_heads`` (each tensor_parallel_1 rank holds whole query and key/value
-    heads), ``intermediate`` (and an equal slice of the MLP's intermediate layer), ``hidden``
-    (the hidden columns over tensor_parallel_2), ``sequence`` (each context rank an equal piece
-    of every sequence), ``context_heads`` (and an equal share of its tensor_parallel_1 rank's
-    heads, which attention's all-to-all hands it). ``kv_heads`` and ``intermediate_size`` 0:
-    as many as ``heads``, 4 x ``hidden_size``. Empty: the layout splits the model evenly."""
-    checks = {
-        "heads": heads % tp1,
-        "kv_heads": (kv_heads or heads) % tp1,
-        "intermediate": (intermediate_size or 4 * hidden_size) % tp1,
-        "hidden": hidden_size % tp2,
-        "sequence": sequence_length % cp,
-        "context_heads": (heads // tp1) % cp,
-    }
-    return [name for name, remainder in checks.items() if remainder]
-
-
 LR_SCHEDULES = ("cosine", "linear", "constant")
-# The architecture choices of modelling.gpt.GPTShapes, GPT-3's first.
-POSITION_EMBEDDINGS = ("learned", "rotary")
-NORMALIZATIONS = ("layer_norm", "rms_norm")
-MLP_ACTIVATIONS = ("gelu", "swiglu")
-
-
-@dataclass
-class ModelConfig:
-    """Shape of the model: GPT-3's by default (pre-layer-norm decoder, learned positions, tied
-    embedding); the architecture fields after ``init_std`` choose the Llama family's parts."""
-
-    layers: int = field(default=12, metadata=_doc("Number of decoder layers."))
-    hidden_size: int = field(default=768, metadata=_doc("Width of the residual stream."))
-    heads: int = field(default=12, metadata=_doc("Attention heads; must divide hidden_size."))
-    sequence_length: int = field(default=2048, metadata=_doc("Tokens per training sequence."))
-    vocab_size: int = field(default=50257, metadata=_doc("Vocabulary size (GPT-2 BPE: 50257)."))
-    max_positional_length: int = field(
-        default=2048, metadata=_doc("Rows of the learned position embedding.")
-    )
-    dropout_prob: float = field(
-        default=0.1, metadata=_doc("Dropout on embeddings, attention probabilities and residuals.")
-    )
-    dropout_parity: bool = field(
-        default=False,
-        metadata=_doc(
-            "Attention dropout drawn head by head from each head's global index, so every "
-            "layout draws the single process's masks (for layout-parity tests); written-out "
-            "attention with a [heads, seq, seq] tensor, not the fused kernel."
-        ),
-    )
-    layer_norm_eps: float = field(default=1e-5, metadata=_doc("Layer-norm epsilon."))
-    init_std: float = field(
-        default=0.02,
-        metadata=_doc(
-            "Std of the truncated-normal weight init; residual projections use "
-            "init_std / sqrt(2 * layers) as in GPT-2."
-        ),
-    )
-    kv_heads: int = field(
-        default=0,
-        metadata=_doc(
-            "Key/value heads (grouped-query attention); must divide heads. 0: as many as heads."
-        ),
-    )
-    position_embedding: str = field(
-        default="learned",
-        metadata=_doc(
-            "learned (a table of max_positional_length rows) or rotary (RoPE in attention).",
-            choices=POSITION_EMBEDDINGS,
-        ),
-    )
-    rope_theta: float = field(
-        default=10000.0, metadata=_doc("Base of the rotary position frequencies.")
-    )
-    normalization: str = field(
-        default="layer_norm",
-        metadata=_doc("layer_norm (with bias) or rms_norm (gain only).", choices=NORMALIZATIONS),
-    )
-    mlp_activation: str = field(
-        default="gelu",
-        metadata=_doc(
-            "gelu (h -> intermediate -> h) or swiglu (down(silu(gate x) * up x)).",
-            choices=MLP_ACTIVATIONS,
-        ),
-    )
-    intermediate_size: int = field(
-        default=0, metadata=_doc("Width of the MLP's intermediate layer. 0: 4 * hidden_size.")
-    )
-    linear_bias: bool = field(
-        default=True, metadata=_doc("Biases on the attention and MLP projections.")
-    )
-    tied_head: bool = field(
-        default=True,
-        metadata=_doc("The output projection is the word embedding (false: a matrix of its own)."),
-    )
 
 
 @dataclass

@@ -8,7 +8,8 @@ from collections.abc import Collection
 from pathlib import Path
 
 from config.errors import ConfigError, refuse_ignored_flags
-from config.schema import PretrainingConfig, plannable_recompute, uneven_splits
+from config.schema import PretrainingConfig, plannable_recompute
+from config.schema_model import uneven_splits
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
 MOST_DEVICES = 1 << 20

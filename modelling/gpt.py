@@ -78,7 +78,7 @@ class GPTShapes:
     def from_config(
         cls, model, tp1: int = 1, tp2: int = 1, task_head: type[TaskHead] | None = None
     ) -> GPTShapes:
-        """From a :class:`config.schema.ModelConfig`, the tensor-parallel sizes and the head."""
+        """From a :class:`config.schema_model.ModelConfig`, the tensor-parallel sizes and the head."""
         return cls(
             layers=model.layers,
             hidden=model.hidden_size,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError, one_line
-from config.schema import ModelConfig
+from config.schema_model import ModelConfig
 from execution.checkpoint.files import (
     MASKS,
     CheckpointError,
@@ -43,7 +43,8 @@ from modelling.gpt import (
     part_inits,
     qualified_name,
 )
-from modelling.hf_interchange import TASK_NAMES, HFModelError, open_hf_weights
+from modelling.hf_interchange import HFModelError, open_hf_weights
+from modelling.task_heads import HF_TASK_NAMES
 
 
 def load_checkpoint(path: str | Path, engine: PhasedEngine) -> dict[str, Any]:
@@ -272,7 +273,7 @@ def load_hf_weights(folder: str | Path, engine: PhasedEngine) -> None:
             full = {}
             for name, init in part_inits(engine.shapes, part).items():
                 ours = qualified_name(part, engine.state.logical_row(part, row), name)
-                if ours in TASK_NAMES and not hf.has(ours):  # a GPT2LMHeadModel: no projection
+                if ours in HF_TASK_NAMES and not hf.has(ours):  # a GPT2LMHeadModel: no projection
                     if not drawn_head:
                         plan = engine.plan
                         drawn_head = init_full_part(

@@ -16,8 +16,8 @@ from config.schema import (
     PretrainingConfig,
     even_stage_layers,
     micro_batches_per_replica,
-    uneven_splits,
 )
+from config.schema_model import uneven_splits
 from execution.engine.plan import EnginePlan, MemoryPlan
 from execution.parallel.mesh_shape import MeshShape
 from execution.planning.device_specs import DeviceSpec, resolve_spec
@@ -166,7 +166,7 @@ class RunShape:
 
     def splits_evenly(self, tp1: int = 1, tp2: int = 1, cp: int = 1) -> bool:
         """Whether tensor and context axes of these sizes split this model evenly
-        (:func:`config.schema.uneven_splits`, by which the config's validation names the
+        (:func:`config.schema_model.uneven_splits`, by which the config's validation names the
         flag that does not)."""
         model = self.model
         return not uneven_splits(
