@@ -54,10 +54,7 @@ OTHER_NAMES = {
     "head.ln_f.weight": "transformer.ln_f.weight",
     "head.ln_f.bias": "transformer.ln_f.bias",
 }
-# A fine-tuning head's projection -> the name HuggingFace's class for it gives it (each head
-# declares its own: modelling.task_heads).
-TASK_NAMES = HF_TASK_NAMES
-# The architecture fields (config/schema.py: ModelConfig) of a model GPT2LMHeadModel holds.
+# The architecture fields (config/schema_model.py: ModelConfig) of a model GPT2LMHeadModel holds.
 GPT2_ARCHITECTURE = {
     "position_embedding": "learned",
     "normalization": "layer_norm",
@@ -73,8 +70,8 @@ def hf_name(ours: str) -> tuple[str, bool]:
     """HF name of one of our logical parameter names, and whether it is transposed."""
     if ours in OTHER_NAMES:
         return OTHER_NAMES[ours], False
-    if ours in TASK_NAMES:
-        return TASK_NAMES[ours], False
+    if ours in HF_TASK_NAMES:
+        return HF_TASK_NAMES[ours], False
     _, n, rest = ours.split(".", 2)  # layers.N.rest
     name, transpose = LAYER_NAMES[rest]
     return f"transformer.h.{n}.{name}", transpose
