@@ -98,7 +98,7 @@ def fit_line(plan: MemoryPlan, budget: MemoryBudget, planned_fit: bool) -> str:
 
 def time_breakdown(entry: dict) -> str:
     """Where an estimated step's seconds go (:func:`~execution.planning.time_model.estimate_step`)."""
-    hidden = entry.get("hidden_update_s", 0.0)
+    hidden = entry["hidden_update_s"]
     behind = f" waited for ({hidden:,.3f} s behind the next step)" if hidden else ""
     return (
         f"time: compute {entry['compute_s']:,.3f} s, memory-bound {entry['memory_bound_s']:,.3f} s, "
