@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 import run_generation
-from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from modelling.generation import KVCache, forward_logits, generate, sample_next
+from tests.checkpoints import save_checkpoint
 from tests.distributed import CPU, planned_engine
 from tests.entry_points import assert_refused, run_script
 from tests.reference import reference_model, relative_error, small_config
@@ -71,9 +71,7 @@ def test_sampling_filters():
 def test_the_cli_streams_the_greedy_continuation(tmp_path, capsys):
     config = small_config("--vocab_size", "50257", "--layers", "1")
     engine = planned_engine(config, ParallelLayout.single(CPU))
-    checkpointer = Checkpointer(tmp_path, engine, config, log=lambda _: None)
-    checkpointer.save(0, None)
-    checkpointer.close()
+    save_checkpoint(tmp_path, engine, config, 0)
     flags = shlex.split('--prompt "Hello world" --temperature 0 --max_new_tokens 6 --device cpu')
     run_generation.main(["--load", str(tmp_path), *flags])
     out = capsys.readouterr().out
@@ -125,9 +123,7 @@ def test_the_cli_tokenizes_with_the_model_s_own_tokenizer_json(tmp_path, capsys)
     own, as an imported Llama's)."""
     config = small_config("--layers", "1")
     engine = planned_engine(config, ParallelLayout.single(CPU))
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
-    checkpointer.save(0, None)
-    checkpointer.close()
+    save_checkpoint(tmp_path / "ckpt", engine, config, 0)
     _word_tokenizer(tmp_path / "tokenizer.json")
     flags = ["--prompt", "w3 w7 w1", "--temperature", "0", "--max_new_tokens", "5"]
     flags += ["--tokenizer", str(tmp_path / "tokenizer.json"), "--eot_token", "<eot>"]

@@ -11,14 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import convert_checkpoint
 from config.loading import ConfigError
 from execution.checkpoint.load import load_hf_weights, read_weights, saved_model_shapes
 from execution.checkpoint.logical import full_state
-from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from modelling.generation import build_model, forward_logits
 from modelling.gpt import GPTShapes
+from tests.checkpoints import export_hf, save_checkpoint
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch, small_config
 from tests.entry_points import run_script
 from tests.reference import relative_error
@@ -38,10 +37,8 @@ def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
     batches = global_batches(config, 2)
     for step in range(2):  # trained: biases and norms are no longer 0 and 1
         engine.train_step(replica_batch(config, batches[step], 0), step, 1e-2)
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
-    checkpointer.save(2, None)
-    checkpointer.close()
-    convert_checkpoint.main(["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")])
+    save_checkpoint(tmp_path / "ckpt", engine, config, 2)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
 
     # transformers alone reads the folder: no code of ours is registered with it.
     hf = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "hf").eval()

@@ -10,17 +10,16 @@ import shlex
 import pytest
 import torch
 
-import convert_checkpoint
 from config.loading import ConfigError
 from execution.checkpoint.load import load_hf_weights, read_weights, saved_model_shapes
 from execution.checkpoint.logical import full_state
-from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
 from execution.training.lr_schedule import learning_rate
 from modelling.generation import KVCache, build_model, forward_logits
 from modelling.gpt import GPTShapes
 from modelling.hf_llama import hf_names, row_split
 from modelling.hf_llama import llama_config as llama_config_of
+from tests.checkpoints import export_hf, save_checkpoint
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.finetuning_reference import hf_optimizer, initial_weights
 from tests.reference import LLAMA_VARIANTS, relative_error, small_config
@@ -79,12 +78,8 @@ def test_an_imported_llama_exported_back_loads_in_transformers_with_its_logits(t
     config = llama_config()
     engine = planned_engine(config, ParallelLayout.single(CPU))
     load_hf_weights(tmp_path / "hf", engine)
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
-    checkpointer.save(0, None)
-    checkpointer.close()
-    convert_checkpoint.main(
-        ["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "out")]
-    )
+    save_checkpoint(tmp_path / "ckpt", engine, config, 0)
+    export_hf(tmp_path / "ckpt", tmp_path / "out")
     back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         theirs, again = hf(input_ids=_tokens()).logits, back(input_ids=_tokens()).logits
@@ -157,10 +152,8 @@ def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
     batches = global_batches(config, 2)
     for step in range(2):  # trained: the norms are no longer one
         engine.train_step(replica_batch(config, batches[step], 0), step, 1e-2)
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
-    checkpointer.save(2, None)
-    checkpointer.close()
-    convert_checkpoint.main(["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")])
+    save_checkpoint(tmp_path / "ckpt", engine, config, 2)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
 
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = _tokens()
@@ -252,13 +245,9 @@ def test_six_steps_beside_huggingface_with_adamw_and_clipping_give_its_losses():
 def test_a_model_neither_gpt2_nor_llama_is_not_exported(tmp_path):
     config = small_config("--kv_heads", "2")  # GPT-3 otherwise: no HuggingFace class holds it
     engine = planned_engine(config, ParallelLayout.single(CPU))
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
-    checkpointer.save(0, None)
-    checkpointer.close()
+    save_checkpoint(tmp_path / "ckpt", engine, config, 0)
     with pytest.raises(ConfigError, match="the model's --kv_heads are not GPT-2's"):
-        convert_checkpoint.main(
-            ["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")]
-        )
+        export_hf(tmp_path / "ckpt", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
 
 

@@ -15,7 +15,6 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import convert_checkpoint
 import run_generation
 from config.loading import ConfigError, parse_config
 from execution.checkpoint.load import load_checkpoint
@@ -31,6 +30,7 @@ from modelling.sparsity import (
     SPARSE_WEIGHTS,
     densities,
 )
+from tests.checkpoints import export_hf, save_checkpoint
 from tests.distributed import (
     CPU,
     engine_batch,
@@ -269,10 +269,8 @@ def test_hf_export_writes_the_zeros_and_generation_runs(tmp_path, capsys):
     # An update after step 4; its grown weights start at zero and step 5 moves them.
     _train_range(engine, global_batches(config, STEPS), 0, 5, 0)
     masks = engine.rigl.logical_masks()
-    checkpointer = Checkpointer(tmp_path / "ckpt", engine, config, log=lambda _: None)
-    checkpointer.save(5, None)
-    checkpointer.close()
-    convert_checkpoint.main(["--load", str(tmp_path / "ckpt"), "--hf_output", str(tmp_path / "hf")])
+    save_checkpoint(tmp_path / "ckpt", engine, config, 5)
+    export_hf(tmp_path / "ckpt", tmp_path / "hf")
     exported = load_file(tmp_path / "hf" / "model.safetensors")
     for key, mask in masks.items():
         hf_key, transposed = hf_name(key)
