@@ -19,12 +19,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modelling.layers import Attention, BlockSeeds, DecoderBlock, Embedding, FeedForward, LayerNorm
+from modelling.layers import (
+    Attention,
+    BlockSeeds,
+    DecoderBlock,
+    Embedding,
+    FeedForward,
+    LayerNorm,
+    WordEmbedding,
+)
 from modelling.lm_heads import LMHead, UntiedLMHead
 from modelling.parallel import LOCAL, Axis
 from modelling.task_heads import TaskHead
 from modelling.tiles import draw_into, outer, run_all, tile_groups
-from modelling.variants import RMSNorm, Rotary, SwiGLU, WordEmbedding
+from modelling.variants import RMSNorm, Rotary, SwiGLU
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.

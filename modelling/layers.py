@@ -383,7 +383,30 @@ class DecoderBlock(nn.Module):
         return x + dropout(self.mlp(self.ln_2(x)), p, mlp_seed, *axes)
 
 
-class Embedding(nn.Module):
+class WordEmbedding(nn.Module):
+    """Word embedding alone (the Llama family's: positions are rotary, in attention); rows
+    over tp1, columns over tp2, looked up and summed over tp1 as :class:`Embedding` does."""
+
+    def __init__(
+        self,
+        local_vocab: int,
+        local_hidden: int,
+        dropout_prob: float,
+        tp1: Axis,
+        tp2: Axis = LOCAL,
+        cp: Axis = LOCAL,
+    ):
+        super().__init__()
+        self.word = nn.Embedding(local_vocab, local_hidden)
+        self.dropout_prob = dropout_prob
+        self.tp1, self.tp2, self.cp = tp1, tp2, cp
+
+    def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+        x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1), self.tp1)
+        return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
+
+
+class Embedding(WordEmbedding):
     """Word + position embedding; rows (vocab, positions) over tp1, columns over tp2.
 
     Each rank looks up the ids that fall in its row range (others give zeros) and the partial
@@ -401,11 +424,8 @@ class Embedding(nn.Module):
         tp2: Axis = LOCAL,
         cp: Axis = LOCAL,
     ):
-        super().__init__()
-        self.word = nn.Embedding(local_vocab, local_hidden)
+        super().__init__(local_vocab, local_hidden, dropout_prob, tp1, tp2, cp)
         self.position = nn.Embedding(local_positions, local_hidden)
-        self.dropout_prob = dropout_prob
-        self.tp1, self.tp2, self.cp = tp1, tp2, cp
 
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]

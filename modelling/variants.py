@@ -9,7 +9,7 @@ Each is a module of its own that :func:`modelling.gpt.GPT` builds instead of GPT
   positions are global, so a sequence split over context ranks rotates like the whole;
 - :class:`SwiGLU` for the GELU MLP: ``down(silu(gate x) * up x)``, the gate and up projections
   one matrix whose rows each tp1 shard holds as (its gate rows, its up rows);
-- :class:`WordEmbedding` (no position table); the untied head is
+- :class:`modelling.layers.WordEmbedding` (no position table); the untied head is
   :class:`modelling.lm_heads.UntiedLMHead`.
 
 Numerics follow HuggingFace's ``LlamaForCausalLM`` (float32 statistics, ``rotate_half``
@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from modelling.layers import ParallelLinear, dropout, lookup_rows
-from modelling.parallel import LOCAL, Axis, all_reduce_sum, copy_to, reduce_from
+from modelling.layers import ParallelLinear
+from modelling.parallel import Axis, all_reduce_sum, copy_to
 
 
 class RMSNorm(nn.Module):
@@ -110,26 +110,3 @@ class SwiGLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(copy_to(x, self.tp1)).chunk(2, dim=-1)
         return self.down(copy_to(F.silu(gate) * up, self.tp2))
-
-
-class WordEmbedding(nn.Module):
-    """Word embedding alone (positions are rotary, in attention); rows over tp1, columns over
-    tp2, looked up and summed over tp1 as :class:`~modelling.layers.Embedding` does."""
-
-    def __init__(
-        self,
-        local_vocab: int,
-        local_hidden: int,
-        dropout_prob: float,
-        tp1: Axis,
-        tp2: Axis = LOCAL,
-        cp: Axis = LOCAL,
-    ):
-        super().__init__()
-        self.word = nn.Embedding(local_vocab, local_hidden)
-        self.dropout_prob = dropout_prob
-        self.tp1, self.tp2, self.cp = tp1, tp2, cp
-
-    def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
-        x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1), self.tp1)
-        return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
