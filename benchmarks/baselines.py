@@ -21,8 +21,8 @@ from execution.engine.storage.buffers import DTYPES
 from execution.parallel.launch import usable_cores
 from execution.parallel.sharding import init_model_shard
 from execution.training.lr_schedule import learning_rate
+from modelling.dropout import BlockSeeds, mix_seed
 from modelling.gpt import GPT, GPTShapes
-from modelling.layers import BlockSeeds, mix_seed
 
 StepFn = Callable[[int], float]  # runs step i on batch i, returns its mean loss
 # Called before micro-batch m of a step's n: where a baseline switches per-micro-batch modes.

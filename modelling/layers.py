@@ -7,8 +7,9 @@ size-1 axes this is a plain GPT-2/GPT-3 block. Attention also takes the Llama fa
 grouped KV heads and rotary positions (:mod:`modelling.variants`); the language model's heads
 are :mod:`modelling.lm_heads`'s.
 
-Dropout draws from explicit seeds rather than the global generator: the phased engine recomputes
-each layer in backward and must reproduce the forward's masks exactly.
+Dropout draws from explicit seeds rather than the global generator (:mod:`modelling.dropout`):
+the phased engine recomputes each layer in backward and must reproduce the forward's masks
+exactly.
 
 Context parallelism (axis ``cp``): outside attention a rank holds piece ``cp.rank`` of
 ``cp.size`` equal pieces of every sequence (dim 1). Attention swaps the sequence split for a
@@ -27,15 +28,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from modelling.dropout import BlockSeeds, dropout, seeded_attention
 from modelling.parallel import (
     LOCAL,
     Axis,
@@ -45,66 +45,6 @@ from modelling.parallel import (
     reduce_from,
     sequence_to_heads,
 )
-
-
-class BlockSeeds(NamedTuple):
-    """Dropout seeds of one decoder layer on one micro-batch.
-
-    ``attention`` masks attention probabilities, which are sharded over tp1 and replicated over
-    tp2, so it must be equal across tp2. ``attention_residual`` and ``mlp_residual`` mask the
-    residual stream, sharded over tp2 and replicated over tp1, so they must be equal across tp1.
-    """
-
-    attention: int
-    attention_residual: int
-    mlp_residual: int
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*values: int) -> int:
-    """A well-spread 63-bit seed from integers (splitmix64 finaliser over the sequence)."""
-    h = 0x9E3779B97F4A7C15
-    for v in values:
-        h = (h ^ (v & _MASK64)) * 0xBF58476D1CE4E5B9 & _MASK64
-        h = (h ^ (h >> 31)) * 0x94D049BB133111EB & _MASK64
-        h ^= h >> 29
-    return h >> 1
-
-
-def keep_mask(
-    shape: tuple[int, ...], p: float, seed: int, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """Inverted-dropout multipliers of ``shape`` (0, or 1 / (1 - p) with probability 1 - p), a
-    pure function of ``seed``: drawn from a generator of their own, so neither the global
-    random stream nor another mask moves them. ``F.dropout`` draws the same mask from a
-    generator in the same state. On the meta device (planning) only the shape matters.
-    """
-    mask = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "meta":  # the draw and the scaling are in place: nothing to plan
-        return mask
-    generator = torch.Generator(device).manual_seed(seed)
-    return mask.bernoulli_(1 - p, generator=generator).div_(1 - p)
-
-
-def dropout(
-    x: torch.Tensor, p: float, seed: int | None, cp: Axis = LOCAL, tp2: Axis = LOCAL
-) -> torch.Tensor:
-    """Inverted dropout whose mask is a pure function of ``seed`` (no-op when seed is None).
-
-    ``x`` (B, s, h/tp2) is piece ``cp.rank`` of the sequence (dim 1) and block ``tp2.rank`` of
-    the hidden size. The mask is the whole tensor's, drawn as one process draws it, and this
-    rank's piece and block of it are applied: the generator's stream runs over the whole
-    tensor, so a part's mask cannot be drawn alone. That costs the mask of the whole (B, S, h)
-    for an instant, elementwise work far below the layer's matmuls, and buys masks that do not
-    depend on the layout.
-    """
-    if seed is None or p == 0.0:
-        return x
-    B, s, h = x.shape
-    mask = keep_mask((B, s * cp.size, h * tp2.size), p, seed, x.dtype, x.device)
-    return x * mask[:, cp.rank * s : (cp.rank + 1) * s, tp2.rank * h : (tp2.rank + 1) * h]
 
 
 class LayerNorm(nn.Module):
@@ -266,10 +206,7 @@ class Attention(nn.Module):
                 return sdpa(q, k, v, is_causal=True)
             # This tp1 shard's first head, then this cp group's: the global index of head 0.
             first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
-            if self.dropout_parity:
-                return _attention_with_head_masks(q, k, v, p, seeds.attention, first)
-            seed = mix_seed(seeds.attention, first)
-            return fused_attention_with_dropout(q, k, v, p, seed, sdpa)
+            return seeded_attention(q, k, v, p, seeds.attention, first, self.dropout_parity, sdpa)
 
 
 def _unrepeated(kv: torch.Tensor) -> torch.Tensor:
@@ -280,57 +217,6 @@ def _unrotated(
     q: torch.Tensor, k: torch.Tensor, start: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return q, k
-
-
-def fused_attention_with_dropout(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    p: float,
-    seed: int,
-    sdpa: Callable[..., torch.Tensor] = F.scaled_dot_product_attention,
-) -> torch.Tensor:
-    """Causal ``scaled_dot_product_attention`` (``sdpa``) with dropout ``p`` drawn from ``seed``.
-
-    SDPA draws its mask from the default generator of the tensors' device (the flash and
-    memory-efficient kernels on CUDA save the generator's position for their backward; the
-    CPU's math path saves the mask). Seeding that generator, and restoring it afterwards,
-    makes the mask a pure function of ``seed``: a layer recomputed in its backward phase draws
-    the forward's mask, and the global random stream does not move.
-    """
-    if q.is_meta:  # planning: the kernel's shapes and FLOPs, no generator to seed
-        return sdpa(q, k, v, dropout_p=p, is_causal=True)
-    cuda = q.device.type == "cuda"
-    with torch.random.fork_rng(devices=[q.device] if cuda else [], device_type="cuda"):
-        if cuda:
-            with torch.cuda.device(q.device):
-                torch.cuda.manual_seed(seed)
-        else:
-            torch.default_generator.manual_seed(seed)
-        return sdpa(q, k, v, dropout_p=p, is_causal=True)
-
-
-def _attention_with_head_masks(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: int, first_head: int
-) -> torch.Tensor:
-    """Causal attention of heads ``first_head, ...`` with dropout on the probabilities, each
-    head's (B, S, S) mask seeded by its global index, so every layout draws the single
-    process's masks.
-
-    ``scaled_dot_product_attention`` draws one mask for all the heads it is given, so a shard's
-    heads would get another layout's mask; and calling it head by head is 30 times slower to
-    plan on the meta device. This is its math path written out, with the masks given.
-    """
-    B, heads, S, d = q.shape
-    scale = math.sqrt(1.0 / math.sqrt(d))
-    scores = (q * scale) @ (k * scale).transpose(-2, -1)  # (B, heads, S, S)
-    causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    mask = torch.empty_like(probs)
-    # Planning (meta) needs only the shapes: one head's temporary mask stands for each.
-    for n in range(1 if q.device.type == "meta" else heads):
-        mask[:, n] = keep_mask((B, S, S), p, mix_seed(seed, first_head + n), probs.dtype, q.device)
-    return (probs * mask) @ v
 
 
 class FeedForward(nn.Module):

@@ -107,5 +107,13 @@ class UntiedLMHead(nn.Module):
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, labels: torch.Tensor, tp1: Axis, vocab_size: int
 ) -> torch.Tensor:
-    """Mean cross-entropy over all tokens; see :class:`_VocabParallelCrossEntropy`."""
-    return _VocabParallelCrossEntropy.apply(logits, labels, tp1, vocab_size)
+    """Mean cross-entropy over all tokens; see :class:`_VocabParallelCrossEntropy`. Split over
+    tp1 it runs outside a compiled graph, as every collective does (:mod:`modelling.parallel`)."""
+    if tp1.size == 1:
+        return _VocabParallelCrossEntropy.apply(logits, labels, tp1, vocab_size)
+    return _sharded_cross_entropy(logits, labels, tp1, vocab_size)
+
+
+_sharded_cross_entropy = torch.compiler.disable(
+    _VocabParallelCrossEntropy.apply, reason="a collective on the axis's process group"
+)

@@ -4,10 +4,15 @@ all-to-alls of context parallelism (DeepSpeed-Ulysses).
 The model calls these functions at the points where a sharded computation needs a collective;
 it never sees a process group. An :class:`Axis` of size 1 (:data:`LOCAL`) turns every function
 into the identity, so the single-device model and every shard run the same code.
+
+A compiled block (``--compile``) breaks its graph at each collective of an axis larger than
+one: the collective runs eagerly, on the process group the axis holds, between two compiled
+graphs, so nothing of a process group has to be traced.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -105,6 +110,17 @@ class _AllToAll(torch.autograd.Function):
         return ctx.axis.all_to_all(grad), None
 
 
+def _eager(function: Callable) -> Callable:
+    """``function`` run outside any compiled graph (module docstring)."""
+    return torch.compiler.disable(function, reason="a collective on the axis's process group")
+
+
+_copy_to_axis = _eager(_CopyToAxis.apply)
+_reduce_from_axis = _eager(_ReduceFromAxis.apply)
+_all_reduce_sum = _eager(_AllReduceSum.apply)
+_all_to_all = _eager(_AllToAll.apply)
+
+
 def sequence_to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """DeepSpeed-Ulysses' first all-to-all: a piece of the sequence with every local head in,
     the whole sequence with 1/size of the heads out.
@@ -121,7 +137,7 @@ def sequence_to_heads(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     n = axis.size
     B, s, *between, H, d = x.shape
     groups = x.reshape(B, s, *between, n, H // n, d).movedim(-3, 0)  # (n, B, s, ..., H/n, d)
-    pieces = _AllToAll.apply(groups, axis)  # chunk k: sequence piece k of my head group
+    pieces = _all_to_all(groups, axis)  # chunk k: sequence piece k of my head group
     return pieces.movedim(0, 1).reshape(B, n * s, *between, H // n, d)
 
 
@@ -133,7 +149,7 @@ def heads_to_sequence(y: torch.Tensor, axis: Axis) -> torch.Tensor:
     n = axis.size
     B, S, h, d = y.shape
     pieces = y.reshape(B, n, S // n, h, d).movedim(1, 0)  # (n, B, s, h, d)
-    groups = _AllToAll.apply(pieces, axis)  # chunk k: head group k of my sequence piece
+    groups = _all_to_all(pieces, axis)  # chunk k: head group k of my sequence piece
     return groups.movedim(0, 2).reshape(B, S // n, n * h, d)
 
 
@@ -141,18 +157,18 @@ def copy_to(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Marks x as replicated over ``axis`` and consumed by sharded weights (Megatron's f)."""
     if axis.size == 1:
         return x
-    return _CopyToAxis.apply(x, axis)
+    return _copy_to_axis(x, axis)
 
 
 def reduce_from(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Sums the partial results of ``axis``'s shards into a replicated tensor (Megatron's g)."""
     if axis.size == 1:
         return x
-    return _ReduceFromAxis.apply(x, axis)
+    return _reduce_from_axis(x, axis)
 
 
 def all_reduce_sum(x: torch.Tensor, axis: Axis) -> torch.Tensor:
     """Differentiable sum over ``axis`` (layer-norm statistics of a sharded hidden dim)."""
     if axis.size == 1:
         return x
-    return _AllReduceSum.apply(x, axis)
+    return _all_reduce_sum(x, axis)

@@ -22,14 +22,14 @@ from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
 from execution.planning.op_costs import device_seconds
 from execution.planning.step_meter import StepMeter
-from modelling.gpt import LAYERS
-from modelling.layers import (
-    Attention,
+from modelling.dropout import (
     BlockSeeds,
     _attention_with_head_masks,
     fused_attention_with_dropout,
     mix_seed,
 )
+from modelling.gpt import LAYERS
+from modelling.layers import Attention
 from modelling.parallel import LOCAL
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.reference import small_config

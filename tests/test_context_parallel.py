@@ -15,7 +15,8 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.parallel.mesh import ParallelLayout
-from modelling.layers import Attention, BlockSeeds
+from modelling.dropout import BlockSeeds
+from modelling.layers import Attention
 from modelling.parallel import LOCAL
 from tests.distributed import (
     CPU,

@@ -25,8 +25,8 @@ from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import candidate_plans, choose_plan
 from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
+from modelling.dropout import BlockSeeds
 from modelling.gpt import GPTShapes
-from modelling.layers import BlockSeeds
 from tests.distributed import (
     CPU,
     assert_states_close,

@@ -14,6 +14,9 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   ``_scaled_dot_product_efficient_attention``): on meta tensors the public function takes the
   math path, so a dry run calls the kernel a device would run, to see its outputs and saved
   tensors.
+- ``dynamo_counters`` (``torch._dynamo.utils.counters``): how many graphs Dynamo compiled, so a
+  compiled run (``--compile``) can say that a step after the first compiled again; the public
+  ``torch.compiler`` offers logs of recompiles, not a count.
 - ``cuda_sleep`` (``torch.cuda._sleep``): a GPU spin of a given number of cycles, queued on a
   side stream before its copy, so tests of the engine's stream order see late copies.
 """
@@ -25,7 +28,14 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["TorchDispatchMode", "cuda_sleep", "fake_store", "sdpa_kernel_ops"]
+__all__ = ["TorchDispatchMode", "cuda_sleep", "dynamo_counters", "fake_store", "sdpa_kernel_ops"]
+
+
+def dynamo_counters():
+    """Dynamo's counters by category (``["stats"]["unique_graphs"]``: graphs compiled)."""
+    from torch._dynamo.utils import counters
+
+    return counters
 
 
 def fake_store():

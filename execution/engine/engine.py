@@ -27,6 +27,7 @@ import torch
 
 from execution.engine.phases import pipeline, schedule
 from execution.engine.phases.bodies import BODIES
+from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
 from execution.engine.phases.recompute import (
     KeptLayers,
@@ -56,6 +57,7 @@ class StepResult:
     grad_norm: float
     skipped: bool  # the gradients were not finite, so no weight changed
     rigl: dict[str, float] | None = None  # a connectivity update's statistics, if one ran
+    compiled_graphs: int = 0  # graphs torch.compile made during the step (--compile)
 
 
 @dataclass
@@ -115,14 +117,23 @@ class PhasedEngine:
         self.state = self._buffers()
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         # What the layers keep for their backward (None: they recompute it in full).
+        self.compiled = self._compiles()
         self.kept: KeptLayers | None = None
         if self.memory.recompute != "full":
             block = self.templates[LAYERS]
             prepare_block(block, self.memory.recompute)
             acts = self.state.activations
             self.kept = KeptLayers(
-                block, self.specs[LAYERS], acts.kept, acts.store_kept, acts.load_kept
+                block,
+                self.specs[LAYERS],
+                acts.kept,
+                acts.store_kept,
+                acts.load_kept,
+                exact_strides=self.compiled,
             )
+        if self.compiled:  # after prepare_block: a selective core compiles with its block
+            compile_parts(self.templates)
+        self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)
         self.optimizer = AdamWDriver(
             self.state, plan.optimizer, host_threads, overlap=self.overlaps_update
@@ -147,6 +158,7 @@ class PhasedEngine:
             cp=layout.cp,
             dp_cp=layout.dp_cp,
             tied_across_stages=self.tied_across_stages,
+            compiled=self.compiled,
         )
         if self.device.type != "meta":  # a dry run draws no weights
             self._initialise_weights(max(1, host_threads))
@@ -197,6 +209,19 @@ class PhasedEngine:
         """The word embedding's gradient is summed over the first and last pipeline stage
         (the language model's head is tied to it, unless untied; a task's head ties nothing)."""
         return self.layout.embedding.size > 1 and self.plan.model.ties_word_embedding
+
+    def _compiles(self) -> bool:
+        """Whether the parts run compiled (``--compile``; auto: on a GPU). Where inductor
+        cannot run, the main rank says why in one line and the parts run eager. A dry run's
+        meta engine runs eager: the planner prices the compiled graphs apart."""
+        choice = self.plan.compile
+        wanted = choice == "true" or (choice == "auto" and self.device.type == "cuda")
+        if not wanted or self.device.type == "meta":
+            return False
+        reason = compile_unavailable(self.device.type)
+        if reason is not None and self.layout.is_main:
+            print(f"--compile: torch.compile cannot run here ({reason}); running eager", flush=True)
+        return reason is None
 
     @property
     def overlaps_update(self) -> bool:
@@ -259,7 +284,8 @@ class PhasedEngine:
         total = torch.stack(losses).float().sum() if losses else torch.zeros((), device=self.device)
         loss = self._mean_over_replicas(total, len(losses))
         if not math.isfinite(grad_norm):
-            return StepResult(loss, grad_norm, skipped=True)
+            compiled = self.compile_watch.since_last()
+            return StepResult(loss, grad_norm, skipped=True, compiled_graphs=compiled)
         clip = clip_coefficient(grad_norm, plan.optimizer.gradient_clipping)
         for wait in hooks.before_update:
             wait()
@@ -269,7 +295,8 @@ class PhasedEngine:
             if self.rigl.schedule.updates_at(self.optimizer.steps):
                 self.finish_update()  # a connectivity update reads and writes every row
             rigl = self.rigl.update(self.optimizer.steps, scale)
-        return StepResult(loss, grad_norm, skipped=False, rigl=rigl)
+        compiled = self.compile_watch.since_last()
+        return StepResult(loss, grad_norm, skipped=False, rigl=rigl, compiled_graphs=compiled)
 
     @torch.no_grad()
     def evaluate(self, batches) -> float:
@@ -322,6 +349,7 @@ class PhasedEngine:
             phases = schedule.evaluation_phases(self.stage, range(len(tokens)), index)
             self._run_phases(phases, Step(self.context, batch))
             done.append(batch)
+        self.compile_watch.since_last()  # an evaluation's own graphs are no step's
         return done
 
     def _run_phases(

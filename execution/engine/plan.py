@@ -130,6 +130,8 @@ class EnginePlan:
         sparsity: RigL's schedule of the decoder layers' matrices; None trains densely.
         overlap_update: Whether a step's host update runs behind the next: true, false or
             auto (on a GPU).
+        compile: Whether each part runs compiled (``torch.compile``): true, false or auto
+            (on a GPU).
     """
 
     model: GPTShapes
@@ -147,6 +149,7 @@ class EnginePlan:
     memory: MemoryPlan
     sparsity: SparsitySchedule | None = None
     overlap_update: str = "auto"
+    compile: str = "auto"
 
     def with_micro_batches(self, micro_batches: int, passes: int) -> EnginePlan:
         """The same layers and stages with fewer micro-batches and passes: a step to measure

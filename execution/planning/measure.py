@@ -33,7 +33,7 @@ from execution.planning.memory import RankShape
 from execution.planning.op_costs import OpCosts
 from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import MetaResults, StepMeter
-from modelling.layers import BlockSeeds
+from modelling.dropout import BlockSeeds
 
 
 @dataclass

@@ -99,6 +99,7 @@ class RunShape:
     prefetch: bool
     overlap_communication: bool
     overlap_update: str
+    compile: str
     device_memory_gb: float
     host_memory_gb: float
     spec: DeviceSpec
@@ -129,6 +130,7 @@ class RunShape:
             prefetch=ex.prefetch,
             overlap_communication=ex.overlap_communication,
             overlap_update=ex.overlap_update,
+            compile=ex.compile,
             device_memory_gb=ex.device_memory_gb,
             host_memory_gb=ex.host_memory_gb,
             spec=resolve_spec(config.planning, ex),
@@ -234,4 +236,5 @@ class RunShape:
             memory=memory,
             sparsity=self.sparsity,
             overlap_update=self.overlap_update,
+            compile=self.compile,
         )

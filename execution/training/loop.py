@@ -36,6 +36,13 @@ def _interrupted_line(run: Run, done: int) -> str:
     )
 
 
+def _recompiled_line(step: int, graphs: int) -> str:
+    return (
+        f"warning: step {step} compiled {graphs} more graph(s) after the first step: a guard "
+        "that fails every time, which costs a compile per call (TORCH_LOGS=recompiles says which)"
+    )
+
+
 def train(run: Run) -> list[dict]:
     """Runs steps ``run.start_step .. config.training.steps - 1`` and closes the run.
 
@@ -95,6 +102,10 @@ def train(run: Run) -> list[dict]:
                 ),
                 "epoch": loader.epoch,
             }
+            if engine.compiled:
+                metrics["compiled_graphs"] = result.compiled_graphs
+                if result.compiled_graphs and step > run.start_step and layout.is_main:
+                    print(_recompiled_line(step + 1, result.compiled_graphs), flush=True)
             if engine.rigl is not None:  # collective: every rank measures its masks
                 metrics.update(engine.rigl.measure())
                 metrics.update(result.rigl or {})

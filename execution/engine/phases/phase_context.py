@@ -45,6 +45,8 @@ class PhaseContext:
         dp_cp: The replicas that reduce a matrix's gradient.
         tied_across_stages: The word embedding's gradient is summed over the first and last
             pipeline stage (the language model's head is tied to it).
+        compiled: The templates run compiled (``--compile``): dropout seeds go to them as
+            tensors (:mod:`execution.engine.phases.compiled`).
     """
 
     plan: EnginePlan
@@ -62,3 +64,4 @@ class PhaseContext:
     cp: GroupAxis
     dp_cp: GroupAxis
     tied_across_stages: bool
+    compiled: bool = False

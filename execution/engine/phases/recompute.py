@@ -38,8 +38,9 @@ from torch.utils.checkpoint import checkpoint
 from execution.engine.storage.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
+from modelling.dropout import BlockSeeds
 from modelling.gpt import GPT, LAYERS, GPTShapes
-from modelling.layers import Attention, BlockSeeds
+from modelling.layers import Attention
 from utils.torch_private import sdpa_kernel_ops
 
 MODES = ("full", "selective", "none")
@@ -126,6 +127,9 @@ def prepare_block(block: torch.nn.Module, mode: str) -> None:
         return
     core = block.attn.core
 
+    # Outside a compiled block's graph (--compile): inductor would save and restore the
+    # generator's state around a checkpoint itself, on tensors the kept entry packs.
+    @torch.compiler.disable(reason="selective recompute checkpoints attention's core eagerly")
     def checkpointed(q, k, v, seeds):
         if not torch.is_grad_enabled():
             return core(q, k, v, seeds)
@@ -210,7 +214,7 @@ class _Packer:
             region = self.entry[start : start + nbytes].view(t.dtype)
             region = region.as_strided(t.shape, _dense_strides(t))
             self.store(region, t)
-            packed = ("region", region)
+            packed = ("region", region, t.stride())
         self.used, self.copied = end, self.copied + nbytes
         self._seen[key] = packed
         self._alive.append(t)
@@ -256,10 +260,15 @@ class KeptLayers:
         entries: ``kept`` activation buffer, ``[layers, entries, bytes]`` of uint8.
         store: Copies a tensor into a region of ``entries`` (counting host-link bytes).
         load: A region of ``entries`` on the compute device (a copy when on the host).
+        exact_strides: Hand the backward each saved tensor with the strides it was saved
+            with, not the region's dense ones (a compiled block's backward needs them).
     """
 
-    def __init__(self, block, specs: dict[str, FlatSpec], entries, store, load):
+    def __init__(
+        self, block, specs: dict[str, FlatSpec], entries, store, load, exact_strides=False
+    ):
         self.block, self.specs = block, specs
+        self.exact_strides = exact_strides
         self.entries, self.store, self.load = entries, store, load
         self.overflow = 0  # bytes kept outside the buffer (0 when the measurement held)
         self.largest = 0  # most bytes of an entry used (its size when the measurement held)
@@ -273,7 +282,15 @@ class KeptLayers:
             flat = self._flats[kind]
             return flat.as_strided(size, stride, flat.storage_offset() + offset)
         if packed[0] == "region":
-            return self.load(packed[1])
+            region = self.load(packed[1])
+            if not self.exact_strides or region.stride() == packed[2]:
+                return region
+            # A compiled backward reads its saved tensors with the strides it was compiled
+            # for (a view of q out of qkv has gaps that the dense region closed).
+            exact = torch.empty_strided(
+                region.shape, packed[2], dtype=region.dtype, device=region.device
+            )
+            return exact.copy_(region)
         return packed[1]
 
     def forward(self, layer, entry, flats, x, seeds) -> torch.Tensor:

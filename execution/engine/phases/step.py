@@ -25,7 +25,7 @@ from execution.engine.phases.gradients import (
 from execution.engine.phases.phase_context import PhaseContext
 from execution.engine.phases.schedule import Phase
 from execution.engine.plan import EnginePlan
-from modelling.layers import BlockSeeds, mix_seed
+from modelling.dropout import BlockSeeds, mix_seed
 from modelling.task_heads import TaskHead
 
 
@@ -77,7 +77,7 @@ def dropout_seeds(
     (evaluation, or no dropout). The embedding is layer -1.
 
     The same on every rank that runs the micro-batch: each draws its part of the whole
-    tensor's masks (:mod:`modelling.layers`). The micro-batch index is global (replica
+    tensor's masks (:mod:`modelling.dropout`). The micro-batch index is global (replica
     ``dp_rank``'s ``micro``-th), so the masks depend on neither the data-parallel rank nor the
     number of passes.
     """
@@ -112,7 +112,10 @@ class Step:
     def seeds(self, layer: int, micro: int) -> BlockSeeds | None:
         """Dropout seeds of this step's ``micro``-th micro-batch in global ``layer``."""
         context = self.context
-        return dropout_seeds(context.plan, context.dp.rank, self.batch.step, layer, micro)
+        seeds = dropout_seeds(context.plan, context.dp.rank, self.batch.step, layer, micro)
+        if seeds is not None and context.compiled:  # a graph for every seed (compiled.py)
+            return seeds.as_tensors()
+        return seeds
 
     def layer_seeds(self, n: int, micro: int) -> BlockSeeds | None:
         """Dropout seeds of this stage's decoder layer ``n`` (seeded by its global index)."""

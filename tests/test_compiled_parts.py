@@ -1,0 +1,102 @@
+"""``--compile``: each part runs through ``torch.compile``, and the numbers are eager's.
+
+The reference is the same engine run eager. A compiled step differs from it by rounding only:
+inductor's fused kernels sum in another order, and nothing else changes (dropout draws
+eager's masks from the same seeds: modelling/dropout.py). The tolerance is the layout tests'
+(tests/distributed.py ``FLOAT32_TOLERANCE``, derived in ``small_config``): with AdamW's eps
+1e-2 a reordered sum keeps every weight within 1e-6 of the reference, while a wrong mask, a
+missing recompute or a stale saved tensor moves them by orders of magnitude more.
+
+Inductor compiles slowly on two cores (seconds per graph), so the compiled engines are few
+and each serves several checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from execution.checkpoint.logical import full_state
+from execution.engine.phases import compiled
+from execution.parallel.mesh import ParallelLayout
+from tests.distributed import (
+    CPU,
+    FLOAT32_TOLERANCE,
+    assert_states_close,
+    engine_batch,
+    global_batches,
+    learning_rates,
+    planned_engine,
+    small_config,
+)
+
+STEPS = 3
+
+
+def _run(mode: str, compile_parts: str, *flags: str) -> dict:
+    """Losses, graphs compiled per step, the evaluation loss and the final weights of
+    ``STEPS`` steps with dropout, ``--recompute mode``."""
+    config = small_config(
+        "--dropout_prob", "0.1", "--recompute", mode, "--compile", compile_parts, *flags
+    )
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    batches = global_batches(config, STEPS + 1)
+    losses, graphs = [], []
+    for step, lr in enumerate(learning_rates(STEPS)):
+        result = engine.train_step(engine_batch(engine, batches[step], 0), step, lr)
+        losses.append(result.loss)
+        graphs.append(result.compiled_graphs)
+    evaluation = engine.evaluate(list(engine_batch(engine, batches[STEPS], 0)))
+    return {
+        "compiled": engine.compiled,
+        "losses": losses,
+        "graphs": graphs,
+        "eval": evaluation,
+        "weights": full_state(engine, "weights"),
+    }
+
+
+@pytest.mark.parametrize(
+    "mode, flags",
+    [
+        ("full", ()),
+        ("none", ("--placement", "remote")),  # kept tensors go through the host's entries
+        ("selective", ("--dropout_parity", "false")),  # the fused kernel's dropout
+    ],
+)
+def test_compiled_parts_give_eager_numbers(mode, flags):
+    if compiled.compile_unavailable("cpu"):
+        pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
+    eager, built = _run(mode, "false", *flags), _run(mode, "true", *flags)
+    assert not eager["compiled"] and built["compiled"]
+    # The first step compiles each part's variants (unless an engine before compiled the same
+    # shapes: Dynamo's cache is the process's); no later step compiles again.
+    assert built["graphs"][1:] == [0] * (STEPS - 1), built["graphs"]
+    for step, (got, want) in enumerate(zip(built["losses"], eager["losses"], strict=True)):
+        assert abs(got - want) / want <= FLOAT32_TOLERANCE, f"step {step}: {got} vs {want}"
+    assert abs(built["eval"] - eager["eval"]) / eager["eval"] <= FLOAT32_TOLERANCE
+    assert_states_close(built["weights"], eager["weights"], FLOAT32_TOLERANCE, "weights")
+
+
+def test_a_tool_chain_that_cannot_compile_runs_eager_and_says_so(monkeypatch, capsys):
+    monkeypatch.setattr(
+        "execution.engine.engine.compile_unavailable", lambda device_type: "no C++ compiler"
+    )
+    config = small_config("--compile", "true")
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    assert not engine.compiled
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines == ["--compile: torch.compile cannot run here (no C++ compiler); running eager"]
+    batch = engine_batch(engine, global_batches(config, 1)[0], 0)
+    assert engine.train_step(batch, 0, 1e-3).compiled_graphs == 0
+
+
+def test_the_watch_counts_the_graphs_compiled():
+    watch = compiled.CompileWatch()
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    double(torch.ones(3))
+    assert watch.since_last() == 1
+    double(torch.ones(3))  # cached: nothing compiles
+    assert watch.since_last() == 0
+    double(torch.ones(3, dtype=torch.float64))  # a guard fails: one more graph
+    assert watch.since_last() == 1
