@@ -157,6 +157,14 @@ def test_pricing_a_graph_leaves_it_and_inductors_state_as_they_were():
     assert not hasattr(V.graph, "scheduler")  # the null handler, not a graph
 
 
+def test_one_function_is_captured_again_and_again():
+    """Past dynamo's limit of compiled versions of one function (8): each capture compiles
+    its own, so none runs eagerly unrecorded, or fails."""
+    for _ in range(10):
+        graphs, _ = capture_compiled_graphs(_pointwise, torch.randn(4))
+        assert [g.kind for g in graphs] == ["inference"]
+
+
 def test_an_unknown_device_type_is_refused():
     graphs, _ = capture_compiled_graphs(_pointwise, torch.randn(4))
     with pytest.raises(ValueError, match="device_type"):

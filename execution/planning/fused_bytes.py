@@ -75,9 +75,7 @@ class FusedCost:
     extern_ops: tuple[str, ...] = ()
 
 
-def fused_cost(
-    gm: torch.fx.GraphModule, example_inputs: list, device_type: str = "cuda"
-) -> FusedCost:
+def fused_cost(gm: torch.fx.GraphModule, example_inputs: list, device_type: str) -> FusedCost:
     """The kernels inductor's scheduler fuses ``gm`` into on ``device_type`` ("cuda" or
     "cpu"), and the bytes they read and write (see the module docstring).
 
