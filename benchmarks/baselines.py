@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from config.schema import PretrainingConfig
+from execution.engine.phases.compiled import INDUCTOR_OPTIONS
+from execution.engine.plan import compiles
 from execution.engine.storage.buffers import DTYPES
 from execution.parallel.launch import usable_cores
 from execution.parallel.sharding import init_model_shard
@@ -77,15 +79,27 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     ]
 
 
-def _dropout_seeds(config: PretrainingConfig, step: int, micro: int):
-    """Dropout seeds per (step, micro-batch): the same dropout work as ours, not its masks."""
+def _dropout_seeds(config: PretrainingConfig, step: int, micro: int, compiled: bool = False):
+    """Dropout seeds per (step, micro-batch): the same dropout work as ours, not its masks;
+    a compiled block's as tensors, as ours are given (modelling/dropout.py)."""
     if config.model.dropout_prob == 0.0:
         return {}
     base = (config.training.seed, step, micro)
     layers = [
         BlockSeeds(*(mix_seed(*base, n, k) for k in range(3))) for n in range(config.model.layers)
     ]
+    if compiled:
+        layers = [seeds.as_tensors() for seeds in layers]
     return {"embedding_seed": mix_seed(*base, -1), "layer_seeds": layers}
+
+
+def compile_blocks(model: GPT) -> None:
+    """Compiles each decoder block and the head in place, as torchtitan compiles per block
+    and as ``--compile`` compiles our parts (execution/engine/phases/compiled.py)."""
+    for layer in model.layers:
+        block = layer.block if isinstance(layer, Checkpointed) else layer
+        block.compile(options=INDUCTOR_OPTIONS)
+    model.head.compile(options=INDUCTOR_OPTIONS)
 
 
 def pytorch_loop(
@@ -102,9 +116,13 @@ def pytorch_loop(
     ``autocast`` runs the forward under ``torch.autocast`` in the run's 16-bit precision (off
     where the model casts its parameters itself, as FSDP2's mixed precision does). ``fused``
     picks torch's fused AdamW; by default on CUDA only, so that on a CPU the baseline's update
-    is the textbook single-tensor one.
+    is the textbook single-tensor one. The loop's own model compiles its blocks where
+    ``--compile`` would compile ours (:func:`compile_blocks`).
     """
+    compiled = model is None and compiles(config.execution.compile, device.type)
     model = model if model is not None else initial_model(config).to(device)
+    if compiled:
+        compile_blocks(model)
     t, o = config.training, config.training.optimizer
     if fused is None:
         fused = device.type == "cuda"
@@ -127,7 +145,8 @@ def pytorch_loop(
             if before_micro_batch is not None:
                 before_micro_batch(m, accumulation)
             with torch.autocast(device.type, dtype, enabled=autocast):
-                loss = model(tokens[m, :, :-1], tokens[m, :, 1:], **_dropout_seeds(config, i, m))
+                seeds = _dropout_seeds(config, i, m, compiled)
+                loss = model(tokens[m, :, :-1], tokens[m, :, 1:], **seeds)
             (loss * (scale / accumulation)).backward()
             total += loss.detach().float()
         if scale != 1.0:

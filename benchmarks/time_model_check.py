@@ -80,6 +80,23 @@ RUNS = {
         f"{LONG} --layers 6 --pipeline_parallel 2 --micro_batch_size 1 --passes 4 "
         "--placement resident",
     ),
+    # Compiled parts (--compile): the dry run prices their fused kernels' bytes.
+    "compiled tiny p1 resident none": (
+        1,
+        "--config tiny --passes 1 --placement resident --recompute none --compile true",
+    ),
+    "compiled test p1 resident full": (
+        1,
+        f"{TEST} --passes 1 --placement resident --recompute full --compile true",
+    ),
+    "compiled test p4 remote selective": (
+        1,
+        f"{TEST} --passes 4 --placement remote --recompute selective --compile true",
+    ),
+    "compiled held p1 L4 h256 s64": (
+        1,
+        f"{WIDE} --micro_batch_size 8 --passes 1 --placement resident --compile true",
+    ),
 }
 # The layout axes --plan_for weighs, by flag.
 AXES = {

@@ -15,12 +15,14 @@ block draws exactly eager's masks, without inductor's own random numbers.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from modelling.parallel import LOCAL, Axis
 
@@ -118,15 +120,19 @@ def seeded_attention(
     first_head: int,
     parity: bool,
     sdpa: Callable[..., torch.Tensor],
+    backend: SDPBackend | None = None,
 ) -> torch.Tensor:
     """Causal attention with dropout ``p`` on the probabilities of heads ``first_head, ...``
     (their global indices), drawn from the layer's attention ``seed``: by the fused kernel for
     the heads together, or with ``parity`` head by head as one process draws them
-    (:func:`_attention_with_head_masks`). Outside any compiled graph (module docstring)."""
+    (:func:`_attention_with_head_masks`), on SDPA's ``backend`` alone where one is given.
+    Outside any compiled graph (module docstring)."""
     seed = int(seed)
-    if parity:
-        return _attention_with_head_masks(q, k, v, p, seed, first_head)
-    return fused_attention_with_dropout(q, k, v, p, mix_seed(seed, first_head), sdpa)
+    pinned = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
+    with pinned:
+        if parity:
+            return _attention_with_head_masks(q, k, v, p, seed, first_head)
+        return fused_attention_with_dropout(q, k, v, p, mix_seed(seed, first_head), sdpa)
 
 
 def fused_attention_with_dropout(

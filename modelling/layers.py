@@ -200,13 +200,15 @@ class Attention(nn.Module):
         k, v = self.repeat_kv(k), self.repeat_kv(v)
         p = self.dropout_prob if seeds is not None else 0.0
         sdpa = self.sdpa or F.scaled_dot_product_attention
-        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
-        with pinned:
-            if not p:
-                return sdpa(q, k, v, is_causal=True)
+        if p:  # outside any context: a compiled block's graph breaks here, and Dynamo cannot
+            # break one inside a context (it would break the caller's graph instead).
             # This tp1 shard's first head, then this cp group's: the global index of head 0.
             first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
-            return seeded_attention(q, k, v, p, seeds.attention, first, self.dropout_parity, sdpa)
+            parity, backend = self.dropout_parity, self.backend
+            return seeded_attention(q, k, v, p, seeds.attention, first, parity, sdpa, backend)
+        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
+        with pinned:
+            return sdpa(q, k, v, is_causal=True)
 
 
 def _unrepeated(kv: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ __all__ = [
     "fake_tensors",
     "inductor_capture_backend",
     "inductor_schedule",
+    "is_fake",
     "sdpa_kernel_ops",
 ]
 
@@ -138,14 +139,22 @@ def inductor_capture_backend(record: Callable[[torch.fx.GraphModule, list, str],
 
 
 @contextlib.contextmanager
-def fake_tensors() -> Iterator[None]:
+def fake_tensors(real_inputs: bool = False) -> Iterator[None]:
     """Tensors made inside are fake: a layout and no storage; ops on them compute layouts
     only. Unlike meta tensors they keep a device, which inductor's passes read (they take a
-    meta result for a value nobody needs and drop the ops that compute it)."""
+    meta result for a value nobody needs and drop the ops that compute it). ``real_inputs``:
+    their ops take real tensors too (positions an eager part makes)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode():
+    with FakeTensorMode(allow_non_fake_inputs=real_inputs):
         yield
+
+
+def is_fake(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a fake tensor (:func:`fake_tensors`)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
 
 
 @contextlib.contextmanager

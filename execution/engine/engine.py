@@ -214,9 +214,7 @@ class PhasedEngine:
         """Whether the parts run compiled (``--compile``; auto: on a GPU). Where inductor
         cannot run, the main rank says why in one line and the parts run eager. A dry run's
         meta engine runs eager: the planner prices the compiled graphs apart."""
-        choice = self.plan.compile
-        wanted = choice == "true" or (choice == "auto" and self.device.type == "cuda")
-        if not wanted or self.device.type == "meta":
+        if not self.plan.compiles_on(self.device.type) or self.device.type == "meta":
             return False
         reason = compile_unavailable(self.device.type)
         if reason is not None and self.layout.is_main:

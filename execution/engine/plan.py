@@ -106,6 +106,12 @@ class MemoryPlan:
         return "\n".join(rows)
 
 
+def compiles(choice: str, device_type: str) -> bool:
+    """Whether ``--compile`` ``choice`` compiles on a device of ``device_type`` (auto: on a
+    GPU, where the fused kernels pay for their compile; a CPU compiles slowly)."""
+    return choice == "true" or (choice == "auto" and device_type == "cuda")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EnginePlan:
     """How one rank executes a step: everything :class:`~execution.engine.engine.PhasedEngine`
@@ -150,6 +156,10 @@ class EnginePlan:
     sparsity: SparsitySchedule | None = None
     overlap_update: str = "auto"
     compile: str = "auto"
+
+    def compiles_on(self, device_type: str) -> bool:
+        """Whether the parts run compiled on a device of ``device_type`` (:func:`compiles`)."""
+        return compiles(self.compile, device_type)
 
     def with_micro_batches(self, micro_batches: int, passes: int) -> EnginePlan:
         """The same layers and stages with fewer micro-batches and passes: a step to measure

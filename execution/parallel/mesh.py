@@ -20,6 +20,7 @@ from execution.parallel.collective_errors import communicating
 from execution.parallel.mesh_shape import AXES as AXES
 from execution.parallel.mesh_shape import COORDS as COORDS
 from execution.parallel.mesh_shape import MeshShape as MeshShape
+from utils.torch_private import is_fake
 
 _REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # torch 2.13 renamed the flat-tensor collectives and deprecated the old names (a FutureWarning
@@ -110,7 +111,8 @@ class GroupAxis:
         self.sized_calls[op, full.numel() * full.element_size(), async_op] += 1
 
     def _shapes_only(self, tensor: torch.Tensor) -> bool:
-        assert not self.shapes_only or tensor.is_meta, "a shapes-only axis takes meta tensors"
+        layout_only = tensor.is_meta or is_fake(tensor)  # fake: the dry run's compiled parts
+        assert not self.shapes_only or layout_only, "a shapes-only axis takes meta tensors"
         return self.shapes_only
 
     def all_reduce_(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:

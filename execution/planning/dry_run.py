@@ -241,7 +241,8 @@ def measure_engine_step(
     (``measurements``: the planning's, whose meta results it replays)."""
     layout = _layout(mesh)
     kernel = attention_kernel(spec.device_type, plan.model.dropout_prob, DTYPES[plan.precision])
-    step = meta_step(plan, layout, kernel, measurements=measurements)
+    compiled = spec.device_type if plan.compiles_on(spec.device_type) else None
+    step = meta_step(plan, layout, kernel, measurements=measurements, compiled_on=compiled)
     comm, seconds = {}, {}
     for axis in layout.axes():
         comm[axis.name], seconds[axis.name] = axis_traffic(axis, spec)

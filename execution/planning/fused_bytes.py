@@ -68,11 +68,13 @@ class FusedCost:
         memory_bytes: Bytes those kernels read and write.
         extern_ops: The aten op of each extern kernel, in schedule order: what the caller
             prices as eager ops (matmuls, attention, fallbacks).
+        extern_bytes: The scheduler's estimate of the bytes each of them reads and writes.
     """
 
     kernels: int
     memory_bytes: int
     extern_ops: tuple[str, ...] = ()
+    extern_bytes: tuple[int, ...] = ()
 
 
 def fused_cost(gm: torch.fx.GraphModule, example_inputs: list, device_type: str) -> FusedCost:
@@ -93,17 +95,18 @@ def fused_cost(gm: torch.fx.GraphModule, example_inputs: list, device_type: str)
             )
     device = _DEVICES[device_type]
     scheduled = inductor_schedule(
-        _graph_on(gm, device), list(example_inputs), device, is_backward=_is_backward(gm)
+        graph_on_device(gm, device), list(example_inputs), device, is_backward=_is_backward(gm)
     )
     generated = [node for node in scheduled if node.kind == GENERATED]
     return FusedCost(
         kernels=len(generated),
         memory_bytes=sum(node.nbytes for node in generated),
         extern_ops=tuple(node.op for node in scheduled if node.kind == EXTERN),
+        extern_bytes=tuple(node.nbytes for node in scheduled if node.kind == EXTERN),
     )
 
 
-def _graph_on(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
+def graph_on_device(gm: torch.fx.GraphModule, device: torch.device) -> torch.fx.GraphModule:
     """A copy of ``gm`` (inductor's passes rewrite the graph they get) whose ops' device
     arguments name ``device``: a graph captured on the meta device or a CPU creates its
     tensors (``aten.full``, ``aten.arange``) there."""
@@ -180,6 +183,56 @@ def capture_compiled_graphs(
     return graphs, result
 
 
+@dataclass(frozen=True)
+class Region:
+    """One graph Dynamo made of a function that breaks into several, and what inductor would
+    compile of it.
+
+    Attributes:
+        gm: Dynamo's graph (torch-level calls, before decomposition): what runs eagerly
+            without ``--compile``, its inputs the lifted parameters and the region's inputs.
+        example_inputs: Its inputs, as fake tensors.
+        graphs: The AOT graphs inductor would compile for it (:class:`CapturedGraph`).
+    """
+
+    gm: torch.fx.GraphModule
+    example_inputs: list
+    graphs: list[CapturedGraph]
+
+
+def capture_regions(fn: Callable, *args: Any) -> tuple[list[Region], Any]:
+    """As :func:`capture_compiled_graphs`, for a function whose graph breaks (a collective or a
+    seeded attention kernel that runs eagerly between graphs): each graph Dynamo makes, with
+    the graphs inductor would compile of it. What runs between the graphs runs eagerly."""
+    regions: list[Region] = []
+
+    def record(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> None:
+        regions[-1].graphs.append(CapturedGraph(kind, gm, example_inputs))
+
+    capture = inductor_capture_backend(record)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs):
+        regions.append(Region(gm, list(example_inputs), []))
+        return capture(gm, example_inputs)
+
+    compiled = torch.compile(_fresh_function(fn), backend=backend, dynamic=False)
+    with fake_tensors(real_inputs=True):
+        args = _fake_cpu(args, meta_only=True)
+    # Each frame a graph break leaves (the callee's, a resumption's) has its own cache of
+    # compiled graphs, which outlives the call: cleared before, so that no frame runs a graph
+    # an earlier capture (or run) made instead of recording its own, and after, so that a
+    # compiled run later in the process meets none of this capture's (nor its limit of them).
+    torch.compiler.reset()
+    try:
+        # Outside the fake mode, which would make the seeds' values unreadable by the eager
+        # parts (a fake tensor's ops go to its own mode in any case).
+        with eager_backward_compile():
+            result = compiled(*args)
+    finally:
+        torch.compiler.reset()
+    return regions, result
+
+
 def _has_meta_tensor(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
         return value.is_meta
@@ -190,16 +243,20 @@ def _has_meta_tensor(value: Any) -> bool:
     return False
 
 
-def _fake_cpu(value: Any) -> Any:
-    """``value`` with each tensor replaced by a CPU one of its layout and ``requires_grad``
-    (made under :func:`fake_tensors`: fake)."""
+def _fake_cpu(value: Any, meta_only: bool = False) -> Any:
+    """``value`` with each tensor (``meta_only``: each meta tensor) replaced by a CPU one of
+    its layout and ``requires_grad`` (made under :func:`fake_tensors`: fake)."""
     if isinstance(value, torch.Tensor):
+        if meta_only and not value.is_meta:
+            return value
         made = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
         return made.requires_grad_(value.requires_grad)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_fake_cpu(v, meta_only) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_fake_cpu(v) for v in value)
+        return type(value)(_fake_cpu(v, meta_only) for v in value)
     if isinstance(value, dict):
-        return {key: _fake_cpu(v) for key, v in value.items()}
+        return {key: _fake_cpu(v, meta_only) for key, v in value.items()}
     return value
 
 

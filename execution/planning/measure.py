@@ -29,6 +29,7 @@ from execution.engine.phases.schedule import Phase, weights_loaded
 from execution.engine.plan import EnginePlan, MemoryPlan, Placement
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.mesh import ParallelLayout
+from execution.planning.compiled_costs import apply_changes, phase_changes
 from execution.planning.memory import RankShape
 from execution.planning.op_costs import OpCosts
 from execution.planning.run_shape import RunShape
@@ -60,6 +61,7 @@ class Window:
         overlap_update: The run's ``--overlap_update`` (the optimizer's window): whether the
             host update runs behind the next step.
         loads: The (part, row) whose weights the phase loads.
+        micro_batches: The micro-batches its body ran (0 for the optimizer).
     """
 
     kind: str
@@ -73,6 +75,7 @@ class Window:
     host_update_rows: tuple[tuple[str, int, int], ...] = ()
     overlap_update: str = "false"
     loads: tuple[tuple[str, int], ...] = ()
+    micro_batches: int = 0
 
 
 class PhaseRecorder:
@@ -85,6 +88,7 @@ class PhaseRecorder:
         self._last = self._counters()
         self._kind: str | None = None
         self._loads: tuple[tuple[str, int], ...] = ()
+        self._micro_batches = 0
 
     def _counters(self) -> tuple:
         store, axes = self.engine.state, self.engine.layout.axes()
@@ -120,6 +124,7 @@ class PhaseRecorder:
                 host_update_rows=rows,
                 overlap_update=self.engine.plan.overlap_update if optimizer else "false",
                 loads=self._loads,
+                micro_batches=self._micro_batches,
             )
             self.windows.append(window)
         self._last = now
@@ -129,6 +134,7 @@ class PhaseRecorder:
         self._close()
         self._kind = phase.kind if phase is not None else "optimizer"
         self._loads = tuple(weights_loaded(phase)) if phase is not None else ()
+        self._micro_batches = len(phase.micro_batches) if phase is not None else 0
 
     def finish(self) -> None:
         """Closes the optimizer's window (call after the step)."""
@@ -182,6 +188,7 @@ def meta_step(
     layout: ParallelLayout,
     kernel: str = "flash",
     measurements: Measurements | None = None,
+    compiled_on: str | None = None,
 ) -> StepMeasurement:
     """Builds the engine of ``plan`` on ``layout`` (meta) and measures one training step.
 
@@ -192,8 +199,11 @@ def meta_step(
         kernel: The attention kernel to run as (:func:`attention_kernel`; a GPU's by
             default).
         measurements: The planning's, whose meta results the step replays and adds to.
+        compiled_on: The device type whose compiled parts (``--compile``) the step is priced
+            with (:mod:`~execution.planning.compiled_costs`); None: eager.
     """
-    replayed = (measurements or Measurements()).meta_results
+    measurements = measurements or Measurements()
+    replayed = measurements.meta_results
     engine = PhasedEngine(plan, layout)
     row = plan.sequence_length + plan.model.label_columns
     shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
@@ -206,7 +216,21 @@ def meta_step(
         hooks = StepHooks(on_phase=recorder.start)
         engine.train_step(tokens, step=0, lr=plan.optimizer.learning_rate, hooks=hooks)
         recorder.finish()
+    if compiled_on is not None:
+        apply_changes(
+            recorder.windows, _compiled_changes(engine, kernel, compiled_on, measurements)
+        )
     return StepMeasurement(engine, meter.peak, meter.flops, recorder.windows)
+
+
+def _compiled_changes(engine, kernel: str, device_type: str, measurements) -> dict:
+    """:func:`phase_changes`, once per planning for the shapes that decide it."""
+    plan = engine.plan
+    key = ("compiled", engine.shapes, plan.micro_batch_size, plan.sequence_length)
+    key += (engine.layout.cp.size, plan.precision, plan.memory.recompute, kernel, device_type)
+    if key not in measurements.layers:
+        measurements.layers[key] = phase_changes(engine, kernel, device_type)
+    return measurements.layers[key]
 
 
 class Measurements:

@@ -1,11 +1,16 @@
 """Compiled parts (``--compile``): each part's computation through ``torch.compile``.
 
 As torchtitan compiles per block, the engine compiles its stateless templates in place
-(``nn.Module.compile``): the decoder block, the embedding and the head. Every layer is the
-same block bound to other weights (``functional_call``), and Dynamo takes parameters as
-inputs, so one graph serves every layer and micro-batch. It compiles a few variants, each
-once, in the first step: a forward without autograd (a forward phase, or the evaluation),
-one under autograd (a recompute in the backward, or a kept forward), and the head's.
+(``nn.Module.compile``): the decoder block and the head. Every layer is the same block bound
+to other weights (``functional_call``), and Dynamo takes parameters as inputs, so one graph
+serves every layer and micro-batch. It compiles a few variants, each once, in the first step:
+a forward without autograd (a forward phase, or the evaluation), one under autograd (a
+recompute in the backward, or a kept forward), and the head's.
+
+The embedding stays eager: its forward is a lookup with nothing to fuse, and inductor lowers
+its backward to a zero-filled float32 copy of the whole table and a scatter into it, which
+inductor's own schedule prices at four times eager's kernel (gpt3_175B_h100x256's shard:
+3.9 GB more per micro-batch; execution/planning/compiled_costs.py).
 
 What the graphs leave out runs eagerly between them, exactly as without ``--compile``:
 collectives of an axis larger than one (:mod:`modelling.parallel`) and attention with
@@ -29,6 +34,7 @@ import io
 import torch
 from torch import nn
 
+from modelling.gpt import HEAD, LAYERS
 from utils.torch_private import dynamo_counters
 
 # Options of the inductor compile of every part: random ops keep eager's generator.
@@ -55,10 +61,14 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
     return (x * 2 + 1).relu().sum()
 
 
+COMPILED_PARTS = (LAYERS, HEAD)  # not the embedding (module docstring)
+
+
 def compile_parts(templates: dict[str, nn.Module]) -> None:
-    """Compiles each template in place: calls (and ``functional_call``) run its graph."""
-    for module in templates.values():
-        module.compile(options=INDUCTOR_OPTIONS)
+    """Compiles the templates of :data:`COMPILED_PARTS` in place: calls (and
+    ``functional_call``) run their graphs."""
+    for part in COMPILED_PARTS:
+        templates[part].compile(options=INDUCTOR_OPTIONS)
 
 
 class CompileWatch:

@@ -41,7 +41,7 @@ from execution.parallel.sharding import SHARD_KINDS
 from modelling.dropout import BlockSeeds
 from modelling.gpt import GPT, LAYERS, GPTShapes
 from modelling.layers import Attention
-from utils.torch_private import sdpa_kernel_ops
+from utils.torch_private import is_fake, sdpa_kernel_ops
 
 MODES = ("full", "selective", "none")
 # Each kept tensor starts on this many bytes, so any dtype can view its region.
@@ -105,7 +105,7 @@ def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
         return
 
     def attention(q, k, v, *args, dropout_p=0.0, is_causal=False, **kwargs):
-        if not q.is_meta or args or kwargs:
+        if not (q.is_meta or is_fake(q)) or args or kwargs:
             sdpa = F.scaled_dot_product_attention
             return sdpa(q, k, v, *args, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
         return op(q, k, v, dropout_p, is_causal)[0]

@@ -1,0 +1,233 @@
+"""What ``--compile`` changes in a step's costs: each part's compiled graphs, priced against the
+eager ops they replace.
+
+A dry run meters the engine's step op by op on meta tensors, as eager runs it
+(:mod:`execution.planning.step_meter`). A compiled part (:mod:`execution.engine.phases.compiled`)
+runs the same matmuls and attention kernels, and in place of the ops between them the kernels
+inductor fuses them into. So for each kind of call a phase body makes of a part (a forward
+without autograd, a forward under it, its backward), this module captures the graphs
+``torch.compile`` makes of the part (:func:`~execution.planning.fused_bytes.capture_regions`:
+each region between two graph breaks, with the graphs inductor would compile of it), and
+prices each region twice:
+
+- eager: Dynamo's graph of the region run op by op on meta tensors under a
+  :class:`~execution.planning.step_meter.StepMeter`, as the eager step runs it;
+- compiled: inductor's schedule of the region's graph
+  (:func:`~execution.planning.fused_bytes.fused_cost`): its fused kernels' bytes, plus the
+  extern kernels it calls (matmuls and attention, priced as before, and any fallback op by
+  the bytes the scheduler gives it).
+
+The difference, in kernels and memory-bound bytes, is what one call changes; the dry run adds
+it to each phase once per micro-batch (:func:`apply_changes`). What runs between the regions
+(collectives, attention's seeded dropout, selective recompute's checkpointed core) runs
+eagerly either way and is metered as it is. Not priced: a task's head (it runs compiled,
+priced eager), and what a kept forward saves, which the plan measures eagerly (a compiled
+forward saves what inductor's partitioner picks, for a backward that recomputes the rest).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from execution.engine.phases import schedule
+from execution.engine.phases.compiled import COMPILED_PARTS
+from execution.engine.phases.recompute import attention_on_meta
+from execution.planning.fused_bytes import Region, capture_regions, fused_cost, graph_on_device
+from execution.planning.op_costs import OpCosts
+from execution.planning.step_meter import ATTENTION_KERNELS, StepMeter
+from modelling.dropout import BlockSeeds
+from modelling.gpt import EMBEDDING, HEAD, LAYERS
+from utils.torch_private import fake_tensors
+
+META = torch.device("meta")
+_MATMUL_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
+_ATTENTION_OPS = tuple(str(op) for op in ATTENTION_KERNELS)
+
+
+@dataclass(frozen=True)
+class CostChange:
+    """What compiling changes in one call of a part: kernels and memory-bound bytes."""
+
+    kernels: int = 0
+    memory_bytes: int = 0
+
+    def __add__(self, other: CostChange) -> CostChange:
+        return CostChange(self.kernels + other.kernels, self.memory_bytes + other.memory_bytes)
+
+
+@dataclass(frozen=True)
+class PartChanges:
+    """One part's changes by kind of call (see the module docstring)."""
+
+    inference: CostChange
+    forward: CostChange
+    backward: CostChange
+
+
+def phase_changes(engine, kernel: str, device_type: str) -> dict[str, CostChange]:
+    """What compiling changes in one micro-batch of each kind of phase the engine's step runs,
+    on ``device_type`` (whose inductor backend fuses), with attention as ``kernel``."""
+    plan, shapes = engine.plan, engine.shapes
+    micro_batch, cp = plan.micro_batch_size, engine.layout.cp.size
+    sequence = plan.sequence_length // cp
+    dtype, dropout = engine.dtype, plan.model.dropout_prob > 0
+    hidden = shapes.hidden // shapes.tp2
+    x = torch.empty(micro_batch, sequence, hidden, dtype=dtype, device=META)
+    price = _PartPricer(kernel, device_type, dtype, engine.layout.axes())
+    seeds = BlockSeeds(1, 2, 3).as_tensors() if dropout else None
+    changes = {}  # of the parts that run compiled: not the embedding (compiled.py)
+    if LAYERS in COMPILED_PARTS:
+        layer = price(engine.templates[LAYERS], x, seeds)
+        kept = plan.memory.recompute != "full"
+        changes[schedule.LAYER_FORWARD] = layer.forward if kept else layer.inference
+        full = layer.forward + layer.backward
+        changes[schedule.LAYER_BACKWARD] = layer.backward if kept else full
+    if HEAD in COMPILED_PARTS and plan.model.task_head is None:
+        labels = torch.zeros(micro_batch, sequence, dtype=torch.long, device=META)
+        tied = plan.model.ties_word_embedding
+        word = engine.templates[EMBEDDING].word.weight
+        words = (torch.empty(word.shape, dtype=dtype, device=META),) if tied else ()
+        head = price(engine.templates[HEAD], x, *words, labels, shapes.vocab)
+        kind = schedule.HEAD_PHASE if tied else schedule.UNTIED_HEAD
+        changes[kind] = head.forward + head.backward
+    return changes
+
+
+class _PartPricer:
+    """Prices a part's calls (:func:`phase_changes`)."""
+
+    def __init__(self, kernel: str, device_type: str, dtype: torch.dtype, axes):
+        self.kernel, self.device_type, self.dtype = kernel, device_type, dtype
+        self.axes = axes  # the parts' mesh axes, shared by a copy (they hold process groups)
+
+    def __call__(self, template: torch.nn.Module, *inputs) -> PartChanges:
+        inference = self._changes(template, inputs, grad=False)
+        forward, backward = self._changes(template, inputs, grad=True)
+        return PartChanges(inference[0], forward, backward)
+
+    def _changes(self, template, inputs, grad: bool) -> tuple[CostChange, CostChange]:
+        """(forward or inference, backward) changes of one call."""
+        module = _bound_copy(template, self.dtype, grad, self.axes)
+        with fake_tensors(real_inputs=True):
+            args = [_fake_like(a, grad and a.is_floating_point()) for a in _tensors(inputs)]
+        args = _with_values(inputs, args)
+        with attention_on_meta(self.kernel, module), torch.set_grad_enabled(grad):
+            regions, _ = capture_regions(_call, module, *args)
+        before, after = CostChange(), CostChange()
+        for region in regions:
+            eager = self._eager(region, grad)
+            for graph in region.graphs:
+                compiled = self._compiled(graph)
+                if graph.kind == "backward":
+                    after += _change(compiled, eager[1])
+                else:
+                    before += _change(compiled, eager[0])
+        return before, after
+
+    def _compiled(self, graph) -> OpCosts:
+        try:
+            cost = fused_cost(graph.gm, graph.example_inputs, self.device_type)
+        except RuntimeError:
+            if self.device_type == "cpu":
+                raise
+            # Without a GPU, inductor's CUDA lowering of a few ops (the embedding's backward
+            # scatter) makes a real CUDA tensor: that graph takes the CPU's fusion rules.
+            cost = fused_cost(graph.gm, graph.example_inputs, "cpu")
+        costs = OpCosts(kernels=cost.kernels + len(cost.extern_ops), memory_bytes=cost.memory_bytes)
+        for op, nbytes in zip(cost.extern_ops, cost.extern_bytes, strict=True):
+            if not op.startswith(_MATMUL_OPS + _ATTENTION_OPS):
+                costs.memory_bytes += nbytes  # a fallback op: memory-bound, as eager prices it
+        return costs
+
+    def _eager(self, region: Region, grad: bool) -> tuple[OpCosts, OpCosts]:
+        """Dynamo's graph of the region run eagerly on meta tensors: (forward, backward)."""
+        inputs = [_meta_like(t) for t in region.example_inputs]
+        gm = graph_on_device(region.gm, META)  # it makes its positions, say, on the CPU
+        with torch.set_grad_enabled(grad), StepMeter() as meter:
+            outputs = gm(*inputs)
+            forward = meter.costs.copy()
+            outputs = [o for o in _tensors(outputs) if o.requires_grad]
+            wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+            if grad and outputs and wanted:
+                tangents = [torch.empty_like(o) for o in outputs]
+                torch.autograd.grad(outputs, wanted, tangents, allow_unused=True)
+        return forward, meter.costs - forward
+
+
+def _call(module: torch.nn.Module, *args):
+    return module(*args)
+
+
+def _change(compiled: OpCosts, eager: OpCosts) -> CostChange:
+    return CostChange(compiled.kernels - eager.kernels, compiled.memory_bytes - eager.memory_bytes)
+
+
+def _bound_copy(
+    template: torch.nn.Module, dtype: torch.dtype, grad: bool, axes=()
+) -> torch.nn.Module:
+    """A copy of the (meta) template holding fake CPU parameters of ``dtype``: the part as one
+    layer's weights bind it, called directly (``functional_call``'s context would move the
+    graph breaks of the real run, which calls the compiled module inside it)."""
+    module = copy.deepcopy(template, memo={id(axis): axis for axis in axes})
+    with fake_tensors(real_inputs=True):
+        for name, parameter in list(module.named_parameters()):
+            owner, _, leaf = name.rpartition(".")
+            fake = torch.empty(parameter.shape, dtype=dtype, device="cpu")
+            module.get_submodule(owner)._parameters[leaf] = torch.nn.Parameter(fake, grad)
+    return module
+
+
+def _tensors(values) -> list[torch.Tensor]:
+    if isinstance(values, torch.Tensor):
+        return [values]
+    if isinstance(values, (tuple, list)):
+        return [t for v in values for t in _tensors(v)]
+    return []
+
+
+def _with_values(inputs: tuple, tensors: list[torch.Tensor]) -> list:
+    """``inputs`` with its tensors (in :func:`_tensors`' order) replaced by ``tensors``."""
+    replaced = iter(tensors)
+
+    def swap(value):
+        if isinstance(value, torch.Tensor):
+            return next(replaced)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*(swap(v) for v in value))
+        if isinstance(value, (tuple, list)):
+            return type(value)(swap(v) for v in value)
+        return value
+
+    return [swap(value) for value in inputs]
+
+
+def _fake_like(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A fake CPU tensor of a meta tensor's layout (a real one, a seed, stays as it is)."""
+    if not tensor.is_meta:
+        return tensor
+    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
+    return fake.requires_grad_(requires_grad)
+
+
+def _meta_like(value):
+    if not isinstance(value, torch.Tensor):
+        return value
+    meta = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=META)
+    return meta.requires_grad_(value.requires_grad)
+
+
+def apply_changes(windows, changes: dict[str, CostChange]) -> None:
+    """Adds each phase window's compiled change, once per micro-batch its body ran."""
+    for window in windows:
+        change = changes.get(window.kind)
+        if change is None or not window.micro_batches:
+            continue
+        window.costs = dataclasses.replace(
+            window.costs,
+            kernels=window.costs.kernels + window.micro_batches * change.kernels,
+            memory_bytes=window.costs.memory_bytes + window.micro_batches * change.memory_bytes,
+        )
