@@ -95,6 +95,8 @@ VARIANTS = {
         ("--overlap_communication", "false", "--recompute", "full"),
     ),
     "resident": Variant("ours, resident", "ours", ("--placement", "resident")),
+    # Ours with the parts eager whatever --compile says (the plain loop follows --compile).
+    "eager": Variant("ours, eager", "ours", ("--compile", "false")),
     "plain": Variant("pytorch loop", "plain"),  # labelled by plain_loop_label
     "fsdp2": Variant(FSDP2_OFFLOAD, "fsdp2"),
 }

@@ -25,6 +25,11 @@ LLAMA_VARIANTS = shlex.split(
 def small_config(*flags: str) -> PretrainingConfig:
     """A small float32, dropout-free config on top of the ``tiny`` preset, plus ``flags``.
 
+    Its parts run eager and are priced eager, even in a dry run on a GPU's data sheet (where
+    ``--compile`` is on by default): a compiled part's price takes seconds of inductor's
+    scheduling per shape, which the planning tests would pay for every layout they weigh.
+    ``--compile true`` among ``flags`` turns it on (the compiled tests' own).
+
     AdamW epsilon is 1e-6 (the PopXL reference's value), not the paper's 1e-8: the gradient of
     the attention *key* bias is exactly zero in exact arithmetic (softmax ignores a constant per
     query), so its computed value is rounding noise, and with eps 1e-8 Adam turns that noise
@@ -33,7 +38,7 @@ def small_config(*flags: str) -> PretrainingConfig:
     base = shlex.split(
         "--config tiny --vocab_size 307 --layers 2 --hidden_size 32 --heads 4 --sequence_length 16 "
         "--max_positional_length 20 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0 "
-        "--weight_decay 0.1 --eps 1e-6 --device cpu"
+        "--weight_decay 0.1 --eps 1e-6 --device cpu --compile false"
     )
     config, _ = parse_config([*base, *flags])
     return config

@@ -78,7 +78,11 @@ def _block_and_weights():
     )  # fmt: skip
     torch.manual_seed(0)
     block = GPT(shapes).layers[0]
-    return block, {name: p.detach().requires_grad_() for name, p in block.named_parameters()}
+    # Drawn: the model allocates its matrices uninitialised (its initialisation is the
+    # engine's), and whatever memory they get may hold NaNs.
+    return block, {
+        name: (torch.randn_like(p) * 0.02).requires_grad_() for name, p in block.named_parameters()
+    }
 
 
 def _run_block(block):

@@ -146,6 +146,7 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
             recompute=planned.recompute,
             kept=planned.kept,
         ),
+        compile=config.execution.compile,
     )
     memory = dataclasses.replace(planned, passes=2, placement=by_hand.memory.placement)
     from_run = RunShape.of(config).engine_plan(memory)

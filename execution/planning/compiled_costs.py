@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -61,28 +62,37 @@ class CostChange:
 
 @dataclass(frozen=True)
 class PartChanges:
-    """One part's changes by kind of call (see the module docstring)."""
+    """One part's changes by kind of call (see the module docstring); ``inference`` only
+    where it was asked for (a call without autograd is a capture of its own)."""
 
-    inference: CostChange
     forward: CostChange
     backward: CostChange
+    inference: CostChange | None = None
 
 
-def phase_changes(engine, kernel: str, device_type: str) -> dict[str, CostChange]:
+def phase_changes(
+    engine, kernel: str, device_type: str, memo: dict | None = None
+) -> dict[str, CostChange]:
     """What compiling changes in one micro-batch of each kind of phase the engine's step runs,
-    on ``device_type`` (whose inductor backend fuses), with attention as ``kernel``."""
+    on ``device_type`` (whose inductor backend fuses), with attention as ``kernel``.
+
+    ``memo``: a planning's, where each call of a part is priced once for everything that
+    decides it (the shard's shapes and micro-batch, not the number of layers or passes).
+    """
     plan, shapes = engine.plan, engine.shapes
     micro_batch, cp = plan.micro_batch_size, engine.layout.cp.size
     sequence = plan.sequence_length // cp
     dtype, dropout = engine.dtype, plan.model.dropout_prob > 0
     hidden = shapes.hidden // shapes.tp2
     x = torch.empty(micro_batch, sequence, hidden, dtype=dtype, device=META)
-    price = _PartPricer(kernel, device_type, dtype, engine.layout.axes())
+    selective = plan.memory.recompute == "selective"  # its block breaks at the core
+    key = (dataclasses.replace(shapes, layers=1), micro_batch, sequence, cp, dtype, selective)
+    price = _PartPricer(kernel, device_type, dtype, engine.layout.axes(), memo, key)
     seeds = BlockSeeds(1, 2, 3).as_tensors() if dropout else None
     changes = {}  # of the parts that run compiled: not the embedding (compiled.py)
     if LAYERS in COMPILED_PARTS:
-        layer = price(engine.templates[LAYERS], x, seeds)
         kept = plan.memory.recompute != "full"
+        layer = price(engine.templates[LAYERS], x, seeds, inference=not kept)
         changes[schedule.LAYER_FORWARD] = layer.forward if kept else layer.inference
         full = layer.forward + layer.backward
         changes[schedule.LAYER_BACKWARD] = layer.backward if kept else full
@@ -100,17 +110,30 @@ def phase_changes(engine, kernel: str, device_type: str) -> dict[str, CostChange
 class _PartPricer:
     """Prices a part's calls (:func:`phase_changes`)."""
 
-    def __init__(self, kernel: str, device_type: str, dtype: torch.dtype, axes):
+    def __init__(self, kernel: str, device_type: str, dtype: torch.dtype, axes, memo=None, key=()):
         self.kernel, self.device_type, self.dtype = kernel, device_type, dtype
-        self.axes = axes  # the parts' mesh axes, shared by a copy (they hold process groups)
+        self.memo = memo if memo is not None else {}
+        self.key = ("compiled part", kernel, device_type, *key)
+        # The parts' mesh axes, each replaced in a copy by one on the same process group
+        # (which cannot be copied) whose counts of collectives are its own: pricing is no
+        # part of the step whose traffic the axes count.
+        self.axes = {
+            id(a): dataclasses.replace(a, calls=Counter(), sized_calls=Counter()) for a in axes
+        }
 
-    def __call__(self, template: torch.nn.Module, *inputs) -> PartChanges:
-        inference = self._changes(template, inputs, grad=False)
+    def __call__(self, template: torch.nn.Module, *inputs, inference=False) -> PartChanges:
         forward, backward = self._changes(template, inputs, grad=True)
-        return PartChanges(inference[0], forward, backward)
+        without_grad = self._changes(template, inputs, grad=False)[0] if inference else None
+        return PartChanges(forward, backward, without_grad)
 
     def _changes(self, template, inputs, grad: bool) -> tuple[CostChange, CostChange]:
-        """(forward or inference, backward) changes of one call."""
+        """(forward or inference, backward) changes of one call, priced once per memo."""
+        key = (*self.key, type(template).__name__, grad)
+        if key not in self.memo:
+            self.memo[key] = self._priced(template, inputs, grad)
+        return self.memo[key]
+
+    def _priced(self, template, inputs, grad: bool) -> tuple[CostChange, CostChange]:
         module = _bound_copy(template, self.dtype, grad, self.axes)
         with fake_tensors(real_inputs=True):
             args = [_fake_like(a, grad and a.is_floating_point()) for a in _tensors(inputs)]
@@ -167,12 +190,12 @@ def _change(compiled: OpCosts, eager: OpCosts) -> CostChange:
 
 
 def _bound_copy(
-    template: torch.nn.Module, dtype: torch.dtype, grad: bool, axes=()
+    template: torch.nn.Module, dtype: torch.dtype, grad: bool, axes: dict | None = None
 ) -> torch.nn.Module:
     """A copy of the (meta) template holding fake CPU parameters of ``dtype``: the part as one
     layer's weights bind it, called directly (``functional_call``'s context would move the
     graph breaks of the real run, which calls the compiled module inside it)."""
-    module = copy.deepcopy(template, memo={id(axis): axis for axis in axes})
+    module = copy.deepcopy(template, memo=dict(axes or {}))
     with fake_tensors(real_inputs=True):
         for name, parameter in list(module.named_parameters()):
             owner, _, leaf = name.rpartition(".")

@@ -224,13 +224,8 @@ def meta_step(
 
 
 def _compiled_changes(engine, kernel: str, device_type: str, measurements) -> dict:
-    """:func:`phase_changes`, once per planning for the shapes that decide it."""
-    plan = engine.plan
-    key = ("compiled", engine.shapes, plan.micro_batch_size, plan.sequence_length)
-    key += (engine.layout.cp.size, plan.precision, plan.memory.recompute, kernel, device_type)
-    if key not in measurements.layers:
-        measurements.layers[key] = phase_changes(engine, kernel, device_type)
-    return measurements.layers[key]
+    """:func:`phase_changes`, each part's call priced once per planning."""
+    return phase_changes(engine, kernel, device_type, measurements.layers)
 
 
 class Measurements:
