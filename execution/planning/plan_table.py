@@ -7,7 +7,7 @@ import itertools
 
 from execution.engine.plan import GiB
 from execution.planning.memory import spec_budget
-from execution.planning.plan_search import layouts, search
+from execution.planning.plan_search import layouts, search, weighed_run
 from execution.planning.run_shape import RunShape
 
 # Micro-batch sizes of one layout whose step times are within this fraction of its fastest
@@ -56,6 +56,11 @@ def print_layouts(
         f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
         f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
     )
+    if weighed_run(run).compile != run.compile:
+        print(
+            "weighed with the parts eager (--compile auto: a search prices no compiled graph; "
+            "--compile true prices each layout's, --dry_run of a row prices that one's)"
+        )
     header = (
         f"{'dp':>3} {'pp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>6} {'passes':>6} "
         f"{'bubble':>6}  {'placement (w/g/a)':<21}{'recompute':<10}"
