@@ -43,7 +43,6 @@ def one_torch_thread():
 NUMERICS = frozenset(
     {
         "test_attention_dropout.py",
-        "test_compiled_parts.py",
         "test_finetuning_parity.py",
         "test_hf_parity.py",
         "test_host_adamw_threads.py",

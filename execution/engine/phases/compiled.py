@@ -52,8 +52,9 @@ def compile_unavailable(device_type: str) -> str | None:
         with contextlib.redirect_stderr(io.StringIO()):
             probe(torch.ones(8, device=device_type))
     except Exception as error:  # any failure of the tool chain means: run eager
-        lines = str(error).strip().splitlines() or [type(error).__name__]
-        return lines[0][:200]
+        # Dynamo's first line names the backend; the second, what failed in it.
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return " ".join(lines[:2] or [type(error).__name__])[:200]
     return None
 
 
