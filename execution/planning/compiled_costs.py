@@ -135,9 +135,8 @@ class _PartPricer:
 
     def _priced(self, template, inputs, grad: bool) -> tuple[CostChange, CostChange]:
         module = _bound_copy(template, self.dtype, grad, self.axes)
-        with fake_tensors(real_inputs=True):
-            args = [_fake_like(a, grad and a.is_floating_point()) for a in _tensors(inputs)]
-        args = _with_values(inputs, args)
+        # The capture makes each meta input a fake CPU tensor with its requires_grad.
+        args = [_wanting_grad(value, grad) for value in inputs]
         with attention_on_meta(self.kernel, module), torch.set_grad_enabled(grad):
             regions, _ = capture_regions(_call, module, *args)
         before, after = CostChange(), CostChange()
@@ -157,8 +156,9 @@ class _PartPricer:
         except RuntimeError:
             if self.device_type == "cpu":
                 raise
-            # Without a GPU, inductor's CUDA lowering of a few ops (the embedding's backward
-            # scatter) makes a real CUDA tensor: that graph takes the CPU's fusion rules.
+            # Without a GPU, inductor's CUDA lowering of a few ops (a scatter-add, as an
+            # embedding's backward does) makes a real CUDA tensor: that graph takes the
+            # CPU's fusion rules.
             cost = fused_cost(graph.gm, graph.example_inputs, "cpu")
         costs = OpCosts(kernels=cost.kernels + len(cost.extern_ops), memory_bytes=cost.memory_bytes)
         for op, nbytes in zip(cost.extern_ops, cost.extern_bytes, strict=True):
@@ -212,28 +212,11 @@ def _tensors(values) -> list[torch.Tensor]:
     return []
 
 
-def _with_values(inputs: tuple, tensors: list[torch.Tensor]) -> list:
-    """``inputs`` with its tensors (in :func:`_tensors`' order) replaced by ``tensors``."""
-    replaced = iter(tensors)
-
-    def swap(value):
-        if isinstance(value, torch.Tensor):
-            return next(replaced)
-        if isinstance(value, tuple) and hasattr(value, "_fields"):
-            return type(value)(*(swap(v) for v in value))
-        if isinstance(value, (tuple, list)):
-            return type(value)(swap(v) for v in value)
-        return value
-
-    return [swap(value) for value in inputs]
-
-
-def _fake_like(tensor: torch.Tensor, requires_grad: bool) -> torch.Tensor:
-    """A fake CPU tensor of a meta tensor's layout (a real one, a seed, stays as it is)."""
-    if not tensor.is_meta:
-        return tensor
-    fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="cpu")
-    return fake.requires_grad_(requires_grad)
+def _wanting_grad(value, grad: bool):
+    """A meta floating-point input that requires grad in a call under autograd."""
+    if isinstance(value, torch.Tensor) and value.is_meta and value.is_floating_point():
+        return value.detach().requires_grad_(grad)
+    return value
 
 
 def _meta_like(value):

@@ -8,7 +8,7 @@ add) into one kernel that reads each input once and writes only what leaves it: 
 activation saved for the backward, the input of a matmul. So a compiled block is priced from
 its compiled graphs, never by a discount on the eager bytes:
 
-1. :func:`capture_compiled_graphs` runs a function under ``torch.compile`` with a backend that
+1. :func:`capture_regions` runs a function under ``torch.compile`` with a backend that
    builds its graphs as inductor does (dynamo, pre-grad passes, AOT autograd with inductor's
    decompositions, joint-graph passes and min-cut rematerialisation partitioner) and records
    each forward and backward graph with its example inputs; the graphs run op by op.
@@ -36,7 +36,6 @@ matmul template's epilogue, which these bytes would still count as separate kern
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import types
 from collections.abc import Callable
@@ -145,42 +144,18 @@ class CapturedGraph:
     example_inputs: list
 
 
-def capture_compiled_graphs(
-    fn: Callable, *args: Any, **kwargs: Any
-) -> tuple[list[CapturedGraph], Any]:
-    """The graphs ``torch.compile(fn)`` with inductor would compile, and ``fn(*args,
-    **kwargs)``'s result, computed by running those graphs op by op (a backward through it
-    runs the recorded backward graph).
+def capture_compiled_graphs(fn: Callable, *args: Any) -> tuple[list[CapturedGraph], Any]:
+    """The graphs ``torch.compile(fn)`` with inductor would compile, and ``fn(*args)``'s
+    result, computed by running those graphs op by op (a backward through it runs the
+    recorded backward graph): :func:`capture_regions` of a function that must be one graph
+    (``fullgraph``).
 
-    The whole function must be one graph (``fullgraph``), of static shapes. The backward graph
-    is built with the forward (AOT autograd would otherwise wait for the first backward), so
-    the list is complete on return: the forward, then the backward where some input requires
-    grad; else the one inference graph.
-
-    Where an argument (in tuples, lists and dicts too) is a meta tensor, every tensor argument
-    becomes a fake CPU tensor of its layout and the function runs on those (the result is
-    fake): inductor's joint-graph passes take any meta value for one nobody needs and drop the
-    ops that compute it. So the tensors ``fn`` reads must come in through its arguments (a
-    module's weights through ``torch.func.functional_call``), and the graphs are the CPU's
-    (its SDPA kernel's op, say): autograd cannot record fake CUDA tensors without CUDA.
+    The backward graph is built with the forward (AOT autograd would otherwise wait for the
+    first backward), so the list is complete on return: the forward, then the backward where
+    some input requires grad; else the one inference graph.
     """
-    graphs: list[CapturedGraph] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> None:
-        graphs.append(CapturedGraph(kind, gm, example_inputs))
-
-    compiled = torch.compile(
-        _fresh_function(fn),
-        backend=inductor_capture_backend(record),
-        fullgraph=True,
-        dynamic=False,
-    )
-    on_meta = _has_meta_tensor((args, kwargs))
-    with eager_backward_compile(), fake_tensors() if on_meta else contextlib.nullcontext():
-        if on_meta:
-            args, kwargs = _fake_cpu((args, kwargs))
-        result = compiled(*args, **kwargs)
-    return graphs, result
+    regions, result = capture_regions(fn, *args, fullgraph=True)
+    return [graph for region in regions for graph in region.graphs], result
 
 
 @dataclass(frozen=True)
@@ -200,10 +175,19 @@ class Region:
     graphs: list[CapturedGraph]
 
 
-def capture_regions(fn: Callable, *args: Any) -> tuple[list[Region], Any]:
-    """As :func:`capture_compiled_graphs`, for a function whose graph breaks (a collective or a
-    seeded attention kernel that runs eagerly between graphs): each graph Dynamo makes, with
-    the graphs inductor would compile of it. What runs between the graphs runs eagerly."""
+def capture_regions(fn: Callable, *args: Any, fullgraph: bool = False) -> tuple[list[Region], Any]:
+    """Each graph Dynamo makes of ``fn`` (``fullgraph``: one, or an error), with the graphs
+    inductor would compile of it, and ``fn(*args)``'s result, computed by running those graphs
+    op by op. What runs between the graphs (a collective, a seeded attention kernel: a graph
+    break) runs eagerly.
+
+    Each meta tensor among the arguments (in tuples, lists, named tuples and dicts too)
+    becomes a fake CPU tensor of its layout: inductor's joint-graph passes take any meta value
+    for one nobody needs and drop the ops that compute it. So the tensors ``fn`` reads must
+    come in through its arguments (a module's weights as its parameters, or through
+    ``torch.func.functional_call``), and the graphs are the CPU's (its SDPA kernel's op, say):
+    autograd cannot record fake CUDA tensors without CUDA. Other tensors stay as they are (a
+    seed whose value an eager part reads)."""
     regions: list[Region] = []
 
     def record(gm: torch.fx.GraphModule, example_inputs: list, kind: str) -> None:
@@ -215,9 +199,11 @@ def capture_regions(fn: Callable, *args: Any) -> tuple[list[Region], Any]:
         regions.append(Region(gm, list(example_inputs), []))
         return capture(gm, example_inputs)
 
-    compiled = torch.compile(_fresh_function(fn), backend=backend, dynamic=False)
+    compiled = torch.compile(
+        _fresh_function(fn), backend=backend, fullgraph=fullgraph, dynamic=False
+    )
     with fake_tensors(real_inputs=True):
-        args = _fake_cpu(args, meta_only=True)
+        args = _fake_cpu(args)
     # Each frame a graph break leaves (the callee's, a resumption's) has its own cache of
     # compiled graphs, which outlives the call: cleared before, so that no frame runs a graph
     # an earlier capture (or run) made instead of recording its own, and after, so that a
@@ -233,30 +219,20 @@ def capture_regions(fn: Callable, *args: Any) -> tuple[list[Region], Any]:
     return regions, result
 
 
-def _has_meta_tensor(value: Any) -> bool:
+def _fake_cpu(value: Any) -> Any:
+    """``value`` with each meta tensor replaced by a CPU one of its layout and
+    ``requires_grad`` (made under :func:`fake_tensors`: fake)."""
     if isinstance(value, torch.Tensor):
-        return value.is_meta
-    if isinstance(value, (tuple, list)):
-        return any(_has_meta_tensor(v) for v in value)
-    if isinstance(value, dict):
-        return any(_has_meta_tensor(v) for v in value.values())
-    return False
-
-
-def _fake_cpu(value: Any, meta_only: bool = False) -> Any:
-    """``value`` with each tensor (``meta_only``: each meta tensor) replaced by a CPU one of
-    its layout and ``requires_grad`` (made under :func:`fake_tensors`: fake)."""
-    if isinstance(value, torch.Tensor):
-        if meta_only and not value.is_meta:
+        if not value.is_meta:
             return value
         made = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device="cpu")
         return made.requires_grad_(value.requires_grad)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
-        return type(value)(*(_fake_cpu(v, meta_only) for v in value))
+        return type(value)(*(_fake_cpu(v) for v in value))
     if isinstance(value, (tuple, list)):
-        return type(value)(_fake_cpu(v, meta_only) for v in value)
+        return type(value)(_fake_cpu(v) for v in value)
     if isinstance(value, dict):
-        return {key: _fake_cpu(v, meta_only) for key, v in value.items()}
+        return {key: _fake_cpu(v) for key, v in value.items()}
     return value
 
 

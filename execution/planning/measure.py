@@ -216,16 +216,10 @@ def meta_step(
         hooks = StepHooks(on_phase=recorder.start)
         engine.train_step(tokens, step=0, lr=plan.optimizer.learning_rate, hooks=hooks)
         recorder.finish()
-    if compiled_on is not None:
-        apply_changes(
-            recorder.windows, _compiled_changes(engine, kernel, compiled_on, measurements)
-        )
+    if compiled_on is not None:  # each part's call priced once per planning
+        changes = phase_changes(engine, kernel, compiled_on, measurements.layers)
+        apply_changes(recorder.windows, changes)
     return StepMeasurement(engine, meter.peak, meter.flops, recorder.windows)
-
-
-def _compiled_changes(engine, kernel: str, device_type: str, measurements) -> dict:
-    """:func:`phase_changes`, each part's call priced once per planning."""
-    return phase_changes(engine, kernel, device_type, measurements.layers)
 
 
 class Measurements:
