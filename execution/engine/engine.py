@@ -116,8 +116,8 @@ class PhasedEngine:
         )
         self.state = self._buffers()
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
-        # What the layers keep for their backward (None: they recompute it in full).
         self.compiled = self._compiles()
+        # What the layers keep for their backward (None: they recompute it in full).
         self.kept: KeptLayers | None = None
         if self.memory.recompute != "full":
             block = self.templates[LAYERS]
@@ -281,8 +281,8 @@ class PhasedEngine:
         losses = run.batch.losses  # the last stage's (the head's)
         total = torch.stack(losses).float().sum() if losses else torch.zeros((), device=self.device)
         loss = self._mean_over_replicas(total, len(losses))
+        compiled = self.compile_watch.since_last()  # the update compiles nothing
         if not math.isfinite(grad_norm):
-            compiled = self.compile_watch.since_last()
             return StepResult(loss, grad_norm, skipped=True, compiled_graphs=compiled)
         clip = clip_coefficient(grad_norm, plan.optimizer.gradient_clipping)
         for wait in hooks.before_update:
@@ -293,7 +293,6 @@ class PhasedEngine:
             if self.rigl.schedule.updates_at(self.optimizer.steps):
                 self.finish_update()  # a connectivity update reads and writes every row
             rigl = self.rigl.update(self.optimizer.steps, scale)
-        compiled = self.compile_watch.since_last()
         return StepResult(loss, grad_norm, skipped=False, rigl=rigl, compiled_graphs=compiled)
 
     @torch.no_grad()

@@ -45,8 +45,8 @@ INDUCTOR_OPTIONS = {"fallback_random": True}
 def compile_unavailable(device_type: str) -> str | None:
     """Why ``torch.compile`` cannot run on a device of ``device_type`` in this process, or
     None when it can: a small function is compiled and run once per process (inductor needs
-    a C++ compiler and Python's headers on a CPU, Triton on a GPU), and the first line of
-    its error is the reason."""
+    a C++ compiler and Python's headers on a CPU, Triton on a GPU), and its error's first
+    two lines (the backend, then what failed in it) are the reason."""
     probe = torch.compile(_probe, options=INDUCTOR_OPTIONS)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
