@@ -239,3 +239,20 @@ def test_a_dry_run_prices_the_update_behind_the_next_step_where_it_runs_there():
     assert saved == pytest.approx(behind["hidden_update_s"], rel=1e-9)
     cpu = dataclasses.replace(sheet, device_type="cpu")
     assert step(cpu, "auto")["step_time_s"] == step(cpu, "false")["step_time_s"]
+
+
+@pytest.mark.parametrize(("matmul", "launch"), [(1.0, 0.3), (0.1, 0.3)])
+def test_a_gpu_launches_beside_the_kernels_before_and_a_cpu_after(matmul, launch):
+    """A CUDA host queues kernels ahead: a phase takes the longer of its kernels and its
+    launches, and the shorter is reported hidden. A CPU's cores launch and run each op in
+    turn: the two add."""
+    phases = {"layer_forward": tuple(0.0 for _ in PHASE_COSTS)}
+    values = dict.fromkeys(PHASE_COSTS, 0.0) | {"matmul_s": matmul, "launch_s": launch}
+    phases["layer_forward"] = tuple(values[name] for name in PHASE_COSTS)
+    gpu = SPECS["h100_sxm"]
+    queued = estimate_step(phases, 1, 1, gpu)
+    assert queued["step_time_s"] == pytest.approx(max(matmul, launch))
+    assert queued["hidden_overhead_s"] == pytest.approx(min(matmul, launch))
+    cpu = estimate_step(phases, 1, 1, dataclasses.replace(gpu, device_type="cpu"))
+    assert cpu["step_time_s"] == pytest.approx(matmul + launch)
+    assert cpu["hidden_overhead_s"] == 0

@@ -102,6 +102,13 @@ class DeviceSpec:
     fresh_memory_threshold: int = 0
     host_adamw_elements_per_s: float = 0.0
 
+    @property
+    def queues_kernels(self) -> bool:
+        """Whether the host queues kernels ahead of the device (a CUDA stream), so that the
+        host's time to launch them runs beside the kernels before them; on a CPU the same
+        cores launch and run each op, one after the other."""
+        return self.device_type == "cuda"
+
     def collective_seconds(self, op: str, nbytes: int) -> float | None:
         """Seconds of ``op`` moving ``nbytes`` of payload between two ranks of a node, from the
         sizes measured for it: the time interpolated linearly in size between the two nearest

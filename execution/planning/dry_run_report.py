@@ -100,9 +100,11 @@ def time_breakdown(entry: dict) -> str:
     """Where an estimated step's seconds go (:func:`~execution.planning.time_model.estimate_step`)."""
     hidden = entry["hidden_update_s"]
     behind = f" waited for ({hidden:,.3f} s behind the next step)" if hidden else ""
+    queued = entry["hidden_overhead_s"]
+    queued = f" ({queued:,.3f} s behind the kernels)" if queued else ""
     return (
         f"time: compute {entry['compute_s']:,.3f} s, memory-bound {entry['memory_bound_s']:,.3f} s, "
-        f"launch and host overhead {entry['overhead_s']:,.3f} s, host AdamW "
+        f"launch and host overhead {entry['overhead_s']:,.3f} s{queued}, host AdamW "
         f"{entry['host_optimizer_s']:,.3f} s{behind}, copies {entry['copies_s']:,.3f} s and collectives "
         f"{entry['collectives_s']:,.3f} s ({entry['hidden_comm_s']:,.3f} s hidden, "
         f"{entry['exposed_comm_s']:,.3f} s exposed), bubble {entry['bubble_s']:,.3f} s"

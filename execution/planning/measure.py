@@ -211,8 +211,13 @@ def meta_step(
     # Metered once per process, on meta tensors of its own, and before this step's meter
     # starts: inside it, that first metering would count as the step's ops.
     _adamw_bytes_per_element()
-    with attention_on_meta(kernel, *engine.templates.values()), StepMeter(replayed) as meter:
+    with (
+        attention_on_meta(kernel, *engine.templates.values()),
+        StepMeter(replayed, engine.state.host_buffers()) as meter,
+    ):
         recorder = PhaseRecorder(meter, engine)
+        if engine.kept is not None:  # kept in place: the activations' figure, not working set
+            engine.kept.on_keep = meter.disown
         hooks = StepHooks(on_phase=recorder.start)
         engine.train_step(tokens, step=0, lr=plan.optimizer.learning_rate, hooks=hooks)
         recorder.finish()

@@ -32,6 +32,9 @@ class OpCost:
 
 
 VIEW = OpCost(kernel=False)
+# A collective's kernel: its launch; its bytes move at the link's rate, priced apart.
+COLLECTIVE = OpCost(kernel=True)
+_COLLECTIVES = frozenset({"c10d", "_c10d_functional"})
 
 
 def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
@@ -44,6 +47,8 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
     packet = func._overloadpacket
     if packet in _METADATA:
         return VIEW
+    if func.namespace in _COLLECTIVES:  # priced as a collective (time_model), by its bytes
+        return COLLECTIVE
     nbytes = sum(_nbytes(t) for t in tensors((*args, *kwargs.values())))
     if all(r.alias_info is None for r in schema.returns):  # in place: written where read
         results = out if isinstance(out, (tuple, list)) else (out,)
@@ -61,10 +66,18 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-# Ops that allocate or describe a tensor without touching its elements.
+# Ops that allocate or describe a tensor without touching its elements; ``_unsafe_view``
+# declares no alias (autograd's reasons) but is a view: the reshape ``matmul`` ends with.
 _METADATA = frozenset(
     getattr(aten, name)
-    for name in ("empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided")
+    for name in (
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "new_empty",
+        "new_empty_strided",
+        "_unsafe_view",
+    )
     if hasattr(aten, name)
 )
 

@@ -18,6 +18,7 @@ recorded FLOPs (:class:`MetaResults`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -74,11 +75,17 @@ class StepMeter(TorchDispatchMode):
             ``--dropout_parity`` runs as matmuls and counts as such).
     """
 
-    def __init__(self, meta_results: MetaResults | None = None):
+    def __init__(
+        self, meta_results: MetaResults | None = None, host_buffers: Iterable[torch.Tensor] = ()
+    ):
         """``meta_results``: meta ops already run, to replay (kept by a planning across the
-        steps it measures; a fresh set serves this meter alone)."""
+        steps it measures; a fresh set serves this meter alone). ``host_buffers``: tensors
+        standing for host memory; a copy to or from one crosses the host link, which the
+        engine counts and the time model prices as a copy, so it moves no device bytes here
+        (a GPU's copy engines run it, a CPU's copy is the one priced)."""
         super().__init__()
         self.meta_results = meta_results if meta_results is not None else MetaResults()
+        self._host = {id(t.untyped_storage()) for t in host_buffers}
         self.live = 0
         self.peak = 0
         self.flops = 0
@@ -106,6 +113,9 @@ class StepMeter(TorchDispatchMode):
             cost = op_cost(func, args, kwargs, out, _tensors)
             self.meta_results.record(key, args, kwargs, out, flops, cost)
         self.flops += flops
+        crosses = self._host and func._overloadpacket in _COPIES and cost.nbytes
+        if crosses and not self._host.isdisjoint(_input_storages(args, kwargs)):
+            cost = _TRANSFER
         attention = func._overloadpacket in ATTENTION_KERNELS
         if flops and attention:
             self.attention_flops += flops
@@ -128,8 +138,19 @@ class StepMeter(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
         return out
 
+    def disown(self, t: torch.Tensor) -> None:
+        """Stops counting ``t``'s storage: from now on it stands for a buffer the plan
+        counts (a layer's activations kept in place)."""
+        self.live -= self._counted.pop(id(t.untyped_storage()), 0)
+
     def _free(self, key: int) -> None:
-        self.live -= self._counted.pop(key)
+        self.live -= self._counted.pop(key, 0)
+
+
+# The ops a buffer's load or store runs (Mover, the stores' closures), and what one priced
+# as a host-link copy costs the device: a launch, no bytes.
+_COPIES = frozenset({torch.ops.aten.copy_, torch.ops.aten._to_copy})
+_TRANSFER = OpCost(kernel=True)
 
 
 class _Result:

@@ -1,8 +1,10 @@
 """The step-time model: a measured step's ops, copies and collectives, priced on a device spec.
 
 Per phase, the device runs the phase's ops, each at the larger of its FLOPs over the matmul
-rate of its shape and its bytes over memory bandwidth, plus its launch
-(:mod:`execution.planning.op_costs`), and the host adds the engine's own time per phase. Host
+rate of its shape and its bytes over memory bandwidth (:mod:`execution.planning.op_costs`),
+and the host launches them and adds the engine's own time per phase. On a CPU the same cores
+do both, one after the other; a GPU's host queues kernels ahead on its stream, so a phase
+takes the longer of the two (``DeviceSpec.queues_kernels``). Host
 copies and asynchronous collectives (the next phase's all-gathers, the previous phase's
 reductions) run behind that where the device has engines of its own for them
 (``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU).
@@ -55,6 +57,8 @@ PHASE_COSTS = (
     "critical_comm_s",
 )
 COST_INDEX = {name: index for index, name in enumerate(PHASE_COSTS)}
+# What the host spends launching a phase's work (part of DEVICE_WORK).
+HOST_WORK = ("launch_s", "engine_s")
 DEVICE_WORK = (
     "matmul_s",
     "attention_s",
@@ -188,13 +192,14 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
 
     Returns seconds per step: ``step_time_s``; ``compute_s`` (matmuls and attention, at the
     rates of their shapes); ``memory_bound_s``; ``overhead_s`` (launches, the engine's host
-    time and first touches of fresh memory); ``host_optimizer_s`` (the host AdamW the step waits
+    time and first touches of fresh memory) and ``hidden_overhead_s`` (the launches and host
+    time run beside the kernels before them, where the device queues them); ``host_optimizer_s`` (the host AdamW the step waits
     for) and ``hidden_update_s`` (the rest of it, behind the next step: ``--overlap_update``);
     ``copies_s`` and ``collectives_s`` (all of them, hidden or
     not); ``hidden_comm_s`` (copies and collectives behind device work); ``exposed_comm_s``
     (the rest); ``bubble_s`` (the pipeline's idle share of the phases); ``by_kind`` (each kind
     of phase's seconds in the step)."""
-    step = hidden = bubble_s = 0.0
+    step = hidden = hidden_host = bubble_s = 0.0
     bubble = step_stretch(pipeline_stages, passes)
     totals = dict.fromkeys(PHASE_COSTS, 0.0)
     by_kind = {}
@@ -203,7 +208,12 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
         costs = dict(zip(PHASE_COSTS, values, strict=True))
         for name, value in costs.items():
             totals[name] += value
-        device = sum(costs[name] for name in DEVICE_WORK) + costs["host_optimizer_s"]
+        device = sum(costs[name] for name in DEVICE_WORK)
+        if spec.queues_kernels:  # the host launches ahead: a phase takes the longer of the two
+            host = sum(costs[name] for name in HOST_WORK)
+            hidden_host += min(host, device - host)
+            device = max(device - host, host)
+        device += costs["host_optimizer_s"]
         behind = costs["copies_s"] + costs["overlappable_comm_s"]
         if spec.copies_overlap:
             seconds = max(device, behind) + costs["critical_comm_s"]
@@ -230,6 +240,7 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
         "compute_s": compute,
         "memory_bound_s": totals["memory_bound_s"],
         "overhead_s": totals["launch_s"] + totals["engine_s"] + totals["fresh_memory_s"],
+        "hidden_overhead_s": hidden_host,
         "host_optimizer_s": totals["host_optimizer_s"] + wait,
         "hidden_update_s": behind_update - wait,
         "copies_s": copies,

@@ -121,6 +121,21 @@ class StateStore:
             place = places["weights"]
             self.masks = SparseMasks(spec, rows[SPARSE_PART], place, self.mover)
 
+    def host_buffers(self) -> Iterator[torch.Tensor]:
+        """The buffers placed in host memory: what a copy crossing the host link reads or
+        writes on the host side."""
+        for buffers in self.parts.values():
+            for state in (*PART_STATES, "weight_copies"):
+                place = buffers.places["weights" if state == "weight_copies" else state]
+                if place.remote:
+                    yield from getattr(buffers, state).values()
+        if self.places["activations"].remote:
+            yield from (self.activations.x, self.activations.dx, self.activations.kept)
+        if self.places["weights"].remote:
+            yield from self.grads.staging
+            if self.masks is not None:
+                yield self.masks.rows
+
     @property
     def host_to_device(self) -> int:
         return self.traffic.host_to_device
