@@ -84,6 +84,11 @@ def test_recompute_modes_agree_and_keep_exactly_what_was_planned(placement):
         if mode != "full":
             assert plan.kept > 0 and engine.kept.overflow == 0
             assert engine.kept.largest == plan.kept
+            # On the device a layer keeps its saved tensors themselves: no buffer, no copies.
+            layout = engine.state.activations.layout
+            copies = 0 if placement == "resident" else layout.layers * layout.held * plan.kept
+            assert engine.state.activations.kept.numel() == copies
+            assert engine.kept.in_place == (placement == "resident")
         rank = RankShape.of(RunShape.of(config))
         kept = rank.kept(mode, attention_kernel("cpu", 0.1, torch.float32))
         entries = plan.micro_batches_per_pass

@@ -130,6 +130,8 @@ class PhasedEngine:
                 acts.store_kept,
                 acts.load_kept,
                 exact_strides=self.compiled,
+                in_place=acts.keeps_in_place,
+                buffers=frozenset({acts.x.untyped_storage()._cdata}),
             )
         if self.compiled:  # after prepare_block: a selective core compiles with its block
             compile_parts(self.templates)

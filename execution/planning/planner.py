@@ -129,7 +129,8 @@ def _plans(
             copies = None
             if not shared:  # by phase once: the ranking weighs each phase's copies too
                 copies = host_traffic_by_phase(rank, placement, passes, entries, kept)
-            state = state_bytes(rank, entries, placement, kept.entry, passes)
+            entry = kept.bytes_for(placement.activations)
+            state = state_bytes(rank, entries, placement, entry, passes)
             mode_plans.append(
                 MemoryPlan(
                     passes=passes,
@@ -140,7 +141,7 @@ def _plans(
                     traffic=sum(copies.values()) if copies else 0,
                     shared_memory=shared,
                     recompute=mode,
-                    kept=kept.entry,
+                    kept=entry,
                 )
             )
             mode_copies.append(copies)

@@ -173,19 +173,26 @@ class _Packer:
     weights become their place in a gathered vector of ``flats``.
 
     ``entry`` None measures only. A tensor that does not fit (the kernel saved more than was
-    measured) stays where it is and is counted in ``overflow``. A tensor on the CPU while the
+    measured) stays where it is and is counted in ``overflow``. ``held`` counts the bytes of
+    the storages the saved tensors lie in, but for those of ``buffers`` (the x buffer, whose
+    view a layer norm saves): what keeping them ``in_place`` (activations on the device)
+    holds, where each stays as it is and ``on_keep`` is told of each storage's first one. A tensor on the CPU while the
     layer runs elsewhere stays there too, uncounted: the memory-efficient kernel's philox seed
     and offset, which its backward reads on the host (Note [Seed and Offset Device] in torch's
     attention.cu), so a copy on the device would be read as a host address. The meta
     measurement cannot tell their place and counts them: 32 bytes of the entry stay unused.
     """
 
-    def __init__(self, entry, store, flats: dict[str, torch.Tensor]):
+    def __init__(
+        self, entry, store, flats: dict[str, torch.Tensor], in_place=False, buffers=(), on_keep=None
+    ):
         self.entry, self.store = entry, store
+        self.in_place, self.buffers, self.on_keep = in_place, buffers, on_keep
+        self._held: set[int] = set()
         self.device = next(iter(flats.values())).device if flats else None
         self.weights = {flat.untyped_storage()._cdata: kind for kind, flat in flats.items()}
         self.offsets = {kind: flat.storage_offset() for kind, flat in flats.items()}
-        self.used = self.copied = self.overflow = 0
+        self.used = self.copied = self.overflow = self.held = 0
         self._seen: dict[tuple, tuple] = {}
         # Packed tensors stay referenced until the forward ends: their storages' addresses key
         # _seen, and a storage freed meanwhile could lend its address to a new one.
@@ -198,6 +205,13 @@ class _Packer:
             return ("weight", kind, t.size(), t.stride(), t.storage_offset() - self.offsets[kind])
         if t.device.type == "cpu" and self.device is not None and t.device != self.device:
             return ("host", t)
+        if storage not in self.buffers and storage not in self._held:
+            self._held.add(storage)
+            self.held += t.untyped_storage().nbytes()
+            if self.in_place and self.on_keep is not None:
+                self.on_keep(t)
+        if self.in_place:
+            return ("kept", t)
         key = (storage, t.storage_offset(), tuple(t.size()), tuple(t.stride()), t.dtype)
         if key in self._seen:
             return self._seen[key]
@@ -223,6 +237,7 @@ class _Packer:
     def close(self) -> None:
         self._seen.clear()
         self._alive.clear()
+        self._held.clear()
 
 
 def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
@@ -262,16 +277,35 @@ class KeptLayers:
         load: A region of ``entries`` on the compute device (a copy when on the host).
         exact_strides: Hand the backward each saved tensor with the strides it was saved
             with, not the region's dense ones (a compiled block's backward needs them).
+        in_place: Keep the saved tensors themselves, not copies in ``entries`` (activations
+            on the device), but those lying in ``buffers``' storages.
+        buffers: Storages (``untyped_storage()._cdata``) a layer's input is a view of.
+
+    Attributes:
+        on_keep: Told of each tensor kept in place (a dry run's meter counts them as the
+            activations the plan holds, not as working set).
     """
 
     def __init__(
-        self, block, specs: dict[str, FlatSpec], entries, store, load, exact_strides=False
+        self,
+        block,
+        specs: dict[str, FlatSpec],
+        entries,
+        store,
+        load,
+        exact_strides=False,
+        in_place=False,
+        buffers: frozenset[int] = frozenset(),
     ):
         self.block, self.specs = block, specs
         self.exact_strides = exact_strides
         self.entries, self.store, self.load = entries, store, load
+        self.in_place, self.buffers = in_place, buffers
+        self.on_keep: Callable[[torch.Tensor], None] | None = None
         self.overflow = 0  # bytes kept outside the buffer (0 when the measurement held)
-        self.largest = 0  # most bytes of an entry used (its size when the measurement held)
+        # Most bytes of an entry used (its size when the measurement held; in place, what the
+        # storages held take)
+        self.largest = 0
         self._graphs: dict[tuple[int, int], torch.Tensor] = {}
         self._sinks: dict[str, Callable] = {}
         self._flats: dict[str, torch.Tensor] = {}
@@ -295,11 +329,13 @@ class KeptLayers:
 
     def forward(self, layer, entry, flats, x, seeds) -> torch.Tensor:
         """Layer ``layer``'s output for buffer entry ``entry``, its graph kept."""
-        packer = _Packer(self.entries[layer, entry], self.store, flats)
+        packer = _Packer(
+            self.entries[layer, entry], self.store, flats, self.in_place, self.buffers, self.on_keep
+        )
         args = (self.block, self.specs, flats, x, seeds, packer, self._unpack, self._sinks)
         y, self._graphs[layer, entry] = _bound_forward(*args)
         self.overflow += packer.overflow
-        self.largest = max(self.largest, packer.used)
+        self.largest = max(self.largest, packer.held if self.in_place else packer.used)
         return y
 
     def backward(self, layer, entry, flats, dy, grads) -> torch.Tensor:
@@ -340,11 +376,18 @@ class KeptBytes:
         entry: Bytes of its entry in the ``kept`` buffer (regions aligned).
         stored: Bytes copied into the entry by the forward.
         loaded: Bytes read back by the backward (a region saved twice is read twice).
+        in_place: Bytes of the storages the saved tensors lie in, the layer's input's
+            buffer aside: what it keeps where activations are on the device (no copies).
     """
 
     entry: int = 0
     stored: int = 0
     loaded: int = 0
+    in_place: int = 0
+
+    def bytes_for(self, activations: str) -> int:
+        """Bytes an entry takes with activations placed on ``activations``."""
+        return self.in_place if activations == "device" else self.entry
 
 
 def kept_bytes(
@@ -369,7 +412,9 @@ def kept_layer_on_meta(
     flats = {k: torch.empty(s.padded, dtype=dtype, device=META) for k, s in specs.items()}
     x = torch.empty(micro_batch, sequence, shapes.hidden // shapes.tp2, dtype=dtype, device=META)
     seeds = BlockSeeds(1, 2, 3) if shapes.dropout_prob else None
-    packer = _Packer(None, None, flats)
+    # The engine's input is a view of the x buffer, unless tp1 gathered it anew.
+    buffers = frozenset({x.untyped_storage()._cdata}) if shapes.tp1 == 1 else frozenset()
+    packer = _Packer(None, None, flats, buffers=buffers)
     loaded = 0
 
     def unpack(packed: tuple) -> torch.Tensor:
@@ -384,4 +429,4 @@ def kept_layer_on_meta(
     with attention_on_meta(kernel, block):
         _, handle = _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks)
         torch.autograd.backward(handle, torch.empty_like(x))
-    return KeptBytes(packer.used, packer.copied, loaded)
+    return KeptBytes(packer.used, packer.copied, loaded, packer.held)

@@ -295,7 +295,16 @@ class ActivationBuffers:
         a = layout
         self.x = place.empty((a.layers + 1, a.held, a.x_shard), a.dtype)
         self.dx = place.empty((2, a.entries, *a.tokens, a.hidden), a.dtype)
-        self.kept = place.empty((a.layers, a.held, a.kept), torch.uint8)
+        # On the device a layer keeps the very tensors its forward saved: copying them into a
+        # buffer there would move as many bytes again as the block's own elementwise ops.
+        self.keeps_in_place = not place.remote
+        self.kept = place.empty(
+            (a.layers, a.held, 0 if self.keeps_in_place else a.kept), torch.uint8
+        )
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x, self.dx, self.kept))
+        """Bytes of the buffers, with what the layers keep in place counted as planned."""
+        held = sum(t.numel() * t.element_size() for t in (self.x, self.dx, self.kept))
+        if self.keeps_in_place:
+            held += self.layout.layers * self.layout.held * self.layout.kept
+        return held
