@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
-from execution.planning.op_costs import op_cost
+from execution.planning.device_specs import SPECS
+from execution.planning.op_costs import device_seconds, op_cost
 from execution.planning.step_meter import StepMeter
 
 META = torch.device("meta")
@@ -19,18 +23,24 @@ def test_a_view_that_declares_no_alias_moves_no_bytes():
     assert (meter.costs.kernels, meter.costs.memory_bytes) == (1, 2 * 24 * 4)
 
 
-def test_a_copy_over_the_host_link_is_a_launch_not_device_bytes():
-    """Loads from and stores to a host buffer (the engine counts their bytes as the host
-    link's, and the time model prices them as copies) move no device bytes; a copy between
-    two device tensors reads and writes its 1024 floats."""
+def test_a_copy_over_the_host_link_is_the_links_on_a_gpu_and_memory_bound_on_a_cpu():
+    """Loads from and stores to a host buffer are the host link's bytes, which a GPU's copy
+    engines move beside its kernels (priced as copies) and a CPU's cores move as memory-bound
+    work; a copy between two device tensors reads and writes its 1024 floats either way."""
     host = torch.empty(1024, device=META)
     device, other = (torch.empty(1024, device=META) for _ in range(2))
     with StepMeter(host_buffers=[host]) as meter:
-        device.copy_(host)
-        host[:512].copy_(device[:512])
-        host.to(torch.bfloat16)
+        device.copy_(host)  # 8 KiB
+        host[:512].copy_(device[:512])  # 4 KiB
+        host.to(torch.bfloat16)  # 4 KiB read, 2 KiB written
         other.copy_(device)
-    assert (meter.costs.kernels, meter.costs.memory_bytes) == (4, 2 * 1024 * 4)
+    costs = meter.costs
+    assert (costs.kernels, costs.memory_bytes, costs.link_bytes) == (4, 8192, 18432)
+    gpu = SPECS["h100_sxm"]
+    cpu = dataclasses.replace(gpu, copies_overlap=False)
+    bandwidth = gpu.device_memory_gb_per_s * 1e9
+    assert device_seconds(costs, 0, gpu)["memory_bound"] == pytest.approx(8192 / bandwidth)
+    assert device_seconds(costs, 0, cpu)["memory_bound"] == pytest.approx(26624 / bandwidth)
 
 
 def test_a_collective_is_a_launch_whose_bytes_the_time_model_prices_apart():
@@ -38,3 +48,21 @@ def test_a_collective_is_a_launch_whose_bytes_the_time_model_prices_apart():
     at device memory bandwidth."""
     cost = op_cost(torch.ops.c10d.allreduce_.default, (), {}, None, lambda values: [])
     assert cost.kernel and cost.nbytes == 0 and cost.matmul is None
+
+
+def test_an_in_place_op_reads_what_it_updates_and_writes_it_back():
+    """``a.add_(b)`` on 1024 floats reads a and b and writes a: 3 x 4 KiB. A copy and a fill
+    write their target without reading it; an ``out=`` is written only."""
+    a, b, c = (torch.empty(1024, device=META) for _ in range(3))
+    sizes = []
+    for op in (
+        lambda: a.add_(b),
+        lambda: a.exp_(),
+        lambda: a.copy_(b),
+        lambda: a.fill_(1.0),
+        lambda: torch.add(a, b, out=c),
+    ):
+        with StepMeter() as meter:
+            op()
+        sizes.append(meter.costs.memory_bytes // 4096)
+    assert sizes == [3, 2, 2, 1, 3]

@@ -24,11 +24,13 @@ MATMULS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
 
 @dataclass(frozen=True)
 class OpCost:
-    """One op: whether it runs a kernel, its bytes, and its matmul shape if it is one."""
+    """One op: whether it runs a kernel, its bytes, its matmul shape if it is one, and
+    whether it is a copy across the host link (``link``)."""
 
     kernel: bool
     nbytes: int = 0
     matmul: tuple[int, int, int] | None = None
+    link: bool = False
 
 
 VIEW = OpCost(kernel=False)
@@ -50,9 +52,11 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
     if func.namespace in _COLLECTIVES:  # priced as a collective (time_model), by its bytes
         return COLLECTIVE
     nbytes = sum(_nbytes(t) for t in tensors((*args, *kwargs.values())))
-    if all(r.alias_info is None for r in schema.returns):  # in place: written where read
+    if all(r.alias_info is None for r in schema.returns):  # a new tensor: written too
         results = out if isinstance(out, (tuple, list)) else (out,)
         nbytes += sum(_nbytes(t) for t in tensors(results))
+    elif packet not in _OVERWRITES:  # in place: what it updates is read, then written
+        nbytes += sum(_nbytes(t) for t in tensors(_updated(schema, args, kwargs)))
     if packet not in MATMULS:
         return OpCost(kernel=True, nbytes=nbytes)
     a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
@@ -62,9 +66,29 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
     )
 
 
+def _updated(schema, args: tuple, kwargs: dict) -> list:
+    """The arguments an op writes that it also reads (``add_``'s self, not an ``out=``)."""
+    updated = []
+    for index, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write or argument.is_out:
+            continue
+        if argument.name in kwargs:
+            updated.append(kwargs[argument.name])
+        elif index < len(args):
+            updated.append(args[index])
+    return updated
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
+
+# In-place ops that write their tensor without reading it (the rest read what they update).
+_OVERWRITES = frozenset(
+    getattr(aten, name)
+    for name in ("copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_")
+    if hasattr(aten, name)
+)
 
 # Ops that allocate or describe a tensor without touching its elements; ``_unsafe_view``
 # declares no alias (autograd's reasons) but is a view: the reshape ``matmul`` ends with.
@@ -89,7 +113,9 @@ class OpCosts:
     Attributes:
         kernels: Ops that launched a kernel.
         memory_bytes: Bytes read and written by the kernels that are neither matmuls nor fused
-            attention.
+            attention, nor copies across the host link.
+        link_bytes: Bytes of the copies across the host link: the link's on a GPU (priced
+            as copies, beside the kernels), memory-bound work on a CPU, whose cores copy.
         attention_bytes: The same of the fused attention kernels.
         matmuls: Count of each matmul by ``(m, n, k, bytes)``.
         allocations: Bytes of new storages by size class (the power of two at or below),
@@ -100,6 +126,7 @@ class OpCosts:
     kernels: int = 0
     memory_bytes: int = 0
     attention_bytes: int = 0
+    link_bytes: int = 0
     matmuls: Counter = field(default_factory=Counter)
     allocations: Counter = field(default_factory=Counter)
 
@@ -111,7 +138,9 @@ class OpCosts:
         if not cost.kernel:
             return
         self.kernels += 1
-        if cost.matmul is not None:
+        if cost.link:
+            self.link_bytes += cost.nbytes
+        elif cost.matmul is not None:
             self.matmuls[(*cost.matmul, cost.nbytes)] += 1
         elif attention:
             self.attention_bytes += cost.nbytes
@@ -123,6 +152,7 @@ class OpCosts:
             self.kernels,
             self.memory_bytes,
             self.attention_bytes,
+            self.link_bytes,
             Counter(self.matmuls),
             Counter(self.allocations),
         )
@@ -132,6 +162,7 @@ class OpCosts:
             self.kernels - earlier.kernels,
             self.memory_bytes - earlier.memory_bytes,
             self.attention_bytes - earlier.attention_bytes,
+            self.link_bytes - earlier.link_bytes,
             self.matmuls - earlier.matmuls,
             self.allocations - earlier.allocations,
         )
@@ -140,6 +171,7 @@ class OpCosts:
         self.kernels += other.kernels
         self.memory_bytes += other.memory_bytes
         self.attention_bytes += other.attention_bytes
+        self.link_bytes += other.link_bytes
         self.matmuls.update(other.matmuls)
         self.allocations.update(other.allocations)
         return self
@@ -155,12 +187,13 @@ def device_seconds(costs: OpCosts, attention_flops: float, spec: DeviceSpec) -> 
     for (m, n, k, nbytes), count in costs.matmuls.items():
         flops_time = 2.0 * m * n * k / (spec.matmul_rate(m, n, k) * 1e12)
         matmul += count * max(flops_time, nbytes / bandwidth)
+    link = 0 if spec.copies_overlap else costs.link_bytes  # a CPU's cores copy
     peak = spec.peak_tflops * 1e12
     attention_rate = peak * (spec.attention_efficiency or spec.compute_efficiency)
     return {
         "matmul": matmul,
         "attention": max(attention_flops / attention_rate, costs.attention_bytes / bandwidth),
-        "memory_bound": costs.memory_bytes / bandwidth,
+        "memory_bound": (costs.memory_bytes + link) / bandwidth,
         "launch": costs.kernels * spec.launch_overhead_us * 1e-6,
         "fresh_memory": _fresh_seconds(costs, spec),
     }

@@ -17,6 +17,7 @@ recorded FLOPs (:class:`MetaResults`).
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -80,9 +81,9 @@ class StepMeter(TorchDispatchMode):
     ):
         """``meta_results``: meta ops already run, to replay (kept by a planning across the
         steps it measures; a fresh set serves this meter alone). ``host_buffers``: tensors
-        standing for host memory; a copy to or from one crosses the host link, which the
-        engine counts and the time model prices as a copy, so it moves no device bytes here
-        (a GPU's copy engines run it, a CPU's copy is the one priced)."""
+        standing for host memory; a copy to or from one crosses the host link: its bytes are
+        the link's (``OpCosts.link_bytes``), which a GPU's copy engines move beside its
+        kernels and a CPU's cores move as any other memory-bound op."""
         super().__init__()
         self.meta_results = meta_results if meta_results is not None else MetaResults()
         self._host = {id(t.untyped_storage()) for t in host_buffers}
@@ -115,7 +116,7 @@ class StepMeter(TorchDispatchMode):
         self.flops += flops
         crosses = self._host and func._overloadpacket in _COPIES and cost.nbytes
         if crosses and not self._host.isdisjoint(_input_storages(args, kwargs)):
-            cost = _TRANSFER
+            cost = dataclasses.replace(cost, link=True)
         attention = func._overloadpacket in ATTENTION_KERNELS
         if flops and attention:
             self.attention_flops += flops
@@ -147,10 +148,8 @@ class StepMeter(TorchDispatchMode):
         self.live -= self._counted.pop(key, 0)
 
 
-# The ops a buffer's load or store runs (Mover, the stores' closures), and what one priced
-# as a host-link copy costs the device: a launch, no bytes.
+# The ops a buffer's load or store runs (Mover, the stores' closures).
 _COPIES = frozenset({torch.ops.aten.copy_, torch.ops.aten._to_copy})
-_TRANSFER = OpCost(kernel=True)
 
 
 class _Result:
