@@ -69,6 +69,7 @@ from sample_clock import (
     Sample,
     doubtful_timings,
     load_warning,
+    raised_priority,
     summarise,
     take_sample,
     timed,
@@ -365,8 +366,9 @@ def _timed(name: str, measure: Callable[..., dict], *args) -> dict:
     return result
 
 
-def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
-    """Every measurement, and the device spec they give on top of ``base``."""
+def calibrate(device: torch.device, sizes: Sizes, base: str, prioritised: bool = False) -> dict:
+    """Every measurement, and the device spec they give on top of ``base`` (``prioritised``:
+    this process runs at a raised priority, :func:`~sample_clock.raised_priority`)."""
     measured = {name: _timed(name, fn, device, sizes) for name, fn in MEASUREMENTS.items()}
     spec = dataclasses.replace(SPECS[base], **spec_fields(measured, device))
     spec = dataclasses.replace(
@@ -383,12 +385,13 @@ def calibrate(device: torch.device, sizes: Sizes, base: str) -> dict:
     waited = _timed("waited_collectives", measure_waited_collectives, device, sizes, spec)
     measured["waited_collectives"] = waited
     spec = dataclasses.replace(spec, waited_collective_us=waited["waited_us"])
-    doubtful = {name: list(counts) for name, counts in doubtful_timings(measured).items()}
+    doubtful = doubtful_timings(measured, prioritised)
     return {
         "device_spec": spec_file_dict(spec),
         "base": base,
         "measurements": measured,
-        "doubtful_timings": doubtful,
+        "doubtful_timings": {name: list(counts) for name, counts in doubtful.items()},
+        "raised_priority": prioritised,
     }
 
 
@@ -427,10 +430,13 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
+    # Before any thread or rank starts: they run at the priority of the thread that starts them.
     # The device as a run selects it (on a CPU: freed blocks kept, as the engine's process has).
     device = select_device(args.device, 0)
     sizes = QUICK if args.quick else FULL[device.type]
-    result = calibrate(device, sizes, args.base)
+    # Raised before any thread or rank starts: they run at the priority of their starter.
+    with raised_priority() as prioritised:
+        result = calibrate(device, sizes, args.base, prioritised)
     Path(args.output).write_text(json.dumps(result, indent=1))
     print(summary(result))
     if warning := load_warning(result):
