@@ -3,8 +3,10 @@
 - ``full``: nothing but its input x (already in the activation buffers); the backward phase
   runs the layer forward again under autograd (the least memory, the most compute).
 - ``none``: the forward phase runs under autograd and keeps the graph; every tensor autograd
-  saves goes into the layer's ``kept`` entry of the activation buffers (device or host, as
-  the plan places activations), and the backward phase only runs the backward.
+  saves is kept, and the backward phase only runs the backward. With activations on the host
+  each is copied into the layer's ``kept`` entry of the activation buffers; on the device
+  the layer keeps the tensors themselves (a copy there would move as many bytes as the
+  block's own elementwise work).
 - ``selective`` (Korthikanti et al. 2022): as ``none``, but attention's core (scores,
   softmax, dropout, the product with v) is checkpointed, so what it keeps is q, k and v, not
   the ``[heads, seq, seq]`` tensors; the backward recomputes only the core.
@@ -13,12 +15,14 @@ Weights are never kept: a saved tensor that lies in a gathered weight vector is 
 its place in that vector, and the backward phase reads it from the same weights gathered
 again. Gradients reach the accumulators through :class:`_Bind`, and the graph is held by a
 one-element :class:`_Handle` instead of the layer's output, so a kept graph holds no memory
-but its ``kept`` entry. Dropout masks are drawn from the same explicit seeds as in ``full``
-(:mod:`modelling.layers`), so every mode computes the same numbers.
+but its ``kept`` entry, or the tensors it keeps in place. Dropout masks are drawn from the
+same explicit seeds as in ``full`` (:mod:`modelling.layers`), so every mode computes the same
+numbers.
 
 The bytes of an entry are measured, not estimated: :func:`kept_bytes` runs the same packing
 over one layer's forward on meta tensors, with attention as the kernel the device runs; the
-buffers are allocated by that figure and the planner plans with it.
+buffers are allocated by that figure (or, in place, the storages the saved tensors lie in)
+and the planner plans with it.
 """
 
 from __future__ import annotations
@@ -176,11 +180,12 @@ class _Packer:
     measured) stays where it is and is counted in ``overflow``. ``held`` counts the bytes of
     the storages the saved tensors lie in, but for those of ``buffers`` (the x buffer, whose
     view a layer norm saves): what keeping them ``in_place`` (activations on the device)
-    holds, where each stays as it is and ``on_keep`` is told of each storage's first one. A tensor on the CPU while the
-    layer runs elsewhere stays there too, uncounted: the memory-efficient kernel's philox seed
-    and offset, which its backward reads on the host (Note [Seed and Offset Device] in torch's
-    attention.cu), so a copy on the device would be read as a host address. The meta
-    measurement cannot tell their place and counts them: 32 bytes of the entry stay unused.
+    holds, where each stays as it is and ``on_keep`` is told of each storage's first one. A
+    tensor on the CPU while the layer runs elsewhere stays there too, uncounted: the
+    memory-efficient kernel's philox seed and offset, which its backward reads on the host
+    (Note [Seed and Offset Device] in torch's attention.cu), so a copy on the device would be
+    read as a host address. The meta measurement cannot tell their place and counts them: 32
+    bytes of the entry stay unused.
     """
 
     def __init__(
@@ -405,7 +410,8 @@ def kept_layer_on_meta(
 ) -> KeptBytes:
     """One decoder layer's forward, keeping what ``mode`` keeps (``selective`` or ``none``)
     through the engine's packing, and its backward, on meta tensors with attention running
-    as ``kernel`` (:func:`attention_kernel`); returns the bytes kept, stored and loaded."""
+    as ``kernel`` (:func:`attention_kernel`); returns the bytes kept, stored, loaded and held
+    in place."""
     block = meta_block(shapes)
     prepare_block(block, mode)
     specs = flat_specs(shapes, dict.fromkeys(SHARD_KINDS, 1))[LAYERS]
