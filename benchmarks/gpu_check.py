@@ -61,9 +61,12 @@ CUDA_POISONED_EXIT = 3
 BF16_LOSS_TOLERANCE = 2e-2  # absolute, on losses near ln(50257) = 10.8 (bf16 has 8 bits)
 FP32_LOSS_TOLERANCE = 1e-4
 
+# Eager: the checks are of placements, streams and NCCL, and a dozen engines each compiling
+# its blocks would take the checks past their minutes of a lent GPU (the rows compile).
 SMALL = shlex.split(
     "--config tiny --layers 2 --hidden_size 64 --heads 4 --sequence_length 64 "
-    "--max_positional_length 64 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0"
+    "--max_positional_length 64 --global_batch_size 8 --micro_batch_size 2 --dropout_prob 0 "
+    "--compile false"
 )
 # gpu_first_run.py --quick: the same checks on a smaller model still (tests on a CPU).
 QUICK = shlex.split("--hidden_size 32 --sequence_length 32 --max_positional_length 32")
