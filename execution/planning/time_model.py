@@ -193,12 +193,12 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
     Returns seconds per step: ``step_time_s``; ``compute_s`` (matmuls and attention, at the
     rates of their shapes); ``memory_bound_s``; ``overhead_s`` (launches, the engine's host
     time and first touches of fresh memory) and ``hidden_overhead_s`` (the launches and host
-    time run beside the kernels before them, where the device queues them); ``host_optimizer_s`` (the host AdamW the step waits
-    for) and ``hidden_update_s`` (the rest of it, behind the next step: ``--overlap_update``);
-    ``copies_s`` and ``collectives_s`` (all of them, hidden or
-    not); ``hidden_comm_s`` (copies and collectives behind device work); ``exposed_comm_s``
-    (the rest); ``bubble_s`` (the pipeline's idle share of the phases); ``by_kind`` (each kind
-    of phase's seconds in the step)."""
+    time run beside the kernels before them, where the device queues them);
+    ``host_optimizer_s`` (the host AdamW the step waits for) and ``hidden_update_s`` (the rest
+    of it, behind the next step: ``--overlap_update``); ``copies_s`` and ``collectives_s`` (all
+    of them, hidden or not); ``hidden_comm_s`` (copies and collectives behind device work);
+    ``exposed_comm_s`` (the rest); ``bubble_s`` (the pipeline's idle share of the phases);
+    ``by_kind`` (each kind of phase's seconds in the step)."""
     step = hidden = hidden_host = bubble_s = 0.0
     bubble = step_stretch(pipeline_stages, passes)
     totals = dict.fromkeys(PHASE_COSTS, 0.0)
