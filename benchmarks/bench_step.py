@@ -56,11 +56,12 @@ from bench_profile import gpu_activity, profile_step, synchronize
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 from child_process import append_json_line, read_json_lines, run_child
 from command_line import check_output_file, exit_on_bad_input
+from idle_gaps import format_gaps, profile_idle
 
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
-from execution.engine.engine import PhasedEngine
+from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
@@ -125,9 +126,9 @@ def our_engine(config: PretrainingConfig, device: torch.device, batches) -> Step
     engine = PhasedEngine(run.engine_plan(memory), layout)
     t = config.training
 
-    def step(i: int) -> float:
+    def step(i: int, on_phase=None) -> float:
         lr = learning_rate(i, t.optimizer, config.tokens_per_step, t.steps)
-        return engine.train_step(batches[i], i, lr).loss
+        return engine.train_step(batches[i], i, lr, StepHooks(on_phase=on_phase)).loss
 
     step.plan = {
         "passes": memory.passes,
@@ -155,6 +156,7 @@ class Run:
     warmup: int
     profile: bool = True
     progress: Path | None = None  # each step's time is appended here as it ends
+    idle_gaps: bool = False  # ours on CUDA: two more steps, for idle_gaps.py's split
 
 
 def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
@@ -168,13 +170,14 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     step_fn: StepFn = build()
     if run.progress is not None:  # what survives a row killed by its time limit
         append_json_line(run.progress, {"built_s": time.perf_counter() - started})
-    times, losses = [], []
+    times, losses, every = [], [], []
     for i in range(run.warmup + run.steps):
         synchronize(device)
         started = time.perf_counter()
         losses.append(step_fn(i))
         synchronize(device)
         seconds = time.perf_counter() - started
+        every.append(seconds)
         if i >= run.warmup:
             times.append(seconds)
         if run.progress is not None:
@@ -183,6 +186,7 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     if getattr(step_fn, "plan", None) is not None:
         row["plan"] = step_fn.plan
     row["step_s"] = statistics.median(times)
+    row["each_step_s"] = every  # warm-up included: the first step compiles
     row.update(first_loss=losses[0], last_loss=losses[-1])
     m = config.model
     rates = throughput(
@@ -201,6 +205,8 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     row["host_rss_GiB"] = (proc_status_bytes("VmRSS") or 0) / 2**30 or None
     if device.type == "cuda" and run.profile:
         row.update(profile_step(step_fn, run.warmup + run.steps, device))
+        if run.idle_gaps and row.get("plan") is not None:
+            row["idle_gaps"] = profile_idle(step_fn, run.warmup + run.steps + 2, device)
     else:  # no copies to time and no kernels to count
         row.update(dict.fromkeys(("h2d_GBps", "d2h_GBps", "h2d_GB", "d2h_GB", "gpu_idle")))
     return row
@@ -236,7 +242,8 @@ def measure_row(key: str, flags: list[str], run_args: argparse.Namespace) -> dic
         return {"variant": label, "skipped": FSDP2_NEEDS_CUDA}
     progress = getattr(run_args, "progress", None)
     run = Run(device, run_args.steps, run_args.warmup, not run_args.no_profile, progress)
-    batches = read_batches(config, run.warmup + run.steps + 2)  # + 2: the profiled steps
+    run.idle_gaps = getattr(run_args, "idle_gaps", False)
+    batches = read_batches(config, run.warmup + run.steps + 4)  # + 4: the profiled steps
     build = {"ours": our_engine, "plain": pytorch_loop, "fsdp2": fsdp2_offload}[kind]
     try:
         return measure(label, lambda: build(config, device, batches), config, run)
@@ -276,6 +283,8 @@ def run_row(
         command = [sys.executable, __file__, *mode, *steps, "--progress", str(progress), *flags]
         if run_args.no_profile:
             command.append("--no_profile")
+        if getattr(run_args, "idle_gaps", False):
+            command.append("--idle_gaps")
         done = run_child(
             command, timeout, {"PYTORCH_CUDA_ALLOC_CONF": ROW_ALLOCATOR, **(env or {})}
         )
@@ -313,6 +322,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--in_process", action="store_true", help="all rows in this process")
     parser.add_argument("--row_timeout", type=float, help="seconds a row's process may take")
     parser.add_argument("--no_profile", action="store_true", help="skip the profiled steps")
+    gaps_help = "on CUDA, split our rows' idle time by phase and host op (idle_gaps.py)"
+    parser.add_argument("--idle_gaps", action="store_true", help=gaps_help)
     parser.add_argument("--json", help="also write the rows to this JSON file, row by row")
     progress_help = "append each step's time to this file as it ends (one JSON line each)"
     parser.add_argument("--progress", type=Path, help=progress_help)
@@ -347,6 +358,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         f"{base.gradient_accumulation}; median of {args.steps} steps after {args.warmup} warm-up"
     )
     print(format_table(rows))
+    for row in rows:
+        if "idle_gaps" in row:
+            print(f"{row['variant']}: " + format_gaps(row["idle_gaps"]))
     if args.adamw_elements > 0:
         print(host_adamw_line(args.adamw_elements, base))
     return rows

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_first_run.py --results_dir DIR          # one H100: about 7 minutes
     python benchmarks/gpu_first_run.py --device cpu --quick --json out.json   # tiny, for tests
+    python benchmarks/gpu_first_run.py --stages calibration row:resident      # some stages again
 
 Stages, in order (:func:`stages`), each in a process of its own with its own time limit:
 
@@ -251,7 +252,10 @@ def run_row(stage: Stage, report: Report, timeout: float) -> dict:
             why = f"FSDP2's host state needs {needed:.0f} GiB, {available:.0f} GiB available"
             return _record_row(stage, report, {"variant": bench_step.FSDP2_OFFLOAD, "skipped": why})
     run_args = argparse.Namespace(
-        steps=stage.steps, warmup=stage.warmup, no_profile=not stage.profile
+        steps=stage.steps,
+        warmup=stage.warmup,
+        no_profile=not stage.profile,
+        idle_gaps=stage.profile,  # where our profiled rows' idle time goes (idle_gaps.py)
     )
     row = bench_step.run_row(stage.row, list(stage.flags), run_args, timeout)
     return _record_row(stage, report, row)
@@ -310,13 +314,20 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_BUDGET_S,
         help="seconds the stages may take in all (stages that do not fit are skipped)",
     )
+    stages_help = "run only these stages (and the probe), e.g. calibration row:resident"
+    parser.add_argument("--stages", nargs="+", metavar="STAGE", help=stages_help)
     args = parser.parse_args(argv)
     if args.budget_s <= 0:
         parser.error("--budget_s must be a positive number of seconds")
+    plan = stages(args.device, args.quick)
+    unknown = sorted(set(args.stages or ()) - {s.name for s in plan})
+    if unknown:
+        names = " ".join(s.name for s in plan)
+        parser.error(f"--stages: no stage {', '.join(unknown)} (the stages: {names})")
+    plan = [s for s in plan if s.kind == "probe" or not args.stages or s.name in args.stages]
     target = Path(args.json) if args.json else Path(args.results_dir)
     if not (target.parent if args.json else target).is_dir():
         parser.error(f"{target}: its folder does not exist")
-    plan = stages(args.device, args.quick)
     report = Report(Path(os.devnull), args.device, args.budget_s)
     for n, stage in enumerate(plan):
         left = args.budget_s - report.elapsed()

@@ -1,0 +1,240 @@
+"""Where a GPU step's idle time goes: each stretch with no kernel running, put down to what the
+host was doing then, phase by phase, from one step profiled with CPU and CUDA activity.
+
+    python benchmarks/bench_step.py --config gpt3_1.3B --device cuda --rows resident --idle_gaps
+
+A gap between two kernels is one of three things:
+
+- the host was late: the kernel that ends the gap was launched after the previous one ended.
+  The host's time until that launch goes to the innermost operation it was running (the CPU
+  op and, inside it, the CUDA runtime call: ``cudaStreamSynchronize`` is a wait for the GPU,
+  ``cudaLaunchKernel`` the launches themselves, none a stretch of Python between ops), sampled
+  at a few points of the gap, and to the phase it belongs to (``phase:KIND``, labelled by
+  :class:`PhaseLabels` from the engine's ``on_phase`` hook; ``outside phases`` for the norm,
+  the loss and the update that follow them). What remains until the kernel starts is launch
+  latency;
+- the device waited: the kernel was queued before the gap began, behind an event of another
+  stream (a copy on the side stream when one overlaps the gap);
+- the end: after the last kernel, until the step returned.
+
+The profiler's CPU recording slows the host, so this step's idle share is larger than the
+unprofiled one's: read the split, not the total.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+import os
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+STEP_LABEL = "bench:step"
+PHASE_PREFIX = "phase:"
+HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
+SAMPLES_PER_GAP = 8
+
+
+class PhaseLabels:
+    """The engine's ``on_phase`` hook: a ``record_function`` range around each phase."""
+
+    def __init__(self):
+        self._open = None
+
+    def __call__(self, phase) -> None:
+        if self._open is not None:
+            self._open.__exit__(None, None, None)
+            self._open = None
+        if phase is not None:
+            self._open = torch.profiler.record_function(f"{PHASE_PREFIX}{phase.kind}")
+            self._open.__enter__()
+
+
+def _intervals(events: list[dict], category: str) -> list[tuple[float, float, dict]]:
+    return sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e)
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") == category and "dur" in e
+    )
+
+
+class _HostStack:
+    """Innermost host events at ascending times, by a sweep over one thread's nested events."""
+
+    def __init__(self, events: list[dict]):
+        self._events = sorted(
+            (
+                (float(e["ts"]), -float(e["dur"]), e)
+                for e in events
+                if e.get("ph") == "X" and e.get("cat") in HOST_CATEGORIES and "dur" in e
+            ),
+            key=lambda t: (t[0], t[1]),
+        )
+        self._next = 0
+        self._stack: list[tuple[float, dict]] = []  # (end, event), innermost last
+
+    def at(self, t: float) -> list[dict]:
+        """The events open at ``t``, outermost first; calls must come in ascending ``t``."""
+        while self._next < len(self._events) and self._events[self._next][0] <= t:
+            start, neg_dur, event = self._events[self._next]
+            while self._stack and self._stack[-1][0] <= start:
+                self._stack.pop()
+            self._stack.append((start - neg_dur, event))
+            self._next += 1
+        while self._stack and self._stack[-1][0] < t:
+            self._stack.pop()
+        return [event for _, event in self._stack]
+
+
+class _Phases:
+    """The phase label (a ``phase:KIND`` range) open at a moment, by bisection."""
+
+    def __init__(self, events: list[dict]):
+        ranges = sorted(
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
+            for e in events
+            if e.get("ph") == "X" and str(e.get("name", "")).startswith(PHASE_PREFIX)
+        )
+        self._starts = [r[0] for r in ranges]
+        self.ranges = ranges
+
+    def at(self, t: float) -> str:
+        i = bisect.bisect_right(self._starts, t) - 1
+        if i >= 0 and t <= self.ranges[i][1]:
+            return self.ranges[i][2].removeprefix(PHASE_PREFIX)
+        return "outside phases"
+
+
+def _host_op(open_events: list[dict]) -> str:
+    """What the host ran, from the events open at one moment: the outermost op below the
+    labels, and the innermost where they differ."""
+    names = [e.get("name", "?") for e in open_events]
+    names = [n for n in names if n != STEP_LABEL and not n.startswith(PHASE_PREFIX)]
+    if not names:
+        return "python (between ops)"
+    return names[0] if len(names) == 1 else f"{names[0]} > {names[-1]}"
+
+
+def idle_gaps(events: list[dict]) -> dict:
+    """The idle time of the step inside the ``bench:step`` range of ``events`` (a chrome
+    trace's ``traceEvents``), split as the module says.
+
+    Returns:
+        ``step_ms``, ``idle_ms``; ``gaps``: rows of ``phase``, ``cause``, ``ms`` and ``count``
+        (gaps, or samples of them), largest first.
+    """
+    steps = [e for e in events if e.get("name") == STEP_LABEL and e.get("ph") == "X"]
+    assert steps, f"no {STEP_LABEL} range in the trace"
+    step_start = float(steps[0]["ts"])
+    step_end = step_start + float(steps[0]["dur"])
+    kernels = [k for k in _intervals(events, "kernel") if step_start <= k[0] < step_end]
+    copies = _intervals(events, "gpu_memcpy")
+    copy_starts = [c[0] for c in copies]
+    copy_ends = list(itertools.accumulate((c[1] for c in copies), max))  # latest end so far
+    launches = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    tid = steps[0].get("tid")
+    host = _HostStack([e for e in events if e.get("tid") == tid])
+    phases = _Phases(events)
+    totals: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+
+    def add(phase: str, cause: str, micros: float) -> None:
+        totals[(phase, cause)][0] += micros
+        totals[(phase, cause)][1] += 1
+
+    busy_until = step_start
+    for start, end, kernel in kernels:
+        if start > busy_until:
+            launched = launches.get(kernel.get("args", {}).get("correlation"), busy_until)
+            if launched <= busy_until:  # queued before the gap: it waited on the device
+                i = bisect.bisect_left(copy_starts, start)
+                copying = i > 0 and copy_ends[i - 1] > busy_until
+                cause = "device waits (a copy in flight)" if copying else "device waits (event)"
+                add(phases.at(launched), cause, start - busy_until)
+            else:
+                late = min(launched, start) - busy_until
+                for n in range(SAMPLES_PER_GAP):
+                    at = busy_until + (n + 0.5) * late / SAMPLES_PER_GAP
+                    add(phases.at(at), _host_op(host.at(at)), late / SAMPLES_PER_GAP)
+                if start > launched:
+                    add(phases.at(launched), "launch latency", start - launched)
+        busy_until = max(busy_until, end)
+    if step_end > busy_until:
+        add("after the last kernel", "until the step returned", step_end - busy_until)
+    gaps = [
+        {"phase": phase, "cause": cause, "ms": micros / 1e3, "count": count}
+        for (phase, cause), (micros, count) in sorted(totals.items(), key=lambda kv: -kv[1][0])
+    ]
+    idle = sum(g["ms"] for g in gaps)
+    host_ms: dict[str, float] = defaultdict(float)
+    for start, end, name in phases.ranges:
+        if step_start <= start < step_end:
+            host_ms[name.removeprefix(PHASE_PREFIX)] += (end - start) / 1e3
+    return {
+        "step_ms": (step_end - step_start) / 1e3,
+        "idle_ms": idle,
+        "gaps": gaps,
+        "host_ms_by_phase": dict(host_ms),
+    }
+
+
+def profile_idle(step_fn: Callable, step: int, device: torch.device) -> dict:
+    """Step ``step + 1``, after a profiler warm-up on step ``step``, recorded with CPU and
+    CUDA activity and the engine's phases labelled; :func:`idle_gaps` of it (on a CPU, which
+    runs no kernels, the whole step is one gap: only ``host_ms_by_phase`` says anything)."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    labels = PhaseLabels()
+
+    def labelled(i: int) -> None:
+        with torch.profiler.record_function(STEP_LABEL):
+            step_fn(i, on_phase=labels)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        with (
+            warnings.catch_warnings(),
+            profile(
+                activities=activities,
+                schedule=schedule(wait=0, warmup=1, active=1),
+                on_trace_ready=lambda prof: prof.export_chrome_trace(path),
+            ) as prof,
+        ):
+            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
+            labelled(step)
+            prof.step()
+            labelled(step + 1)
+            prof.step()
+        started = time.perf_counter()
+        with open(path) as trace:
+            events = json.load(trace)["traceEvents"]
+    result = idle_gaps(events)
+    result["analysed_s"] = time.perf_counter() - started
+    return result
+
+
+def format_gaps(result: dict, top: int = 15) -> str:
+    """The largest rows of :func:`idle_gaps` as a table."""
+    lines = [
+        f"idle {result['idle_ms']:.1f} of {result['step_ms']:.1f} ms in the profiled step "
+        f"(CPU recording slows the host: read the split)",
+        f"{'phase':<22} {'cause':<64} {'ms':>9} {'count':>7}",
+    ]
+    for gap in result["gaps"][:top]:
+        cause = gap["cause"][:64]
+        lines.append(f"{gap['phase']:<22} {cause:<64} {gap['ms']:9.2f} {gap['count']:7d}")
+    return "\n".join(lines)

@@ -1,0 +1,102 @@
+"""benchmarks/idle_gaps.py: a GPU step's idle time split by hand on a made-up trace, and the
+engine's phases labelled in a real profiled CPU step."""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import idle_gaps  # noqa: E402
+
+
+def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+
+def _kernel(ts: float, dur: float, correlation: int) -> dict:
+    return _x("kernel", "gemm", ts, dur, tid=7, correlation=correlation)
+
+
+def _launch(ts: float, correlation: int) -> dict:
+    return _x("cuda_runtime", "cudaLaunchKernel", ts, 2.0, correlation=correlation)
+
+
+def test_idle_time_split_by_hand():
+    events = [
+        _x("user_annotation", "bench:step", 0.0, 1000.0),
+        _x("user_annotation", "phase:layer_forward", 5.0, 395.0),
+        _x("user_annotation", "phase:layer_backward", 400.0, 450.0),
+        # 0-10: the step's first 10 us, the host in Python until the first launch at 8
+        _launch(8.0, 1),
+        _kernel(10.0, 90.0, 1),  # busy 10-100
+        # 100-200: the host inside aten::item waiting on cudaStreamSynchronize (100-180),
+        # then Python (180-196); the launch at 196, the kernel at 200 (4 us latency)
+        _x("cpu_op", "aten::item", 90.0, 95.0),
+        _x("cuda_runtime", "cudaStreamSynchronize", 95.0, 85.0),
+        _launch(196.0, 2),
+        _kernel(200.0, 100.0, 2),  # busy 200-300
+        # 300-420: queued at 250 (before the gap), behind a copy 280-410 on another stream
+        _launch(250.0, 3),
+        _x("gpu_memcpy", "Memcpy HtoD", 280.0, 130.0, tid=8),
+        _kernel(420.0, 80.0, 3),  # busy 420-500
+        # 500-600: queued at 450, nothing in flight: an event of another stream
+        _launch(450.0, 4),
+        _kernel(600.0, 300.0, 4),  # busy 600-900; 900-1000 after the last kernel
+    ]
+    result = idle_gaps.idle_gaps(events)
+    assert result["step_ms"] == pytest.approx(1.0)
+    # idle: 10 + 100 + 120 + 100 + 100 us
+    assert result["idle_ms"] == pytest.approx(0.430)
+    split = {(g["phase"], g["cause"]): g["ms"] for g in result["gaps"]}
+    assert split == pytest.approx(
+        {
+            # 0-8 sampled at 1 us: 0-5 outside the phase labels, 5-8 in layer_forward, both
+            # in Python; and 100-196 at 12 us: 106-178 (7 samples) synchronising, 190 in Python
+            ("outside phases", "python (between ops)"): 0.005,
+            ("layer_forward", "python (between ops)"): 0.003 + 0.012,
+            ("layer_forward", "aten::item > cudaStreamSynchronize"): 0.084,
+            ("layer_forward", "launch latency"): 0.002 + 0.004,
+            ("layer_forward", "device waits (a copy in flight)"): 0.120,  # launched at 250
+            ("layer_backward", "device waits (event)"): 0.100,  # launched at 450
+            ("after the last kernel", "until the step returned"): 0.100,
+        }
+    )
+    assert sum(split.values()) == pytest.approx(result["idle_ms"])
+
+
+def test_a_profiled_step_labels_the_engines_phases():
+    """On a CPU, the labels the engine's hook opens are in the trace, phase by phase, inside
+    the step (the split itself needs kernels: a GPU)."""
+    from config.loading import parse_config
+    from execution.engine.engine import PhasedEngine, StepHooks
+    from execution.parallel.mesh import ParallelLayout
+    from execution.planning.planner import plan_for_process
+    from execution.planning.run_shape import RunShape
+
+    flags = (
+        "--config tiny --layers 2 --hidden_size 32 --sequence_length 16 "
+        "--max_positional_length 16 --global_batch_size 2 --micro_batch_size 1 "
+        "--device cpu --compile false"
+    )
+    config, _ = parse_config(shlex.split(flags))
+    layout = ParallelLayout.single(torch.device("cpu"))
+    run = RunShape.of(config)
+    memory, _ = plan_for_process(run, layout)
+    engine = PhasedEngine(run.engine_plan(memory), layout)
+    tokens = torch.randint(0, 100, (2, 1, 17))
+
+    def step(i: int, on_phase=None) -> float:
+        return engine.train_step(tokens, i, 1e-4, StepHooks(on_phase=on_phase)).loss
+
+    result = idle_gaps.profile_idle(step, 0, torch.device("cpu"))
+    kinds = ("embedding_forward", "layer_forward", "head", "layer_backward", "embedding_backward")
+    assert set(result["host_ms_by_phase"]) == set(kinds), result["host_ms_by_phase"]
+    assert 0 < sum(result["host_ms_by_phase"].values()) < result["step_ms"]
+    assert [g["phase"] for g in result["gaps"]] == ["after the last kernel"]  # no kernels
