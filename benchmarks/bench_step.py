@@ -375,6 +375,7 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
     hyper = dict(
         step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True, grad_scale=0.5
     )
+    hyper["scratch"] = torch.empty(elements)  # kept from update to update, as the engine does
     cores = os.cpu_count() or 1
     timed = {}
     for team in sorted({1, cores}):

@@ -92,6 +92,12 @@ class _HostStack:
         return [event for _, event in self._stack]
 
 
+def _host_range(event: dict) -> bool:
+    """A ``record_function`` range as the host ran it. Kineto also draws each range on the
+    GPU's timeline (``gpu_user_annotation``), over the kernels launched inside it, later."""
+    return event.get("ph") == "X" and event.get("cat") == "user_annotation" and "dur" in event
+
+
 class _Phases:
     """The phase label (a ``phase:KIND`` range) open at a moment, by bisection."""
 
@@ -99,7 +105,7 @@ class _Phases:
         ranges = sorted(
             (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e["name"])
             for e in events
-            if e.get("ph") == "X" and str(e.get("name", "")).startswith(PHASE_PREFIX)
+            if _host_range(e) and e["name"].startswith(PHASE_PREFIX)
         )
         self._starts = [r[0] for r in ranges]
         self.ranges = ranges
@@ -113,9 +119,9 @@ class _Phases:
 
 def _host_op(open_events: list[dict]) -> str:
     """What the host ran, from the events open at one moment: the outermost op below the
-    labels, and the innermost where they differ."""
-    names = [e.get("name", "?") for e in open_events]
-    names = [n for n in names if n != STEP_LABEL and not n.startswith(PHASE_PREFIX)]
+    ranges (ours, and the profiler's ``ProfilerStep#N``), and the innermost where they
+    differ."""
+    names = [e.get("name", "?") for e in open_events if e.get("cat") != "user_annotation"]
     if not names:
         return "python (between ops)"
     return names[0] if len(names) == 1 else f"{names[0]} > {names[-1]}"
@@ -129,7 +135,7 @@ def idle_gaps(events: list[dict]) -> dict:
         ``step_ms``, ``idle_ms``; ``gaps``: rows of ``phase``, ``cause``, ``ms`` and ``count``
         (gaps, or samples of them), largest first.
     """
-    steps = [e for e in events if e.get("name") == STEP_LABEL and e.get("ph") == "X"]
+    steps = [e for e in events if _host_range(e) and e["name"] == STEP_LABEL]
     assert steps, f"no {STEP_LABEL} range in the trace"
     step_start = float(steps[0]["ts"])
     step_end = step_start + float(steps[0]["dur"])

@@ -30,9 +30,14 @@ def _launch(ts: float, correlation: int) -> dict:
 
 def test_idle_time_split_by_hand():
     events = [
+        _x("user_annotation", "ProfilerStep#1", 0.0, 1000.0),  # the profiler's, around ours
         _x("user_annotation", "bench:step", 0.0, 1000.0),
         _x("user_annotation", "phase:layer_forward", 5.0, 395.0),
         _x("user_annotation", "phase:layer_backward", 400.0, 450.0),
+        # Kineto's copies of the ranges on the GPU's timeline, later: never the host's
+        _x("gpu_user_annotation", "bench:step", -50.0, 1100.0, tid=7),
+        _x("gpu_user_annotation", "phase:layer_forward", 10.0, 490.0, tid=7),
+        _x("gpu_user_annotation", "phase:layer_backward", 500.0, 400.0, tid=7),
         # 0-10: the step's first 10 us, the host in Python until the first launch at 8
         _launch(8.0, 1),
         _kernel(10.0, 90.0, 1),  # busy 10-100
@@ -69,6 +74,9 @@ def test_idle_time_split_by_hand():
         }
     )
     assert sum(split.values()) == pytest.approx(result["idle_ms"])
+    assert result["host_ms_by_phase"] == pytest.approx(
+        {"layer_forward": 0.395, "layer_backward": 0.45}
+    )
 
 
 def test_a_profiled_step_labels_the_engines_phases():
