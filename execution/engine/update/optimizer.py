@@ -122,17 +122,20 @@ class AdamWDriver:
         self.steps = 0  # updates applied (AdamW's bias correction counts them)
         self._in_flight: Future | None = None
         self._host: ThreadPoolExecutor | None = None  # made at the first host update
-        self._scratch = torch.empty(0)  # the scaled gradient of host memory's updates
+        self._scratch: dict[str, torch.Tensor] = {}  # by device type: adamw_'s scratch
 
     def _scratch_for(self, grad: torch.Tensor) -> torch.Tensor | None:
-        """A kept buffer for ``grad``'s scaled copy where it is in host memory (adamw_'s
-        ``scratch``), grown to the largest shard; elsewhere None (a GPU's caching allocator
-        hands back its blocks as they were)."""
-        if grad.device.type != "cpu":
+        """A kept buffer for ``grad``'s scaled copy (adamw_'s ``scratch``), grown to the
+        largest shard, where it is in host memory, or on meta tensors (a dry run, which
+        meters what a CPU run does); None on a GPU, whose caching allocator hands back its
+        blocks as they were."""
+        kind = grad.device.type
+        if kind == "cuda":
             return None
-        if self._scratch.numel() < grad.numel():
-            self._scratch = torch.empty(grad.numel())
-        return self._scratch
+        kept = self._scratch.get(kind)
+        if kept is None or kept.numel() < grad.numel():
+            kept = self._scratch[kind] = torch.empty(grad.numel(), device=grad.device)
+        return kept
 
     def _host_thread(self) -> ThreadPoolExecutor:
         """The rank's host update thread, made once and kept: the scheduler's waits of it and
