@@ -56,7 +56,7 @@ from bench_profile import gpu_activity, profile_step, synchronize
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 from child_process import append_json_line, read_json_lines, run_child
 from command_line import check_output_file, exit_on_bad_input
-from idle_gaps import format_gaps, profile_idle
+from idle_gaps import PhaseClock, format_clock, format_gaps, profile_idle
 
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
@@ -171,10 +171,16 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     if run.progress is not None:  # what survives a row killed by its time limit
         append_json_line(run.progress, {"built_s": time.perf_counter() - started})
     times, losses, every = [], [], []
+    # With --idle_gaps, the last timed step of ours also clocks each phase (unprofiled).
+    clock = PhaseClock(device) if run.idle_gaps and hasattr(step_fn, "plan") else None
     for i in range(run.warmup + run.steps):
         synchronize(device)
         started = time.perf_counter()
-        losses.append(step_fn(i))
+        if clock is not None and i == run.warmup + run.steps - 1:
+            losses.append(step_fn(i, on_phase=clock))
+            clock.stop()
+        else:
+            losses.append(step_fn(i))
         synchronize(device)
         seconds = time.perf_counter() - started
         every.append(seconds)
@@ -187,6 +193,8 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
         row["plan"] = step_fn.plan
     row["step_s"] = statistics.median(times)
     row["each_step_s"] = every  # warm-up included: the first step compiles
+    if clock is not None:
+        row["phase_clock"] = clock.seconds()
     row.update(first_loss=losses[0], last_loss=losses[-1])
     m = config.model
     rates = throughput(
@@ -322,7 +330,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--in_process", action="store_true", help="all rows in this process")
     parser.add_argument("--row_timeout", type=float, help="seconds a row's process may take")
     parser.add_argument("--no_profile", action="store_true", help="skip the profiled steps")
-    gaps_help = "on CUDA, split our rows' idle time by phase and host op (idle_gaps.py)"
+    gaps_help = "clock our rows' phases; on CUDA, split their idle time by phase and host op"
     parser.add_argument("--idle_gaps", action="store_true", help=gaps_help)
     parser.add_argument("--json", help="also write the rows to this JSON file, row by row")
     progress_help = "append each step's time to this file as it ends (one JSON line each)"
@@ -359,6 +367,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     )
     print(format_table(rows))
     for row in rows:
+        if "phase_clock" in row:
+            print(f"{row['variant']}: " + format_clock(row["phase_clock"]))
         if "idle_gaps" in row:
             print(f"{row['variant']}: " + format_gaps(row["idle_gaps"]))
     if args.adamw_elements > 0:

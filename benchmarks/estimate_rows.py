@@ -63,6 +63,8 @@ def estimate(row: dict, spec_file: Path) -> dict:
         "ratio": rank["step_time_s"] / row["step_s"],
         "same_plan": same,
         "fits": rank["fits"],
+        "by_kind": rank["by_kind"],
+        "spec": spec_file.name,
     }
 
 
@@ -87,7 +89,26 @@ def table(rows: list[dict]) -> str:
         priced = f"{est['step_s']:8.3f} {est['ratio']:8.2f}" if est else f"{'-':>8} {'-':>8}"
         note = "" if not est or est["same_plan"] else "  (the dry run priced another plan)"
         lines.append(f"{label} {row['step_s']:8.3f} {priced} {mfu:>6}{note}")
+        if est and row.get("phase_clock"):
+            lines += by_kind_lines(row["phase_clock"], est["by_kind"])
     return "\n".join(lines)
+
+
+def by_kind_lines(clock: dict, priced: dict) -> list[str]:
+    """Each kind of phase of a row whose last timed step clocked its phases (bench_step.py
+    --idle_gaps): the device's time and the host's against the dry run's (its optimizer
+    window is what follows the phases)."""
+    lines = [f"{'':<16} {'  kind':<30} {'device s':>8} {'est. s':>8} {'host s':>8}"]
+    for kind, times in clock.items():
+        est = priced.get("optimizer" if kind == "after phases" else kind)
+        device = times.get("device_s")
+        cells = [
+            f"{device:8.3f}" if device is not None else f"{'-':>8}",
+            f"{est:8.3f}" if est is not None else f"{'-':>8}",
+            f"{times['host_s']:8.3f}",
+        ]
+        lines.append(f"{'':<16} {'  ' + kind:<30} {' '.join(cells)}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

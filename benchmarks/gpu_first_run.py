@@ -1,6 +1,6 @@
 """The first run on a GPU, in one command that fits a lent GPU's minutes and cannot lose them.
 
-    python benchmarks/gpu_first_run.py --results_dir DIR          # one H100: about 7 minutes
+    python benchmarks/gpu_first_run.py --results_dir DIR          # one H200: about 8 minutes
     python benchmarks/gpu_first_run.py --device cpu --quick --json out.json   # tiny, for tests
     python benchmarks/gpu_first_run.py --stages calibration row:resident      # some stages again
 
@@ -52,7 +52,7 @@ from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_BUDGET_S = 420  # with the machine's start, one command of 8 minutes at most
+DEFAULT_BUDGET_S = 450  # with the machine's start, one command of 9 minutes at most
 CHECK_STEPS = 2  # the second step's loss shows the first update's gradients
 PARITY_TOLERANCE = 1e-4  # float32 first losses near ln(50257); summation order only
 HOST_HEADROOM = 1.15  # Python, CUDA context, batches and the allocator's slack beside FSDP2's

@@ -4,14 +4,17 @@
     python benchmarks/gpu_table.py --write README.md    # replaces it between the markers
 
 Reads every ``benchmarks/results/*.json`` written by gpu_first_run.py (spec files aside), with
-the estimates estimate_rows.py --update added where it ran. One line per measured row: the
-GPU and date, the run, the plan it ran, step time, tokens/s, MFU, peak memory allocated and
-reserved, and the dry run's estimate against the measurement; then each run's checks.
+the estimates estimate_rows.py --update added where it ran. One line per measured row (the
+parity stage's tiny rows are a check, not a measurement): the GPU and date, the run, the plan
+it ran, step time, tokens/s, MFU, peak memory allocated and reserved, and the dry run's
+estimate against the measurement; then each run's checks, and the calibration its estimates
+were priced with where it is another run's.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,7 +34,18 @@ HEADER = (
 
 
 def result_files(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.glob("*.json") if not p.name.endswith(".spec.json"))
+    """The results files, by date, a day's first run (``DATE-GPU.json``) before its later
+    ones (``DATE-GPU-NAME.json``, gpu_first_run.py --json)."""
+    files = [p for p in folder.glob("*.json") if not p.name.endswith(".spec.json")]
+    return sorted(files, key=lambda p: (p.stem[:10], p.stem.count("-"), p.stem))
+
+
+def run_label(path: Path, results: dict) -> str:
+    """ "GPU, date", and the name a later run of the day was given."""
+    name = results.get("probe", {}).get("name", results.get("device", "?"))
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    later = path.stem[11:].removeprefix(slug).strip("-")
+    return f"{name}, {path.stem[:10]}" + (f", {later}" if later else "")
 
 
 def _model(flags: list[str]) -> str:
@@ -81,13 +95,21 @@ def render(folder: Path) -> str:
     lines, checks = [HEADER], []
     for path in files:
         results = json.loads(path.read_text())
-        name = results.get("probe", {}).get("name", results.get("device", "?"))
-        run = f"{name}, {path.stem[:10]}"
-        lines += [row_line(run, row) for row in results["rows"]]
+        run = run_label(path, results)
+        # The parity rows check the engine's numbers at a tiny size (a check below).
+        rows = [r for r in results["rows"] if not r.get("stage", "").startswith("parity:")]
+        lines += [row_line(run, row) for row in rows]
         failed = [c["check"] for c in results["checks"] if c["ok"] is False]
         passed = sum(c["ok"] is True for c in results["checks"])
         verdict = f"failed: {', '.join(failed)}" if failed else "none failed"
-        checks.append(f"- {run} (`{path.name}`): {passed} checks passed, {verdict}")
+        line = f"- {run} (`{path.name}`): {passed} checks passed, {verdict}"
+        if not results["checks"]:
+            line = f"- {run} (`{path.name}`): no checks (some stages again: --stages)"
+        specs = {r["estimate"].get("spec") for r in rows if "estimate" in r}
+        own = path.with_suffix(".spec.json").name
+        if specs - {own, None}:
+            line += f"; estimates priced with `{'`, `'.join(sorted(specs - {None}))}`"
+        checks.append(line)
     return "\n".join([*lines, "", *checks])
 
 

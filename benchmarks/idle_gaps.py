@@ -36,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 STEP_LABEL = "bench:step"
+AFTER_PHASES = "after phases"
 PHASE_PREFIX = "phase:"
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 SAMPLES_PER_GAP = 8
@@ -54,6 +55,55 @@ class PhaseLabels:
         if phase is not None:
             self._open = torch.profiler.record_function(f"{PHASE_PREFIX}{phase.kind}")
             self._open.__enter__()
+
+
+class PhaseClock:
+    """The engine's ``on_phase`` hook for an unprofiled step: the host's and the device's
+    time in each kind of phase, from a host clock and a CUDA event at each phase's start.
+
+    The device's time of a phase is from the moment its stream reached that phase's first
+    work to the moment it reached the next phase's: its kernels, and the idle time inside it
+    where the host was late. The host's is from its start to the next phase's start. Where
+    the host runs ahead, the device's is the longer; where the host is late, the two match.
+    Read :meth:`seconds` after the step (it waits for the device).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._marks: list[tuple[str | None, float, object]] = []  # (kind, host time, event)
+
+    def __call__(self, phase) -> None:
+        """A phase starts; None: the last has ended (the norm, the loss and the update
+        follow, until :meth:`stop`)."""
+        self._mark(AFTER_PHASES if phase is None else phase.kind)
+
+    def stop(self) -> None:
+        """The step has returned."""
+        self._mark(None)
+
+    def _mark(self, kind: str | None) -> None:
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        self._marks.append((kind, time.perf_counter(), event))
+
+    def seconds(self) -> dict[str, dict[str, float | None]]:
+        """{kind: {"host_s", "device_s"}} summed over the step's phases of that kind, and
+        ``after phases`` (the device's None on a CPU)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out: dict[str, dict[str, float | None]] = {}
+        for (kind, at, event), (_, next_at, next_event) in itertools.pairwise(self._marks):
+            if kind is None:
+                continue
+            times = out.setdefault(kind, {"host_s": 0.0, "device_s": None})
+            times["host_s"] += next_at - at
+            if event is not None:
+                times["device_s"] = (times["device_s"] or 0.0) + event.elapsed_time(
+                    next_event
+                ) / 1e3
+        return out
 
 
 def _intervals(events: list[dict], category: str) -> list[tuple[float, float, dict]]:
@@ -133,7 +183,9 @@ def idle_gaps(events: list[dict]) -> dict:
 
     Returns:
         ``step_ms``, ``idle_ms``; ``gaps``: rows of ``phase``, ``cause``, ``ms`` and ``count``
-        (gaps, or samples of them), largest first.
+        (gaps, or samples of them), largest first; ``host_ms_by_phase``: the host's time in
+        each kind of phase; ``kernel_ms_by_phase``: the kernels' time by the kind of phase
+        that launched them (the profiler slows the host, not the kernels).
     """
     steps = [e for e in events if _host_range(e) and e["name"] == STEP_LABEL]
     assert steps, f"no {STEP_LABEL} range in the trace"
@@ -185,11 +237,17 @@ def idle_gaps(events: list[dict]) -> dict:
     for start, end, name in phases.ranges:
         if step_start <= start < step_end:
             host_ms[name.removeprefix(PHASE_PREFIX)] += (end - start) / 1e3
+    kernel_ms: dict[str, float] = defaultdict(float)
+    for start, end, kernel in kernels:  # by the phase that launched each
+        launched = launches.get(kernel.get("args", {}).get("correlation"))
+        where = phases.at(launched) if launched is not None else "outside phases"
+        kernel_ms[where] += (end - start) / 1e3
     return {
         "step_ms": (step_end - step_start) / 1e3,
         "idle_ms": idle,
         "gaps": gaps,
         "host_ms_by_phase": dict(host_ms),
+        "kernel_ms_by_phase": dict(kernel_ms),
     }
 
 
@@ -243,4 +301,15 @@ def format_gaps(result: dict, top: int = 15) -> str:
     for gap in result["gaps"][:top]:
         cause = gap["cause"][:64]
         lines.append(f"{gap['phase']:<22} {cause:<64} {gap['ms']:9.2f} {gap['count']:7d}")
+    return "\n".join(lines)
+
+
+def format_clock(seconds: dict) -> str:
+    """:meth:`PhaseClock.seconds` as a table."""
+    lines = ["seconds of the last timed step by kind of phase (unprofiled)"]
+    lines.append(f"{'phase':<22} {'device s':>9} {'host s':>9}")
+    for kind, times in seconds.items():
+        device = times["device_s"]
+        cell = f"{device:9.3f}" if device is not None else f"{'-':>9}"
+        lines.append(f"{kind:<22} {cell} {times['host_s']:9.3f}")
     return "\n".join(lines)

@@ -111,6 +111,34 @@ def test_a_tiny_budget_skips_every_stage_but_the_probe_and_exits_0(tmp_path):
     assert not out.with_name(out.name + ".tmp").exists()
 
 
+def test_stages_runs_those_and_the_probe(tmp_path):
+    out = tmp_path / "again.json"
+    flags = ("--device", "cpu", "--quick", "--json", str(out), "--stages", "calibration")
+    result = run_script("benchmarks/gpu_first_run.py", *flags, timeout=180)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert list(report["stages"]) == ["probe", "calibration"]
+    assert report["stages"]["calibration"]["ok"] and out.with_suffix(".spec.json").is_file()
+
+
+def test_the_table_leaves_out_parity_and_names_a_days_later_runs(tmp_path):
+    def run(rows: list[dict], checks: list[dict]) -> dict:
+        return {"probe": {"name": "NVIDIA H200"}, "rows": rows, "checks": checks}
+
+    measured = {"variant": "ours, resident", "stage": "row:resident", "flags": []}
+    measured |= {"step_s": 2.0, "tokens_per_s": 1000.0, "mfu": 0.4}
+    parity = measured | {"variant": "ours", "stage": "parity:ours"}
+    check = {"check": "NCCL world of one", "ok": True}
+    (tmp_path / "2026-11-26-nvidia-h200.json").write_text(json.dumps(run([parity], [check])))
+    (tmp_path / "2026-11-26-nvidia-h200-second.json").write_text(json.dumps(run([measured], [])))
+    (tmp_path / "2026-11-26-nvidia-h200-second.spec.json").write_text("{}")
+    lines = gpu_table.render(tmp_path).splitlines()
+    assert len(lines) == 2 + 1 + 1 + 2  # header, one measured row, a blank, a line per run
+    assert lines[2].startswith("| NVIDIA H200, 2026-11-26, second | ours, resident |")
+    assert lines[4].startswith("- NVIDIA H200, 2026-11-26 (`2026-11-26-nvidia-h200.json`)")
+    assert "1 checks passed" in lines[4] and "no checks" in lines[5]
+
+
 @pytest.mark.slow
 def test_a_crashing_stage_leaves_the_others_results(tmp_path, monkeypatch, capsys):
     """The calibration's process dies of a segmentation fault; the row after it still runs,
@@ -186,6 +214,7 @@ def test_without_a_gpu_the_probe_says_so_in_one_line_and_leaves_its_output(tmp_p
     "argv",
     [
         ("benchmarks/gpu_first_run.py", "--budget_s", "-1"),
+        ("benchmarks/gpu_first_run.py", "--stages", "calibrate"),  # it is "calibration"
         ("benchmarks/estimate_rows.py", "/nonexistent/first.json"),
         ("benchmarks/gpu_table.py", "--results", "/nonexistent"),
         ("benchmarks/gpu_check.py", "--steps", "0"),

@@ -1,10 +1,11 @@
-"""benchmarks/idle_gaps.py: a GPU step's idle time split by hand on a made-up trace, and the
-engine's phases labelled in a real profiled CPU step."""
+"""benchmarks/idle_gaps.py: a GPU step's idle time split by hand on a made-up trace, the
+engine's phases labelled in a real profiled CPU step, and its phase clock."""
 
 from __future__ import annotations
 
 import shlex
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import idle_gaps  # noqa: E402
+
+from config.loading import parse_config  # noqa: E402
+from execution.engine.engine import PhasedEngine, StepHooks  # noqa: E402
+from execution.parallel.mesh import ParallelLayout  # noqa: E402
+from execution.planning.planner import plan_for_process  # noqa: E402
+from execution.planning.run_shape import RunShape  # noqa: E402
 
 
 def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
@@ -77,17 +84,16 @@ def test_idle_time_split_by_hand():
     assert result["host_ms_by_phase"] == pytest.approx(
         {"layer_forward": 0.395, "layer_backward": 0.45}
     )
+    # each kernel by the phase its launch was in: 90 + 100 + 80 us, and 300
+    assert result["kernel_ms_by_phase"] == pytest.approx(
+        {"layer_forward": 0.27, "layer_backward": 0.3}
+    )
 
 
-def test_a_profiled_step_labels_the_engines_phases():
-    """On a CPU, the labels the engine's hook opens are in the trace, phase by phase, inside
-    the step (the split itself needs kernels: a GPU)."""
-    from config.loading import parse_config
-    from execution.engine.engine import PhasedEngine, StepHooks
-    from execution.parallel.mesh import ParallelLayout
-    from execution.planning.planner import plan_for_process
-    from execution.planning.run_shape import RunShape
+KINDS = ("embedding_forward", "layer_forward", "head", "layer_backward", "embedding_backward")
 
+
+def _tiny_engine():
     flags = (
         "--config tiny --layers 2 --hidden_size 32 --sequence_length 16 "
         "--max_positional_length 16 --global_batch_size 2 --micro_batch_size 1 "
@@ -97,14 +103,42 @@ def test_a_profiled_step_labels_the_engines_phases():
     layout = ParallelLayout.single(torch.device("cpu"))
     run = RunShape.of(config)
     memory, _ = plan_for_process(run, layout)
-    engine = PhasedEngine(run.engine_plan(memory), layout)
-    tokens = torch.randint(0, 100, (2, 1, 17))
+    return PhasedEngine(run.engine_plan(memory), layout), torch.randint(0, 100, (2, 1, 17))
+
+
+def test_a_profiled_step_labels_the_engines_phases():
+    """On a CPU, the labels the engine's hook opens are in the trace, phase by phase, inside
+    the step (the split itself needs kernels: a GPU)."""
+    engine, tokens = _tiny_engine()
 
     def step(i: int, on_phase=None) -> float:
         return engine.train_step(tokens, i, 1e-4, StepHooks(on_phase=on_phase)).loss
 
     result = idle_gaps.profile_idle(step, 0, torch.device("cpu"))
-    kinds = ("embedding_forward", "layer_forward", "head", "layer_backward", "embedding_backward")
-    assert set(result["host_ms_by_phase"]) == set(kinds), result["host_ms_by_phase"]
+    assert set(result["host_ms_by_phase"]) == set(KINDS), result["host_ms_by_phase"]
     assert 0 < sum(result["host_ms_by_phase"].values()) < result["step_ms"]
     assert [g["phase"] for g in result["gaps"]] == ["after the last kernel"]  # no kernels
+
+
+def test_phase_clock_and_the_estimates_by_kind():
+    """The clock's segments on a CPU: each kind of phase and what follows them, within the
+    step's wall time; estimate_rows lines them up with the dry run's kinds."""
+    engine, tokens = _tiny_engine()
+    clock = idle_gaps.PhaseClock(torch.device("cpu"))
+    started = time.perf_counter()
+    engine.train_step(tokens, 0, 1e-4, StepHooks(on_phase=clock))
+    clock.stop()
+    wall = time.perf_counter() - started
+    seconds = clock.seconds()
+    assert set(seconds) == {*KINDS, idle_gaps.AFTER_PHASES}
+    assert all(t["host_s"] > 0 and t["device_s"] is None for t in seconds.values())
+    assert sum(t["host_s"] for t in seconds.values()) <= wall
+
+    import estimate_rows
+
+    clock = {"layer_forward": {"host_s": 1.5, "device_s": 2.0}, "after phases": {"host_s": 0.1}}
+    lines = estimate_rows.by_kind_lines(clock, {"layer_forward": 1.75, "optimizer": 0.05})
+    assert [line.split() for line in lines[1:]] == [
+        ["layer_forward", "2.000", "1.750", "1.500"],
+        ["after", "phases", "-", "0.050", "0.100"],
+    ]
