@@ -113,12 +113,12 @@ def test_a_tiny_budget_skips_every_stage_but_the_probe_and_exits_0(tmp_path):
 
 def test_stages_runs_those_and_the_probe(tmp_path):
     out = tmp_path / "again.json"
-    flags = ("--device", "cpu", "--quick", "--json", str(out), "--stages", "calibration")
+    flags = ("--device", "cpu", "--quick", "--json", str(out), "--stages", "parity:ours")
     result = run_script("benchmarks/gpu_first_run.py", *flags, timeout=180)
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    assert list(report["stages"]) == ["probe", "calibration"]
-    assert report["stages"]["calibration"]["ok"] and out.with_suffix(".spec.json").is_file()
+    assert list(report["stages"]) == ["probe", "parity:ours"]
+    assert report["stages"]["parity:ours"]["ok"] and [r["key"] for r in report["rows"]] == ["ours"]
 
 
 def test_the_table_leaves_out_parity_and_names_a_days_later_runs(tmp_path):
