@@ -75,16 +75,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def profile_step(step_fn: Callable[[int], float], step: int, device: torch.device) -> dict:
-    """Profiles step ``step + 1`` after a profiler warm-up on step ``step``; its GPU activity.
+def record_trace(run: Callable[[int], None], step: int, activities: list) -> tuple[list, float]:
+    """The chrome trace's events of ``run(step + 1)`` after a profiler warm-up on
+    ``run(step)`` (which keeps the profiler's start-up, CUPTI's initialisation, out of it), and
+    its wall time. ``run`` must wait for the device's work before it returns."""
+    from torch.profiler import profile, schedule
 
-    The warm-up step keeps the profiler's start-up (CUPTI initialisation) out of the recorded
-    step's wall time. Kernels are only recorded on CUDA; elsewhere the idle share comes out 1.
-    """
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    on_cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         with (
@@ -97,16 +93,31 @@ def profile_step(step_fn: Callable[[int], float], step: int, device: torch.devic
         ):
             # Only the recorded step's events are wanted, which the profiler warns about.
             warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
-            step_fn(step)
-            synchronize(device)  # the warm-up step's kernels stay out of the recorded one
+            run(step)
             prof.step()
             started = time.perf_counter()
-            step_fn(step + 1)
-            synchronize(device)
+            run(step + 1)
             wall = time.perf_counter() - started
             prof.step()
         with open(path) as trace:
-            events = json.load(trace)["traceEvents"]
+            return json.load(trace)["traceEvents"], wall
+
+
+def profile_step(step_fn: Callable[[int], float], step: int, device: torch.device) -> dict:
+    """Profiles step ``step + 1`` after a profiler warm-up on step ``step``; its GPU activity.
+
+    Kernels are only recorded on CUDA; elsewhere the idle share comes out 1.
+    """
+    from torch.profiler import ProfilerActivity
+
+    on_cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+
+    def run(i: int) -> None:
+        step_fn(i)
+        synchronize(device)  # the warm-up step's kernels stay out of the recorded one
+
+    events, wall = record_trace(run, step, activities)
     activity = gpu_activity(events, wall)
     if on_cuda and not any(e.get("cat") == "kernel" for e in events):
         activity["gpu_idle"] = None  # no kernel recorded: the profiler missed them, not idle

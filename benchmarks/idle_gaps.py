@@ -25,15 +25,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import json
-import os
-import tempfile
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Callable
 
 import torch
+from bench_profile import record_trace, synchronize
 
 STEP_LABEL = "bench:step"
 AFTER_PHASES = "after phases"
@@ -255,37 +252,20 @@ def profile_idle(step_fn: Callable, step: int, device: torch.device) -> dict:
     """Step ``step + 1``, after a profiler warm-up on step ``step``, recorded with CPU and
     CUDA activity and the engine's phases labelled; :func:`idle_gaps` of it (on a CPU, which
     runs no kernels, the whole step is one gap: only ``host_ms_by_phase`` says anything)."""
-    from torch.profiler import ProfilerActivity, profile, schedule
+    from torch.profiler import ProfilerActivity
 
     labels = PhaseLabels()
 
     def labelled(i: int) -> None:
         with torch.profiler.record_function(STEP_LABEL):
             step_fn(i, on_phase=labels)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+            synchronize(device)
 
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        with (
-            warnings.catch_warnings(),
-            profile(
-                activities=activities,
-                schedule=schedule(wait=0, warmup=1, active=1),
-                on_trace_ready=lambda prof: prof.export_chrome_trace(path),
-            ) as prof,
-        ):
-            warnings.filterwarnings("ignore", message=".*clears events at the end of each cycle")
-            labelled(step)
-            prof.step()
-            labelled(step + 1)
-            prof.step()
-        started = time.perf_counter()
-        with open(path) as trace:
-            events = json.load(trace)["traceEvents"]
+    events, _ = record_trace(labelled, step, activities)
+    started = time.perf_counter()
     result = idle_gaps(events)
     result["analysed_s"] = time.perf_counter() - started
     return result

@@ -98,12 +98,17 @@ def test_estimates_price_the_plans_the_rows_ran_and_the_table_renders(quick_firs
     assert table in text and "ours, weights streamed" in table and "host: weights" in table
 
 
+def _quick_cpu_run(out: Path, *flags: str) -> dict:
+    """gpu_first_run.py --device cpu --quick with ``flags``: exit 0, and its results."""
+    command = ("--device", "cpu", "--quick", "--json", str(out), *flags)
+    result = run_script("benchmarks/gpu_first_run.py", *command, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return json.loads(out.read_text())
+
+
 def test_a_tiny_budget_skips_every_stage_but_the_probe_and_exits_0(tmp_path):
     out = tmp_path / "first.json"
-    flags = ("--device", "cpu", "--quick", "--json", str(out), "--budget_s", "0.001")
-    result = run_script("benchmarks/gpu_first_run.py", *flags, timeout=120)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
+    report = _quick_cpu_run(out, "--budget_s", "0.001")
     assert report["stages"]["probe"]["ok"]
     skipped = [name for name, stage in report["stages"].items() if "skipped" in stage]
     assert skipped == [s.name for s in gpu_first_run.stages("cpu", quick=True)][1:]
@@ -112,11 +117,7 @@ def test_a_tiny_budget_skips_every_stage_but_the_probe_and_exits_0(tmp_path):
 
 
 def test_stages_runs_those_and_the_probe(tmp_path):
-    out = tmp_path / "again.json"
-    flags = ("--device", "cpu", "--quick", "--json", str(out), "--stages", "parity:ours")
-    result = run_script("benchmarks/gpu_first_run.py", *flags, timeout=180)
-    assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
+    report = _quick_cpu_run(tmp_path / "again.json", "--stages", "parity:ours")
     assert list(report["stages"]) == ["probe", "parity:ours"]
     assert report["stages"]["parity:ours"]["ok"] and [r["key"] for r in report["rows"]] == ["ours"]
 
