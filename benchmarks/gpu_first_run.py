@@ -255,7 +255,8 @@ def run_row(stage: Stage, report: Report, timeout: float) -> dict:
         steps=stage.steps,
         warmup=stage.warmup,
         no_profile=not stage.profile,
-        idle_gaps=stage.profile,  # where our profiled rows' idle time goes (idle_gaps.py)
+        # Our rows clock their phases (free); the profiled ones also split their idle time.
+        idle_gaps=True,
     )
     row = bench_step.run_row(stage.row, list(stage.flags), run_args, timeout)
     return _record_row(stage, report, row)

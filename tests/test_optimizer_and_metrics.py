@@ -33,6 +33,27 @@ def test_adamw_matches_torch_over_several_steps():
         torch.testing.assert_close(weight, reference.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("masked", [False, True])
+def test_a_kept_scratch_changes_no_bit_and_leaves_the_gradient(masked):
+    """The scaled gradient in a kept buffer (the driver's, larger than this shard and holding
+    an earlier shard's values) against a new tensor: the same products, so the same update
+    to the bit; the step's gradient is left as it was either way."""
+    g = torch.Generator().manual_seed(1)
+    grad = torch.randn(1000, generator=g)
+    mask = torch.rand(1000, generator=g) > 0.5 if masked else None
+    scratch = torch.randn(4096, generator=g)
+    states = [[torch.randn(1000, generator=g), torch.randn(1000, generator=g)]]
+    states[0].append(torch.rand(1000, generator=g))  # a second moment is positive
+    states.append([t.clone() for t in states[0]])
+    hyper = dict(step=3, lr=0.01, optim=OptimizerConfig(), weight_decay=True, grad_scale=0.3)
+    for (weight, m, v), kept in zip(states, (None, scratch), strict=True):
+        before = grad.clone()
+        adamw_(weight, grad, m, v, mask=mask, scratch=kept, **hyper)
+        assert torch.equal(grad, before)
+    for new, kept in zip(*states, strict=True):
+        assert torch.equal(new, kept)
+
+
 def test_no_weight_decay_leaves_zero_gradient_weights_alone():
     optim = OptimizerConfig(weight_decay=0.5)
     weight, zero_grad, m, v = torch.ones(4), torch.zeros(4), torch.zeros(4), torch.zeros(4)
