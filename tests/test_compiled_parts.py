@@ -13,12 +13,18 @@ and each serves several checks.
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 import torch
 
+from config.loading import parse_config
 from execution.checkpoint.logical import full_state
 from execution.engine.phases import compiled
+from execution.engine.phases.recompute import attention_kernel
 from execution.parallel.mesh import ParallelLayout
+from execution.planning.memory import RankShape
+from execution.planning.run_shape import RunShape
 from tests.distributed import (
     CPU,
     FLOAT32_TOLERANCE,
@@ -100,3 +106,29 @@ def test_the_watch_counts_the_graphs_compiled():
     assert watch.since_last() == 0
     double(torch.ones(3, dtype=torch.float64))  # a guard fails: one more graph
     assert watch.since_last() == 1
+
+
+@pytest.mark.slow
+def test_a_compiled_layer_keeps_in_place_what_its_plan_says():
+    """Without dropout the block is one graph, which keeps what inductor's partitioner chose
+    to save: a Llama block's forward recomputes its cheap ops (norms, SwiGLU's product)
+    rather than save them, a quarter less than eager here. The plan takes its figure from
+    the forward graph the dry run captures, and a real step keeps exactly that."""
+    if compiled.compile_unavailable("cpu"):
+        pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
+    flags = (
+        "--config llama_tiny --layers 2 --hidden_size 32 --heads 4 --intermediate_size 88 "
+        "--sequence_length 16 --max_positional_length 16 --global_batch_size 2 "
+        "--micro_batch_size 1 --dropout_prob 0 --recompute none --compile true "
+        "--placement resident --precision float32 --device cpu"
+    )
+    config, _ = parse_config(shlex.split(flags))
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    rank = RankShape.of(RunShape.of(config))
+    kernel = attention_kernel("cpu", 0.0, torch.float32)
+    eager = rank.kept("none", kernel).in_place
+    assert engine.memory.kept == rank.kept("none", kernel, compiled=True).in_place < eager
+    tokens = torch.randint(0, 1000, (2, 1, 17))
+    engine.train_step(tokens, 0, 1e-3)
+    assert engine.compiled and engine.kept.in_place
+    assert engine.kept.largest == engine.memory.kept

@@ -21,8 +21,9 @@ The difference, in kernels and memory-bound bytes, is what one call changes; the
 it to each phase once per micro-batch (:func:`apply_changes`). What runs between the regions
 (collectives, attention's seeded dropout, selective recompute's checkpointed core) runs
 eagerly either way and is metered as it is. Not priced: a task's head (it runs compiled,
-priced eager), and what a kept forward saves, which the plan measures eagerly (a compiled
-forward saves what inductor's partitioner picks, for a backward that recomputes the rest).
+priced eager). What a kept forward saves is the plan's: where the block is one graph, what
+its forward graph hands the backward (:func:`compiled_kept_in_place`: inductor's partitioner
+recomputes cheap ops rather than save them); elsewhere what eager saves.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ import torch
 
 from execution.engine.phases import schedule
 from execution.engine.phases.compiled import COMPILED_PARTS
-from execution.engine.phases.recompute import attention_on_meta
+from execution.engine.phases.recompute import attention_on_meta, meta_block
 from execution.planning.fused_bytes import Region, capture_regions, fused_cost, graph_on_device
 from execution.planning.op_costs import OpCosts
 from execution.planning.step_meter import ATTENTION_KERNELS, StepMeter
 from modelling.dropout import BlockSeeds
-from modelling.gpt import EMBEDDING, HEAD, LAYERS
+from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
 from utils.torch_private import fake_tensors
 
 META = torch.device("meta")
@@ -105,6 +106,50 @@ def phase_changes(
         kind = schedule.HEAD_PHASE if tied else schedule.UNTIED_HEAD
         changes[kind] = head.forward + head.backward
     return changes
+
+
+def compiled_kept_in_place(
+    shapes: GPTShapes, sequence: int, dtype: torch.dtype, kernel: str
+) -> int | None:
+    """Bytes a compiled decoder layer keeps in place for its backward per sequence of a
+    micro-batch (``recompute none``, activations on the device): the storages of what the
+    forward graph hands its backward (inductor's partitioner recomputes the cheap ops
+    instead of saving them), but for the layer's inputs (its weights, and its input, a view
+    of the x buffer). Linear in the micro-batch: each saved tensor has it as a dimension.
+
+    None where the block is more than one graph (dropout's seeded attention, a collective of
+    a tensor-parallel axis larger than one; the caller knows the context-parallel one): what
+    runs eagerly between graphs saves what eager saves, and the eager measurement stands.
+    """
+    if shapes.dropout_prob or shapes.tp1 > 1 or shapes.tp2 > 1:  # known to break: no capture
+        return None
+    block = meta_block(dataclasses.replace(shapes, layers=1))
+    x = torch.empty(1, sequence, shapes.hidden, dtype=dtype, device=META)
+    module = _bound_copy(block, dtype, True)
+    with attention_on_meta(kernel, module), torch.enable_grad():
+        regions, _ = capture_regions(_call, module, _wanting_grad(x, True), None)
+    if len(regions) != 1:
+        return None
+    graphs = {graph.kind: graph.gm.graph for graph in regions[0].graphs}
+    if set(graphs) != {"forward", "backward"}:
+        return None
+    # The backward's inputs: what the forward saved for it (named as in the forward), then
+    # the gradients of the outputs.
+    saved = {n.name for n in graphs["backward"].nodes if n.op == "placeholder"}
+    saved = {name for name in saved if not name.startswith("tangents")}
+    nodes = {n.name: n for n in graphs["forward"].nodes}
+    if not saved <= nodes.keys():
+        return None
+    storages, held = set(), 0
+    for name in sorted(saved):
+        value = nodes[name].meta.get("val")
+        if nodes[name].op == "placeholder" or not isinstance(value, torch.Tensor):
+            continue
+        storage = value.untyped_storage()
+        if storage._cdata not in storages:  # views of one storage keep it once
+            storages.add(storage._cdata)
+            held += storage.nbytes()
+    return held
 
 
 class _PartPricer:

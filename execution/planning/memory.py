@@ -50,6 +50,7 @@ from execution.engine.storage.buffers import (
 from execution.engine.storage.gradient_store import needs_staging, staging_elements
 from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.parallel.sharding import rts_sizes
+from execution.planning.compiled_costs import compiled_kept_in_place
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
 
@@ -262,14 +263,28 @@ class RankShape:
         s = self.shapes
         return flat_specs(s, rts_sizes(self.dp, s.tp1, s.tp2, self.cp))
 
-    def kept(self, recompute: str, kernel: str) -> KeptBytes:
-        """What a decoder layer keeps per micro-batch for its backward (measured)."""
+    def kept(self, recompute: str, kernel: str, compiled: bool = False) -> KeptBytes:
+        """What a decoder layer keeps per micro-batch for its backward (measured); with
+        ``compiled``, what it keeps in place is the compiled forward's where the block is one
+        graph (:func:`~execution.planning.compiled_costs.compiled_kept_in_place`)."""
         key = ("kept", self.shapes, self.micro_batch, self.sequence, self.dtype, recompute, kernel)
         if key not in self.layer_memo:
             self.layer_memo[key] = kept_bytes(
                 self.shapes, self.micro_batch, self.sequence, self.dtype, recompute, kernel
             )
-        return self.layer_memo[key]
+        kept = self.layer_memo[key]
+        # Selective recompute breaks the block at its core, context parallelism at attention.
+        if not compiled or recompute != "none" or self.cp > 1:
+            return kept
+        key = ("compiled kept", self.shapes, self.sequence, self.dtype, kernel)
+        if key not in self.layer_memo:
+            self.layer_memo[key] = compiled_kept_in_place(
+                self.shapes, self.sequence, self.dtype, kernel
+            )
+        per_sequence = self.layer_memo[key]
+        if per_sequence is None:
+            return kept
+        return dataclasses.replace(kept, in_place=per_sequence * self.micro_batch)
 
     def activation_layout(self, entries: int, kept: int = 0, in_flight: int = 1):
         shapes = dataclasses.replace(self.shapes, layers=self.layers)

@@ -26,6 +26,7 @@ from execution.engine.plan import (
     GiB,
     MemoryPlan,
     Placement,
+    compiles,
 )
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.mesh_shape import MeshShape
@@ -122,7 +123,7 @@ def _plans(
     seconds = step_timer(run, rank, kernel)
     ranked = []
     for mode in modes:
-        kept = rank.kept(mode, kernel)
+        kept = rank.kept(mode, kernel, compiles(run.compile, device_type))
         mode_plans, mode_copies = [], []
         for where, passes in itertools.product(itertools.product(*places), pass_options):
             placement, entries = Placement(*where), micro_batches_per_pass(ga, passes)
