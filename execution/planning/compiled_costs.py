@@ -126,8 +126,11 @@ def compiled_kept_in_place(
     block = meta_block(dataclasses.replace(shapes, layers=1))
     x = torch.empty(1, sequence, shapes.hidden, dtype=dtype, device=META)
     module = _bound_copy(block, dtype, True)
-    with attention_on_meta(kernel, module), torch.enable_grad():
-        regions, _ = capture_regions(_call, module, _wanting_grad(x, True), None)
+    try:
+        with attention_on_meta(kernel, module), torch.enable_grad():
+            regions, _ = capture_regions(_call, module, _wanting_grad(x, True), None)
+    except Exception:  # a capture that fails plans what eager keeps (more), never stops a run
+        return None
     if len(regions) != 1:
         return None
     graphs = {graph.kind: graph.gm.graph for graph in regions[0].graphs}

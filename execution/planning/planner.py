@@ -19,6 +19,7 @@ from collections.abc import Callable
 from config.loading import ConfigError
 from config.schema import plannable_recompute
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases.compiled import compile_unavailable
 from execution.engine.phases.recompute import MODES, attention_kernel
 from execution.engine.plan import (
     PLACED_STATES,
@@ -292,7 +293,10 @@ def plan_for_process(
         ConfigError: no plan fits (one line with the least memory needed and what would fit).
     """
     budget = measure_budget(run, layout.device, layout.local_world_size)
-    plan = choose_plan(run, layout.device.type, budget, layout.pp.rank, measurements)
+    device_type = layout.device.type
+    if compiles(run.compile, device_type) and compile_unavailable(device_type):
+        run = dataclasses.replace(run, compile="false")  # the engine will run eager: plan that
+    plan = choose_plan(run, device_type, budget, layout.pp.rank, measurements)
     return plan, budget
 
 
