@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibrate  # noqa: E402
+import calibrate_kernels  # noqa: E402
 import calibrate_runtime  # noqa: E402
 from sample_clock import timed  # noqa: E402
 
@@ -62,7 +63,7 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     measured = result["measurements"]
     shapes = measured["matmul"]["shapes"]
     # Every shape of the plan was timed, and its rate is its FLOPs over its time.
-    expected = [(m, n, k) for _, m, n, k in calibrate.matmul_shapes(calibrate.QUICK)]
+    expected = [(m, n, k) for _, m, n, k in calibrate_kernels.matmul_shapes(calibrate.QUICK)]
     assert [(s["m"], s["n"], s["k"]) for s in shapes] == expected
     for (m, n, k, tflops), s in zip(spec.matmul_tflops, shapes, strict=True):
         assert (m, n, k) == (s["m"], s["n"], s["k"])
@@ -214,7 +215,7 @@ def test_free_memory_is_what_the_host_has_available_not_its_installed_pages():
     measurement by hand here. Other workers on the machine may allocate in the microseconds
     between the reads: 1% of the installed memory (hundreds of MiB) allows for that."""
     before = _meminfo_bytes("MemAvailable")
-    measured = calibrate.measure_free_memory(CPU, calibrate.QUICK)
+    measured = calibrate_kernels.measure_free_memory(CPU, calibrate.QUICK)
     after = _meminfo_bytes("MemAvailable")
     installed = _meminfo_bytes("MemTotal")
     available = measured["host_gib"] * GiB
