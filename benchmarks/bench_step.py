@@ -156,7 +156,8 @@ class Run:
     warmup: int
     profile: bool = True
     progress: Path | None = None  # each step's time is appended here as it ends
-    idle_gaps: bool = False  # ours on CUDA: two more steps, for idle_gaps.py's split
+    # Ours: the last timed step clocks its phases; on CUDA two more steps split its idle time.
+    idle_gaps: bool = False
 
 
 def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
@@ -171,8 +172,8 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     if run.progress is not None:  # what survives a row killed by its time limit
         append_json_line(run.progress, {"built_s": time.perf_counter() - started})
     times, losses, every = [], [], []
-    # With --idle_gaps, the last timed step of ours also clocks each phase (unprofiled).
-    clock = PhaseClock(device) if run.idle_gaps and hasattr(step_fn, "plan") else None
+    ours = getattr(step_fn, "plan", None) is not None
+    clock = PhaseClock(device) if run.idle_gaps and ours else None
     for i in range(run.warmup + run.steps):
         synchronize(device)
         started = time.perf_counter()
@@ -189,7 +190,7 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
         if run.progress is not None:
             append_json_line(run.progress, {"step": i, "seconds": seconds, "loss": losses[-1]})
     row = {"variant": label, "device": str(device), "pid": os.getpid()}
-    if getattr(step_fn, "plan", None) is not None:
+    if ours:
         row["plan"] = step_fn.plan
     row["step_s"] = statistics.median(times)
     row["each_step_s"] = every  # warm-up included: the first step compiles
@@ -213,7 +214,7 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     row["host_rss_GiB"] = (proc_status_bytes("VmRSS") or 0) / 2**30 or None
     if device.type == "cuda" and run.profile:
         row.update(profile_step(step_fn, run.warmup + run.steps, device))
-        if run.idle_gaps and row.get("plan") is not None:
+        if run.idle_gaps and ours:
             row["idle_gaps"] = profile_idle(step_fn, run.warmup + run.steps + 2, device)
     else:  # no copies to time and no kernels to count
         row.update(dict.fromkeys(("h2d_GBps", "d2h_GBps", "h2d_GB", "d2h_GB", "gpu_idle")))

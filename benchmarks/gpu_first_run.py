@@ -47,6 +47,7 @@ import bench_step
 from baselines import fsdp2_host_bytes
 from child_process import read_json_lines, run_child
 from command_line import exit_on_bad_input
+from gpu_table import device_slug
 
 from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
@@ -295,7 +296,7 @@ def results_path(args: argparse.Namespace, probe: dict) -> Path:
     """``--json``, or ``<results_dir>/<date>-<device name>.json``."""
     if args.json:
         return Path(args.json)
-    name = re.sub(r"[^a-z0-9]+", "-", probe.get("name", args.device).lower()).strip("-")
+    name = device_slug(probe.get("name", args.device))
     return Path(args.results_dir) / f"{datetime.date.today().isoformat()}-{name}.json"
 
 

@@ -40,11 +40,15 @@ def result_files(folder: Path) -> list[Path]:
     return sorted(files, key=lambda p: (p.stem[:10], p.stem.count("-"), p.stem))
 
 
+def device_slug(name: str) -> str:
+    """A device's name as results files carry it: ``NVIDIA H200`` is ``nvidia-h200``."""
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
 def run_label(path: Path, results: dict) -> str:
-    """ "GPU, date", and the name a later run of the day was given."""
+    """The GPU and the date, and the name a later run of the day was given."""
     name = results.get("probe", {}).get("name", results.get("device", "?"))
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    later = path.stem[11:].removeprefix(slug).strip("-")
+    later = path.stem[11:].removeprefix(device_slug(name)).strip("-")
     return f"{name}, {path.stem[:10]}" + (f", {later}" if later else "")
 
 

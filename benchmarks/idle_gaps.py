@@ -34,6 +34,7 @@ from bench_profile import record_trace, synchronize
 
 STEP_LABEL = "bench:step"
 AFTER_PHASES = "after phases"
+OUTSIDE_PHASES = "outside phases"
 PHASE_PREFIX = "phase:"
 HOST_CATEGORIES = ("cpu_op", "cuda_runtime", "cuda_driver", "user_annotation")
 SAMPLES_PER_GAP = 8
@@ -104,10 +105,15 @@ class PhaseClock:
 
 
 def _intervals(events: list[dict], category: str) -> list[tuple[float, float, dict]]:
+    """(start, end, event) of ``category``'s events, by start and end (two alike are not
+    compared further: events are dicts)."""
     return sorted(
-        (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e)
-        for e in events
-        if e.get("ph") == "X" and e.get("cat") == category and "dur" in e
+        (
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e)
+            for e in events
+            if e.get("ph") == "X" and e.get("cat") == category and "dur" in e
+        ),
+        key=lambda interval: interval[:2],
     )
 
 
@@ -161,7 +167,7 @@ class _Phases:
         i = bisect.bisect_right(self._starts, t) - 1
         if i >= 0 and t <= self.ranges[i][1]:
             return self.ranges[i][2].removeprefix(PHASE_PREFIX)
-        return "outside phases"
+        return OUTSIDE_PHASES
 
 
 def _host_op(open_events: list[dict]) -> str:
@@ -188,15 +194,20 @@ def idle_gaps(events: list[dict]) -> dict:
     assert steps, f"no {STEP_LABEL} range in the trace"
     step_start = float(steps[0]["ts"])
     step_end = step_start + float(steps[0]["dur"])
-    kernels = [k for k in _intervals(events, "kernel") if step_start <= k[0] < step_end]
-    copies = _intervals(events, "gpu_memcpy")
-    copy_starts = [c[0] for c in copies]
-    copy_ends = list(itertools.accumulate((c[1] for c in copies), max))  # latest end so far
     launches = {
         e["args"]["correlation"]: float(e["ts"])
         for e in events
         if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
     }
+    # (start, end, when the host launched it: None where the trace has no launch)
+    kernels = [
+        (start, end, launches.get(kernel.get("args", {}).get("correlation")))
+        for start, end, kernel in _intervals(events, "kernel")
+        if step_start <= start < step_end
+    ]
+    copies = _intervals(events, "gpu_memcpy")
+    copy_starts = [c[0] for c in copies]
+    copy_ends = list(itertools.accumulate((c[1] for c in copies), max))  # latest end so far
     tid = steps[0].get("tid")
     host = _HostStack([e for e in events if e.get("tid") == tid])
     phases = _Phases(events)
@@ -207,9 +218,9 @@ def idle_gaps(events: list[dict]) -> dict:
         totals[(phase, cause)][1] += 1
 
     busy_until = step_start
-    for start, end, kernel in kernels:
+    for start, end, launch in kernels:
         if start > busy_until:
-            launched = launches.get(kernel.get("args", {}).get("correlation"), busy_until)
+            launched = busy_until if launch is None else launch
             if launched <= busy_until:  # queued before the gap: it waited on the device
                 i = bisect.bisect_left(copy_starts, start)
                 copying = i > 0 and copy_ends[i - 1] > busy_until
@@ -235,9 +246,8 @@ def idle_gaps(events: list[dict]) -> dict:
         if step_start <= start < step_end:
             host_ms[name.removeprefix(PHASE_PREFIX)] += (end - start) / 1e3
     kernel_ms: dict[str, float] = defaultdict(float)
-    for start, end, kernel in kernels:  # by the phase that launched each
-        launched = launches.get(kernel.get("args", {}).get("correlation"))
-        where = phases.at(launched) if launched is not None else "outside phases"
+    for start, end, launch in kernels:  # by the phase that launched each
+        where = OUTSIDE_PHASES if launch is None else phases.at(launch)
         kernel_ms[where] += (end - start) / 1e3
     return {
         "step_ms": (step_end - step_start) / 1e3,

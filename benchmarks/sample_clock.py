@@ -189,6 +189,7 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> Timin
 # The nice value a calibration runs at where it may: the scheduler then gives its runnable
 # threads about 28 times the share of a process at the default 0.
 HIGH_PRIORITY = -15
+AUTOGROUP = "/proc/self/autogroup"  # this session's scheduling group and its nice value
 
 
 @contextlib.contextmanager
@@ -230,9 +231,6 @@ def _set_autogroup_nice(nice: int) -> bool:
     except OSError:
         return False
     return True
-
-
-AUTOGROUP = "/proc/self/autogroup"
 
 
 def _machine_busy_s() -> float | None:
@@ -277,7 +275,7 @@ def doubtful_timings(measured: dict, prioritised: bool = False) -> dict[str, tup
     where more than ``DOUBTFUL_SHARE`` of them are not: a timing of one process with too few
     samples clean of other processes' load, or spread over ``WIDE_SPREAD``; one of calls made
     together while other processes used more than ``BUSY_SHARE`` of the cores (its
-    ``others_share``), unless the calibration ran ``prioritised`` (:func:`raise_priority`:
+    ``others_share``), unless the calibration ran ``prioritised`` (:func:`raised_priority`:
     the others then ran while its ranks did not need the cores)."""
     counts: dict[str, list[int]] = {}
 
