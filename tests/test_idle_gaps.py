@@ -142,3 +142,18 @@ def test_phase_clock_and_the_estimates_by_kind():
         ["layer_forward", "2.000", "1.750", "1.500"],
         ["after", "phases", "-", "0.050", "0.100"],
     ]
+
+
+def test_kernels_alike_in_time_are_not_compared_further():
+    """Two kernels that start and end together (on two streams) are one busy stretch; their
+    events, dicts, are never compared."""
+    events = [
+        _x("user_annotation", "bench:step", 0.0, 100.0),
+        _launch(2.0, 1),
+        _launch(3.0, 2),
+        _kernel(10.0, 50.0, 1),
+        _kernel(10.0, 50.0, 2),
+    ]
+    result = idle_gaps.idle_gaps(events)
+    assert result["idle_ms"] == pytest.approx(0.010 + 0.040)  # 0-10, then 60-100
+    assert result["kernel_ms_by_phase"] == pytest.approx({"outside phases": 0.1})
