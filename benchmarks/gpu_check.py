@@ -15,6 +15,8 @@
    single-process layout, and the collectives the engine uses (all-reduce, all-gather,
    reduce-scatter) on the world group.
 3. The prefetching loader hands out pinned batches.
+4. Attention with dropout, as one op of a compiled block, is eager's call on each kernel the
+   engine pins (FlashAttention in bfloat16, the memory-efficient kernel in float32).
 
 Prints one line per check and a verdict; exits 1 if any check fails. Without CUDA it says so
 in one line and exits 2, unless ``--device cpu`` asks for the checks a CPU can run (the others
@@ -49,6 +51,7 @@ from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases.compiled import attention_op_mismatch
 from execution.engine.storage.streams import late_side_streams
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
 from execution.planning.planner import plan_for_process
@@ -219,6 +222,21 @@ def check_pinned_prefetch(device: torch.device, steps: int) -> tuple[bool, str]:
     return same and pinned, f"{steps} batches, pinned {pinned}, equal to the plain loader {same}"
 
 
+def check_attention_op(device: torch.device, steps: int) -> tuple[bool, str]:
+    """Attention with dropout as one op of a compiled block (modelling/seeded_attention.py):
+    eager's output bit for bit and its gradients within rounding, for each kernel the engine
+    pins on this device (the engine checks its own shape too, and breaks the graph instead)."""
+    cases = [("math", torch.float32, 64)]
+    if device.type == "cuda":
+        cases = [("flash", torch.bfloat16, 128), ("efficient", torch.float32, 64)]
+    details, ok = [], True
+    for kernel, dtype, head_dim in cases:
+        reason = attention_op_mismatch(device, dtype, 16, head_dim, kernel)
+        ok &= reason is None
+        details.append(f"{kernel} in {str(dtype).removeprefix('torch.')}: {reason or 'as eager'}")
+    return ok, "; ".join(details)
+
+
 Check = Callable[[torch.device, int], tuple[bool, str]]
 CHECKS: dict[str, Check] = {
     "remote vs resident (bf16)": check_placements,
@@ -228,6 +246,7 @@ CHECKS: dict[str, Check] = {
     "GPU vs CPU (float32)": check_gpu_matches_cpu,
     "NCCL world of one": check_nccl_world_of_one,
     "pinned prefetch": check_pinned_prefetch,
+    "attention's dropout as one op": check_attention_op,
 }
 # What a CPU cannot check: a second device to compare with, NCCL, pinned memory.
 CUDA_ONLY = ("GPU vs CPU (float32)", "NCCL world of one", "pinned prefetch")

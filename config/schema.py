@@ -224,8 +224,9 @@ class ExecutionConfig:
         metadata=_doc(
             "Compile each part's computation (the decoder block, the embedding, the head) with "
             "torch.compile, as torchtitan compiles per block: one graph for every layer and "
-            "micro-batch, its memory-bound ops fused; collectives and attention's dropout run "
-            "between graphs. auto: on a GPU; a CPU compiles slowly (tens of seconds) at start. "
+            "micro-batch, its memory-bound ops fused; collectives run between graphs, "
+            "attention's dropout is one op in them. auto: on a GPU; a CPU compiles slowly "
+            "(tens of seconds) at start. "
             "Where inductor cannot run, one line says so and the run goes on eager.",
             choices=SWITCHES,
         ),

@@ -8,16 +8,17 @@ seeded for the call and restored after it (:func:`fused_attention_with_dropout`)
 A compiled block (``--compile``) is given its seeds as 0-d int64 tensors, not integers:
 Dynamo would specialise its graph on each integer and compile it again for every layer and
 micro-batch. A tensor seed draws its mask through one custom op (``phased::keep_mask``) that
-the graph keeps whole, the same draw as :func:`keep_mask`; attention's seeded kernel runs
-outside the graph (:func:`seeded_attention`, a graph break), as eager runs it. So a compiled
-block draws exactly eager's masks, without inductor's own random numbers.
+the graph keeps whole, the same draw as :func:`keep_mask`; attention's seeded kernel is one
+op of the graph too where the engine pins it (:mod:`modelling.seeded_attention`), and
+elsewhere runs outside the graph (:func:`seeded_attention`, a graph break), as eager runs it.
+So a compiled block draws exactly eager's masks, without inductor's own random numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -153,14 +154,21 @@ def fused_attention_with_dropout(
     """
     if q.is_meta:  # planning: the kernel's shapes and FLOPs, no generator to seed
         return sdpa(q, k, v, dropout_p=p, is_causal=True)
-    cuda = q.device.type == "cuda"
-    with torch.random.fork_rng(devices=[q.device] if cuda else [], device_type="cuda"):
+    with seeded_default_generator(q.device, seed):
+        return sdpa(q, k, v, dropout_p=p, is_causal=True)
+
+
+@contextlib.contextmanager
+def seeded_default_generator(device: torch.device, seed: int) -> Iterator[None]:
+    """The default generator of ``device`` seeded with ``seed`` inside, and restored after."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else [], device_type="cuda"):
         if cuda:
-            with torch.cuda.device(q.device):
+            with torch.cuda.device(device):
                 torch.cuda.manual_seed(seed)
         else:
             torch.default_generator.manual_seed(seed)
-        return sdpa(q, k, v, dropout_p=p, is_causal=True)
+        yield
 
 
 def _attention_with_head_masks(

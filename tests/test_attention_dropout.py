@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases import compiled
+from execution.engine.phases.compiled import attention_op_mismatch
 from execution.engine.phases.recompute import attention_on_meta
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
@@ -31,6 +33,7 @@ from modelling.dropout import (
 from modelling.gpt import LAYERS
 from modelling.layers import Attention
 from modelling.parallel import LOCAL
+from modelling.seeded_attention import seeded_attention_op
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.reference import small_config
 
@@ -175,3 +178,49 @@ def test_dropout_parity_is_a_flag_that_reaches_the_attention():
         assert config.model.dropout_parity is want
         engine = planned_engine(config, ParallelLayout.single(CPU))
         assert engine.templates[LAYERS].attn.dropout_parity is want
+
+
+def test_attention_with_dropout_as_one_op_is_eagers_call():
+    """What a compiled block calls (``phased::seeded_attention``) against eager's seeded call:
+    the same output bit for bit, with grad and without, gradients within the engine's check's
+    roundings (``attention_op_mismatch``, which a mask from another seed fails by a third of
+    the largest gradient), and the global random stream untouched."""
+    for dtype in (torch.float32, torch.bfloat16):
+        assert attention_op_mismatch(CPU, dtype, 4, 16, "math") is None, dtype
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 32, 16, generator=generator) for _ in range(3))
+    state = torch.get_rng_state()
+    out = seeded_attention_op(q, k, v, P, torch.tensor(7), 2, "math")
+    assert torch.equal(torch.get_rng_state(), state), "the global random stream moved"
+    assert torch.equal(out, fused_attention_with_dropout(q, k, v, P, mix_seed(7, 2)))
+    assert not torch.equal(out, seeded_attention_op(q, k, v, P, torch.tensor(8), 2, "math"))
+
+
+@pytest.mark.parametrize("kernel", ["flash", "efficient"])
+def test_the_fused_kernels_op_calls_their_forward_and_backward_as_sdpa_does(kernel):
+    """The CUDA kernels' ops on meta tensors (no CUDA here): the op passes each kernel's aten
+    forward and backward the arguments their schemas take, and gets a gradient of each
+    input's shape (their numbers are gpu_check.py's "attention's dropout as one op")."""
+    shape = (2, 4, 32, 64)
+    q, k, v = (torch.empty(shape, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = seeded_attention_op(q, k, v, P, torch.tensor(7), 0, kernel)
+    grads = torch.autograd.grad(out, (q, k, v), torch.empty_like(out))
+    assert out.shape == shape and [g.shape for g in grads] == [shape] * 3
+
+
+def test_an_attention_op_unlike_eagers_breaks_the_graph_instead_and_says_so(monkeypatch, capsys):
+    """The engine checks the op on its device before compiling; where it is not eager's, the
+    block's attention runs between graphs as before, and the main rank says why in one line."""
+    if compiled.compile_unavailable("cpu"):
+        pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
+    monkeypatch.setattr(
+        compiled, "attention_op_mismatch", lambda *args: "its output is not eager's"
+    )
+    config = small_config("--dropout_prob", "0.1", "--compile", "true", "--dropout_parity", "false")
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    attention = [m for m in engine.templates[LAYERS].modules() if isinstance(m, Attention)]
+    assert engine.compiled and [m.attention_op for m in attention] == [False]
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "--compile: attention's dropout runs between graphs (its output is not eager's)"
+    ]

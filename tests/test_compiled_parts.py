@@ -35,6 +35,7 @@ from tests.distributed import (
     planned_engine,
     small_config,
 )
+from utils.torch_private import dynamo_counters
 
 STEPS = 3
 
@@ -45,6 +46,7 @@ def _run(mode: str, compile_parts: str, *flags: str) -> dict:
     config = small_config(
         "--dropout_prob", "0.1", "--recompute", mode, "--compile", compile_parts, *flags
     )
+    dynamo_counters()["graph_break"].clear()
     engine = planned_engine(config, ParallelLayout.single(CPU))
     batches = global_batches(config, STEPS + 1)
     losses, graphs = [], []
@@ -59,13 +61,14 @@ def _run(mode: str, compile_parts: str, *flags: str) -> dict:
         "graphs": graphs,
         "eval": evaluation,
         "weights": full_state(engine, "weights"),
+        "breaks": " ".join(dynamo_counters()["graph_break"]),
     }
 
 
 @pytest.mark.parametrize(
     "mode, flags",
     [
-        ("full", ()),
+        ("full", ("--dropout_parity", "false")),  # attention's dropout: one op of the graph
         ("none", ("--placement", "remote")),  # kept tensors go through the host's entries
         ("selective", ("--dropout_parity", "false")),  # the fused kernel's dropout
     ],
@@ -78,6 +81,8 @@ def test_compiled_parts_give_eager_numbers(mode, flags):
     # The first step compiles each part's variants (unless an engine before compiled the same
     # shapes: Dynamo's cache is the process's); no later step compiles again.
     assert built["graphs"][1:] == [0] * (STEPS - 1), built["graphs"]
+    if "--dropout_parity" in flags:  # the fused kernel's dropout: no break where it runs
+        assert "seeded_attention" not in built["breaks"], built["breaks"]
     for step, (got, want) in enumerate(zip(built["losses"], eager["losses"], strict=True)):
         assert abs(got - want) / want <= FLOAT32_TOLERANCE, f"step {step}: {got} vs {want}"
     assert abs(built["eval"] - eager["eval"]) / eager["eval"] <= FLOAT32_TOLERANCE

@@ -13,7 +13,10 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
 - The SDPA kernels' aten ops (``_scaled_dot_product_flash_attention`` and its CPU form,
   ``_scaled_dot_product_efficient_attention``): on meta tensors the public function takes the
   math path, so a dry run calls the kernel a device would run, to see its outputs and saved
-  tensors.
+  tensors. With their backwards and the math path's op, the same ops make attention with
+  dropout one op of a compiled graph (``modelling/seeded_attention.py``): it seeds the
+  generator and calls the kernel SDPA would call, which no public function lets it do, and its
+  backward is the one SDPA's autograd calls (``derivatives.yaml``).
 - ``dynamo_counters`` (``torch._dynamo.utils.counters``): how many graphs Dynamo compiled, so a
   compiled run (``--compile``) can say that a step after the first compiled again; the public
   ``torch.compiler`` offers logs of recompiles, not a count.
@@ -57,7 +60,9 @@ __all__ = [
     "inductor_capture_backend",
     "inductor_schedule",
     "is_fake",
+    "sdpa_backward_ops",
     "sdpa_kernel_ops",
+    "sdpa_math_op",
 ]
 
 
@@ -82,6 +87,20 @@ def sdpa_kernel_ops() -> dict[str, Callable]:
         "flash": aten._scaled_dot_product_flash_attention,
         "efficient": aten._scaled_dot_product_efficient_attention,
         "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu,
+    }
+
+
+def sdpa_math_op() -> Callable:
+    """SDPA's math path as an op: the output and the probabilities it multiplied ``v`` by."""
+    return torch.ops.aten._scaled_dot_product_attention_math
+
+
+def sdpa_backward_ops() -> dict[str, Callable]:
+    """The aten op of each fused CUDA kernel's backward, called as SDPA's autograd calls it."""
+    aten = torch.ops.aten
+    return {
+        "flash": aten._scaled_dot_product_flash_attention_backward,
+        "efficient": aten._scaled_dot_product_efficient_attention_backward,
     }
 
 

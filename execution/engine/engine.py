@@ -134,7 +134,9 @@ class PhasedEngine:
                 buffers=frozenset({acts.x.untyped_storage()._cdata}),
             )
         if self.compiled:  # after prepare_block: a selective core compiles with its block
-            compile_parts(self.templates)
+            reason = compile_parts(self.templates, self.device, self.dtype)
+            if reason is not None and layout.is_main:
+                print(f"--compile: attention's dropout runs between graphs ({reason})")
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)
         self.optimizer = AdamWDriver(

@@ -13,10 +13,12 @@ inductor's own schedule prices at four times eager's kernel (gpt3_175B_h100x256'
 3.9 GB more per micro-batch; execution/planning/compiled_costs.py).
 
 What the graphs leave out runs eagerly between them, exactly as without ``--compile``:
-collectives of an axis larger than one (:mod:`modelling.parallel`) and attention with
-dropout, seeded for the call (:mod:`modelling.dropout`). Residual and embedding dropout stay
-in the graph as one op drawing eager's mask from a tensor seed (:meth:`BlockSeeds.as_tensors`,
-which :class:`~execution.engine.phases.step.Step` hands a compiled part). Inductor's own random
+collectives of an axis larger than one (:mod:`modelling.parallel`). Residual and embedding
+dropout stay in the graph as one op drawing eager's mask from a tensor seed
+(:meth:`BlockSeeds.as_tensors`, which :class:`~execution.engine.phases.step.Step` hands a
+compiled part), and so does attention with dropout (:mod:`modelling.seeded_attention`) where
+:func:`attention_op_mismatch` finds the op gives eager's numbers on the device; elsewhere its
+call breaks the graph and runs eagerly, seeded for the call (:mod:`modelling.dropout`). Inductor's own random
 numbers are never drawn (``fallback_random`` stays on as a guard). With dropout 0 a
 compiled step differs from an eager one by rounding only (fused kernels sum in another order).
 
@@ -33,8 +35,13 @@ import io
 
 import torch
 from torch import nn
+from torch.nn.attention import sdpa_kernel
 
+from execution.engine.phases.recompute import SDPA_BACKENDS
+from modelling.dropout import fused_attention_with_dropout, mix_seed
 from modelling.gpt import HEAD, LAYERS
+from modelling.layers import Attention
+from modelling.seeded_attention import dropout_kernel, seeded_attention_op
 from utils.torch_private import dynamo_counters
 
 # Options of the inductor compile of every part: random ops keep eager's generator.
@@ -65,11 +72,79 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 COMPILED_PARTS = (LAYERS, HEAD)  # not the embedding (module docstring)
 
 
-def compile_parts(templates: dict[str, nn.Module]) -> None:
+def compile_parts(
+    templates: dict[str, nn.Module], device: torch.device, dtype: torch.dtype
+) -> str | None:
     """Compiles the templates of :data:`COMPILED_PARTS` in place: calls (and
-    ``functional_call``) run their graphs."""
+    ``functional_call``) run their graphs. Attention with dropout runs as one op of the
+    block's graph where that op gives eager's numbers on ``device`` in ``dtype``; where it
+    does not, its call breaks the graph as before, and the reason is returned (else None)."""
+    reason = None
+    for m in templates[LAYERS].modules():
+        if isinstance(m, Attention) and m.dropout_prob and not m.dropout_parity:
+            kernel = dropout_kernel(device.type, m.backend, m.head_dim)
+            if kernel is not None:
+                reason = attention_op_mismatch(device, dtype, m.local_heads, m.head_dim, kernel)
+                m.attention_op = reason is None
     for part in COMPILED_PARTS:
         templates[part].compile(options=INDUCTOR_OPTIONS)
+    return reason
+
+
+# The seeded attention op against eager's call: its output must be eager's bit for bit (the
+# same kernel on the same generator state) and its gradients within this many units of
+# rounding of the dtype, relative to the largest gradient (its backward is the kernel's own
+# backward, or on the math path the same arithmetic written out: here they differ by at most
+# one rounding, while a mask drawn from another seed moves them by a third of the largest).
+ATTENTION_OP_ROUNDINGS = 4
+
+
+@functools.cache
+def attention_op_mismatch(
+    device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, kernel: str
+) -> str | None:
+    """Why attention with dropout cannot run as one op on ``device`` (its output or gradients
+    are not eager's, or it fails), or None where it can: checked once per process and shape
+    of head, on a small random batch (:data:`ATTENTION_OP_ROUNDINGS`)."""
+    generator = torch.Generator().manual_seed(0)
+    shape = (2, heads, 64, head_dim)
+    inputs = [torch.randn(shape, generator=generator).to(device, dtype) for _ in range(4)]
+    grad, p, seed = inputs.pop(), 0.1, 12345
+    backend = SDPA_BACKENDS.get(kernel)
+    pinned = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
+    try:
+        with pinned:
+            eager = _attention_and_grads(
+                lambda q, k, v: fused_attention_with_dropout(q, k, v, p, mix_seed(seed, 0)),
+                inputs,
+                grad,
+            )
+        op = _attention_and_grads(
+            lambda q, k, v: seeded_attention_op(q, k, v, p, torch.tensor(seed), 0, kernel),
+            inputs,
+            grad,
+        )
+    except Exception as error:  # any failure of the op means: attention between graphs
+        return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+    names = ("output without grad", "output", "q's gradient", "k's gradient", "v's gradient")
+    tolerance = ATTENTION_OP_ROUNDINGS * torch.finfo(dtype).eps
+    for name, got, want in zip(names, op, eager, strict=True):
+        exact = name.startswith("output")
+        if exact and not torch.equal(got, want):
+            return f"its {name} is not eager's"
+        error = (got - want).abs().max() / want.abs().max().clamp_min(torch.finfo(dtype).tiny)
+        if not exact and error > tolerance:
+            return f"its {name} is {error:.1e} of the largest from eager's"
+    return None
+
+
+def _attention_and_grads(attention, inputs: list[torch.Tensor], grad: torch.Tensor) -> list:
+    """attention's output without grad and with it, then the gradients of q, k and v."""
+    with torch.no_grad():
+        plain = attention(*inputs)
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = attention(*leaves)
+    return [plain, out, *torch.autograd.grad(out, leaves, grad)]
 
 
 class CompileWatch:
