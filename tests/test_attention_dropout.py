@@ -184,9 +184,12 @@ def test_attention_with_dropout_as_one_op_is_eagers_call():
     """What a compiled block calls (``phased::seeded_attention``) against eager's seeded call:
     the same output bit for bit, with grad and without, gradients within the engine's check's
     roundings (``attention_op_mismatch``, which a mask from another seed fails by a third of
-    the largest gradient), and the global random stream untouched."""
+    the largest gradient), called as it is and compiled, and the global random stream
+    untouched."""
     for dtype in (torch.float32, torch.bfloat16):
         assert attention_op_mismatch(CPU, dtype, 4, 16, "math") is None, dtype
+    if not compiled.compile_unavailable("cpu"):  # and inside a graph inductor compiled
+        assert attention_op_mismatch(CPU, torch.float32, 4, 16, "math", compiled=True) is None
     generator = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 4, 32, 16, generator=generator) for _ in range(3))
     state = torch.get_rng_state()

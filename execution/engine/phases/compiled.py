@@ -84,7 +84,9 @@ def compile_parts(
         if isinstance(m, Attention) and m.dropout_prob and not m.dropout_parity:
             kernel = dropout_kernel(device.type, m.backend, m.head_dim)
             if kernel is not None:
-                reason = attention_op_mismatch(device, dtype, m.local_heads, m.head_dim, kernel)
+                reason = attention_op_mismatch(
+                    device, dtype, m.local_heads, m.head_dim, kernel, device.type == "cuda"
+                )
                 m.attention_op = reason is None
     for part in COMPILED_PARTS:
         templates[part].compile(options=INDUCTOR_OPTIONS)
@@ -101,17 +103,31 @@ ATTENTION_OP_ROUNDINGS = 4
 
 @functools.cache
 def attention_op_mismatch(
-    device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, kernel: str
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    kernel: str,
+    compiled: bool = False,
 ) -> str | None:
     """Why attention with dropout cannot run as one op on ``device`` (its output or gradients
     are not eager's, or it fails), or None where it can: checked once per process and shape
-    of head, on a small random batch (:data:`ATTENTION_OP_ROUNDINGS`)."""
+    of head, on a small random batch (:data:`ATTENTION_OP_ROUNDINGS`); with ``compiled`` the
+    op inside a graph inductor compiled too (on a GPU, whose kernels' random state the
+    tests on a CPU never see compiled)."""
     generator = torch.Generator().manual_seed(0)
     shape = (2, heads, 64, head_dim)
     inputs = [torch.randn(shape, generator=generator).to(device, dtype) for _ in range(4)]
     grad, p, seed = inputs.pop(), 0.1, 12345
     backend = SDPA_BACKENDS.get(kernel)
     pinned = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
+
+    def op(q, k, v, seed_tensor):
+        return seeded_attention_op(q, k, v, p, seed_tensor, 0, kernel)
+
+    candidates = {"the op": op}
+    if compiled:
+        candidates["the compiled op"] = torch.compile(op, fullgraph=True, options=INDUCTOR_OPTIONS)
     try:
         with pinned:
             eager = _attention_and_grads(
@@ -119,22 +135,25 @@ def attention_op_mismatch(
                 inputs,
                 grad,
             )
-        op = _attention_and_grads(
-            lambda q, k, v: seeded_attention_op(q, k, v, p, torch.tensor(seed), 0, kernel),
-            inputs,
-            grad,
-        )
+        results = {
+            name: _attention_and_grads(
+                functools.partial(call, seed_tensor=torch.tensor(seed)), inputs, grad
+            )
+            for name, call in candidates.items()
+        }
     except Exception as error:  # any failure of the op means: attention between graphs
         return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
     names = ("output without grad", "output", "q's gradient", "k's gradient", "v's gradient")
     tolerance = ATTENTION_OP_ROUNDINGS * torch.finfo(dtype).eps
-    for name, got, want in zip(names, op, eager, strict=True):
-        exact = name.startswith("output")
-        if exact and not torch.equal(got, want):
-            return f"its {name} is not eager's"
-        error = (got - want).abs().max() / want.abs().max().clamp_min(torch.finfo(dtype).tiny)
-        if not exact and error > tolerance:
-            return f"its {name} is {error:.1e} of the largest from eager's"
+    for candidate, result in results.items():
+        for name, got, want in zip(names, result, eager, strict=True):
+            exact = name.startswith("output")
+            if exact and not torch.equal(got, want):
+                return f"{candidate}'s {name} is not eager's"
+            tiny = torch.finfo(dtype).tiny
+            error = (got - want).abs().max() / want.abs().max().clamp_min(tiny)
+            if not exact and error > tolerance:
+                return f"{candidate}'s {name} is {error:.1e} of the largest from eager's"
     return None
 
 
