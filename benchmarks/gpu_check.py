@@ -51,7 +51,7 @@ from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
-from execution.engine.phases.compiled import attention_op_mismatch
+from execution.engine.phases.compiled import attention_op_mismatch, compile_unavailable
 from execution.engine.storage.streams import late_side_streams
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
 from execution.planning.planner import plan_for_process
@@ -232,7 +232,8 @@ def check_attention_op(device: torch.device, steps: int) -> tuple[bool, str]:
         cases = [("flash", torch.bfloat16, 128), ("efficient", torch.float32, 64)]
     details, ok = [], True
     for kernel, dtype, head_dim in cases:
-        reason = attention_op_mismatch(device, dtype, 16, head_dim, kernel, compiled=True)
+        compiles = compile_unavailable(device.type) is None
+        reason = attention_op_mismatch(device, dtype, 16, head_dim, kernel, compiled=compiles)
         ok &= reason is None
         details.append(f"{kernel} in {str(dtype).removeprefix('torch.')}: {reason or 'as eager'}")
     return ok, "; ".join(details)

@@ -205,8 +205,8 @@ class Attention(nn.Module):
         k, v = self.repeat_kv(k), self.repeat_kv(v)
         p = self.dropout_prob if seeds is not None else 0.0
         sdpa = self.sdpa or F.scaled_dot_product_attention
-        if p:  # outside any context: a compiled block's graph breaks here, and Dynamo cannot
-            # break one inside a context (it would break the caller's graph instead).
+        if p:  # outside any context: where a compiled block's graph breaks here (no op),
+            # Dynamo cannot break one inside a context (it would break the caller's instead).
             # This tp1 shard's first head, then this cp group's: the global index of head 0.
             first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
             parity, backend, seed = self.dropout_parity, self.backend, seeds.attention

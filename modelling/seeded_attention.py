@@ -104,20 +104,24 @@ def _save(ctx, inputs, output) -> None:
 
 
 def _backward(ctx, grad, *_):
-    q, k, v, out, saved, rng_a, rng_b = ctx.saved_tensors
+    # The fused kernels' logsumexp and random state (FlashAttention's state and its unused
+    # second tensor, the memory-efficient kernel's philox seed and offset), or the math
+    # path's dropped probabilities and two empty tensors (_forward).
+    q, k, v, out, lse_or_dropped, state, state_2 = ctx.saved_tensors
     p, backward = ctx.p, sdpa_backward_ops()
     if ctx.kernel == "flash":
+        # No cumulative sequence lengths: the batch is dense, each sequence whole.
         seq_q, seq_k = q.shape[2], k.shape[2]
         dq, dk, dv = backward["flash"](
-            grad, q, k, v, out, saved, None, None, seq_q, seq_k, p, True, rng_a, rng_b
+            grad, q, k, v, out, lse_or_dropped, None, None, seq_q, seq_k, p, True, state, state_2
         )
     elif ctx.kernel == "efficient":
-        grad_mask = [True, True, True, False]
+        wanted = [True, True, True, False]  # q, k, v; no attention bias
         dq, dk, dv, _ = backward["efficient"](
-            grad, q, k, v, None, out, saved, rng_a, rng_b, p, grad_mask, True
+            grad, q, k, v, None, out, lse_or_dropped, state, state_2, p, wanted, True
         )
     else:
-        dq, dk, dv = _math_backward(grad, q, k, v, saved, p)
+        dq, dk, dv = _math_backward(grad, q, k, v, lse_or_dropped, p)
     return dq, dk, dv, None, None, None, None
 
 
@@ -135,8 +139,10 @@ def _math_backward(
     """Gradients of SDPA's math path with dropout, from its dropped probabilities
     ``dropped`` (probs * keep / (1 - p)): the probabilities are recomputed as the path computes
     them (q and k each scaled by the root of the scale, causal, softmax), in float32 for
-    16-bit inputs as the path does. A kept entry is where ``dropped`` is not 0; where a
-    probability is 0 itself its gradient is multiplied by it, so it needs no mask."""
+    16-bit inputs as the path does (it returns ``dropped`` rounded to their dtype, so ``v``'s
+    gradient differs from eager's by that rounding). A kept entry is where ``dropped`` is not
+    0; where a probability is 0 itself its gradient is multiplied by it, so it needs no
+    mask."""
     dtype = q.dtype
     work = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     grad, q, k, v, dropped = (t.to(work) for t in (grad, q, k, v, dropped))

@@ -218,7 +218,7 @@ def test_an_attention_op_unlike_eagers_breaks_the_graph_instead_and_says_so(monk
     if compiled.compile_unavailable("cpu"):
         pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
     monkeypatch.setattr(
-        compiled, "attention_op_mismatch", lambda *args: "its output is not eager's"
+        compiled, "attention_op_mismatch", lambda *args, **kwargs: "its output is not eager's"
     )
     config = small_config("--dropout_prob", "0.1", "--compile", "true", "--dropout_parity", "false")
     engine = planned_engine(config, ParallelLayout.single(CPU))

@@ -20,6 +20,11 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
 - ``dynamo_counters`` (``torch._dynamo.utils.counters``): how many graphs Dynamo compiled, so a
   compiled run (``--compile``) can say that a step after the first compiled again; the public
   ``torch.compiler`` offers logs of recompiles, not a count.
+- ``forget_compiled`` (``torch._C._dynamo.eval_frame.reset_code``, there since torch 2.1): the
+  engine's check of the seeded attention op compiles one small function per shape and kernel
+  it checks, whose graphs would otherwise stay in the code object's cache, all of them counted
+  against the recompile limit (eight), past which a ``fullgraph`` compile fails; the public
+  ``torch.compiler.reset`` would drop every other compiled part of the process too.
 - ``cuda_sleep`` (``torch.cuda._sleep``): a GPU spin of a given number of cycles, queued on a
   side stream before its copy, so tests of the engine's stream order see late copies.
 - Inductor's front and middle (``torch._dynamo.backends.common.aot_autograd``,
@@ -57,6 +62,7 @@ __all__ = [
     "eager_backward_compile",
     "fake_store",
     "fake_tensors",
+    "forget_compiled",
     "inductor_capture_backend",
     "inductor_schedule",
     "is_fake",
@@ -102,6 +108,12 @@ def sdpa_backward_ops() -> dict[str, Callable]:
         "flash": aten._scaled_dot_product_flash_attention_backward,
         "efficient": aten._scaled_dot_product_efficient_attention_backward,
     }
+
+
+def forget_compiled(function: Callable) -> None:
+    """Drops what Dynamo compiled of ``function``'s code: its cache and recompile limit are
+    the code object's, which every call of the function that made it shares."""
+    torch._C._dynamo.eval_frame.reset_code(function.__code__)
 
 
 def cuda_sleep(cycles: int) -> None:

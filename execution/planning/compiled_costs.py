@@ -19,14 +19,14 @@ prices each region twice:
 
 The difference, in kernels and memory-bound bytes, is what one call changes; the dry run adds
 it to each phase once per micro-batch (:func:`apply_changes`). What runs between the regions
-(collectives, attention's seeded dropout, selective recompute's checkpointed core) runs
-eagerly either way and is metered as it is. A run keeps attention's dropout in the block's
-graph as one op (:mod:`modelling.seeded_attention`), which the capture breaks at instead: the
-device runs the same kernels either way (inductor fuses nothing across an attention kernel),
-and only the host's time differs, which the estimate leaves out. Not priced: a task's head (it runs compiled,
-priced eager). What a kept forward saves is the plan's: where the block is one graph, what
-its forward graph hands the backward (:func:`compiled_kept_in_place`: inductor's partitioner
-recomputes cheap ops rather than save them); elsewhere what eager saves.
+(collectives, attention's seeded dropout, selective recompute's checkpointed core) runs eagerly
+either way and is metered as it is. A run keeps attention's dropout in the block's graph as one
+op (:mod:`modelling.seeded_attention`), which the capture breaks at instead: the device runs
+the same kernels either way (inductor fuses nothing across an attention kernel), and only the
+host's time differs, which the estimate leaves out. Not priced: a task's head (it runs
+compiled, priced eager). What a kept forward saves is the plan's: where the block is one graph,
+what its forward graph hands the backward (:func:`compiled_kept_in_place`: inductor's
+partitioner recomputes cheap ops rather than save them); elsewhere what eager saves.
 """
 
 from __future__ import annotations
@@ -120,9 +120,10 @@ def compiled_kept_in_place(
     instead of saving them), but for the layer's inputs (its weights, and its input, a view
     of the x buffer). Linear in the micro-batch: each saved tensor has it as a dimension.
 
-    None where the block is more than one graph (dropout's seeded attention, a collective of
-    a tensor-parallel axis larger than one; the caller knows the context-parallel one): what
-    runs eagerly between graphs saves what eager saves, and the eager measurement stands.
+    None where the capture makes the block more than one graph (it breaks at dropout's seeded
+    attention, which a run keeps as one op; at a collective of a tensor-parallel axis larger
+    than one; the caller knows the context-parallel one): the eager measurement stands, what
+    eager saves, at least what such a block keeps.
     """
     if shapes.dropout_prob or shapes.tp1 > 1 or shapes.tp2 > 1:  # known to break: no capture
         return None

@@ -18,9 +18,10 @@ dropout stay in the graph as one op drawing eager's mask from a tensor seed
 (:meth:`BlockSeeds.as_tensors`, which :class:`~execution.engine.phases.step.Step` hands a
 compiled part), and so does attention with dropout (:mod:`modelling.seeded_attention`) where
 :func:`attention_op_mismatch` finds the op gives eager's numbers on the device; elsewhere its
-call breaks the graph and runs eagerly, seeded for the call (:mod:`modelling.dropout`). Inductor's own random
-numbers are never drawn (``fallback_random`` stays on as a guard). With dropout 0 a
-compiled step differs from an eager one by rounding only (fused kernels sum in another order).
+call breaks the graph and runs eagerly, seeded for the call (:mod:`modelling.dropout`).
+Inductor's own random numbers are never drawn (``fallback_random`` stays on as a guard).
+With dropout 0 a compiled step differs from an eager one by rounding only (fused kernels sum
+in another order).
 
 A step after the first that compiles again is a bug (a guard that fails for every layer or
 micro-batch recompiles each time): :class:`CompileWatch` counts the graphs each step compiled,
@@ -42,7 +43,7 @@ from modelling.dropout import fused_attention_with_dropout, mix_seed
 from modelling.gpt import HEAD, LAYERS
 from modelling.layers import Attention
 from modelling.seeded_attention import dropout_kernel, seeded_attention_op
-from utils.torch_private import dynamo_counters
+from utils.torch_private import dynamo_counters, forget_compiled
 
 # Options of the inductor compile of every part: random ops keep eager's generator.
 INDUCTOR_OPTIONS = {"fallback_random": True}
@@ -84,8 +85,9 @@ def compile_parts(
         if isinstance(m, Attention) and m.dropout_prob and not m.dropout_parity:
             kernel = dropout_kernel(device.type, m.backend, m.head_dim)
             if kernel is not None:
+                on_gpu = device.type == "cuda"  # the CPU's compiled op is the tests'
                 reason = attention_op_mismatch(
-                    device, dtype, m.local_heads, m.head_dim, kernel, device.type == "cuda"
+                    device, dtype, m.local_heads, m.head_dim, kernel, compiled=on_gpu
                 )
                 m.attention_op = reason is None
     for part in COMPILED_PARTS:
@@ -143,6 +145,8 @@ def attention_op_mismatch(
         }
     except Exception as error:  # any failure of the op means: attention between graphs
         return f"{type(error).__name__}: {str(error).strip().splitlines()[0][:160]}"
+    finally:  # each check compiles op anew: its graphs would pile up against Dynamo's limit
+        forget_compiled(op)
     names = ("output without grad", "output", "q's gradient", "k's gradient", "v's gradient")
     tolerance = ATTENTION_OP_ROUNDINGS * torch.finfo(dtype).eps
     for candidate, result in results.items():
