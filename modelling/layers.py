@@ -45,7 +45,6 @@ from modelling.parallel import (
     reduce_from,
     sequence_to_heads,
 )
-from modelling.seeded_attention import dropout_kernel, seeded_attention_op
 
 
 class LayerNorm(nn.Module):
@@ -152,10 +151,11 @@ class Attention(nn.Module):
         # pin_attention), so torch cannot pick another that saves other tensors. The pin sets
         # process-wide flags while it runs: one thread at a time runs a step's attention.
         self.backend: SDPBackend | None = None
-        # With dropout, a compiled block (tensor seeds) calls attention as one op of its graph
-        # (modelling/seeded_attention.py). False: it breaks the graph there, as eager runs it;
-        # the engine clears it where the op does not give eager's numbers on its device.
-        self.attention_op = True
+        # With dropout, what a compiled block (tensor seeds) calls as one op of its graph in
+        # place of the seeded eager call, q, k, v, p, seed, first head -> attention
+        # (execution/engine/phases/seeded_attention.py). None: the graph breaks at the eager
+        # call. The engine gives it where the op gives eager's numbers on its device.
+        self.dropout_op: Callable[..., torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
@@ -210,10 +210,9 @@ class Attention(nn.Module):
             # This tp1 shard's first head, then this cp group's: the global index of head 0.
             first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
             parity, backend, seed = self.dropout_parity, self.backend, seeds.attention
-            kernel = dropout_kernel(q.device.type, backend, q.shape[-1])
-            one_op = self.attention_op and isinstance(seed, torch.Tensor) and self.sdpa is None
-            if one_op and kernel is not None and not parity:  # a compiled block's, unbroken
-                return seeded_attention_op(q, k, v, p, seed, first, kernel)
+            one_op = self.dropout_op is not None and self.sdpa is None and not parity
+            if one_op and isinstance(seed, torch.Tensor):  # a compiled block's, unbroken
+                return self.dropout_op(q, k, v, p, seed, first)
             return seeded_attention(q, k, v, p, seed, first, parity, sdpa, backend)
         pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
         with pinned:

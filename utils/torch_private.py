@@ -14,7 +14,7 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   ``_scaled_dot_product_efficient_attention``): on meta tensors the public function takes the
   math path, so a dry run calls the kernel a device would run, to see its outputs and saved
   tensors. With their backwards and the math path's op, the same ops make attention with
-  dropout one op of a compiled graph (``modelling/seeded_attention.py``): it seeds the
+  dropout one op of a compiled graph (``execution/engine/phases/seeded_attention.py``): it seeds the
   generator and calls the kernel SDPA would call, which no public function lets it do, and its
   backward is the one SDPA's autograd calls (``derivatives.yaml``).
 - ``dynamo_counters`` (``torch._dynamo.utils.counters``): how many graphs Dynamo compiled, so a

@@ -21,7 +21,7 @@ The difference, in kernels and memory-bound bytes, is what one call changes; the
 it to each phase once per micro-batch (:func:`apply_changes`). What runs between the regions
 (collectives, attention's seeded dropout, selective recompute's checkpointed core) runs eagerly
 either way and is metered as it is. A run keeps attention's dropout in the block's graph as one
-op (:mod:`modelling.seeded_attention`), which the capture breaks at instead: the device runs
+op (:mod:`~execution.engine.phases.seeded_attention`), which the capture breaks at instead: the device runs
 the same kernels either way (inductor fuses nothing across an attention kernel), and only the
 host's time differs, which the estimate leaves out. Not priced: a task's head (it runs
 compiled, priced eager). What a kept forward saves is the plan's: where the block is one graph,

@@ -16,7 +16,7 @@ What the graphs leave out runs eagerly between them, exactly as without ``--comp
 collectives of an axis larger than one (:mod:`modelling.parallel`). Residual and embedding
 dropout stay in the graph as one op drawing eager's mask from a tensor seed
 (:meth:`BlockSeeds.as_tensors`, which :class:`~execution.engine.phases.step.Step` hands a
-compiled part), and so does attention with dropout (:mod:`modelling.seeded_attention`) where
+compiled part), and so does attention with dropout (:mod:`~execution.engine.phases.seeded_attention`) where
 :func:`attention_op_mismatch` finds the op gives eager's numbers on the device; elsewhere its
 call breaks the graph and runs eagerly, seeded for the call (:mod:`modelling.dropout`).
 Inductor's own random numbers are never drawn (``fallback_random`` stays on as a guard).
@@ -39,10 +39,10 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from execution.engine.phases.recompute import SDPA_BACKENDS
+from execution.engine.phases.seeded_attention import dropout_kernel, seeded_attention_op
 from modelling.dropout import fused_attention_with_dropout, mix_seed
 from modelling.gpt import HEAD, LAYERS
 from modelling.layers import Attention
-from modelling.seeded_attention import dropout_kernel, seeded_attention_op
 from utils.torch_private import dynamo_counters, forget_compiled
 
 # Options of the inductor compile of every part: random ops keep eager's generator.
@@ -89,7 +89,8 @@ def compile_parts(
                 reason = attention_op_mismatch(
                     device, dtype, m.local_heads, m.head_dim, kernel, compiled=on_gpu
                 )
-                m.attention_op = reason is None
+            if kernel is not None and reason is None:
+                m.dropout_op = functools.partial(seeded_attention_op, kernel=kernel)
     for part in COMPILED_PARTS:
         templates[part].compile(options=INDUCTOR_OPTIONS)
     return reason
