@@ -14,9 +14,9 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   ``_scaled_dot_product_efficient_attention``): on meta tensors the public function takes the
   math path, so a dry run calls the kernel a device would run, to see its outputs and saved
   tensors. With their backwards and the math path's op, the same ops make attention with
-  dropout one op of a compiled graph (``execution/engine/phases/seeded_attention.py``): it seeds the
-  generator and calls the kernel SDPA would call, which no public function lets it do, and its
-  backward is the one SDPA's autograd calls (``derivatives.yaml``).
+  dropout one op of a compiled graph (``execution/engine/phases/seeded_attention.py``): it
+  seeds the generator and calls the kernel SDPA would call, which no public function lets it
+  do, and its backward is the one SDPA's autograd calls (``derivatives.yaml``).
 - ``dynamo_counters`` (``torch._dynamo.utils.counters``): how many graphs Dynamo compiled, so a
   compiled run (``--compile``) can say that a step after the first compiled again; the public
   ``torch.compiler`` offers logs of recompiles, not a count.

@@ -16,9 +16,10 @@ What the graphs leave out runs eagerly between them, exactly as without ``--comp
 collectives of an axis larger than one (:mod:`modelling.parallel`). Residual and embedding
 dropout stay in the graph as one op drawing eager's mask from a tensor seed
 (:meth:`BlockSeeds.as_tensors`, which :class:`~execution.engine.phases.step.Step` hands a
-compiled part), and so does attention with dropout (:mod:`~execution.engine.phases.seeded_attention`) where
-:func:`attention_op_mismatch` finds the op gives eager's numbers on the device; elsewhere its
-call breaks the graph and runs eagerly, seeded for the call (:mod:`modelling.dropout`).
+compiled part), and so does attention with dropout
+(:mod:`~execution.engine.phases.seeded_attention`) where :func:`attention_op_mismatch` finds
+the op gives eager's numbers on the device; elsewhere its call breaks the graph and runs
+eagerly, seeded for the call (:mod:`modelling.dropout`).
 Inductor's own random numbers are never drawn (``fallback_random`` stays on as a guard).
 With dropout 0 a compiled step differs from an eager one by rounding only (fused kernels sum
 in another order).
