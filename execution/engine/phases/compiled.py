@@ -120,9 +120,11 @@ def attention_op_mismatch(
     op inside a graph inductor compiled too (on a GPU, whose kernels' random state the
     tests on a CPU never see compiled)."""
     generator = torch.Generator().manual_seed(0)
-    shape = (2, heads, 64, head_dim)
-    inputs = [torch.randn(shape, generator=generator).to(device, dtype) for _ in range(4)]
-    grad, p, seed = inputs.pop(), 0.1, 12345
+    # q, k and v as a block hands them over: strided views of one (B, S, 3, heads, d) tensor.
+    qkv = torch.randn(2, 64, 3, heads, head_dim, generator=generator).to(device, dtype)
+    inputs = list(qkv.permute(2, 0, 3, 1, 4).unbind(0))
+    grad = torch.randn(inputs[0].shape, generator=generator).to(device, dtype)
+    p, seed = 0.1, 12345
     backend = SDPA_BACKENDS.get(kernel)
     pinned = contextlib.nullcontext() if backend is None else sdpa_kernel(backend)
 
