@@ -227,7 +227,8 @@ class ExecutionConfig:
             "micro-batch, its memory-bound ops fused; collectives run between graphs, "
             "attention's dropout is one op in them. auto: on a GPU; a CPU compiles slowly "
             "(tens of seconds) at start. "
-            "Where inductor cannot run, one line says so and the run goes on eager.",
+            "Where inductor cannot run, or fails on a graph, one line says so and the run "
+            "goes on eager.",
             choices=SWITCHES,
         ),
     )

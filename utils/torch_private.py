@@ -20,6 +20,10 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
 - ``dynamo_counters`` (``torch._dynamo.utils.counters``): how many graphs Dynamo compiled, so a
   compiled run (``--compile``) can say that a step after the first compiled again; the public
   ``torch.compiler`` offers logs of recompiles, not a count.
+- ``eager_where_compiling_fails`` (``torch._dynamo.config.suppress_errors``, with the
+  inductor front's ``force_non_lazy_backward_lowering`` below): where inductor fails on a
+  graph of a compiled part, that part runs eagerly and the run goes on, as ``--compile``
+  promises; ``torch.compile`` has no public option for it.
 - ``forget_compiled`` (``torch._C._dynamo.eval_frame.reset_code``, there since torch 2.1): the
   engine's check of the seeded attention op compiles one small function per shape and kernel
   it checks, whose graphs would otherwise stay in the code object's cache, all of them counted
@@ -60,6 +64,7 @@ __all__ = [
     "cuda_sleep",
     "dynamo_counters",
     "eager_backward_compile",
+    "eager_where_compiling_fails",
     "fake_store",
     "fake_tensors",
     "forget_compiled",
@@ -108,6 +113,16 @@ def sdpa_backward_ops() -> dict[str, Callable]:
         "flash": aten._scaled_dot_product_flash_attention_backward,
         "efficient": aten._scaled_dot_product_efficient_attention_backward,
     }
+
+
+@contextlib.contextmanager
+def eager_where_compiling_fails() -> Iterator[None]:
+    """Dynamo's settings while compiled parts run: a frame whose graph fails to compile
+    (inductor or Triton raising) runs eagerly from then on instead of raising, Dynamo logging
+    why; its backward is compiled with its forward (:func:`eager_backward_compile`), so that
+    a failure there is caught too, not raised at the first backward."""
+    with torch._dynamo.config.patch(suppress_errors=True), eager_backward_compile():
+        yield
 
 
 def forget_compiled(function: Callable) -> None:

@@ -17,6 +17,7 @@ and drives a step: it runs the schedule's phases, reduces the norm, clips and up
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from collections.abc import Callable
@@ -47,6 +48,7 @@ from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
+from utils.torch_private import eager_where_compiling_fails
 
 
 @dataclass
@@ -370,16 +372,19 @@ class PhasedEngine:
         loading = [n for n, phase in enumerate(phases) if schedule.weights_loaded(phase)]
         following = dict(zip(loading, [*loading[1:], None], strict=True))
         current = "the phases"
+        # A compiled part whose graph fails to compile runs eagerly, and the run goes on.
+        compiling = eager_where_compiling_fails() if self.compiled else contextlib.nullcontext()
         try:
-            for n, phase in enumerate(phases):
-                current = _phase_name(phase)
-                if on_phase is not None:
-                    on_phase(phase)
-                ahead = following.get(n, loading[0] if n < loading[0] else None)
-                if (plan.prefetch or overlap) and ahead is not None and n < ahead:
-                    for part, row in schedule.weights_loaded(phases[ahead]):
-                        self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
-                BODIES[phase.kind](run, phase)
+            with compiling:
+                for n, phase in enumerate(phases):
+                    current = _phase_name(phase)
+                    if on_phase is not None:
+                        on_phase(phase)
+                    ahead = following.get(n, loading[0] if n < loading[0] else None)
+                    if (plan.prefetch or overlap) and ahead is not None and n < ahead:
+                        for part, row in schedule.weights_loaded(phases[ahead]):
+                            self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
+                    BODIES[phase.kind](run, phase)
             current = "the last transfers of the phases"
             run.in_flight.finish()  # the norm and the optimizer read every gradient
             self.link.finish()  # every boundary activation sent has arrived
@@ -388,6 +393,10 @@ class PhasedEngine:
             raise
         if on_phase is not None:
             on_phase(None)
+        failed = self.compile_watch.failed_since_last() if self.compiled else 0
+        if failed and self.layout.is_main:
+            reason = "Dynamo's warning says why"
+            print(f"--compile: {failed} graph(s) could not compile ({reason}); they run eager")
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
         # (the optimizer is about to change the weights it copied).
         unused = self.state.drop_prefetched()

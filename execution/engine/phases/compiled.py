@@ -24,6 +24,10 @@ Inductor's own random numbers are never drawn (``fallback_random`` stays on as a
 With dropout 0 a compiled step differs from an eager one by rounding only (fused kernels sum
 in another order).
 
+A graph inductor fails to compile leaves its code eager from then on, and the run goes on
+(the engine runs its phases under :func:`~utils.torch_private.eager_where_compiling_fails`;
+:class:`CompileWatch` counts such frames, and the engine says so in one line).
+
 A step after the first that compiles again is a bug (a guard that fails for every layer or
 micro-batch recompiles each time): :class:`CompileWatch` counts the graphs each step compiled,
 and the training loop says so in one line.
@@ -176,17 +180,32 @@ def _attention_and_grads(attention, inputs: list[torch.Tensor], grad: torch.Tens
 
 class CompileWatch:
     """Counts the graphs Dynamo compiled (the process's count), so that a step can say how
-    many it compiled."""
+    many it compiled, and the frames it failed to compile (under
+    :func:`~utils.torch_private.eager_where_compiling_fails` they run eagerly), so that the
+    run can say so."""
 
     def __init__(self):
         self._seen = self.total()
+        self._failed = self.failures()
 
     @staticmethod
     def total() -> int:
         return int(dynamo_counters()["stats"]["unique_graphs"])
+
+    @staticmethod
+    def failures() -> int:
+        """Frames Dynamo took on and could not compile (every other frame counts as ok)."""
+        frames = dynamo_counters()["frames"]
+        return int(frames["total"] - frames["ok"])
 
     def since_last(self) -> int:
         """Graphs compiled since the last call (or since the watch was made)."""
         now = self.total()
         compiled, self._seen = now - self._seen, now
         return compiled
+
+    def failed_since_last(self) -> int:
+        """Frames that failed to compile since the last call (or since the watch was made)."""
+        now = self.failures()
+        failed, self._failed = now - self._failed, now
+        return failed
