@@ -396,7 +396,7 @@ class PhasedEngine:
         failed = self.compile_watch.failed_since_last() if self.compiled else 0
         if failed and self.layout.is_main:
             reason = "Dynamo's warning says why"
-            print(f"--compile: {failed} graph(s) could not compile ({reason}); they run eager")
+            print(f"--compile: {failed} graph(s) could not compile ({reason}); running on without")
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
         # (the optimizer is about to change the weights it copied).
         unused = self.state.drop_prefetched()

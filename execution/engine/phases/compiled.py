@@ -24,7 +24,8 @@ Inductor's own random numbers are never drawn (``fallback_random`` stays on as a
 With dropout 0 a compiled step differs from an eager one by rounding only (fused kernels sum
 in another order).
 
-A graph inductor fails to compile leaves its code eager from then on, and the run goes on
+A graph inductor fails to compile is left out from then on (Dynamo compiles the calls inside
+it instead, or runs them eagerly), and the run goes on
 (the engine runs its phases under :func:`~utils.torch_private.eager_where_compiling_fails`;
 :class:`CompileWatch` counts such frames, and the engine says so in one line).
 
