@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
 import re
@@ -24,8 +25,10 @@ from pathlib import Path
 
 import pytest
 
+from config.loading import ConfigError
 from execution.checkpoint.files import resolve, verify
 from execution.checkpoint.ownership import claim_folder, claim_new_folder, new_run_id
+from execution.training.entry import run_entry_point
 from tests.entry_points import ROOT, assert_refused, run_script
 from tests.test_checkpoint import RUN_FLAGS, entry_point
 
@@ -312,6 +315,22 @@ def test_a_read_only_save_folder_is_refused_before_training(run_copy):
         result = entry_point(*_resume(run_copy, "--steps", "7"))
     _refused(result, f"cannot write to --save {ckpt}: it is read-only for this process")
     assert _snapshot(run_copy) == before
+
+
+@pytest.mark.parametrize("ending", ["returns", "fails"])
+def test_a_stop_after_the_run_has_ended_meets_the_handlers_from_before(ending):
+    """A stop that comes once the run is over (torchrun's, to a rank exiting on its own error)
+    must not meet the run's handler: that would raise it in whatever runs at exit, a
+    finalizer among them, which prints a traceback (a flaky test_restart showed one)."""
+
+    def main(job) -> None:
+        if ending == "fails":
+            raise ConfigError("a bad flag")
+
+    before = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):
+        run_entry_point(main, "run_pretraining.py")
+    assert {stop: signal.getsignal(stop) for stop in before} == before
 
 
 @pytest.mark.slow

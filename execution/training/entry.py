@@ -51,8 +51,7 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
             signal.signal(stop, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _on_stop)
-    signal.signal(signal.SIGINT, _on_stop)
+    before = {stop: signal.signal(stop, _on_stop) for stop in (signal.SIGTERM, signal.SIGINT)}
     job = Job()
     try:
         main(job=job)
@@ -71,3 +70,10 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
         if launcher_rank() == 0:  # every rank of a job gets the signal
             print(f"{program}: {str(err) or 'interrupted'}", file=sys.stderr)
         sys.exit(128 + stopped_by.get("signal", signal.SIGINT))
+    finally:
+        # The run is over, however it ended. A first stop from now on (torchrun's, after a
+        # rank that failed has exited) would be raised in whatever runs at exit, a finalizer
+        # among them, which prints it as a traceback: the handlers from before stop it.
+        if not stopped_by:  # else ignored already (above)
+            for stop, handler in before.items():
+                signal.signal(stop, handler)
