@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Inductor's FX graph cache keys a CPU graph without the ATen capability the process runs
+# under: a graph compiled at the machine's own ISA and read back under ATEN_CPU_CAPABILITY=avx2
+# gave NaN losses, and crashed the numerics lane once (torch 2.13 here). So each capability
+# the lanes run under compiles into a cache of its own.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    capability = os.environ["ATEN_CPU_CAPABILITY"]
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
+        Path(tempfile.gettempdir()) / f"inductor_{capability}"
+    )
 
 import torch  # after the variable, which OpenMP reads once
 

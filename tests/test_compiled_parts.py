@@ -104,8 +104,10 @@ def test_a_tool_chain_that_cannot_compile_runs_eager_and_says_so(monkeypatch, ca
 
 def test_a_graph_that_fails_to_compile_runs_eager_and_says_so(monkeypatch, capsys):
     """Inductor failing on a part's graph (here: raising for every graph) leaves that part
-    uncompiled: the step's numbers are eager's to the bit, and the main rank says so in one
-    line. (Where only one graph fails, Dynamo compiles the frames inside it instead.)"""
+    uncompiled: the run goes on with eager's numbers (within the tolerance above: the two
+    engines hand their kernels other strides, which rounds otherwise on some CPUs' kernels),
+    and the main rank says so in one line. (Where only one graph fails, Dynamo compiles the
+    frames inside it instead.)"""
     if compiled.compile_unavailable("cpu"):
         pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
 
@@ -122,7 +124,9 @@ def test_a_graph_that_fails_to_compile_runs_eager_and_says_so(monkeypatch, capsy
         lines = capsys.readouterr().out.strip().splitlines()
     finally:
         torch._dynamo.reset()  # Dynamo skips a code it failed on: not in the next tests
-    assert built["losses"] == eager["losses"] and built["eval"] == eager["eval"]
+    for step, (got, want) in enumerate(zip(built["losses"], eager["losses"], strict=True)):
+        assert abs(got - want) / want <= FLOAT32_TOLERANCE, f"step {step}: {got} vs {want}"
+    assert abs(built["eval"] - eager["eval"]) / eager["eval"] <= FLOAT32_TOLERANCE
     assert len(lines) == 1 and lines[0].startswith("--compile: "), lines
     assert lines[0].endswith("could not compile (Dynamo's warning says why); running on without")
 
