@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     capability = os.environ["ATEN_CPU_CAPABILITY"]
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(
-        Path(tempfile.gettempdir()) / f"inductor_{capability}"
+        Path(tempfile.gettempdir()) / f"torchinductor_{os.getuid()}_{capability}"
     )
 
 import torch  # after the variable, which OpenMP reads once

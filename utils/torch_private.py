@@ -119,8 +119,9 @@ def sdpa_backward_ops() -> dict[str, Callable]:
 def eager_where_compiling_fails() -> Iterator[None]:
     """Dynamo's settings while compiled parts run: a frame whose graph fails to compile
     (inductor or Triton raising) runs without it from then on instead of raising (the frames
-    it calls compiled on their own, or eagerly), Dynamo logging why; its backward is compiled with its forward (:func:`eager_backward_compile`), so that
-    a failure there is caught too, not raised at the first backward."""
+    it calls compiled on their own, or eagerly), Dynamo logging why; its backward is compiled
+    with its forward (:func:`eager_backward_compile`), so that a failure there is caught too,
+    not raised at the first backward."""
     with torch._dynamo.config.patch(suppress_errors=True), eager_backward_compile():
         yield
 

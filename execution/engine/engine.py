@@ -374,6 +374,7 @@ class PhasedEngine:
         current = "the phases"
         # A compiled part whose graph fails to compile runs eagerly, and the run goes on.
         compiling = eager_where_compiling_fails() if self.compiled else contextlib.nullcontext()
+        self.compile_watch.failed_since_last()  # none left by a step that raised half-way
         try:
             with compiling:
                 for n, phase in enumerate(phases):
@@ -394,9 +395,10 @@ class PhasedEngine:
         if on_phase is not None:
             on_phase(None)
         failed = self.compile_watch.failed_since_last() if self.compiled else 0
-        if failed and self.layout.is_main:
+        if failed:  # a rank's own parts (a pipeline stage's): each rank says so
+            rank = f"rank {self.layout.rank}: " if self.layout.world.size > 1 else ""
             reason = "Dynamo's warning says why"
-            print(f"--compile: {failed} graph(s) could not compile ({reason}); running on without")
+            print(f"--compile: {rank}{failed} graph(s) could not compile ({reason}); going on")
         # Every prefetch is used by the phase it was issued for; none may outlive the schedule
         # (the optimizer is about to change the weights it copied).
         unused = self.state.drop_prefetched()
