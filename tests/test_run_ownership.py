@@ -333,6 +333,24 @@ def test_a_stop_after_the_run_has_ended_meets_the_handlers_from_before(ending):
     assert {stop: signal.getsignal(stop) for stop in before} == before
 
 
+def test_a_stop_while_the_run_says_how_it_ended_is_not_raised(monkeypatch):
+    """torchrun stops a rank that is already saying why it ends (a collective lost a rank):
+    the stop must not raise there, over that line (a flaky test_restart showed a traceback
+    from launcher_rank). Here the stop comes while a bad flag is said."""
+
+    def main(job) -> None:
+        raise ConfigError("a bad flag")
+
+    def stopped_while_saying() -> int:
+        os.kill(os.getpid(), signal.SIGTERM)
+        return 0
+
+    monkeypatch.setattr("execution.training.entry.launcher_rank", stopped_while_saying)
+    with contextlib.redirect_stderr(io.StringIO()) as said, pytest.raises(SystemExit) as ended:
+        run_entry_point(main, "run_pretraining.py")
+    assert ended.value.code == 2 and said.getvalue() == "run_pretraining.py: error: a bad flag\n"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_path, stop):

@@ -39,9 +39,12 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
     # wherever the run is winding down: in the wait for the checkpoint being committed (which
     # it would abandon), in a finalizer or in the handler printing the line (a traceback).
     stopped_by: dict[str, int] = {}
+    # Once main has returned or raised, a stop interrupts nothing: raised while the run says
+    # how it ended (or in a finalizer at exit) it would only print a traceback over that line.
+    run_over = False
 
     def _on_stop(signum, frame) -> None:
-        if stopped_by:
+        if stopped_by or run_over:
             return
         stopped_by["signal"] = signum
         # Ignored from now on, not only skipped here: the interpreter's shutdown puts a Python
@@ -54,7 +57,10 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
     before = {stop: signal.signal(stop, _on_stop) for stop in (signal.SIGTERM, signal.SIGINT)}
     job = Job()
     try:
-        main(job=job)
+        try:
+            main(job=job)
+        finally:
+            run_over = True
     except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
         # Before the ranks join (flags, world size) every rank finds the same error: rank 0
         # says it. After, an error may be one rank's own: it says which rank it is.
@@ -71,9 +77,8 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
             print(f"{program}: {str(err) or 'interrupted'}", file=sys.stderr)
         sys.exit(128 + stopped_by.get("signal", signal.SIGINT))
     finally:
-        # The run is over, however it ended. A first stop from now on (torchrun's, after a
-        # rank that failed has exited) would be raised in whatever runs at exit, a finalizer
-        # among them, which prints it as a traceback: the handlers from before stop it.
-        if not stopped_by:  # else ignored already (above)
+        # Hands back the handlers from before the run (a stop at exit then ends the process
+        # as it would have), but where a stop came: then they stay ignored (above).
+        if not stopped_by:
             for stop, handler in before.items():
                 signal.signal(stop, handler)
