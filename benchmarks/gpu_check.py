@@ -223,10 +223,11 @@ def check_pinned_prefetch(device: torch.device, steps: int) -> tuple[bool, str]:
 
 
 def check_attention_op(device: torch.device, steps: int) -> tuple[bool, str]:
-    """Attention with dropout as one op of a compiled block (execution/engine/phases/seeded_attention.py),
-    called as it is and inside a compiled graph: eager's output bit for bit and its gradients
-    within rounding, for each kernel the engine pins on this device (the engine checks its
-    own shape too, and breaks the graph instead)."""
+    """Attention with dropout as one op of a compiled block
+    (execution/engine/phases/seeded_attention.py), called as it is and inside a compiled
+    graph: eager's output bit for bit and its gradients within rounding, for each kernel the
+    engine pins on this device (the engine checks its own shape too, and breaks the graph
+    instead)."""
     cases = [("math", torch.float32, 64)]
     if device.type == "cuda":
         cases = [("flash", torch.bfloat16, 128), ("efficient", torch.float32, 64)]

@@ -9,8 +9,8 @@ Stages, in order (:func:`stages`), each in a process of its own with its own tim
 1. probe: the device, its free memory, torch's and CUDA's versions;
 2. checks: gpu_check.py's correctness checks (remote, host activations, host gradients and
    bfloat16 host weights against resident, with late side streams; GPU against CPU; NCCL;
-   pinned prefetch; attention's dropout as one op). A check that kills its process is recorded as failed and the remaining
-   checks run in a fresh one;
+   pinned prefetch; attention's dropout as one op). A check that kills its process is
+   recorded as failed and the remaining checks run in a fresh one;
 3. parity: ours, the plain PyTorch loop and FSDP2 with CPU offload at a small size in float32,
    each in its own process: their first losses must agree (the baselines train our model);
 4. calibration: calibrate.py's constants, written beside the results as ``<name>.spec.json``;

@@ -22,8 +22,8 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   ``torch.compiler`` offers logs of recompiles, not a count.
 - ``eager_where_compiling_fails`` (``torch._dynamo.config.suppress_errors``, with the
   inductor front's ``force_non_lazy_backward_lowering`` below): where inductor fails on a
-  graph of a compiled part, that part runs eagerly and the run goes on, as ``--compile``
-  promises; ``torch.compile`` has no public option for it.
+  graph of a compiled part, the run goes on without that graph, as ``--compile`` promises;
+  ``torch.compile`` has no public option for it.
 - ``forget_compiled`` (``torch._C._dynamo.eval_frame.reset_code``, there since torch 2.1): the
   engine's check of the seeded attention op compiles one small function per shape and kernel
   it checks, whose graphs would otherwise stay in the code object's cache, all of them counted

@@ -21,12 +21,13 @@ The difference, in kernels and memory-bound bytes, is what one call changes; the
 it to each phase once per micro-batch (:func:`apply_changes`). What runs between the regions
 (collectives, attention's seeded dropout, selective recompute's checkpointed core) runs eagerly
 either way and is metered as it is. A run keeps attention's dropout in the block's graph as one
-op (:mod:`~execution.engine.phases.seeded_attention`), which the capture breaks at instead: the device runs
-the same kernels either way (inductor fuses nothing across an attention kernel), and only the
-host's time differs, which the estimate leaves out. Not priced: a task's head (it runs
-compiled, priced eager). What a kept forward saves is the plan's: where the block is one graph,
-what its forward graph hands the backward (:func:`compiled_kept_in_place`: inductor's
-partitioner recomputes cheap ops rather than save them); elsewhere what eager saves.
+op (:mod:`~execution.engine.phases.seeded_attention`), which the capture breaks at instead:
+the device runs the same kernels either way (inductor fuses nothing across an attention
+kernel), and only the host's time differs, which the estimate leaves out. Not priced: a
+task's head (it runs compiled, priced eager). What a kept forward saves is the plan's: where
+the block is one graph, what its forward graph hands the backward
+(:func:`compiled_kept_in_place`: inductor's partitioner recomputes cheap ops rather than save
+them); elsewhere what eager saves.
 """
 
 from __future__ import annotations

@@ -157,15 +157,15 @@ def attention_op_mismatch(
     finally:  # each check compiles op anew: its graphs would pile up against Dynamo's limit
         forget_compiled(op)
     names = ("output without grad", "output", "q's gradient", "k's gradient", "v's gradient")
-    tolerance = ATTENTION_OP_ROUNDINGS * torch.finfo(dtype).eps
+    finfo = torch.finfo(dtype)
     for candidate, result in results.items():
         for name, got, want in zip(names, result, eager, strict=True):
-            exact = name.startswith("output")
-            if exact and not torch.equal(got, want):
-                return f"{candidate}'s {name} is not eager's"
-            tiny = torch.finfo(dtype).tiny
-            error = (got - want).abs().max() / want.abs().max().clamp_min(tiny)
-            if not exact and error > tolerance:
+            if name.startswith("output"):
+                if not torch.equal(got, want):
+                    return f"{candidate}'s {name} is not eager's"
+                continue
+            error = (got - want).abs().max() / want.abs().max().clamp_min(finfo.tiny)
+            if error > ATTENTION_OP_ROUNDINGS * finfo.eps:
                 return f"{candidate}'s {name} is {error:.1e} of the largest from eager's"
     return None
 

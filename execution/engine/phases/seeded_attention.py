@@ -91,7 +91,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, kernel
     ops = sdpa_kernel_ops()
     if kernel == "flash":
         out, lse, _, _, _, _, rng_state, unused, _ = ops["flash"](q, k, v, p, True)
-        return out, lse, rng_state, q.new_empty(0) if unused is None else unused
+        return out, lse, rng_state, unused
     if kernel == "efficient":
         # The logsumexp always: without grad SDPA skips it, which changes no output bit.
         out, lse, philox_seed, philox_offset = ops["efficient"](q, k, v, None, True, p, True)
