@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from config.schema import OptimizerConfig
+from execution.engine.phases import step as engine_step
 from execution.engine.update.optimizer import adamw_, clip_coefficient
 from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
@@ -70,6 +71,22 @@ def test_clip_coefficient_equals_clip_grad_norm():
     assert clip_coefficient(norm, 1.0) == pytest.approx(p.grad[0].item() / 3.0, rel=1e-6)
     assert clip_coefficient(0.5, 1.0) == 1.0
     assert clip_coefficient(5.0, 0.0) == 1.0  # clipping disabled
+
+
+@pytest.mark.parametrize("chunk", [1000, 1 << 20])
+def test_the_norm_s_chunked_sum_of_squares_is_the_exact_sum(monkeypatch, chunk):
+    """Over several chunks and a partial last one: each float32 square is exact in float64,
+    so math.fsum of them is the exact sum rounded once; a float64 sum of n positive terms is
+    within (n - 1) units of 2**-53 of it, relative."""
+    monkeypatch.setattr(engine_step, "NORM_CHUNK", chunk)
+    shape = (7, 500) if chunk == 1000 else (3, 699051)  # 3.5 chunks; 2 and one element
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    n = x.numel()
+    got = engine_step.sum_of_squares(x)
+    assert got.dtype == torch.float64
+    exact = math.fsum(v * v for v in x.double().reshape(-1).tolist())
+    assert abs(got.item() - exact) <= (n - 1) * 2**-53 * exact
+    assert engine_step.sum_of_squares(torch.empty(0)).item() == 0.0
 
 
 def test_learning_rate_schedule_by_hand():

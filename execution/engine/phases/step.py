@@ -28,6 +28,12 @@ from execution.engine.plan import EnginePlan
 from modelling.dropout import BlockSeeds, mix_seed
 from modelling.task_heads import TaskHead
 
+# Elements of a gradient whose squares are summed at once for the global norm: a chunk's
+# float64 copy (8 MiB) stays in cache while it is squared and summed, so the norm reads each
+# float32 gradient once from memory (a whole shard widened at once moves 36 bytes an element,
+# 4 here: 170 -> 10-25 ms for 38.7M on a CPU), and no shard-sized copy joins the working set.
+NORM_CHUNK = 1 << 20
+
 
 @dataclass
 class Batch:
@@ -157,4 +163,11 @@ class Step:
     def count_in_norm(self, shards) -> None:
         """Adds gradient shards' squares to the step's sum for the global norm."""
         for shard in shards:
-            self.grad_sumsq += shard.double().square().sum()
+            self.grad_sumsq += sum_of_squares(shard)
+
+
+def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor``'s squares in float64 (each float32 square is exact in float64),
+    by chunks of :data:`NORM_CHUNK` elements."""
+    chunks = tensor.reshape(-1).split(NORM_CHUNK)
+    return torch.stack([chunk.double().square_().sum() for chunk in chunks]).sum()
