@@ -162,7 +162,7 @@ def test_dry_run_equals_a_real_cpu_step(tmp_path, layout, flags):
     # The planner's own figure (three layers, two passes, everything on the host) is what a real
     # step with every state on the host allocates, to within the few bytes of per-micro-batch
     # losses, and bounds the case's own placement: loads from the host only add copies.
-    planned = measured_working_set(run, "cpu")
+    planned = measured_working_set(run, "cpu", config.execution.recompute)
     host = distributed_config(*layout_flags(*layout), *sizes, *shlex.split(f"{flags} {ALL_HOST}"))
     (tmp_path / "host").mkdir()
     real_host = run_ranks(_real_rank, host.world_size, tmp_path / "host", host)[0]

@@ -77,7 +77,7 @@ def test_clip_coefficient_equals_clip_grad_norm():
 def test_the_norm_s_chunked_sum_of_squares_is_the_exact_sum(monkeypatch, chunk):
     """Over several chunks and a partial last one: each float32 square is exact in float64,
     so math.fsum of them is the exact sum rounded once; a float64 sum of n positive terms is
-    within (n - 1) units of 2**-53 of it, relative."""
+    within (n - 1) units of 2**-53 of the exact sum, relative, and fsum's rounding adds one."""
     monkeypatch.setattr(engine_step, "NORM_CHUNK", chunk)
     shape = (7, 500) if chunk == 1000 else (3, 699051)  # 3.5 chunks; 2 and one element
     x = torch.randn(shape, generator=torch.Generator().manual_seed(0))
@@ -85,8 +85,11 @@ def test_the_norm_s_chunked_sum_of_squares_is_the_exact_sum(monkeypatch, chunk):
     got = engine_step.sum_of_squares(x)
     assert got.dtype == torch.float64
     exact = math.fsum(v * v for v in x.double().reshape(-1).tolist())
-    assert abs(got.item() - exact) <= (n - 1) * 2**-53 * exact
+    assert abs(got.item() - exact) <= n * 2**-53 * exact
     assert engine_step.sum_of_squares(torch.empty(0)).item() == 0.0
+    wide = x.double()
+    engine_step.sum_of_squares(wide)
+    assert torch.equal(wide, x.double()), "a float64 input is left as it was"
 
 
 def test_learning_rate_schedule_by_hand():

@@ -170,4 +170,6 @@ def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor``'s squares in float64 (each float32 square is exact in float64),
     by chunks of :data:`NORM_CHUNK` elements."""
     chunks = tensor.reshape(-1).split(NORM_CHUNK)
-    return torch.stack([chunk.double().square_().sum() for chunk in chunks]).sum()
+    # A copy even of a float64 chunk: squaring in place must not touch the gradient.
+    wide = (chunk.to(torch.float64, copy=True) for chunk in chunks)
+    return torch.stack([chunk.square_().sum() for chunk in wide]).sum()
