@@ -21,6 +21,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ from config.loading import ConfigError
 from execution.checkpoint.files import resolve, verify
 from execution.checkpoint.ownership import claim_folder, claim_new_folder, new_run_id
 from execution.training.entry import run_entry_point
+from execution.training.loop import raised_by_a_stop
 from tests.entry_points import ROOT, assert_refused, run_script
 from tests.test_checkpoint import RUN_FLAGS, entry_point
 
@@ -349,6 +351,49 @@ def test_a_stop_while_the_run_says_how_it_ended_is_not_raised(monkeypatch):
     with contextlib.redirect_stderr(io.StringIO()) as said, pytest.raises(SystemExit) as ended:
         run_entry_point(main, "run_pretraining.py")
     assert ended.value.code == 2 and said.getvalue() == "run_pretraining.py: error: a bad flag\n"
+
+
+def test_an_error_raised_over_a_stop_still_ends_as_the_stop():
+    """A stop's KeyboardInterrupt that lands inside a lock's wait (the wait for a checkpoint
+    being committed, a flaky test_restart showed) leaves the lock released twice, and Python
+    raises RuntimeError over it: the run still ends in one line and the shell's 128 + signal,
+    not a traceback and exit 1. Here main raises that error while the stop unwinds it."""
+
+    def main(job) -> None:
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises before this ends
+        finally:
+            raise RuntimeError("cannot release un-acquired lock")
+
+    before = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with contextlib.redirect_stderr(io.StringIO()) as said, pytest.raises(SystemExit) as end:
+            run_entry_point(main, "run_pretraining.py")
+    finally:  # a stopped run leaves later stops ignored (entry.py): not this test process
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+    assert end.value.code == 128 + signal.SIGTERM
+    assert said.getvalue() == "run_pretraining.py: interrupted\n"
+
+
+def test_only_a_stop_or_what_was_raised_over_it_counts_as_one():
+    try:
+        try:
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("over it")
+    except RuntimeError as err:
+        over_a_stop = err
+    try:
+        try:
+            raise ValueError("a bug")
+        finally:
+            raise RuntimeError("over it")
+    except RuntimeError as err:
+        over_a_bug = err
+    assert raised_by_a_stop(KeyboardInterrupt()) and raised_by_a_stop(over_a_stop)
+    assert not raised_by_a_stop(over_a_bug) and not raised_by_a_stop(RuntimeError())
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from config.loading import ConfigError
 from data.errors import DataError
 from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import read_launch_environment
-from execution.training.loop import Interrupted
+from execution.training.loop import Interrupted, raised_by_a_stop
 
 
 class Job:
@@ -72,9 +72,12 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
     except CollectiveError as err:  # a rank stalled or died: every rank says where it was
         print(f"{program}: error: rank {launcher_rank()}: {err}", file=sys.stderr)
         sys.exit(1)
-    except (Interrupted, KeyboardInterrupt) as err:  # one line, and the shell's 128 + signal
+    except BaseException as err:  # a stop: one line, and the shell's 128 + signal
+        if not (isinstance(err, Interrupted) or raised_by_a_stop(err)):
+            raise
         if launcher_rank() == 0:  # every rank of a job gets the signal
-            print(f"{program}: {str(err) or 'interrupted'}", file=sys.stderr)
+            line = str(err) if isinstance(err, Interrupted) else ""
+            print(f"{program}: {line or 'interrupted'}", file=sys.stderr)
         sys.exit(128 + stopped_by.get("signal", signal.SIGINT))
     finally:
         # Hands back the handlers from before the run (a stop at exit then ends the process

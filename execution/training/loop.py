@@ -22,6 +22,19 @@ class Interrupted(Exception):
     step done, the last complete checkpoint and how to resume)."""
 
 
+def raised_by_a_stop(err: BaseException) -> bool:
+    """Whether ``err`` is the KeyboardInterrupt a stop raises, or an error raised while it was
+    being handled: one that lands inside a lock's wait (a checkpoint's future, say) can leave
+    the lock released twice, and Python then raises RuntimeError over it."""
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, KeyboardInterrupt):
+            return True
+        seen.add(id(err))
+        err = err.__context__
+    return False
+
+
 def _interrupted_line(run: Run, done: int) -> str:
     where = f"interrupted at step {done}"
     if run.checkpointer is None:
@@ -122,13 +135,15 @@ def train(run: Run) -> list[dict]:
             if run.checkpointer is not None and ((every and (step + 1) % every == 0) or last):
                 where = ""
                 run.checkpointer.save(step + 1, loader.state_dict())
-    except KeyboardInterrupt:
-        interrupted = True
     except CollectiveError as err:
         failed = True
         if where:
             err.during(where)
         raise
+    except BaseException as err:
+        if not raised_by_a_stop(err):
+            raise
+        interrupted = True
     finally:
         loader.close()
         if failed:  # the failure said is the first; a save in flight meets it again
