@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import shlex
@@ -22,7 +21,7 @@ from execution.planning.dry_run import (
     rank_kinds,
 )
 from execution.planning.measure import _adamw_bytes_per_element, measured_working_set
-from execution.planning.plan_search import extrapolated_step, search
+from execution.planning.plan_search import extrapolated_step
 from execution.planning.planner import candidate_plans
 from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
@@ -346,32 +345,6 @@ def test_overlap_hides_data_parallel_traffic_in_the_estimate():
     assert on["step_time_s"] < off["step_time_s"] and on["mfu"] > off["mfu"]
 
 
-@functools.cache
-def _search_four_devices() -> tuple[list[dict], list[dict]]:
-    """``--plan_for 4`` of a small model with 4 layers (pipelines of up to 4 stages), shared
-    by the tests that read its rows."""
-    run = RunShape.of(small_config("--layers", "4", "--global_batch_size", "4"))
-    rows, misfits, _ = search(run, 4)
-    return rows, misfits
-
-
-@pytest.mark.slow
-def test_plan_for_ranks_layouts_that_fit_by_step_time():
-    rows, misfits = _search_four_devices()
-    assert rows and not misfits
-    times = [r["step_time_s"] for r in rows]
-    assert times == sorted(times)
-    meshes = [r["run"].mesh for r in rows]
-    layouts = {(m.dp, m.tp1, m.tp2) for m in meshes}
-    assert {(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)} <= layouts
-    assert all(m.world_size == 4 for m in meshes)
-    # The context axis is searched too: the 16-token sequence over 2 and 4 ranks, alone and
-    # beside data parallelism (a 3-way split would not divide it).
-    contexts = {(m.dp, m.cp) for m in meshes}
-    assert {(1, 4), (2, 2), (1, 2)} <= contexts
-    assert all(m.cp in (1, 2, 4) for m in meshes)
-
-
 @pytest.mark.slow
 def test_plan_for_through_the_entry_point():
     # tiny, smaller still: the search's rows are tested above; this is the entry point's path
@@ -397,28 +370,6 @@ def test_kinds_of_rank_group_equal_shards_and_node_spans():
     kind_of = {r: k for k, ranks in enumerate(kinds) for r in ranks}
     assert kind_of[0] != kind_of[6]
     assert sorted(r for kind in kinds for r in kind) == list(range(24))
-
-
-@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
-def test_plan_for_lists_pipeline_layouts_one_row_each():
-    """Pipelines of 2 and 4 stages are searched (tensor axes filling what is left of a node),
-    with the bubble in their estimate; the table has one row per layout, with the micro-batch
-    sizes that tie shown together."""
-    from execution.planning.plan_table import layout_rows
-
-    rows, _ = _search_four_devices()
-    stages = {r["run"].mesh.pp for r in rows}
-    assert {1, 2, 4} <= stages
-    for row in rows:
-        mesh, passes = row["run"].mesh, row["plan"].passes
-        s = mesh.pp
-        assert row["bubble"] == (s - 1) / (passes + s - 1)
-        if s > 1:
-            assert mesh.tp1 * mesh.tp2 * mesh.cp == 4 // s
-    shown = layout_rows(rows)
-    keys = [r["run"].mesh for r in shown]
-    assert len(keys) == len(set(keys)) and len(shown) < len(rows)
-    assert all(r["micro_batches"] for r in shown)
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
 """--plan_for's shortcuts give what the long way gives: replayed meta ops, working sets measured
-only where a plan may fit, layouts measured in worker processes; and which layouts it weighs."""
+only where a plan may fit, layouts measured in worker processes; which layouts it weighs, and
+how it ranks them (by step time, one row per layout, pipelines among them)."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import shlex
 
 import pytest
@@ -16,7 +18,7 @@ from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget
 from execution.planning.micro_batch_limits import divisors_of
 from execution.planning.plan_search import layouts, search, spans_nodes, tensor_parallel_floor
-from execution.planning.plan_table import print_layouts
+from execution.planning.plan_table import layout_rows, print_layouts
 from execution.planning.planner import candidate_plans, plans_fitting_every_stage
 from execution.planning.run_shape import RunShape
 from tests.distributed import layout_flags
@@ -249,3 +251,49 @@ def test_layouts_of_a_count_with_many_divisors_keep_to_what_the_model_divides():
         assert mesh.tp1 in (1, 2, 4) and inner in (1, 2, 4, 8)
         assert mesh.pp == 1 or (mesh.pp == 2 and inner == 8)
     assert {c.mesh.pp for c in candidates} == {1, 2}
+
+
+@functools.cache
+def _search_four_devices() -> tuple[list[dict], list[dict]]:
+    """``--plan_for 4`` of a small model with 4 layers (pipelines of up to 4 stages), shared
+    by the tests that read its rows."""
+    run = RunShape.of(small_config("--layers", "4", "--global_batch_size", "4"))
+    rows, misfits, _ = search(run, 4)
+    return rows, misfits
+
+
+@pytest.mark.slow
+def test_plan_for_ranks_layouts_that_fit_by_step_time():
+    rows, misfits = _search_four_devices()
+    assert rows and not misfits
+    times = [r["step_time_s"] for r in rows]
+    assert times == sorted(times)
+    meshes = [r["run"].mesh for r in rows]
+    layouts = {(m.dp, m.tp1, m.tp2) for m in meshes}
+    assert {(4, 1, 1), (1, 4, 1), (2, 2, 1), (1, 2, 2)} <= layouts
+    assert all(m.world_size == 4 for m in meshes)
+    # The context axis is searched too: the 16-token sequence over 2 and 4 ranks, alone and
+    # beside data parallelism (a 3-way split would not divide it).
+    contexts = {(m.dp, m.cp) for m in meshes}
+    assert {(1, 4), (2, 2), (1, 2)} <= contexts
+    assert all(m.cp in (1, 2, 4) for m in meshes)
+
+
+@pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
+def test_plan_for_lists_pipeline_layouts_one_row_each():
+    """Pipelines of 2 and 4 stages are searched (tensor axes filling what is left of a node),
+    with the bubble in their estimate; the table has one row per layout, with the micro-batch
+    sizes that tie shown together."""
+    rows, _ = _search_four_devices()
+    stages = {r["run"].mesh.pp for r in rows}
+    assert {1, 2, 4} <= stages
+    for row in rows:
+        mesh, passes = row["run"].mesh, row["plan"].passes
+        s = mesh.pp
+        assert row["bubble"] == (s - 1) / (passes + s - 1)
+        if s > 1:
+            assert mesh.tp1 * mesh.tp2 * mesh.cp == 4 // s
+    shown = layout_rows(rows)
+    keys = [r["run"].mesh for r in shown]
+    assert len(keys) == len(set(keys)) and len(shown) < len(rows)
+    assert all(r["micro_batches"] for r in shown)
