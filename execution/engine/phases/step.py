@@ -171,5 +171,5 @@ def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     by chunks of :data:`NORM_CHUNK` elements."""
     chunks = tensor.reshape(-1).split(NORM_CHUNK)
     # A copy even of a float64 chunk: squaring in place must not touch the gradient.
-    wide = (chunk.to(torch.float64, copy=True) for chunk in chunks)
-    return torch.stack([chunk.square_().sum() for chunk in wide]).sum()
+    squares = [c.to(torch.float64, copy=True).square_().sum() for c in chunks]
+    return torch.stack(squares).sum()
