@@ -7,7 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.library_files import library_files
+import pytest
+
+from tests.library_files import committed_python_files, known_python_files, library_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +61,13 @@ def test_every_docstring_that_cites_a_heading_of_the_docs_names_one_that_exists(
             if heading not in headings:
                 wrong.append(f'{module}: docs/{document}, "{heading}"')
     assert not wrong, "no such heading: " + "; ".join(wrong)
+
+
+def test_the_known_folders_hold_every_committed_library_file():
+    """Where git cannot list the tree, the tests walk the known folders instead: they must hold
+    the same files, or a copy of the tree outside git would check less (or a venv more)."""
+    committed = committed_python_files()
+    if committed is None:
+        pytest.skip("needs the git checkout")
+    missing = {f for f in committed if not f.startswith("tests/")} - set(known_python_files())
+    assert not missing, "tests/library_files.py's KNOWN_FOLDERS miss: " + ", ".join(sorted(missing))

@@ -15,6 +15,7 @@ from modelling.parallel import LOCAL
 from modelling.task_heads import HEADS
 from modelling.variants import RMSNorm
 from tasks.specs import TASKS, parse_finetuning_config
+from tests.library_files import library_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,9 +56,5 @@ def test_only_the_specs_pick_by_a_task_name():
     run's) picks nothing."""
     name = r"(\"[a-z]+\"|\b[A-Z][A-Z_]+\b)"
     branch = re.compile(rf"\btask\s*[!=]=\s*{name}|{name}\s*[!=]=\s*[\w.]*\btask\b")
-    found = [
-        str(path.relative_to(ROOT))
-        for path in ROOT.rglob("*.py")
-        if "tests" not in path.relative_to(ROOT).parts and branch.search(path.read_text())
-    ]
+    found = [path for path in library_files() if branch.search((ROOT / path).read_text())]
     assert found == []
