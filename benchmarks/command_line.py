@@ -40,3 +40,19 @@ def check_output_file(flag: str, path: str | Path) -> None:
         raise ConfigError(f"{flag} {path}: its folder {folder} is not writable; give another path")
     if path.exists() and not os.access(path, os.W_OK):
         raise ConfigError(f"{flag} {path} exists and is read-only; give another path")
+
+
+def check_output_folder(flag: str, path: str | Path) -> None:
+    """Raises a one-line ConfigError unless ``path`` is a writable folder or can be made one (its
+    nearest existing ancestor is a writable folder). Nothing is created."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"{flag} {path} is a file; give a folder")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{flag} {path}: {existing} is a file, not a folder; give another path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is" if existing == path else f"cannot be made: {existing} is"
+        raise ConfigError(f"{flag} {path} {what} not writable; give another path")

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import VARIANTS
-from command_line import exit_on_bad_input
+from command_line import check_output_file, exit_on_bad_input
 
 from config.errors import ConfigError
 from config.loading import OneLineParser, parse_config
@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spec", type=Path, help=spec_help)
     parser.add_argument("--update", action="store_true", help="write the estimates into it")
     args = parser.parse_args(argv)
+    if args.update:
+        check_output_file("--update", args.results)
     try:
         results = json.loads(args.results.read_text())
         rows = results["rows"]

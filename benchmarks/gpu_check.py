@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from child_process import append_json_line
-from command_line import exit_on_bad_input
+from command_line import check_output_file, exit_on_bad_input
 
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
@@ -326,6 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 1:
         parser.error("--steps must be 1 or more")
+    if args.json:
+        check_output_file("--json", args.json)
     if args.device == "cpu":
         device = torch.device("cpu")
         print(f"gpu_check on the CPU (the checks that need CUDA are skipped), {torch.__version__}")

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_step
 from baselines import fsdp2_host_bytes
 from child_process import read_json_lines, run_child
-from command_line import exit_on_bad_input
+from command_line import check_output_file, check_output_folder, exit_on_bad_input
 from gpu_table import device_slug
 
 from config.loading import OneLineParser, parse_config
@@ -300,6 +300,13 @@ def results_path(args: argparse.Namespace, probe: dict) -> Path:
     return Path(args.results_dir) / f"{datetime.date.today().isoformat()}-{name}.json"
 
 
+def check_results_files(flag: str, path: Path) -> None:
+    """Every file a run writes beside its results, checked before the stages spend minutes of
+    a lent device: a folder or a read-only file in the way is one line, not a lost run."""
+    for file in (path, path.with_suffix(".spec.json"), path.with_suffix(".checks.jsonl")):
+        check_output_file(flag, file)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="the results file (default: in --results_dir)")
@@ -327,9 +334,12 @@ def main(argv: list[str] | None = None) -> int:
         names = " ".join(s.name for s in plan)
         parser.error(f"--stages: no stage {', '.join(unknown)} (the stages: {names})")
     plan = [s for s in plan if s.kind == "probe" or not args.stages or s.name in args.stages]
-    target = Path(args.json) if args.json else Path(args.results_dir)
-    if not (target.parent if args.json else target).is_dir():
-        parser.error(f"{target}: its folder does not exist")
+    if args.json:
+        check_results_files("--json", Path(args.json))
+    else:
+        check_output_folder("--results_dir", args.results_dir)
+        if not Path(args.results_dir).is_dir():
+            parser.error(f"--results_dir {args.results_dir}: no such folder")
     report = Report(Path(os.devnull), args.device, args.budget_s)
     for n, stage in enumerate(plan):
         left = args.budget_s - report.elapsed()
@@ -355,6 +365,8 @@ def main(argv: list[str] | None = None) -> int:
             outcome["seconds"] = time.perf_counter() - started
         if stage.kind == "probe":
             report.path = results_path(args, report.probe)
+            if not args.json:  # the name waited for the device's: checked before any stage
+                check_results_files("--results_dir", report.path)
         report.stages[stage.name] = outcome
         if stage.kind == "probe" and not outcome.get("ok"):
             report.write()  # what the probe printed is the one thing to read

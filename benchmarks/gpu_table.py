@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from command_line import exit_on_bad_input
+from command_line import check_output_file, exit_on_bad_input
 
 from config.loading import OneLineParser
 
@@ -132,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.results.is_dir():
         parser.error(f"--results {args.results}: no such folder")
+    if args.write is not None:
+        check_output_file("--write", args.write)
     try:
         table = render(args.results)
     except (OSError, ValueError, KeyError, TypeError) as err:

@@ -20,7 +20,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from command_line import check_output_file, check_output_folder, exit_on_bad_input  # noqa: E402
+
+from config.errors import ConfigError  # noqa: E402
 from utils.plot import plot_losses, read_metrics  # noqa: E402
 
 
@@ -47,6 +51,19 @@ def _figures(rows: list[dict]) -> dict:
     return out
 
 
+def check_outputs(folder: Path) -> None:
+    """What the comparison writes, checked before its two runs' minutes: the folder, its two
+    files, and run folders run_pretraining.py would refuse (one holding a run already)."""
+    check_output_folder("--output_dir", folder)
+    if not folder.is_dir():
+        return
+    for name in ("comparison.json", "loss.png"):
+        check_output_file("--output_dir", folder / name)
+    for run in ("dense", "sparse"):
+        if (folder / run / "metrics.jsonl").exists():
+            raise ConfigError(f"--output_dir {folder}: {run}/ holds a run; give a new folder")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output_dir", type=Path, required=True)
@@ -56,6 +73,7 @@ def main() -> None:
     parser.add_argument("--sparsity_distribution", default="erk")
     parser.add_argument("--rigl_every", default="20")
     args, extra = parser.parse_known_args()
+    check_outputs(args.output_dir)
     validation = sorted(str(p) for p in (ROOT / "data/sample/validation").glob("*.tfrecord"))
     common = ["--config", args.config, "--steps", str(args.steps), "--eval_every", "25"]
     common += ["--validation_files", *validation, *extra]
@@ -78,4 +96,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main, "rigl_compare.py")

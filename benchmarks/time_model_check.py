@@ -29,6 +29,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from command_line import check_output_file, check_output_folder, exit_on_bad_input  # noqa: E402
 
 # name: (processes, flags). One process: tiny and test, passes 1 and 4, resident and remote,
 # each recompute mode; two ranks: each parallel axis on its own.
@@ -246,6 +250,10 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     if args.steps < 4 or args.rounds < 1:
         parser.error("--steps must be at least 4 (steps 3 on are timed), --rounds at least 1")
+    if args.output:  # written after the rounds' minutes
+        check_output_file("--output", args.output)
+    if args.spec_dir:
+        check_output_folder("--spec_dir", args.spec_dir)
     runs = {}
     for name in args.runs:
         processes, flags = RUNS[name]
@@ -300,4 +308,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    exit_on_bad_input(main, "time_model_check.py")

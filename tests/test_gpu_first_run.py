@@ -193,7 +193,7 @@ def test_a_child_killed_at_its_limit_keeps_what_it_printed():
 def test_a_missing_results_folder_is_refused_before_any_work(tmp_path):
     missing = tmp_path / "nowhere" / "first.json"
     result = run_script("benchmarks/gpu_first_run.py", "--json", str(missing), timeout=60)
-    assert result.returncode == 2 and "its folder does not exist" in result.stderr
+    assert_refused(result, "gpu_first_run.py", f"its folder {missing.parent} does not exist")
     assert not missing.parent.exists()
 
 
