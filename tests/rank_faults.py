@@ -23,6 +23,7 @@ import signal
 import time
 from dataclasses import dataclass
 
+from execution.checkpoint.commit import SaveFolder
 from execution.checkpoint.files import LATEST_FILE
 from execution.checkpoint.save import Checkpointer
 from execution.engine.engine import PhasedEngine, StepHooks
@@ -56,13 +57,13 @@ def install(fault: Fault) -> None:
     """Makes this process's engine strike ``fault`` when it runs that rank's step (or its
     saves commit late)."""
     if fault.kind == "slow_commits":
-        commit = Checkpointer._commit
+        commit = SaveFolder.commit
 
-        def slow_commit(checkpointer, tmp, final):
+        def slow_commit(folder, tmp, final):
             time.sleep(fault.seconds)
-            commit(checkpointer, tmp, final)
+            commit(folder, tmp, final)
 
-        Checkpointer._commit = slow_commit
+        SaveFolder.commit = slow_commit
         return
     train_step, save = PhasedEngine.train_step, Checkpointer.save
     saved: list[tuple[Checkpointer, int]] = []  # this process's saves, the last one last

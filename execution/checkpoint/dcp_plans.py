@@ -105,6 +105,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
         row_of: The buffer row (live, or a staged copy) an item is read from.
         on_all_read: Called once every item has been copied out of its row (the rows may
             change from then on).
+        before_writing: Called as the plan is made, before anything is written: an error it
+            raises fails the save on every rank (DCP gathers it), with nothing written.
     """
 
     def __init__(
@@ -113,8 +115,10 @@ class ChunkSavePlanner(DefaultSavePlanner):
         logical: dict[str, torch.Size],
         row_of: RowOf,
         on_all_read: Callable[[], None],
+        before_writing: Callable[[], None] | None = None,
     ):
         super().__init__()
+        self._before_writing = before_writing
         self._items = {(i.key, i.chunk.offsets): i for i in items}
         self._logical = logical
         self._row_of = row_of
@@ -132,6 +136,8 @@ class ChunkSavePlanner(DefaultSavePlanner):
         return dcp.FileSystemWriter(folder, thread_count=1, per_thread_copy_ahead=0)
 
     def create_local_plan(self):
+        if self._before_writing is not None:
+            self._before_writing()
         plan = super().create_local_plan()
         properties = TensorProperties(dtype=torch.float32)
         chunks = [

@@ -61,12 +61,19 @@ def fsync(path: Path) -> None:
 
 
 def write_atomic(path: Path, text: str) -> None:
+    """Replaces ``path`` with ``text`` at once: a reader finds the old text or the new one. A
+    write that fails (a full disk) leaves ``path`` as it was, and no ``.tmp`` beside it."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 def file_crc(path: Path) -> int:

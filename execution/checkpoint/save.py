@@ -18,7 +18,8 @@ the next step runs meanwhile and waits, before its optimizer update changes thos
 only until the last chunk has been copied out. When every rank has written, rank 0 writes
 ``trainer.json`` and ``manifest.json`` and renames ``step_N.tmp`` to ``step_N``, then updates
 ``latest`` with an atomic ``os.replace``: a process killed at any moment leaves the previous
-checkpoint loadable.
+checkpoint loadable. A write the file system refuses (a full disk) fails that save only, on every
+rank, and the run goes on (:mod:`execution.checkpoint.commit`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
-import json
 import shutil
 import threading
 import time
@@ -40,19 +40,12 @@ import torch.distributed as dist
 from config.loading import ConfigError, config_to_dict
 from config.schema import PretrainingConfig
 from execution.checkpoint.chunks import MAX_CHUNK_BYTES
+from execution.checkpoint.commit import SaveFolder
+from execution.checkpoint.disk import checkpoint_bytes, room_warning
 from execution.checkpoint.files import (
     FORMAT,
-    LATEST_FILE,
-    MANIFEST_FILE,
     MASKS,
     SAVED_STATES,
-    TRAINER_FILE,
-    CheckpointError,
-    file_crc,
-    fsync,
-    single_process_quiet,
-    step_folders,
-    write_atomic,
 )
 from execution.checkpoint.ownership import (
     SAVE_FLAG,
@@ -63,7 +56,6 @@ from execution.checkpoint.ownership import (
 )
 from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART
-from execution.parallel.collective_errors import communicating
 from execution.parallel.mesh import MeshShape
 
 
@@ -85,6 +77,9 @@ class Checkpointer:
     Attributes:
         held_seconds: How long the last save held the training loop (the copy off the device).
         fence_seconds: How long optimizer updates have waited for host chunks to be copied out.
+        saves: How many saves were started.
+        folder: The saves' writes and their outcomes: how many failed, why the last one did,
+            the newest complete checkpoint (:class:`~execution.checkpoint.commit.SaveFolder`).
     """
 
     def __init__(
@@ -109,6 +104,7 @@ class Checkpointer:
         self.log = log if self.layout.is_main else (lambda _: None)
         self.max_chunk_bytes = max_chunk_bytes
         self.held_seconds = self.fence_seconds = 0.0
+        self.saves = 0
         self._items = None  # this rank's chunks: the same at every save
         self._host_read: threading.Event | None = None  # set once host chunks are copied out
         self._bounce: list[torch.Tensor] | None = None  # pinned, for copies off a GPU
@@ -137,6 +133,19 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         if self.group is not None:  # no rank begins a write before they are gone
             dist.barrier(group=self.group)
+        size = checkpoint_bytes(engine)
+        self.folder = SaveFolder(
+            self.directory, self.layout, self.group, self.timeout_s, keep, self.log, size
+        )
+
+    def check_room(self, saves: int) -> None:
+        """Rank 0 warns in one line if the folder's file system cannot hold the checkpoints the
+        run will have at once (``saves``: how many it makes)."""
+        if self.layout.is_main:
+            size = self.folder.checkpoint_bytes
+            warning = room_warning(self.directory, size, self.keep, saves)
+            if warning:
+                self.log(warning)
 
     def save(self, step: int, loader_state: dict | None) -> None:
         """Starts saving the state after ``step`` steps; returns once device state is copied off.
@@ -147,13 +156,14 @@ class Checkpointer:
             step: Steps completed (the resumed run starts at this step index).
             loader_state: The data loader's ``state_dict()`` (None in tests without a loader).
         """
-        from execution.checkpoint.dcp_plans import held_items  # imports DCP: only when used
+        # imports DCP: only when used
+        from execution.checkpoint.dcp_plans import HeldItem, held_items, logical_sizes
 
         self.wait()
         self.engine.finish_update()  # the host update of the step saved, if it runs behind
+        self.saves += 1
         started = time.perf_counter()
         final = self.directory / f"step_{step}"
-        tmp = final.with_name(final.name + ".tmp")
         self.log(f"checkpoint: saving step {step} to {final}")
         if self._items is None:
             self._items = held_items(self.engine, self.max_chunk_bytes, saving=True)
@@ -163,8 +173,14 @@ class Checkpointer:
         if not self.engine.state.places["weights"].remote:
             host_read.set()  # written from copies: the buffers may change at once
         trainer = self._trainer_state(step, loader_state)
+
+        def row_of(item: HeldItem) -> torch.Tensor:
+            return rows[item.state, item.part, item.chunk.kind][item.row]
+
+        planner_args = (self._items, logical_sizes(self.engine), row_of)
+        extra, held = self._extra_state(), self.held_seconds
         self._pending = self._executor.submit(
-            self._write, rows, self._extra_state(), host_read, tmp, final, trainer, started
+            self.folder.write, planner_args, extra, host_read, final, trainer, started, held
         )
 
     def _stage(self) -> dict[tuple[str, str, str], torch.Tensor]:
@@ -257,110 +273,12 @@ class Checkpointer:
             "config": config_to_dict(config),
         }
 
-    def _write(
-        self,
-        rows: dict[tuple[str, str, str], torch.Tensor],
-        extra: dict[str, torch.Tensor],
-        host_read: threading.Event,
-        tmp: Path,
-        final: Path,
-        trainer: dict,
-        started: float,
-    ) -> None:
-        """Background thread: every rank writes its chunks, then rank 0 commits.
-
-        ``host_read`` is set once every chunk has been copied out of ``rows``."""
-        import torch.distributed.checkpoint as dcp  # 1.4 s to import: only when used
-        from torch.distributed.checkpoint.api import CheckpointException
-
-        from execution.checkpoint.dcp_plans import ChunkSavePlanner, logical_sizes
-
-        write_started = time.perf_counter()
-        rank = self.layout.world.rank
-        planner = ChunkSavePlanner(
-            self._items,
-            logical_sizes(self.engine),
-            lambda item: rows[item.state, item.part, item.chunk.kind][item.row],
-            host_read.set,
-        )
-        writer = planner.writer(tmp)
-        ranks = tuple(range(dist.get_world_size(self.group))) if self.group is not None else ()
-        # A rank that died or stalled while saving: one line naming the checkpoint's group.
-        wrapped, saving = (RuntimeError, CheckpointException), f"saving step {trainer['step']}"
-        try:
-            if self.group is None:
-                with single_process_quiet():
-                    dcp.save(extra, storage_writer=writer, planner=planner, no_dist=True)
-            else:
-                with communicating("checkpoint", ranks, self.timeout_s, wrapped, saving):
-                    group = self.group
-                    dcp.save(extra, storage_writer=writer, planner=planner, process_group=group)
-        finally:
-            host_read.set()  # a failed write must not hold the training loop forever
-        mine = {p.name: [p.stat().st_size, file_crc(p)] for p in tmp.glob(f"__{rank}_*.distcp")}
-        files = [mine]
-        if self.group is not None:
-            files = [None] * len(ranks)
-            with communicating("checkpoint", ranks, self.timeout_s, during=saving):
-                dist.all_gather_object(files, mine, group=self.group)
-        if not self.layout.is_main:
-            return
-        manifest = {name: entry for per_rank in files for name, entry in per_rank.items()}
-        (tmp / TRAINER_FILE).write_text(json.dumps(trainer, indent=1))
-        for name in (".metadata", TRAINER_FILE):
-            manifest[name] = [(tmp / name).stat().st_size, file_crc(tmp / name)]
-        write_atomic(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
-        fsync(tmp)
-        writing = time.perf_counter() - write_started
-        self._commit(tmp, final)
-        self._prune(trainer["step"])
-        seconds = time.perf_counter() - started
-        gb = sum(size for size, _ in manifest.values()) / 1e9
-        self.log(
-            f"checkpoint: saved step {trainer['step']} ({gb:.3f} GB in {seconds:.2f} s: "
-            f"written at {gb / writing:.3f} GB/s in the background, training held "
-            f"{self.held_seconds:.2f} s for the copy off the device)"
-        )
-
-    def _commit(self, tmp: Path, final: Path) -> None:
-        """Renames the written ``step_N.tmp`` into place and points ``latest`` at it: until
-        then a reader finds the last complete checkpoint (tests/rank_faults.py holds the
-        commit back to kill a run in the middle of a save)."""
-        if final.exists():  # the same step saved again: replace it
-            old = final.with_name(final.name + ".old")
-            final.rename(old)
-            tmp.rename(final)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(final)
-        write_atomic(self.directory / LATEST_FILE, final.name + "\n")
-        fsync(self.directory)
-
-    def _prune(self, saved: int) -> None:
-        """Keeps the newest ``keep`` checkpoints of the run's history, ``saved`` the newest.
-
-        Checkpoints of later steps are from steps the run abandoned when it resumed from an
-        earlier checkpoint: they count as older than any of the history, so the checkpoint it
-        resumed from is kept before them."""
-        if not self.keep:
-            return
-        folders = step_folders(self.directory)
-        abandoned = [folder for step, folder in folders if step > saved]
-        history = [folder for step, folder in folders if step <= saved]
-        for folder in [*abandoned, *history][: -self.keep]:
-            shutil.rmtree(folder, ignore_errors=True)
-
     def wait(self) -> None:
-        """Blocks until the save in flight (if any) is committed; re-raises its error."""
+        """Blocks until the save in flight (if any) is committed or has failed (the folder's
+        ``last_failure``); re-raises any other error."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            try:
-                pending.result()
-            except OSError as err:  # a full or read-only disk: the user's to fix, one line
-                where = f" {err.filename}" if err.filename else ""
-                raise CheckpointError(
-                    f"cannot write checkpoint{where} in {self.directory}: {err.strerror or err}"
-                ) from None
+            pending.result()
 
     def close(self) -> None:
         """Waits for the last save and stops the writer thread."""

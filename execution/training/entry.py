@@ -1,7 +1,8 @@
 """What an entry script (run_pretraining.py, run_finetuning.py) does when something stops it:
 the user's bad input is one line and exit 2, an interruption one line and the shell's 128 +
 signal, from rank 0 only where every rank says the same; a collective that timed out or lost a
-rank is one line from each rank (its own view of it) and exit 1."""
+rank is one line from each rank (its own view of it) and exit 1; a run whose last save failed
+(a full disk) is one line from rank 0 and exit 74 (``EX_IOERR`` of sysexits.h: an I/O error)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,10 @@ from config.loading import ConfigError
 from data.errors import DataError
 from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import read_launch_environment
-from execution.training.loop import Interrupted, raised_by_a_stop
+from execution.training.loop import Interrupted, LastSaveFailed, raised_by_a_stop
+
+# The exit status of a run whose last save failed: sysexits.h's EX_IOERR.
+LAST_SAVE_FAILED_EXIT = 74
 
 
 class Job:
@@ -69,6 +73,10 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
             where = f"rank {rank}: " if rank else ""
             print(f"{program}: error: {where}{err}", file=sys.stderr)
         sys.exit(2)
+    except LastSaveFailed as err:  # every rank counted the same failed saves
+        if launcher_rank() == 0:
+            print(f"{program}: error: {err}", file=sys.stderr)
+        sys.exit(LAST_SAVE_FAILED_EXIT)
     except CollectiveError as err:  # a rank stalled or died: every rank says where it was
         print(f"{program}: error: rank {launcher_rank()}: {err}", file=sys.stderr)
         sys.exit(1)

@@ -22,6 +22,11 @@ class Interrupted(Exception):
     step done, the last complete checkpoint and how to resume)."""
 
 
+class LastSaveFailed(Exception):
+    """Training ended but its last save failed (a full disk): the steps since the newest
+    intact checkpoint are lost. The message is the one line a user needs."""
+
+
 def raised_by_a_stop(err: BaseException) -> bool:
     """Whether ``err`` is the KeyboardInterrupt a stop raises, or an error raised while it was
     being handled: one that lands inside a lock's wait (a checkpoint's future, say) can leave
@@ -49,6 +54,35 @@ def _interrupted_line(run: Run, done: int) -> str:
     )
 
 
+def _saves_made(run: Run) -> int:
+    """How many saves the run makes: every ``--checkpoint_steps`` steps and at the end."""
+    t, every = run.config.training, run.config.checkpoint.checkpoint_steps
+    ends = range(run.start_step + 1, t.steps + 1)
+    return sum(1 for step in ends if (every and step % every == 0) or step == t.steps)
+
+
+def _report_saves(run: Run) -> None:
+    """Once the run is closed: how many of its saves failed, one line from rank 0 (every rank
+    counted the same); LastSaveFailed if the last one did."""
+    checkpointer = run.checkpointer
+    if checkpointer is None or not checkpointer.folder.failed_saves:
+        return
+    folder = checkpointer.folder
+    failed = f"{folder.failed_saves} of {checkpointer.saves} saves failed"
+    newest = (
+        f"the newest intact checkpoint is {checkpointer.directory / folder.newest}"
+        if folder.newest
+        else f"no checkpoint was completed in {checkpointer.directory}"
+    )
+    if folder.last_failure is not None:
+        resume = f" (resume with --load {checkpointer.directory})" if folder.newest else ""
+        raise LastSaveFailed(
+            f"{failed}, the last one too ({folder.last_failure}); {newest}{resume}"
+        )
+    if run.engine.layout.is_main:
+        print(f"checkpoint: {failed}; {newest}", flush=True)
+
+
 def _recompiled_line(step: int, graphs: int) -> str:
     return (
         f"warning: step {step} compiled {graphs} more graph(s) after the first step: a guard "
@@ -67,9 +101,13 @@ def train(run: Run) -> list[dict]:
     Returns:
         The metrics logged for every training step.
 
+    A save the disk refuses fails alone, in one line (:mod:`execution.checkpoint.commit`), and
+    training goes on; the end says how many failed.
+
     Raises:
         Interrupted: on Ctrl-C (or SIGTERM, raised as KeyboardInterrupt by the entry point),
             once a checkpoint being written is complete.
+        LastSaveFailed: the run's last save failed.
     """
     config, engine, tracker = run.config, run.engine, run.tracker
     t = config.training
@@ -83,6 +121,8 @@ def train(run: Run) -> list[dict]:
     history = []
     done = run.start_step
     hooks = run.checkpointer.hooks if run.checkpointer is not None else None
+    if run.checkpointer is not None:
+        run.checkpointer.check_room(_saves_made(run))
     where = ""  # what a collective that fails was part of (a save names its own step)
     failed = interrupted = False
     try:
@@ -159,6 +199,7 @@ def train(run: Run) -> list[dict]:
             run.close()  # waits for the last checkpoint (one being written when interrupted too)
     if interrupted:
         raise Interrupted(_interrupted_line(run, done))
+    _report_saves(run)
     return history
 
 
