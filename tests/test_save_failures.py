@@ -50,12 +50,14 @@ FOLDER_AFTER_FAILURE = ["latest", "run.json", "run.lock", "step_2"]
 
 @contextlib.contextmanager
 def full_disk(fails: Callable[[Path], bool]) -> Iterator[None]:
-    """Opens for writing every file ``fails`` names on /dev/full instead: its writes fail with
-    ENOSPC, as a full disk's do (in this process's threads, and in processes forked meanwhile)."""
+    """Every file ``fails`` names is created when opened for writing, as on a full disk, and
+    written on /dev/full, whose writes fail with ENOSPC as a full disk's do (in this process's
+    threads, and in processes forked meanwhile)."""
     real_open = io.open
 
     def opening(file, mode="r", *args, **kwargs):
         if isinstance(file, str | os.PathLike) and "w" in mode and fails(Path(file)):
+            real_open(file, mode).close()
             return real_open("/dev/full", mode, *args, **kwargs)
         return real_open(file, mode, *args, **kwargs)
 
@@ -82,6 +84,21 @@ def refused_rename(name: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def vanished(name: str) -> Iterator[None]:
+    """Reading back the file ``name`` fails as on a mount that went away."""
+    real_crc = commit.file_crc
+
+    def file_crc(path: Path) -> int:
+        if path.name == name:
+            raise OSError(errno.EIO, "Input/output error", str(path))
+        return real_crc(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(commit, "file_crc", file_crc)
+        yield
+
+
+@contextlib.contextmanager
 def little_room(free: int) -> Iterator[None]:
     """The file system reports ``free`` bytes free."""
     real = shutil.disk_usage
@@ -103,6 +120,7 @@ FAULTS = {
     "the trainer state": ("write", "trainer.json", "No space left on device"),
     "the manifest": ("write", "manifest.json.tmp", "No space left on device"),
     "latest": ("write", "latest.tmp", "No space left on device"),
+    "reading the data file back": ("read", "__0_0.distcp", "Input/output error"),
     "the rename into place": ("rename", "step_4.tmp", "Permission denied"),
     "too little room": ("room", "", "not enough space for the checkpoint, nothing was written"),
 }
@@ -111,6 +129,8 @@ FAULTS = {
 def _fault(kind: str, name: str, room: int):
     if kind == "write":
         return full_disk(lambda path: path.name == name)
+    if kind == "read":
+        return vanished(name)
     if kind == "rename":
         return refused_rename(name)
     return little_room(room - 1)
