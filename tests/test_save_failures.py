@@ -17,6 +17,7 @@ import errno
 import io
 import os
 import pathlib
+import pickle
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator
@@ -390,3 +391,50 @@ def test_a_run_whose_saves_fail_trains_on_ends_in_one_line_and_resumes_exactly(
     # Weights, both AdamW moments and the RNG state, as the uninterrupted run saved them.
     data = "step_6/__0_0.distcp"
     assert (ckpt / data).read_bytes() == (tmp_path / "ref" / data).read_bytes()
+
+
+def test_a_failure_is_the_disks_only_if_the_file_system_said_so():
+    """DCP raises a rank's error wrapped in a CheckpointException (pickled from another rank,
+    without the OSError PyTorch's writer raised over); a bug or a lost rank is no disk's."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from execution.checkpoint.disk import failure_reason
+    from execution.parallel.collective_errors import CollectiveError
+
+    cut_short = RuntimeError(
+        "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"
+    )
+    quota = OSError(errno.EDQUOT, "Disk quota exceeded", "/ckpt/step_4.tmp/__1_0.distcp")
+
+    def from_rank(error: BaseException) -> CheckpointException:
+        return CheckpointException("write", {1: (pickle.loads(pickle.dumps(error)), None)})
+
+    assert failure_reason(from_rank(cut_short)) == (
+        "the file system took only part of a write (PyTorch's writer: unexpected pos 704 vs 598)"
+    )
+    assert failure_reason(from_rank(quota)) == (
+        "Disk quota exceeded: /ckpt/step_4.tmp/__1_0.distcp"
+    )
+    # On the rank itself, the writer's error was raised while PyTorch handled the OSError.
+    on_the_rank = RuntimeError(*cut_short.args)
+    on_the_rank.__context__ = OSError(errno.ENOSPC, "No space left on device")
+    assert failure_reason(on_the_rank) == "No space left on device"
+    assert failure_reason(from_rank(ValueError("a bug"))) is None
+    assert failure_reason(RuntimeError("unexpected pos")) is None  # not PyTorch's writer
+    lost = CollectiveError("checkpoint", (0, 1), False, 60.0)
+    lost.__cause__ = from_rank(quota)
+    assert failure_reason(lost) is None
+
+
+@pytest.mark.slow
+def test_a_run_whose_last_save_is_complete_ends_well_and_says_how_many_failed(tmp_path):
+    flags = [*RUN_FLAGS, "--steps", "4", "--checkpoint_steps", "2"]
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    with full_disk(lambda path: path.name == "__0_0.distcp" and path.parent.name == "step_2.tmp"):
+        run = entry_point(*flags, "--save", str(ckpt), "--output_dir", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("was not saved") == 1
+    assert run.stdout.splitlines()[-1] == (
+        f"checkpoint: 1 of 2 saves failed; the newest intact checkpoint is {ckpt / 'step_4'}"
+    )
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "run.json", "run.lock", "step_4"]
