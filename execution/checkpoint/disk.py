@@ -126,9 +126,8 @@ def _errors(err: BaseException) -> list[BaseException]:
         seen.add(id(error))
         found.append(error)
         todo += [error.__cause__, error.__context__]
-        failures = getattr(
-            error, "failures", None
-        )  # DCP's CheckpointException: rank -> (error, trace)
+        # DCP's CheckpointException: rank -> (error, trace)
+        failures = getattr(error, "failures", None)
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
     return found
