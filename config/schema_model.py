@@ -3,6 +3,7 @@ layouts split it evenly. Part of the tree of :mod:`config.schema`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from config.field_help import doc as _doc
@@ -11,6 +12,8 @@ from config.field_help import doc as _doc
 POSITION_EMBEDDINGS = ("learned", "rotary")
 NORMALIZATIONS = ("layer_norm", "rms_norm")
 MLP_ACTIVATIONS = ("gelu", "swiglu")
+# Rotary frequencies: plain, or Llama 3.1's scaled ones (HF's rope_type of the same name).
+ROPE_TYPES = ("default", "llama3")
 
 
 @dataclass
@@ -20,7 +23,10 @@ class ModelConfig:
 
     layers: int = field(default=12, metadata=_doc("Number of decoder layers."))
     hidden_size: int = field(default=768, metadata=_doc("Width of the residual stream."))
-    heads: int = field(default=12, metadata=_doc("Attention heads; must divide hidden_size."))
+    heads: int = field(
+        default=12,
+        metadata=_doc("Attention heads; must divide hidden_size unless head_dim is set."),
+    )
     sequence_length: int = field(default=2048, metadata=_doc("Tokens per training sequence."))
     vocab_size: int = field(default=50257, metadata=_doc("Vocabulary size (GPT-2 BPE: 50257)."))
     max_positional_length: int = field(
@@ -61,6 +67,50 @@ class ModelConfig:
     rope_theta: float = field(
         default=10000.0, metadata=_doc("Base of the rotary position frequencies.")
     )
+    rope_type: str = field(
+        default="default",
+        metadata=_doc(
+            "default (rotary frequencies from rope_theta alone) or llama3 (Llama 3.1's: a model "
+            "pretrained at rope_original_max_positions reads longer contexts with its long "
+            "wavelengths stretched by rope_factor).",
+            choices=ROPE_TYPES,
+        ),
+    )
+    rope_factor: float = field(
+        default=8.0,
+        metadata=_doc(
+            "llama3 rope: the long wavelengths' frequencies are divided by this (HF's factor)."
+        ),
+    )
+    rope_low_freq_factor: float = field(
+        default=1.0,
+        metadata=_doc(
+            "llama3 rope: wavelengths over rope_original_max_positions / this are stretched "
+            "by rope_factor (HF's low_freq_factor)."
+        ),
+    )
+    rope_high_freq_factor: float = field(
+        default=4.0,
+        metadata=_doc(
+            "llama3 rope: wavelengths under rope_original_max_positions / this are kept; "
+            "those between the two bounds are interpolated smoothly (HF's high_freq_factor)."
+        ),
+    )
+    rope_original_max_positions: int = field(
+        default=8192,
+        metadata=_doc(
+            "llama3 rope: the context the model was pretrained at "
+            "(HF's original_max_position_embeddings)."
+        ),
+    )
+    head_dim: int = field(
+        default=0,
+        metadata=_doc(
+            "Width of each attention head (q, k and v). 0: hidden_size / heads; another value "
+            "(an explicit head_dim in a HF config) makes q and the attention output "
+            "heads x head_dim wide."
+        ),
+    )
     normalization: str = field(
         default="layer_norm",
         metadata=_doc("layer_norm (with bias) or rms_norm (gain only).", choices=NORMALIZATIONS),
@@ -82,6 +132,40 @@ class ModelConfig:
         default=True,
         metadata=_doc("The output projection is the word embedding (false: a matrix of its own)."),
     )
+
+
+# The flags only --rope_type llama3 reads.
+LLAMA3_ROPE_FLAGS = (
+    "rope_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_positions",
+)
+
+
+def rope_scaling_mistake(model: ModelConfig) -> str | None:
+    """One line naming the flag of Llama 3.1 rope settings that cannot compute (a factor
+    under 1, bounds that leave no band to interpolate), or None."""
+    if model.rope_type == "default":
+        return None
+    if model.position_embedding != "rotary":
+        return f"--rope_type {model.rope_type} scales rotary frequencies; add --position_embedding rotary"
+    factor, low, high = model.rope_factor, model.rope_low_freq_factor, model.rope_high_freq_factor
+    if not (math.isfinite(factor) and factor >= 1):
+        return f"--rope_factor must be a finite number >= 1 (Llama 3.1's is 8), got {factor}"
+    if not (math.isfinite(low) and low > 0):
+        return f"--rope_low_freq_factor must be a finite number > 0 (Llama 3.1's is 1), got {low}"
+    if not (math.isfinite(high) and high > low):
+        return (
+            f"--rope_high_freq_factor must be a finite number above --rope_low_freq_factor {low} "
+            f"(Llama 3.1's are 4 and 1), got {high}"
+        )
+    if model.rope_original_max_positions < 1:
+        return (
+            "--rope_original_max_positions must be at least 1 (Llama 3.1's is 8192), got "
+            f"{model.rope_original_max_positions}"
+        )
+    return None
 
 
 def uneven_splits(

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from config.errors import ConfigError, refuse_ignored_flags
 from config.schema import PretrainingConfig, plannable_recompute
-from config.schema_model import uneven_splits
+from config.schema_model import LLAMA3_ROPE_FLAGS, rope_scaling_mistake, uneven_splits
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
 MOST_DEVICES = 1 << 20
@@ -31,7 +31,7 @@ def validate(config: PretrainingConfig, given: Collection[str] = ()) -> None:
     _validate_planning(config)
     _validate_data(config)
     _validate_checkpoint(config)
-    _validate_model(config)
+    _validate_model(config, given)
     _validate_layout(config)
     _validate_pipeline(config)
     _validate_rigl(config, given)
@@ -206,31 +206,38 @@ def _validate_checkpoint(config: PretrainingConfig) -> None:
         raise ConfigError("--eval_only trains nothing, so there is nothing to --save")
 
 
-def _validate_model(config: PretrainingConfig) -> None:
+def _validate_model(config: PretrainingConfig, given: Collection[str]) -> None:
     """Heads of one width, and positions for every token."""
     m = config.model
-    if m.hidden_size % m.heads:
+    if m.hidden_size % m.heads and not m.head_dim:
         raise ConfigError(
             f"--hidden_size {m.hidden_size} is not divisible by --heads {m.heads}; "
-            "pick sizes so that every head has the same width"
+            "pick sizes so that every head has the same width, or give it as --head_dim"
         )
-    if m.kv_heads < 0 or m.intermediate_size < 0:
+    if m.kv_heads < 0 or m.intermediate_size < 0 or m.head_dim < 0:
         raise ConfigError(
-            f"--kv_heads {m.kv_heads} and --intermediate_size {m.intermediate_size} must be at "
-            "least 0 (0: as many as --heads, 4 x --hidden_size)"
+            f"--kv_heads {m.kv_heads}, --intermediate_size {m.intermediate_size} and --head_dim "
+            f"{m.head_dim} must be at least 0 (0: as many as --heads, 4 x --hidden_size, "
+            "--hidden_size / --heads)"
         )
     if m.kv_heads and m.heads % m.kv_heads:
         raise ConfigError(
             f"--heads {m.heads} is not divisible by --kv_heads {m.kv_heads}; each key/value "
             "head serves an equal group of query heads"
         )
-    if m.position_embedding == "rotary" and (m.hidden_size // m.heads) % 2:
-        raise ConfigError(
-            f"--position_embedding rotary needs an even head width, got --hidden_size "
-            f"{m.hidden_size} / --heads {m.heads} = {m.hidden_size // m.heads}"
-        )
+    head_dim = m.head_dim or m.hidden_size // m.heads
+    if m.position_embedding == "rotary" and head_dim % 2:
+        width = f"--hidden_size {m.hidden_size} / --heads {m.heads} = {head_dim}"
+        width = f"--head_dim {m.head_dim}" if m.head_dim else width
+        raise ConfigError(f"--position_embedding rotary needs an even head width, got {width}")
     if not (m.rope_theta > 1 and math.isfinite(m.rope_theta)):
         raise ConfigError(f"--rope_theta must be a finite number > 1, got {m.rope_theta}")
+    if mistake := rope_scaling_mistake(m):
+        raise ConfigError(mistake)
+    if m.rope_type == "default":
+        unused = [f"--{name}" for name in LLAMA3_ROPE_FLAGS if f"model.{name}" in given]
+        instead = "add --rope_type llama3 or leave {them} out"
+        refuse_ignored_flags(unused, "--rope_type llama3", instead)
     if m.sequence_length > m.max_positional_length:
         raise ConfigError(
             f"--sequence_length {m.sequence_length} exceeds --max_positional_length "

@@ -32,7 +32,7 @@ from modelling.lm_heads import LMHead, UntiedLMHead
 from modelling.parallel import LOCAL, Axis
 from modelling.task_heads import TaskHead
 from modelling.tiles import draw_into, outer, run_all, tile_groups
-from modelling.variants import RMSNorm, Rotary, SwiGLU
+from modelling.variants import Llama3Scaling, RMSNorm, Rotary, SwiGLU
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.
@@ -71,11 +71,14 @@ class GPTShapes:
     # The head: None for the language model's (tied to the word embedding), else the class of
     # a fine-tuning task's (modelling.task_heads; the task's spec names it), which replaces it.
     task_head: type[TaskHead] | None = None
-    # The architecture (modelling/variants.py); the defaults are GPT-3's. 0 for kv_heads and
-    # intermediate_size: as many as heads, 4 * hidden.
+    # The architecture (modelling/variants.py); the defaults are GPT-3's. 0 for kv_heads,
+    # intermediate_size and explicit_head_dim (ModelConfig.head_dim): as many as heads,
+    # 4 * hidden, hidden / heads. rope_scaling None: plain rotary frequencies.
     kv_heads: int = 0
     position_embedding: str = LEARNED
     rope_theta: float = 10000.0
+    rope_scaling: Llama3Scaling | None = None
+    explicit_head_dim: int = 0
     normalization: str = LAYER_NORM
     mlp_activation: str = GELU
     intermediate_size: int = 0
@@ -102,6 +105,8 @@ class GPTShapes:
             kv_heads=model.kv_heads,
             position_embedding=model.position_embedding,
             rope_theta=model.rope_theta,
+            rope_scaling=Llama3Scaling.of(model),
+            explicit_head_dim=model.head_dim,
             normalization=model.normalization,
             mlp_activation=model.mlp_activation,
             intermediate_size=model.intermediate_size,
@@ -117,7 +122,14 @@ class GPTShapes:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """Width of each q, k and v head."""
+        return self.explicit_head_dim or self.hidden // self.heads
+
+    @property
+    def attention_width(self) -> int:
+        """Width of the query heads together, and of the attention output: the hidden size
+        unless an explicit head width says otherwise."""
+        return self.heads * self.head_dim
 
     @property
     def key_value_heads(self) -> int:
@@ -222,7 +234,9 @@ class GPT(nn.Module):
 
     @staticmethod
     def _attention(s: GPTShapes, tp1: Axis, tp2: Axis, cp: Axis) -> Attention:
-        rotary = Rotary(s.head_dim, s.rope_theta) if s.position_embedding == ROTARY else None
+        rotary = None
+        if s.position_embedding == ROTARY:
+            rotary = Rotary(s.head_dim, s.rope_theta, s.rope_scaling)
         return Attention(
             s.hidden // s.tp2,
             s.heads // s.tp1,
@@ -302,7 +316,8 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
             task["output.weight"] = ParamInit((shapes.vocab, h), NORMAL, init_std)
         return {**_norm_inits(shapes, "ln_f", h), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)
-    qkv_rows = h + 2 * shapes.key_value_heads * shapes.head_dim
+    width = shapes.attention_width  # of q and of attention's output
+    qkv_rows = width + 2 * shapes.key_value_heads * shapes.head_dim
     ffn = shapes.ffn
     if shapes.mlp_activation == SWIGLU:
         mlp_in, mlp_out, mlp_rows = "mlp.gate_up", "mlp.down", 2 * ffn
@@ -312,7 +327,7 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
         **_norm_inits(shapes, "ln_1", h),
         "attn.qkv.weight": ParamInit((qkv_rows, h), NORMAL, init_std),
         "attn.qkv.bias": ParamInit((qkv_rows,), ZEROS),
-        "attn.out.weight": ParamInit((h, h), NORMAL, residual_std),
+        "attn.out.weight": ParamInit((h, width), NORMAL, residual_std),
         "attn.out.bias": ParamInit((h,), ZEROS),
         **_norm_inits(shapes, "ln_2", h),
         f"{mlp_in}.weight": ParamInit((mlp_rows, h), NORMAL, init_std),

@@ -6,7 +6,8 @@ Each is a module of its own that :func:`modelling.gpt.GPT` builds instead of GPT
 - :class:`RMSNorm` for :class:`~modelling.layers.LayerNorm` (no mean, no bias), its sum of
   squares all-reduced over tp2 like the layer norm's statistics;
 - :class:`Rotary` positions applied to q and k inside attention, for the learned position table;
-  positions are global, so a sequence split over context ranks rotates like the whole;
+  positions are global, so a sequence split over context ranks rotates like the whole; with
+  :class:`Llama3Scaling`, Llama 3.1's stretched frequencies;
 - :class:`SwiGLU` for the GELU MLP: ``down(silu(gate x) * up x)``, the gate and up projections
   one matrix whose rows each tp1 shard holds as (its gate rows, its up rows);
 - :class:`modelling.layers.WordEmbedding` (no position table); the untied head is
@@ -17,6 +18,9 @@ convention), so its weights load unpermuted (:mod:`modelling.hf_llama`).
 """
 
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,17 +53,59 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(mean_square + self.eps)).to(x.dtype)
 
 
-class Rotary(nn.Module):
-    """Rotary position embedding (Su et al. 2021) with base ``theta``, in HuggingFace's
-    ``rotate_half`` layout: dimension i pairs with i + head_dim / 2.
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's rotary frequencies (HuggingFace's ``rope_type`` llama3): a model pretrained
+    at ``original_max_positions`` reads longer contexts with its long wavelengths stretched.
 
-    Attention applies it after the context all-to-all, to whole sequences, so the positions
-    it rotates by are global whatever the cp split.
+    Wavelengths shorter than ``original_max_positions / high_freq_factor`` keep their
+    frequency, those longer than ``original_max_positions / low_freq_factor`` are divided by
+    ``factor``, and those between are interpolated smoothly between the two.
     """
 
-    def __init__(self, head_dim: int, theta: float):
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_positions: int
+
+    @classmethod
+    def of(cls, model) -> Llama3Scaling | None:
+        """From a :class:`config.schema_model.ModelConfig`: None for plain rotary positions."""
+        if model.rope_type != "llama3":
+            return None
+        return cls(
+            model.rope_factor,
+            model.rope_low_freq_factor,
+            model.rope_high_freq_factor,
+            model.rope_original_max_positions,
+        )
+
+    def __call__(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled float32 ``inv_freq``, op for op as ``transformers``' llama3 rope, so that
+        an imported model's angles are HuggingFace's to the last bit."""
+        original = self.original_max_positions
+        low, high = self.low_freq_factor, self.high_freq_factor
+        wavelength = 2 * math.pi / inv_freq
+        stretched = torch.where(wavelength > original / low, inv_freq / self.factor, inv_freq)
+        smooth = (original / wavelength - low) / (high - low)
+        smoothed = (1 - smooth) * stretched / self.factor + smooth * stretched
+        between = ~(wavelength < original / high) * ~(wavelength > original / low)
+        return torch.where(between, smoothed, stretched)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (Su et al. 2021) with base ``theta``, in HuggingFace's
+    ``rotate_half`` layout: dimension i pairs with i + head_dim / 2; ``scaling`` (Llama 3.1's)
+    stretches its frequencies.
+
+    Attention applies it after the context all-to-all, to whole sequences, so the positions
+    it rotates by are global whatever the cp split; generation's cache rotates each new key at
+    its own position through the same angles.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: Llama3Scaling | None = None):
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
 
     def angles(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -67,6 +113,8 @@ class Rotary(nn.Module):
         """cos and sin ``(len(positions), head_dim)`` in ``dtype``, computed in float32."""
         exponents = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=positions.device)
         inv_freq = 1.0 / (self.theta ** (exponents.float() / self.head_dim))
+        if self.scaling is not None:
+            inv_freq = self.scaling(inv_freq)
         freqs = positions.float()[:, None] * inv_freq[None, :]
         both = torch.cat((freqs, freqs), dim=-1)
         return both.cos().to(dtype), both.sin().to(dtype)

@@ -1,4 +1,5 @@
-"""The Llama variants train in every layout as in one process (issue 40 item 1): tp1 splits
+"""The Llama variants train in every layout as in one process (issue 40 item 1), with an
+explicit head width and Llama 3.1's rotary scaling (issue 54 item 6): tp1 splits
 the query and the KV heads and the gate/up pair, tp2 the hidden size, the untied head is split
 as the word embedding, dp and RTS replicate; cp splits the KV heads where it divides them and
 repeats them where it does not; a pipeline puts the untied head on the last stage alone.
@@ -39,11 +40,14 @@ pytestmark = pytest.mark.distributed
 
 STEPS = 3
 TOLERANCE = 1e-6
-# Hidden 32 in 4 query heads of 8 sharing 2 KV heads; an intermediate size of 44.
+# Hidden 32 beside 4 query heads of an explicit 12 (HF's head_dim) sharing 2 KV heads; an
+# intermediate size of 44; Llama 3.1's rotary scaling, whose three bands the 6 frequencies
+# cross (wavelengths 6.3 kept, 17.7 interpolated, the rest stretched).
 LLAMA = [
     *LLAMA_VARIANTS,
     *shlex.split("--kv_heads 2 --intermediate_size 44 --rope_theta 500 --global_batch_size 4"),
-    *shlex.split("--micro_batch_size 1 --passes 2"),
+    *shlex.split("--micro_batch_size 1 --passes 2 --head_dim 12 --rope_type llama3"),
+    *shlex.split("--rope_original_max_positions 32"),
 ]
 
 

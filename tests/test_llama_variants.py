@@ -4,11 +4,12 @@ presets (issue 40 item 1). Numerics against HuggingFace are tests/test_hf_llama.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 
 import pytest
 import torch
 
-from config.loading import parse_config
+from config.loading import ConfigError, parse_config
 from config.validation import kv_heads_note
 from execution.parallel.sharding import init_part_shard, shard_part, unshard_part
 from execution.planning.plan_search import layouts
@@ -122,3 +123,54 @@ def test_an_untied_word_embedding_does_no_flops():
     attention = 12 * 32 * 4096 * 8192
     embedding = 128256 * 4096
     assert flops_per_token(shapes, 8192) == 6 * (8_030_261_248 - embedding) + attention
+
+
+def test_an_explicit_head_dim_widens_q_and_the_output_and_shards_by_whole_heads():
+    """6 heads of 10 on a hidden size of 48 (HF's explicit ``head_dim``): q and attention's
+    output are 60 wide, and a tp1 shard holds whole heads of 10 at every split."""
+    wide = dataclasses.replace(LLAMA, explicit_head_dim=10)
+    layer = init_full_part(wide, LAYERS, 0, 3, 0.02)
+    assert layer["attn.qkv.weight"].shape == (60 + 2 * 2 * 10, 48)
+    assert layer["attn.out.weight"].shape == (48, 60)
+    shards = {}
+    for i in range(2):
+        for j in range(2):
+            shards[i, j] = shard_part(LAYERS, layer, dataclasses.replace(wide, tp1=2, tp2=2), i, j)
+    q, k, v = layer["attn.qkv.weight"].split([60, 20, 20])
+    want = torch.cat([q[30:], k[10:], v[10:]])[:, 24:]  # heads 3..5, KV head 1; columns 24..47
+    assert torch.equal(shards[1, 1]["attn.qkv.weight"], want)
+    assert torch.equal(shards[1, 0]["attn.out.weight"], layer["attn.out.weight"][:24, 30:])
+    back = unshard_part(LAYERS, shards, dataclasses.replace(wide, tp1=2, tp2=2))
+    for name, t in layer.items():
+        assert torch.equal(back[name], t), name
+    model = GPT(wide)  # its modules hold the shapes the initial weights have
+    assert model.layers[0].attn.qkv.weight.shape == (100, 48)
+    assert model.layers[0].attn.out.weight.shape == (48, 60)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ("--rope_factor 2", "--rope_factor only applies to --rope_type llama3; add --rope_type"),
+        ("--config tiny --rope_type llama3", "scales rotary frequencies; add --position_embedding"),
+        ("--rope_type llama3 --rope_factor 0.5", "--rope_factor must be a finite number >= 1"),
+        ("--rope_type llama3 --rope_low_freq_factor 0", "--rope_low_freq_factor must be a finite"),
+        (
+            "--rope_type llama3 --rope_high_freq_factor 1",
+            "--rope_high_freq_factor must be a finite number above --rope_low_freq_factor 1.0",
+        ),
+        ("--rope_type llama3 --rope_original_max_positions 0", "must be at least 1 (Llama 3.1"),
+        ("--head_dim 7", "needs an even head width, got --head_dim 7"),
+        ("--head_dim -2", "and --head_dim -2 must be at least 0"),
+        ("--heads 5", "is not divisible by --heads 5; pick sizes so that every head has the same"),
+    ],
+)
+def test_rope_scaling_and_head_dim_flags_that_cannot_compute_are_one_line(flags, message):
+    with pytest.raises(ConfigError) as err:
+        parse_config(["--config", "llama_tiny", *shlex.split(flags)])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_hidden_size_need_not_divide_into_heads_of_an_explicit_width():
+    config, _ = parse_config(["--config", "llama_tiny", "--heads", "6", "--head_dim", "16"])
+    assert run_shapes(config).attention_width == 96  # beside a hidden size of 128

@@ -23,15 +23,16 @@ def flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
     """Model FLOPs of forward + backward per trained token (PaLM's MFU definition).
 
     ``6 N + 12 L h S``: N is the number of parameters (the tied embedding counted once), the
-    second term the attention scores and values. Recomputation is not counted, so MFU does not
-    reward doing work twice. Unless the head is tied to it (GPT-3's), the word embedding is
+    second term the attention scores and values (``h`` the heads' width together: the hidden
+    size, unless an explicit head width makes it heads x head width). Recomputation is not
+    counted, so MFU does not reward doing work twice. Unless the head is tied to it (GPT-3's), the word embedding is
     only looked up and its parameters do no FLOPs: a fine-tuning task's head does not project
     onto the vocabulary, and an untied head (Llama's) projects with its own matrix.
     """
     parameters = shapes.num_parameters
     if not shapes.ties_word_embedding:
         parameters -= shapes.vocab * shapes.hidden
-    return 6 * parameters + 12 * shapes.layers * shapes.hidden * sequence_length
+    return 6 * parameters + 12 * shapes.layers * shapes.attention_width * sequence_length
 
 
 def device_peak_tflops(device: torch.device, configured: float) -> float | None:

@@ -310,20 +310,22 @@ def tensor_parallel_floor(run: RunShape, spec: DeviceSpec) -> float:
     conjugates: over tp1 the QKV and first feed-forward inputs' gradients ``[t, h/tp2]``, over
     tp2 the projection's and second feed-forward's ``[t, h/tp1]`` and ``[t, 4h/tp1]``. (With
     grouped-query attention the QKV output is ``h + 2 kv`` wide; SwiGLU's first feed-forward
-    output, gate and up, twice its intermediate size.) Each is
+    output, gate and up, twice its intermediate size; an explicit head width makes the
+    attention's ``h`` heads x head width.) Each is
     priced as the time model prices it (across nodes at the network's rate); recompute, layer
     norm statistics, the embedding and the head only add to it. A test checks the bound
     against measured steps."""
     mesh, m = run.mesh, run.model
     h, tp1, tp2 = m.hidden, mesh.tp1, mesh.tp2
-    qkv = h + 2 * m.key_value_heads * m.head_dim
+    attention = m.attention_width  # h, unless an explicit head width makes it another
+    qkv = attention + 2 * m.key_value_heads * m.head_dim
     ffn_in = 2 * m.ffn if m.mlp_activation == SWIGLU else m.ffn
     layout = ParallelLayout.shapes_only(mesh.dp, tp1, tp2, cp=mesh.cp, pp=mesh.pp)
     tokens = run.micro_batch_size * run.sequence_length // mesh.cp
     itemsize = DTYPES[run.precision].itemsize
     widths = {
         layout.tp1: (h // tp2,) * 4,
-        layout.tp2: (qkv // tp1, ffn_in // tp1, h // tp1, m.ffn // tp1),
+        layout.tp2: (qkv // tp1, ffn_in // tp1, attention // tp1, m.ffn // tp1),
     }
     per_layer = sum(
         waited_call_seconds(axis, "all_reduce", tokens * width * itemsize, spec)
