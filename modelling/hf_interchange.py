@@ -11,6 +11,7 @@ whole state dicts), and tests load it with ``from_pretrained``.
 
 A Llama folder (``model_type`` llama) and a Llama-architecture model are
 :mod:`modelling.hf_llama`'s: :func:`open_hf_weights` and :func:`export_hf` hand them over.
+Either folder's ``config.json`` is checked field by field first (:mod:`modelling.hf_config`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from modelling.hf_config import GPT2_FIELDS, check_fields, read_config
 from modelling.hf_llama import LlamaWeights, export_llama, is_llama
 from modelling.task_heads import HF_TASK_NAMES, head_holding
 
@@ -160,23 +162,14 @@ def open_hf_weights(folder: str | Path) -> HFWeights | LlamaWeights:
     (:class:`modelling.hf_llama.LlamaWeights`), as its ``config.json`` says.
 
     Raises:
-        HFModelError: missing or unreadable files, or a model that is neither.
+        HFModelError: missing or unreadable files, a field of ``config.json`` missing or of
+            another type than transformers reads, or a model that is neither.
     """
     folder = Path(folder)
-    config = _read_config(folder)
+    config = read_config(folder, HFModelError)
     if config.get("model_type") == "llama":
         return LlamaWeights(folder, config, HFModelError)
     return HFWeights(folder, config)
-
-
-def _read_config(folder: Path) -> dict[str, Any]:
-    config_file = folder / "config.json"
-    try:
-        return json.loads(config_file.read_text())
-    except OSError as err:
-        raise HFModelError(f"--hf_model: cannot read {config_file}: {err.strerror}") from None
-    except ValueError:
-        raise HFModelError(f"--hf_model: {config_file} is not valid JSON") from None
 
 
 def _unlike_gpt2(model: dict[str, Any]) -> list[str]:
@@ -186,6 +179,8 @@ def _unlike_gpt2(model: dict[str, Any]) -> list[str]:
         unlike.append("kv_heads")
     if model.get("intermediate_size") not in (None, 0, 4 * model["hidden_size"]):
         unlike.append("intermediate_size")
+    if model.get("head_dim") not in (None, 0, model["hidden_size"] // model["heads"]):
+        unlike.append("head_dim")
     return unlike
 
 
@@ -202,13 +197,14 @@ class HFWeights:
 
     def __init__(self, folder: str | Path, config: dict[str, Any] | None = None):
         self.folder = Path(folder)
-        self.config = config if config is not None else _read_config(self.folder)
+        self.config = config if config is not None else read_config(self.folder, HFModelError)
         if self.config.get("model_type") != "gpt2":
             raise HFModelError(
                 f"--hf_model: {self.folder / 'config.json'} describes a "
                 f"{self.config.get('model_type')!r} model; only GPT-2 (model_type gpt2) and "
                 "Llama (model_type llama) map onto this model"
             )
+        check_fields(self.config, GPT2_FIELDS, self.folder / "config.json", HFModelError)
         safetensors_file = self.folder / "model.safetensors"
         bin_file = self.folder / "pytorch_model.bin"
         if safetensors_file.is_file():
@@ -238,6 +234,8 @@ class HFWeights:
         unlike = [f for f, gpt2 in GPT2_ARCHITECTURE.items() if getattr(model, f) != gpt2]
         if model.key_value_heads != model.heads or model.ffn != 4 * model.hidden:
             unlike.append("kv_heads or --intermediate_size")
+        if model.attention_width != model.hidden:
+            unlike.append("head_dim")
         if unlike:
             raise HFModelError(
                 f"--hf_model {self.folder} is a GPT-2 model but this run's --{', --'.join(unlike)} "

@@ -7,8 +7,11 @@ matrices stacked by rows: ``attn.qkv`` is ``q_proj``, ``k_proj``, ``v_proj``, an
 is ``lm_head``; a tied one (``tie_word_embeddings``) is the word embedding.
 
 Reading takes ``model.safetensors`` or the shards a ``model.safetensors.index.json`` names,
-tensor by tensor; writing streams one ``model.safetensors`` as
-:func:`modelling.hf_interchange.export_hf` does.
+tensor by tensor, after :mod:`modelling.hf_config` has checked every field of ``config.json``
+it reads; writing streams one ``model.safetensors`` as
+:func:`modelling.hf_interchange.export_hf` does. Rotary settings (plain, or Llama 3.1's
+``llama3`` scaling) and an explicit ``head_dim`` go both ways; ``config.json`` carries the
+rotary settings as transformers 5 writes them and as transformers 4 reads them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 import torch
 
+from modelling.hf_config import LLAMA_FIELDS, check_fields, llama_rope
 from modelling.task_heads import HEADS, HF_TASK_NAMES, head_holding
 
 # The attribute of LlamaForCausalLM holding its base model; a task class may name its own.
@@ -78,12 +82,31 @@ def row_split(ours: str, shape: tuple[int, ...], model: Mapping[str, Any]) -> li
     """The rows of each HF tensor in our ``ours`` of ``shape`` (q, k, v; gate, up; or one)."""
     if ours.endswith("attn.qkv.weight"):
         heads = model["heads"]
-        head_dim = model["hidden_size"] // heads
+        head_dim = _head_dim(model)
         kv = (model.get("kv_heads") or heads) * head_dim
-        return [model["hidden_size"], kv, kv]
+        return [heads * head_dim, kv, kv]
     if ours.endswith("mlp.gate_up.weight"):
         return [shape[0] // 2] * 2
     return [shape[0]]
+
+
+def _head_dim(model: Mapping[str, Any]) -> int:
+    return model.get("head_dim") or model["hidden_size"] // model["heads"]
+
+
+def rope_parameters(model: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5's ``rope_parameters`` of our model section: the type and base and, for
+    Llama 3.1's scaling, its factors and original context (a section saved before these
+    fields existed has plain rotary positions)."""
+    rope: dict[str, Any] = {"rope_type": model.get("rope_type", "default")}
+    if rope["rope_type"] == "llama3":
+        rope |= {
+            "factor": model["rope_factor"],
+            "low_freq_factor": model["rope_low_freq_factor"],
+            "high_freq_factor": model["rope_high_freq_factor"],
+            "original_max_position_embeddings": model["rope_original_max_positions"],
+        }
+    return {**rope, "rope_theta": model["rope_theta"]}
 
 
 def llama_config(model: Mapping[str, Any]):
@@ -98,12 +121,13 @@ def llama_config(model: Mapping[str, Any]):
         num_hidden_layers=model["layers"],
         num_attention_heads=model["heads"],
         num_key_value_heads=model.get("kv_heads") or model["heads"],
+        head_dim=_head_dim(model),
         hidden_act="silu",
         max_position_embeddings=model["max_positional_length"],
         initializer_range=model["init_std"],
         rms_norm_eps=model["layer_norm_eps"],
         tie_word_embeddings=model.get("tied_head", True),
-        rope_parameters={"rope_type": "default", "rope_theta": model["rope_theta"]},
+        rope_parameters=rope_parameters(model),
         attention_bias=False,
         mlp_bias=False,
         architectures=["LlamaForCausalLM"],
@@ -112,17 +136,30 @@ def llama_config(model: Mapping[str, Any]):
     )
 
 
+def write_llama_config(config, model: Mapping[str, Any], path: Path) -> None:
+    """Writes ``config`` (a ``LlamaConfig``) as the installed transformers does, with the
+    rotary settings also as transformers 4 writes and reads them: ``rope_theta`` at the top
+    and the scaling alone as ``rope_scaling`` (null for plain rotary positions). Without them
+    a transformers 4 reader would take the default base of 10000 and no scaling; transformers
+    5 reads ``rope_scaling`` first and takes the top-level base into it, the same settings."""
+    settings = json.loads(config.to_json_string())
+    rope = rope_parameters(model)
+    theta = rope.pop("rope_theta")
+    settings |= {"rope_theta": theta, "rope_scaling": rope if len(rope) > 1 else None}
+    path.write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+
+
 def export_llama(model: dict[str, Any], weights: Mapping[str, torch.Tensor], folder: Path) -> int:
-    """Writes ``config.json`` and ``model.safetensors`` for ``LlamaForCausalLM`` or, for a
-    fine-tuned model, the Llama class its head names (``LlamaForQuestionAnswering``,
-    ``LlamaForSequenceClassification``), one tensor at a time (as
-    :func:`modelling.hf_interchange.export_hf`); returns the parameters written."""
+    """Writes ``config.json`` (:func:`write_llama_config`) and ``model.safetensors`` for
+    ``LlamaForCausalLM`` or, for a fine-tuned model, the Llama class its head names
+    (``LlamaForQuestionAnswering``, ``LlamaForSequenceClassification``), one tensor at a time
+    (as :func:`modelling.hf_interchange.export_hf`); returns the parameters written."""
     shapes = getattr(weights, "shapes", None) or {n: t.shape for n, t in weights.items()}
     config, base_model = llama_config(model), BASE_MODEL
     if head := head_holding(shapes):
         head.describe_hf(config)
         base_model = head.HF_CLASSES[config.model_type].base_model
-    config.to_json_file(folder / "config.json")
+    write_llama_config(config, model, folder / "config.json")
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for ours, shape in shapes.items():
@@ -160,6 +197,8 @@ class LlamaWeights:
         from safetensors import safe_open
 
         self.folder, self.config, self.error = folder, config, error
+        check_fields(config, LLAMA_FIELDS, folder / "config.json", error)
+        self.rope = llama_rope(config, folder / "config.json", error)
         architectures = config.get("architectures") or []
         task_classes = (c for head in HEADS for c in head.HF_CLASSES.values())
         self.base_model = next(
@@ -206,49 +245,78 @@ class LlamaWeights:
                     f"--hf_model {self.folder} is a Llama model but this run has --{flag} "
                     f"{ours}; pass --config llama_tiny (or --{flag} {theirs})"
                 )
-        c = self.config
-        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-        theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-        heads = c.get("num_attention_heads")
+        c, rope = self.config, self.rope
+        heads = c["num_attention_heads"]
         pairs = {
-            "num_hidden_layers": ("layers", model.layers, c.get("num_hidden_layers")),
-            "hidden_size": ("hidden_size", model.hidden, c.get("hidden_size")),
+            "num_hidden_layers": ("layers", model.layers, c["num_hidden_layers"]),
+            "hidden_size": ("hidden_size", model.hidden, c["hidden_size"]),
             "num_attention_heads": ("heads", model.heads, heads),
             "num_key_value_heads": (
                 "kv_heads",
                 model.key_value_heads,
                 c.get("num_key_value_heads") or heads,
             ),
-            "intermediate_size": ("intermediate_size", model.ffn, c.get("intermediate_size")),
-            "vocab_size": ("vocab_size", model.vocab, c.get("vocab_size")),
-            "rope_theta": ("rope_theta", model.rope_theta, theta),
-            "rms_norm_eps": ("layer_norm_eps", model.layer_norm_eps, c.get("rms_norm_eps")),
+            "head_dim": (
+                "head_dim",
+                model.head_dim,
+                c.get("head_dim") or c["hidden_size"] // heads,
+            ),
+            "intermediate_size": ("intermediate_size", model.ffn, c["intermediate_size"]),
+            "vocab_size": ("vocab_size", model.vocab, c["vocab_size"]),
+            "rms_norm_eps": ("layer_norm_eps", model.layer_norm_eps, c.get("rms_norm_eps", 1e-6)),
             "tie_word_embeddings": (
                 "tied_head",
                 model.tied_head,
                 bool(c.get("tie_word_embeddings", False)),
             ),
         }
+        prefix = f"{rope.key}." if rope.key else ""
+        unsupported = {  # key -> (the folder's value, whether this model cannot compute it)
+            "hidden_act": (c.get("hidden_act", "silu"), c.get("hidden_act", "silu") != "silu"),
+            "attention_bias": (c.get("attention_bias"), bool(c.get("attention_bias"))),
+            "mlp_bias": (c.get("mlp_bias"), bool(c.get("mlp_bias"))),
+            f"{prefix}rope_type": (rope.rope_type, rope.rope_type not in ("default", "llama3")),
+            "partial_rotary_factor": (rope.partial_rotary_factor, rope.partial_rotary_factor != 1),
+        }
+        for key, (value, differs) in unsupported.items():
+            if differs:
+                raise self.error(
+                    f"--hf_model {self.folder} has {key} {value!r}, which this model does not "
+                    "compute (silu, no biases, rotary positions of rope_type default or llama3 "
+                    "over whole heads)"
+                )
+        pairs |= self._rope_pairs(model)
         for key, (flag, ours, theirs) in pairs.items():
             if ours != theirs:
                 raise self.error(
                     f"--hf_model {self.folder} has {key} {theirs} but this run has --{flag} "
                     f"{ours}; pass --{flag} {theirs}"
                 )
-        unsupported = {
-            "hidden_act": c.get("hidden_act", "silu") != "silu",
-            "attention_bias": bool(c.get("attention_bias")),
-            "mlp_bias": bool(c.get("mlp_bias")),
-            "rope_type": rope.get("rope_type", rope.get("type", "default")) != "default",
-            "head_dim": c.get("head_dim", model.head_dim) != model.head_dim,
+
+    def _rope_pairs(self, model) -> dict[str, tuple[str, Any, Any]]:
+        """The rotary settings of the folder beside the run's (:meth:`check_shape`): the key
+        in config.json -> (flag, the run's value, the folder's)."""
+        rope, scaling = self.rope, model.rope_scaling
+        prefix = f"{rope.key}." if rope.key else ""
+        ours_type = "default" if scaling is None else "llama3"
+        pairs = {
+            "rope_theta": ("rope_theta", model.rope_theta, rope.theta),
+            f"{prefix}rope_type": ("rope_type", ours_type, rope.rope_type),
         }
-        for key, differs in unsupported.items():
-            if differs:
-                raise self.error(
-                    f"--hf_model {self.folder} has {key} {c.get(key, rope.get(key))!r}, which "
-                    "this model does not compute (silu, no biases, plain rotary positions, "
-                    "head_dim hidden_size / heads)"
-                )
+        if scaling is None or rope.rope_type != "llama3":
+            return pairs
+        flags = {
+            "factor": ("rope_factor", scaling.factor),
+            "low_freq_factor": ("rope_low_freq_factor", scaling.low_freq_factor),
+            "high_freq_factor": ("rope_high_freq_factor", scaling.high_freq_factor),
+            "original_max_position_embeddings": (
+                "rope_original_max_positions",
+                scaling.original_max_positions,
+            ),
+        }
+        for name, (flag, ours) in flags.items():
+            pairs[f"{prefix}{name}"] = (flag, ours, rope.scaling[name])
+        return pairs
 
     def source_name(self, ours: str) -> str:
         """The HF tensor names of our ``ours``, for messages."""

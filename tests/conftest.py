@@ -54,6 +54,7 @@ NUMERICS = frozenset(
     {
         "test_attention_dropout.py",
         "test_finetuning_parity.py",
+        "test_hf_llama31.py",
         "test_hf_parity.py",
         "test_host_adamw_threads.py",
         "test_initialisation.py",
