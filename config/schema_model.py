@@ -4,8 +4,10 @@ layouts split it evenly. Part of the tree of :mod:`config.schema`."""
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
+from config.errors import ConfigError, refuse_ignored_flags
 from config.field_help import doc as _doc
 
 # The architecture choices of modelling.gpt.GPTShapes, GPT-3's first.
@@ -143,29 +145,40 @@ LLAMA3_ROPE_FLAGS = (
 )
 
 
-def rope_scaling_mistake(model: ModelConfig) -> str | None:
-    """One line naming the flag of Llama 3.1 rope settings that cannot compute (a factor
-    under 1, bounds that leave no band to interpolate), or None."""
+def check_rope_scaling(model: ModelConfig, given: Collection[str] = ()) -> None:
+    """Raises a one-line ConfigError naming the flag of Llama 3.1 rope settings that cannot
+    compute (a factor under 1, bounds that leave no band to interpolate), or that plain
+    rotary positions would ignore (among ``given``, the dotted paths of the flags on the
+    command line)."""
     if model.rope_type == "default":
-        return None
+        unused = [f"--{name}" for name in LLAMA3_ROPE_FLAGS if f"model.{name}" in given]
+        instead = "add --rope_type llama3 or leave {them} out"
+        refuse_ignored_flags(unused, "--rope_type llama3", instead)
+        return
     if model.position_embedding != "rotary":
-        return f"--rope_type {model.rope_type} scales rotary frequencies; add --position_embedding rotary"
+        raise ConfigError(
+            f"--rope_type {model.rope_type} scales rotary frequencies; add --position_embedding "
+            "rotary"
+        )
     factor, low, high = model.rope_factor, model.rope_low_freq_factor, model.rope_high_freq_factor
     if not (math.isfinite(factor) and factor >= 1):
-        return f"--rope_factor must be a finite number >= 1 (Llama 3.1's is 8), got {factor}"
+        raise ConfigError(
+            f"--rope_factor must be a finite number >= 1 (Llama 3.1's is 8), got {factor}"
+        )
     if not (math.isfinite(low) and low > 0):
-        return f"--rope_low_freq_factor must be a finite number > 0 (Llama 3.1's is 1), got {low}"
+        raise ConfigError(
+            f"--rope_low_freq_factor must be a finite number > 0 (Llama 3.1's is 1), got {low}"
+        )
     if not (math.isfinite(high) and high > low):
-        return (
+        raise ConfigError(
             f"--rope_high_freq_factor must be a finite number above --rope_low_freq_factor {low} "
             f"(Llama 3.1's are 4 and 1), got {high}"
         )
     if model.rope_original_max_positions < 1:
-        return (
+        raise ConfigError(
             "--rope_original_max_positions must be at least 1 (Llama 3.1's is 8192), got "
             f"{model.rope_original_max_positions}"
         )
-    return None
 
 
 def uneven_splits(

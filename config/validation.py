@@ -9,7 +9,7 @@ from pathlib import Path
 
 from config.errors import ConfigError, refuse_ignored_flags
 from config.schema import PretrainingConfig, plannable_recompute
-from config.schema_model import LLAMA3_ROPE_FLAGS, rope_scaling_mistake, uneven_splits
+from config.schema_model import check_rope_scaling, uneven_splits
 
 # The most devices --plan_for plans for (2^20): more than any machine has.
 MOST_DEVICES = 1 << 20
@@ -232,12 +232,7 @@ def _validate_model(config: PretrainingConfig, given: Collection[str]) -> None:
         raise ConfigError(f"--position_embedding rotary needs an even head width, got {width}")
     if not (m.rope_theta > 1 and math.isfinite(m.rope_theta)):
         raise ConfigError(f"--rope_theta must be a finite number > 1, got {m.rope_theta}")
-    if mistake := rope_scaling_mistake(m):
-        raise ConfigError(mistake)
-    if m.rope_type == "default":
-        unused = [f"--{name}" for name in LLAMA3_ROPE_FLAGS if f"model.{name}" in given]
-        instead = "add --rope_type llama3 or leave {them} out"
-        refuse_ignored_flags(unused, "--rope_type llama3", instead)
+    check_rope_scaling(m, given)
     if m.sequence_length > m.max_positional_length:
         raise ConfigError(
             f"--sequence_length {m.sequence_length} exceeds --max_positional_length "
