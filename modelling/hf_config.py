@@ -34,6 +34,8 @@ GPT2_FIELDS = {
         name: (POSITIVE_INTEGER, True)
         for name in ("n_layer", "n_embd", "n_head", "vocab_size", "n_positions")
     },
+    "n_inner": (POSITIVE_INTEGER, False),
+    "layer_norm_epsilon": (NUMBER, False),
     "activation_function": (STRING, False),
     "scale_attn_by_inverse_layer_idx": (BOOLEAN, False),
     "scale_attn_weights": (BOOLEAN, False),

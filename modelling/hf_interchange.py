@@ -184,6 +184,11 @@ def _unlike_gpt2(model: dict[str, Any]) -> list[str]:
     return unlike
 
 
+def _flag_value(value: Any) -> str:
+    """``value`` as it is written on the command line (booleans as true and false)."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 class HFWeights:
     """Tensors of a local HuggingFace GPT-2 folder, read one at a time.
 
@@ -230,30 +235,34 @@ class HFWeights:
 
     def check_shape(self, model) -> None:
         """Raises a one-line HFModelError when the HF model differs from ``model`` (the run's
-        :class:`~modelling.gpt.GPTShapes`), naming the flag to change."""
-        unlike = [f for f, gpt2 in GPT2_ARCHITECTURE.items() if getattr(model, f) != gpt2]
-        if model.key_value_heads != model.heads or model.ffn != 4 * model.hidden:
-            unlike.append("kv_heads or --intermediate_size")
-        if model.attention_width != model.hidden:
-            unlike.append("head_dim")
-        if unlike:
-            raise HFModelError(
-                f"--hf_model {self.folder} is a GPT-2 model but this run's --{', --'.join(unlike)} "
-                "are not GPT-2's; leave them at their defaults (a GPT-3 preset)"
-            )
-        c = self.config
-        pairs = {
-            "n_layer": ("layers", model.layers),
-            "n_embd": ("hidden_size", model.hidden),
-            "n_head": ("heads", model.heads),
-            "vocab_size": ("vocab_size", model.vocab),
-            "n_positions": ("max_positional_length", model.positions),
-        }
-        for key, (flag, ours) in pairs.items():
-            if c.get(key) != ours:
+        :class:`~modelling.gpt.GPTShapes`), naming the flag to change and both values."""
+        for flag, gpt2 in GPT2_ARCHITECTURE.items():
+            if (ours := getattr(model, flag)) != gpt2:
                 raise HFModelError(
-                    f"--hf_model {self.folder} has {key} {c.get(key)} but this run has --{flag} "
-                    f"{ours}; pass --{flag} {c.get(key)}"
+                    f"--hf_model {self.folder} is a GPT-2 model ({flag} {_flag_value(gpt2)}) "
+                    f"but this run has --{flag} {_flag_value(ours)}; pass --{flag} "
+                    f"{_flag_value(gpt2)} (a GPT-3 preset has GPT-2's architecture)"
+                )
+        c = self.config
+        hidden, heads = c.get("n_embd"), c.get("n_head")
+        four_hidden = 4 * hidden if isinstance(hidden, int) else None
+        pairs = [  # (what the config says, its value, our flag, our value)
+            ("n_layer", c.get("n_layer"), "layers", model.layers),
+            ("n_embd", hidden, "hidden_size", model.hidden),
+            ("n_head", heads, "heads", model.heads),
+            ("n_head (GPT-2's key/value heads)", heads, "kv_heads", model.key_value_heads),
+            ("n_inner (else 4 x n_embd)", c.get("n_inner") or four_hidden, "intermediate_size",
+             model.ffn),
+            ("vocab_size", c.get("vocab_size"), "vocab_size", model.vocab),
+            ("n_positions", c.get("n_positions"), "max_positional_length", model.positions),
+            ("layer_norm_epsilon", c.get("layer_norm_epsilon", 1e-5), "layer_norm_eps",
+             model.layer_norm_eps),
+        ]  # fmt: skip
+        for key, theirs, flag, ours in pairs:
+            if theirs != ours:
+                raise HFModelError(
+                    f"--hf_model {self.folder} has {key} {theirs} but this run has --{flag} "
+                    f"{ours}; pass --{flag} {theirs}"
                 )
         activation = c.get("activation_function", "gelu_new")
         if activation not in TANH_GELUS:

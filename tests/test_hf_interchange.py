@@ -53,7 +53,14 @@ def test_export_loads_in_transformers_alone_with_our_logits(tmp_path):
     assert relative_error(ours, theirs) <= TOLERANCE
 
 
-def _hf_model(vocab: int, positions: int, layers: int = 2, hidden: int = 32, heads: int = 4):
+def _hf_model(
+    vocab: int,
+    positions: int,
+    layers: int = 2,
+    hidden: int = 32,
+    heads: int = 4,
+    n_inner: int | None = None,
+):
     torch.manual_seed(0)
     hf_config = transformers.GPT2Config(
         vocab_size=vocab,
@@ -61,6 +68,7 @@ def _hf_model(vocab: int, positions: int, layers: int = 2, hidden: int = 32, hea
         n_embd=hidden,
         n_layer=layers,
         n_head=heads,
+        n_inner=n_inner,
         activation_function="gelu_new",
         resid_pdrop=0.0,
         embd_pdrop=0.0,
@@ -96,6 +104,23 @@ def test_import_a_folder_transformers_saved_gives_its_logits(tmp_path, file):
     with torch.no_grad():
         hf_loss = hf(input_ids=batch, labels=batch).loss.item()
     assert abs(eval_loss - hf_loss) <= TOLERANCE * hf_loss
+
+
+def test_a_gpt2_of_another_mlp_width_imports_with_its_flag_and_gives_its_logits(tmp_path):
+    hf = _hf_model(vocab=1000, positions=10, n_inner=48)
+    hf.save_pretrained(tmp_path / "hf")
+    engine = planned_engine(small_config(), ParallelLayout.single(CPU))
+    with pytest.raises(ConfigError, match=r"else 4 x n_embd\) 48 but this run has "):
+        load_hf_weights(tmp_path / "hf", engine)
+    config = small_config("--intermediate_size", "48")
+    engine = planned_engine(config, ParallelLayout.single(CPU))
+    load_hf_weights(tmp_path / "hf", engine)
+    ours_model = build_model(GPTShapes.from_config(config.model), full_state(engine))
+    tokens = _tokens(1000)
+    with torch.no_grad():
+        theirs = hf(input_ids=tokens).logits
+        ours = forward_logits(ours_model, tokens)
+    assert relative_error(ours, theirs) <= TOLERANCE
 
 
 def test_import_checks_the_shape(tmp_path):

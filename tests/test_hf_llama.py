@@ -255,5 +255,9 @@ def test_a_gpt2_folder_does_not_start_a_llama_run(tmp_path):
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=3, n_embd=40, n_head=4))
     hf.save_pretrained(tmp_path / "hf")
     engine = planned_engine(llama_config(), ParallelLayout.single(CPU))
-    with pytest.raises(ConfigError, match="is a GPT-2 model but this run's --position_embedding"):
+    message = (
+        r"is a GPT-2 model \(position_embedding learned\) but this run has --position_embedding "
+        "rotary; pass --position_embedding learned"
+    )
+    with pytest.raises(ConfigError, match=message):
         load_hf_weights(tmp_path / "hf", engine)
