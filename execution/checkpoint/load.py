@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from config.loading import ConfigError, one_line
+from config.model_math import model_section
 from config.schema_model import ModelConfig
 from execution.checkpoint.files import (
     MASKS,
@@ -227,7 +228,12 @@ def read_weights(path: str | Path) -> tuple[dict[str, Any], SavedWeights]:
     """The saved run's config and its logical weights, read one at a time (generation, export).
 
     Returns:
-        (the saved run's ``model`` config section as a dict, the weights by name).
+        (the saved run's ``model`` config section as a dict, every field present, the
+        weights by name).
+
+    Raises:
+        CheckpointError: a missing or damaged checkpoint, or a model this program cannot
+            compute (a model flag it does not have).
     """
     try:
         folder = resolve(path)
@@ -237,12 +243,15 @@ def read_weights(path: str | Path) -> tuple[dict[str, Any], SavedWeights]:
     if problem:
         raise CheckpointError(problem + newest_intact(path, verify))
     trainer = read_trainer_state(folder)
-    return trainer["config"]["model"], SavedWeights(folder)
+    # Every value of the model is the checkpoint's: no flag of the reader can change its math.
+    model = model_section(trainer["config"]["model"], f"checkpoint {folder}", CheckpointError)
+    return model, SavedWeights(folder)
 
 
 def saved_model_shapes(model: dict[str, Any]) -> GPTShapes:
     """The single-device sizes of a saved run's ``model`` section (:func:`read_weights`); a
     section saved before a field existed takes that field's default."""
+    model = model_section(model, "the checkpoint", CheckpointError)
     return GPTShapes.from_config(ModelConfig(**model))
 
 

@@ -5,7 +5,9 @@ run reads its data, plans its memory or draws its initial weights.
 The loaders check shapes once the engine exists, and building it draws every initial weight:
 7 to 10 s at the ``gpt3_125M`` and ``test`` sizes on two idle CPU cores, growing with the model
 and the machine's load. The loaders keep their checks; these find the same mismatches first,
-and name the flag to change.
+and name the flag to change. They also find what no shape shows: a model flag that reads the
+same tensors as another model (``--heads``, ``--rope_theta``: config/model_math.py classifies
+every model flag), and, for a resumed run, a data position in other batches.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from config.model_math import refuse_other_model
 from config.schema import PretrainingConfig
 from execution.checkpoint.files import (
     SAVED_STATES,
@@ -27,8 +30,14 @@ from execution.training.finetuning import saved_task
 from modelling.hf_interchange import open_hf_weights
 from tasks.specs import run_shapes, task_spec
 
-# The model flags that give the tensors their shapes.
-SHAPE_FLAGS = ("layers", "hidden_size", "vocab_size", "max_positional_length")
+# What a resumed run's data position is a position in, as the loader's saved state records
+# it (data/loader.py, data/finetuning_data.py): another value gives other batches, which the
+# loader would refuse once the engine is built.
+DATA_POSITION_FLAGS = {
+    "sequence_length": "model",
+    "global_batch_size": "training",
+    "seed": "training",
+}
 # What a resumed fine-tuning run's rows are cut by, besides the task files: another value
 # gives other rows, which its data position does not point into. Where each flag's value
 # comes from when it is not given (config/finetuning.py).
@@ -63,9 +72,11 @@ def _check_checkpoint(config: PretrainingConfig, path: str) -> None:
         )
     if tuned_for and tuned_for != config.task:
         return  # another task's: refused by the fine-tuning run before its set-up
-    _check_flags(path, saved.get("model", {}), config)
+    refuse_other_model(f"--load {path}", saved.get("model", {}), config.model, CheckpointError)
     # a fine-tuning run from a pretraining checkpoint takes its weights only
     resumes = bool(tuned_for) or not config.task
+    if resumes and not config.checkpoint.eval_only:
+        _check_data_position(path, trainer.get("loader") or {}, config)
     if tuned_for and not config.checkpoint.eval_only:
         _check_rows(path, saved, config)
     shapes = run_shapes(config)
@@ -74,14 +85,17 @@ def _check_checkpoint(config: PretrainingConfig, path: str) -> None:
     check_shapes(folder, shapes, SAVED_STATES if resumes else ("weights",))
 
 
-def _check_flags(path: str, saved_model: dict[str, Any], config: PretrainingConfig) -> None:
-    for name in SHAPE_FLAGS:
-        theirs, ours = saved_model.get(name), getattr(config.model, name)
+def _check_data_position(path: str, loader: dict[str, Any], config: PretrainingConfig) -> None:
+    """A resumed run goes on from the saved data position, which counts batches of the saved
+    shape (the weights themselves take any sequence length: docs/checkpoints.md)."""
+    for name, section in DATA_POSITION_FLAGS.items():
+        theirs, ours = loader.get(name), getattr(getattr(config, section), name)
         if theirs is not None and theirs != ours:
             raise CheckpointError(
-                f"--load {path} was saved by a model of --{name} {theirs}, this run has --{name} "
-                f"{ours}: pass --{name} {theirs} (a checkpoint's tensors have the sizes of the "
-                "model that saved them)"
+                f"--load {path} resumes a run whose data position is a place in the batches of "
+                f"--{name} {theirs}; this run has --{name} {ours}, whose batches differ: pass "
+                f"--{name} {theirs} (the weights alone, as --eval_only or a fine-tuning run "
+                "takes them, do not need it)"
             )
 
 
