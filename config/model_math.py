@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from config.errors import ConfigError
-from config.schema_model import POSITION_EMBEDDINGS, ModelConfig
+from config.schema_model import LLAMA3_ROPE_FLAGS, POSITION_EMBEDDINGS, ModelConfig
 
 LEARNED, ROTARY = POSITION_EMBEDDINGS
 
@@ -52,6 +52,10 @@ def _learned(model: Section) -> bool:
 
 def _rotary(model: Section) -> bool:
     return model["position_embedding"] == ROTARY
+
+
+def _llama3_rope(model: Section) -> bool:
+    return _rotary(model) and model["rope_type"] == "llama3"
 
 
 MODEL_FIELDS: dict[str, Rule] = {
@@ -85,6 +89,24 @@ MODEL_FIELDS: dict[str, Rule] = {
     "position_embedding": Rule(True, "a learned table or rotations in attention"),
     "rope_theta": Rule(
         True, "the rotary frequencies; unused with learned positions (free)", applies=_rotary
+    ),
+    "rope_type": Rule(
+        True,
+        "plain rotary frequencies or Llama 3.1's scaled ones; unused with learned positions (free)",
+        applies=_rotary,
+    ),
+    **{
+        name: Rule(
+            True,
+            "the scaled rotary frequencies; read only by --rope_type llama3",
+            applies=_llama3_rope,
+        )
+        for name in LLAMA3_ROPE_FLAGS
+    },
+    "head_dim": Rule(
+        True,
+        "the width of q, k and v's heads (0: --hidden_size / --heads)",
+        value=lambda m: m["head_dim"] or m["hidden_size"] // m["heads"],
     ),
     "normalization": Rule(True, "layer norm (with a bias) or RMS norm"),
     "mlp_activation": Rule(True, "the MLP's function and its matrices"),

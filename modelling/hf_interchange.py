@@ -243,6 +243,12 @@ class HFWeights:
                     f"but this run has --{flag} {_flag_value(ours)}; pass --{flag} "
                     f"{_flag_value(gpt2)} (a GPT-3 preset has GPT-2's architecture)"
                 )
+        if model.explicit_head_dim:
+            raise HFModelError(
+                f"--hf_model {self.folder} is a GPT-2 model, whose heads are n_embd / n_head wide "
+                f"(--head_dim {model.hidden // model.heads}), but this run has --head_dim "
+                f"{model.explicit_head_dim}; pass --head_dim 0"
+            )
         c = self.config
         hidden, heads = c.get("n_embd"), c.get("n_head")
         four_hidden = 4 * hidden if isinstance(hidden, int) else None

@@ -26,7 +26,7 @@ import torch
 
 from config.loading import ConfigError, parse_config
 from config.model_math import MODEL_FIELDS
-from config.schema_model import ModelConfig
+from config.schema_model import LLAMA3_ROPE_FLAGS, ModelConfig
 from data.loader import training_loader
 from execution.checkpoint.files import MANIFEST_FILE, TRAINER_FILE, file_crc, resolve
 from execution.checkpoint.save import Checkpointer
@@ -44,7 +44,8 @@ SMALL = shlex.split(
     "--device cpu"
 )
 # The Llama variants at the same sizes (2 KV heads: as many as the heads).
-LLAMA = ["--config", "llama_tiny", *SMALL[2:], "--intermediate_size", "80"]
+# Llama 3.1's scaled frequencies, so that their settings are among the flags tried.
+LLAMA = ["--config", "llama_tiny", *SMALL[2:], "--intermediate_size", "80", "--rope_type", "llama3"]
 # The saved models whose every model flag is tried, changed.
 MODELS = {"pretraining": SMALL, "llama": LLAMA}
 
@@ -167,6 +168,12 @@ CHANGED = {
     "kv_heads": ("1",),
     "position_embedding": ("rotary", "learned"),
     "rope_theta": ("500000",),
+    "rope_type": ("default", "llama3"),
+    "rope_factor": ("4",),
+    "rope_low_freq_factor": ("2",),
+    "rope_high_freq_factor": ("8",),
+    "rope_original_max_positions": ("4096",),
+    "head_dim": ("8",),
     "normalization": ("rms_norm", "layer_norm"),
     "mlp_activation": ("swiglu", "gelu"),
     "intermediate_size": ("96",),
@@ -202,7 +209,19 @@ def _saved_model(model: str) -> dict:
     return dataclasses.asdict(parse_config(MODELS[model])[0].model)
 
 
-CASES = [(model, name) for model in MODELS for name in MODEL_FIELDS]
+def _settable(model: str, name: str) -> bool:
+    """Whether the config takes ``name`` changed on ``model`` at all (without --load)."""
+    try:
+        _changed(model, name)
+    except ConfigError:
+        return False
+    return True
+
+
+ALL_CASES = [(model, name) for model in MODELS for name in MODEL_FIELDS]
+# A flag only another architecture reads is refused by the config itself, checkpoint or not.
+REFUSED_BY_THE_CONFIG = [case for case in ALL_CASES if not _settable(*case)]
+CASES = [case for case in ALL_CASES if case not in REFUSED_BY_THE_CONFIG]
 FIXED = [case for case in CASES if _fixed(*case)]
 FREE = [case for case in CASES if not _fixed(*case)]
 
@@ -218,6 +237,9 @@ def test_every_model_field_is_classified_once_and_tried():
     # what no shape shows, and the issue's reproduction, is among those refused
     assert {("pretraining", "heads"), ("llama", "rope_theta")} <= set(FIXED)
     assert {("pretraining", "rope_theta"), ("llama", "max_positional_length")} <= set(FREE)
+    # learned positions take no rotary settings, and Llama 3.1's rope needs rotary positions
+    rotary_only = [("pretraining", name) for name in ("rope_type", *LLAMA3_ROPE_FLAGS)]
+    assert sorted(REFUSED_BY_THE_CONFIG) == sorted([*rotary_only, ("llama", "position_embedding")])
 
 
 def test_docs_list_each_model_flag_as_the_table_classifies_it():
