@@ -243,7 +243,7 @@ class HFWeights:
                     f"but this run has --{flag} {_flag_value(ours)}; pass --{flag} "
                     f"{_flag_value(gpt2)} (a GPT-3 preset has GPT-2's architecture)"
                 )
-        if model.explicit_head_dim:
+        if model.attention_width != model.hidden:  # an explicit head_dim of GPT-2's own passes
             raise HFModelError(
                 f"--hf_model {self.folder} is a GPT-2 model, whose heads are n_embd / n_head wide "
                 f"(--head_dim {model.hidden // model.heads}), but this run has --head_dim "
