@@ -1,31 +1,45 @@
-"""Tokenise text into windows of `--seq-length + 1` token ids and write them as TFRecord shards.
+"""Tokenise a corpus into token windows (TFRecord shards) or token files (`--output-format tokens`).
 
-Input: text files with one document per line (`--input-format lines`, what
-`wikipedia_preprocess.py` writes) or one document per file (`--input-format files`), given as
-files, directories or glob patterns. Each document is tokenised (GPT-2's BPE by default, or the
-HuggingFace `tokenizer.json` given with `--tokenizer`) and followed by the end-of-text token; the
-concatenated stream is cut into windows of `seq_length + 1` tokens starting every `--stride`
-tokens. A window of `seq_length + 1` gives the model `seq_length` inputs and `seq_length` labels,
-so with `--stride seq_length` every token is predicted exactly once. The last, partial window is
-dropped. Window i goes to shard i mod `--num-shards`; each shard gets an index file written in the
-same pass, and the directory gets a `metadata.json` (tokenizer, vocabulary size, counts).
+Input (`--input-format`, files, directories or glob patterns): text with one document per line
+(`lines`, what `wikipedia_preprocess.py` writes) or per file (`files`); JSON Lines with the
+document under `--text-field` (`jsonl`; `.gz` and `.zst` files are decompressed as they stream);
+Parquet files (`parquet`, the column `--text-field`); or a HuggingFace `datasets` folder that
+`save_to_disk` wrote (`arrow`). Whatever the format, the documents form one stream, so the same
+documents give the same output bit for bit (data/documents.py).
+
+Each document is tokenised (GPT-2's BPE by default, or the HuggingFace `tokenizer.json` given
+with `--tokenizer`) and followed by the end-of-text token.
+
+- `--output-format tfrecord` (default): the concatenated stream is cut into windows of
+  `seq_length + 1` tokens starting every `--stride` tokens. A window of `seq_length + 1` gives
+  the model `seq_length` inputs and `seq_length` labels, so with `--stride seq_length` every
+  token is predicted exactly once. The last, partial window is dropped. Window i goes to shard
+  i mod `--num-shards`; each shard gets an index file written in the same pass.
+- `--output-format tokens`: the stream as one memory-mappable `{prefix}.bin` of ids at the
+  narrowest width that holds the vocabulary, with `{prefix}.idx` giving each document's length
+  (Megatron-LM's indexed layout, data/indexed_tokens.py). The loader cuts the windows itself at
+  the run's sequence length.
+
+The directory also gets a `metadata.json` (tokenizer, vocabulary size, counts). Outputs appear
+only when the whole corpus is written: an error leaves nothing behind.
 
 Tokenisation runs in `--workers` processes; the output does not depend on the number of workers.
 
 Example:
-    python data/write_into_tfrecord.py --input-file-path corpus/*.txt --input-format files \
+    python data/write_into_tfrecord.py --input-file-path corpus/*.jsonl.zst --input-format jsonl \
         --output-file-path out/ --seq-length 1024 --stride 1024 --num-shards 4
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import itertools
 import json
 import os
+import shutil
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,65 +47,17 @@ import numpy as np
 if __package__ in (None, ""):  # run as `python data/write_into_tfrecord.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from data.documents import INPUT_FORMATS, expand_inputs, iter_documents
 from data.errors import DataError
+from data.indexed_tokens import INDEX_SUFFIX, IndexedTokensWriter, token_dtype
 from data.parallel import ordered_map, run_script
 from data.progress import Progress
 from data.script_checks import output_folder, positive
 from data.tfrecord_io import RoundRobinShards, index_path_for
 from data.tokenizer import GPT2_EOT_TOKEN, TokenizerSpec, load_tokenizer
 
+INDEX_SUFFIXES = (".index", INDEX_SUFFIX)
 CHUNK_BYTES = 1 << 20  # text per worker task: large enough to amortise the IPC, small for memory
-
-
-def expand_inputs(patterns: list[str]) -> list[Path]:
-    """Expand files, directories (every file below, sorted) and glob patterns into a file list.
-
-    Raises:
-        DataError: a pattern matches nothing, or nothing at all is found.
-    """
-    files: list[Path] = []
-    for pattern in patterns:
-        matches = (
-            sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
-        )
-        if not matches or not all(os.path.exists(m) for m in matches):
-            raise DataError(f"input {pattern} does not exist (check --input-file-path)")
-        for match in map(Path, matches):
-            if match.is_dir():
-                files.extend(sorted(p for p in match.rglob("*") if p.is_file()))
-            else:
-                files.append(match)
-    if not files:
-        raise DataError(f"no input files found in {' '.join(patterns)}")
-    return files
-
-
-def iter_documents(files: list[Path], input_format: str) -> Iterator[str]:
-    """Yield documents: each non-blank line (`lines`) or each non-empty file (`files`).
-
-    Raises:
-        DataError: a file is not valid UTF-8; the message names the file and line.
-    """
-    for path in files:
-        with open(path, "rb") as file:
-            if input_format == "files":
-                text = _decode(file.read(), path)
-                if text.strip():
-                    yield text
-                continue
-            # Lines are decoded one by one so that an error can name its line.
-            for number, raw in enumerate(file, 1):
-                line = _decode(raw, path, number).rstrip("\r\n")
-                if line.strip():
-                    yield line
-
-
-def _decode(raw: bytes, path: Path, line: int | None = None) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as error:
-        where = f"line {line}" if line is not None else f"byte {error.start}"
-        raise DataError(f"{path} {where} is not UTF-8 text ({error.reason})") from None
 
 
 def iter_chunks(documents: Iterator[str], chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[str]]:
@@ -123,25 +89,25 @@ def _init_worker(spec: TokenizerSpec) -> int:
     return _worker["vocab_size"]
 
 
-def tokenize_chunk(documents: list[str]) -> tuple[np.ndarray, int, int]:
+def tokenize_chunk(documents: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
     """Token ids of `documents`, each followed by the end-of-text id (runs in a worker).
 
     Returns:
-        (int32 ids, number of documents, number of UTF-8 bytes of text).
+        (int32 ids, int32 tokens of each document with its end-of-text id, UTF-8 bytes of text).
     """
     tokenizer, eot = _worker["tokenizer"], _worker["eot"]
     # add_special_tokens=False: documents are joined by end-of-text only, nothing else is added.
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets nobody reads.
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     encodings = encode(documents, add_special_tokens=False)
-    total = sum(len(e.ids) for e in encodings) + len(encodings)
+    sizes = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int32, count=len(encodings))
     ids = np.fromiter(
         itertools.chain.from_iterable(itertools.chain(e.ids, eot) for e in encodings),
         dtype=np.int32,
-        count=total,
+        count=int(sizes.sum()),
     )
     num_bytes = sum(len(d.encode("utf-8")) for d in documents)
-    return ids, len(documents), num_bytes
+    return ids, sizes, num_bytes
 
 
 class WindowCutter:
@@ -177,102 +143,177 @@ class WindowCutter:
         return self.dropped
 
 
-def write_tfrecords(
-    files: list[Path],
-    output_dir: Path,
-    seq_length: int,
-    stride: int,
-    num_shards: int,
-    workers: int,
-    spec: TokenizerSpec,
-    input_format: str = "lines",
-    prefix: str = "data",
-    overwrite: bool = False,
-) -> dict:
-    """Tokenise `files` and write windows of `seq_length + 1` ids into `num_shards` TFRecord files.
+@dataclass
+class WriteOptions:
+    """How the writer reads its inputs and cuts and stores their tokens (the flags' values).
 
-    Args:
-        files: the input text files.
-        output_dir: directory for the shards, their indices and `metadata.json`.
-        seq_length: the model's sequence length; records hold `seq_length + 1` ids.
-        stride: tokens between the starts of consecutive windows.
-        num_shards: number of output files.
+    Attributes:
+        input_format: one of `data.documents.INPUT_FORMATS`.
+        text_field: the JSON field or column holding the text (jsonl, parquet, arrow).
+        output_format: `tfrecord` (windows) or `tokens` (the stream, `.bin` + `.idx`).
+        seq_length: the model's sequence length; records hold `seq_length + 1` ids (tfrecord).
+        stride: tokens between the starts of consecutive windows (tfrecord).
+        num_shards: number of TFRecord files.
         workers: tokeniser processes.
-        spec: which tokenizer.
-        input_format: `lines` (one document per line) or `files` (one per file).
-        prefix: shard file names are `{prefix}_{i:04d}.tfrecord`.
-        overwrite: replace existing `{prefix}_*.tfrecord` shards instead of refusing.
+        prefix: output names: `{prefix}_{i:04d}.tfrecord`, or `{prefix}.bin` and `.idx`.
+        overwrite: replace existing outputs of the same prefix instead of refusing.
+    """
+
+    input_format: str = "lines"
+    text_field: str = "text"
+    output_format: str = "tfrecord"
+    seq_length: int = 2048
+    stride: int = 2048
+    num_shards: int = 4
+    workers: int = 1
+    prefix: str = "data"
+    overwrite: bool = False
+
+
+def write_corpus(
+    files: list[Path], output_dir: Path, spec: TokenizerSpec, options: WriteOptions
+) -> dict:
+    """Tokenise `files` into `output_dir` as `options` says (see the module's docstring).
+
+    Every output is written into a temporary folder inside `output_dir` and moved into place
+    when the whole corpus is done, so an error or an interrupt changes nothing on disk.
 
     Returns:
         The metadata written to `metadata.json`.
 
     Raises:
-        DataError: bad options, existing shards, unreadable input, or too little text for a window.
+        DataError: bad options, existing outputs, unreadable input, or too little text.
     """
-    for flag, value in (("--seq-length", seq_length), ("--stride", stride)):
-        positive(flag, value)
-    positive("--num-shards", num_shards)
-    positive("--workers", workers)
+    o = options
+    if o.output_format == "tfrecord":
+        for flag, value in (("--seq-length", o.seq_length), ("--stride", o.stride)):
+            positive(flag, value)
+        positive("--num-shards", o.num_shards)
+    positive("--workers", o.workers)
     output_folder("--output-file-path", output_dir, map(Path, files), "--input-file-path")
     try:
         vocab_size = _init_worker(spec)
     except (ValueError, FileNotFoundError) as error:
         raise DataError(str(error)) from None
-    output_dir.mkdir(parents=True, exist_ok=True)
-    old = sorted(output_dir.glob(f"{prefix}_*.tfrecord"))
-    if old and not overwrite:
+    old = _existing_outputs(output_dir, o)
+    if old and not o.overwrite:
         # A stale shard from an earlier run would be read by a '*.tfrecord' glob without warning.
         raise DataError(f"{output_dir} already holds {old[0].name} and others; pass --overwrite")
-    for path in old:
-        path.unlink()
-        index_path_for(path).unlink(missing_ok=True)
-
-    length = seq_length + 1
-    paths = [output_dir / f"{prefix}_{i:04d}.tfrecord" for i in range(num_shards)]
-    cutter = WindowCutter(length, stride)
-    progress = Progress("write")
-    with RoundRobinShards(paths) as shards_out:
-        chunks = iter_chunks(iter_documents(files, input_format))
-        for ids, num_docs, num_bytes in ordered_map(
-            tokenize_chunk, chunks, workers, _init_worker, (spec,)
-        ):
-            for window in cutter.feed(ids):
-                shards_out.write(window)
-            progress.update(num_docs, len(ids), num_bytes)
-    num_windows, writers = shards_out.count, shards_out.writers
-    dropped = cutter.finish()
-    progress.finish()
-    if num_windows == 0:
-        raise DataError(
-            f"the input has {progress.tokens} tokens, fewer than one window of {length} "
-            f"(--seq-length {seq_length} + 1): give more text or a smaller --seq-length"
+    created = not output_dir.exists()
+    output_dir.mkdir(parents=True, exist_ok=True)
+    staging = output_dir / f".writing-{os.getpid()}"
+    staging.mkdir()
+    try:
+        progress = Progress("write")
+        documents = iter_documents(files, o.input_format, o.text_field)
+        pieces = ordered_map(
+            tokenize_chunk, iter_chunks(documents), o.workers, _init_worker, (spec,)
         )
-    shards = [{"file": w.path.name, "records": w.num_records} for w in writers if w.num_records]
-    disk_bytes = sum(w.num_bytes for w in writers)
+        write = _write_windows if o.output_format == "tfrecord" else _write_tokens
+        metadata = write(pieces, staging, o, progress, vocab_size)
+        for path in old:
+            path.unlink()
+        # Data before indices: an index never names bytes that are not there yet.
+        for path in sorted(staging.iterdir(), key=lambda p: (p.suffix in INDEX_SUFFIXES, p.name)):
+            os.replace(path, output_dir / path.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        if created:
+            shutil.rmtree(output_dir, ignore_errors=True)
+        raise
+    staging.rmdir()
     metadata = {
         "tokenizer": spec.path or "gpt2",
         "vocab_size": vocab_size,
         "eot_id": _worker["eot"][0],
-        "seq_length": seq_length,
-        "record_length": length,
-        "stride": stride,
+        "input_format": o.input_format,
+        "output_format": o.output_format,
+        **metadata,
         "documents": progress.documents,
         "tokens": progress.tokens,
         "text_bytes": progress.bytes,
-        "records": num_windows,
-        "dropped_tail_tokens": dropped,
-        "disk_bytes": disk_bytes,
-        "bytes_per_token": round(disk_bytes / (num_windows * length), 3),
-        "shards": shards,
     }
     (output_dir / "metadata.json").write_text(json.dumps(metadata, indent=1) + "\n")
+    return metadata
+
+
+def _existing_outputs(output_dir: Path, o: WriteOptions) -> list[Path]:
+    if not output_dir.is_dir():
+        return []
+    if o.output_format == "tokens":
+        names = [f"{o.prefix}.bin", f"{o.prefix}{INDEX_SUFFIX}"]
+        return [output_dir / n for n in names if (output_dir / n).exists()]
+    shards = sorted(output_dir.glob(f"{o.prefix}_*.tfrecord"))
+    indices = [index_path_for(p) for p in shards]
+    return shards + [p for p in indices if p.exists()]
+
+
+def _write_windows(pieces, folder: Path, o: WriteOptions, progress: Progress, vocab: int) -> dict:
+    """Cuts the stream into windows dealt round-robin into TFRecord shards in `folder`."""
+    length = o.seq_length + 1
+    paths = [folder / f"{o.prefix}_{i:04d}.tfrecord" for i in range(o.num_shards)]
+    cutter = WindowCutter(length, o.stride)
+    with RoundRobinShards(paths) as shards_out:
+        for ids, sizes, num_bytes in pieces:
+            for window in cutter.feed(ids):
+                shards_out.write(window)
+            progress.update(len(sizes), len(ids), num_bytes)
+        if shards_out.count == 0:
+            raise DataError(
+                f"the input has {progress.tokens} tokens, fewer than one window of {length} "
+                f"(--seq-length {o.seq_length} + 1): give more text or a smaller --seq-length"
+            )
+    num_windows, writers = shards_out.count, shards_out.writers
+    dropped = cutter.finish()
+    progress.finish()
+    shards = [{"file": w.path.name, "records": w.num_records} for w in writers if w.num_records]
+    disk_bytes = sum(w.num_bytes for w in writers)
+    bytes_per_token = round(disk_bytes / (num_windows * length), 3)
     print(
         f"[write] {num_windows} records of {length} tokens in {len(shards)} shards under "
-        f"{output_dir}; {disk_bytes:,} bytes, {metadata['bytes_per_token']} bytes/token; "
+        f"{folder.parent}; {disk_bytes:,} bytes, {bytes_per_token} bytes/token; "
         f"{dropped} tail tokens dropped",
         file=sys.stderr,
     )
-    return metadata
+    return {
+        "seq_length": o.seq_length,
+        "record_length": length,
+        "stride": o.stride,
+        "records": num_windows,
+        "dropped_tail_tokens": dropped,
+        "disk_bytes": disk_bytes,
+        "bytes_per_token": bytes_per_token,
+        "shards": shards,
+    }
+
+
+def _write_tokens(pieces, folder: Path, o: WriteOptions, progress: Progress, vocab: int) -> dict:
+    """Writes the stream as `{prefix}.bin` and `{prefix}.idx` in `folder`."""
+    writer = IndexedTokensWriter(folder / f"{o.prefix}.bin", token_dtype(vocab))
+    try:
+        for ids, sizes, num_bytes in pieces:
+            writer.write(ids, sizes)
+            progress.update(len(sizes), len(ids), num_bytes)
+        if writer.num_tokens == 0:
+            raise DataError("the input holds no text: every document is empty")
+    except BaseException:
+        writer.abort()
+        raise
+    disk_bytes = writer.close()
+    progress.finish()
+    width = np.dtype(writer.dtype).itemsize
+    print(
+        f"[write] {writer.num_tokens:,} tokens of {progress.documents:,} documents as "
+        f"{np.dtype(writer.dtype).name} in {folder.parent / writer.path.name} and its "
+        f"{INDEX_SUFFIX}; {disk_bytes:,} bytes",
+        file=sys.stderr,
+    )
+    return {
+        "dtype": np.dtype(writer.dtype).name,
+        "bytes_per_token": width,
+        "disk_bytes": disk_bytes,
+        "files": [writer.path.name, writer.path.with_suffix(INDEX_SUFFIX).name],
+    }
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -281,27 +322,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--input-file-path",
         nargs="+",
         required=True,
-        help="text files, directories or glob patterns",
+        help="files, directories or glob patterns (arrow: save_to_disk folders)",
     )
     parser.add_argument(
         "--input-format",
-        choices=("lines", "files"),
+        choices=INPUT_FORMATS,
         default="lines",
-        help="one document per line (default) or one document per file",
+        help="one document per line (default), per file, per JSON line, per Parquet or Arrow row",
     )
     parser.add_argument(
-        "--output-file-path", required=True, type=Path, help="output directory for the shards"
+        "--text-field",
+        default="text",
+        help="the JSON field or Parquet/Arrow column holding the text (default: text)",
+    )
+    parser.add_argument("--output-file-path", required=True, type=Path, help="output directory")
+    parser.add_argument(
+        "--output-format",
+        choices=("tfrecord", "tokens"),
+        default="tfrecord",
+        help="TFRecord windows (default), or token files (.bin + .idx) the loader cuts itself",
     )
     parser.add_argument(
         "--seq-length",
         type=int,
-        default=2048,
-        help="model sequence length; records hold seq-length + 1 ids",
+        help="model sequence length; records hold seq-length + 1 ids (tfrecord; default 2048)",
     )
     parser.add_argument(
-        "--stride", type=int, help="tokens between window starts (default: --seq-length)"
+        "--stride", type=int, help="tokens between window starts (tfrecord; default: --seq-length)"
     )
-    parser.add_argument("--num-shards", "--num-output", type=int, default=4)
+    parser.add_argument(
+        "--num-shards", "--num-output", type=int, help="TFRecord files (tfrecord; default 4)"
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -312,11 +363,43 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--eot-token", default=GPT2_EOT_TOKEN, help="end-of-text token placed after every document"
     )
-    parser.add_argument("--prefix", default="data", help="shard file name prefix")
+    parser.add_argument("--prefix", default="data", help="output file name prefix")
     parser.add_argument(
-        "--overwrite", action="store_true", help="replace existing shards with the same prefix"
+        "--overwrite", action="store_true", help="replace existing outputs with the same prefix"
     )
     return parser.parse_args(argv)
+
+
+def options_of(args: argparse.Namespace) -> WriteOptions:
+    """The flags as `WriteOptions`; the window flags only go with TFRecord output.
+
+    Raises:
+        DataError: a window flag given with `--output-format tokens`.
+    """
+    windows = {
+        "--seq-length": args.seq_length,
+        "--stride": args.stride,
+        "--num-shards": args.num_shards,
+    }
+    if args.output_format == "tokens":
+        given = [flag for flag, value in windows.items() if value is not None]
+        if given:
+            raise DataError(
+                f"{' and '.join(given)} cut TFRecord windows; token files hold the whole stream "
+                "and the run's --sequence_length cuts it: leave them out with --output-format tokens"
+            )
+    seq_length = 2048 if args.seq_length is None else args.seq_length
+    return WriteOptions(
+        input_format=args.input_format,
+        text_field=args.text_field,
+        output_format=args.output_format,
+        seq_length=seq_length,
+        stride=seq_length if args.stride is None else args.stride,
+        num_shards=4 if args.num_shards is None else args.num_shards,
+        workers=args.workers,
+        prefix=args.prefix,
+        overwrite=args.overwrite,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,17 +407,12 @@ def main(argv: list[str] | None = None) -> int:
     # Each worker runs its own single-threaded tokenizer; the library's thread pool must not be
     # started before fork (it would deadlock in the children) nor compete with the processes.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    write_tfrecords(
-        expand_inputs(args.input_file_path),
+    options = options_of(args)
+    write_corpus(
+        expand_inputs(args.input_file_path, args.input_format),
         args.output_file_path,
-        args.seq_length,
-        args.stride if args.stride is not None else args.seq_length,
-        args.num_shards,
-        args.workers,
         TokenizerSpec(args.tokenizer, args.eot_token),
-        args.input_format,
-        args.prefix,
-        args.overwrite,
+        options,
     )
     return 0
 
