@@ -1,7 +1,8 @@
-"""The set of training windows held by a list of TFRecord shards, read on demand through indices.
+"""The set of training windows held by a list of files, read on demand through their indices.
 
-Every record of a shard holds the same number of token ids (the writer cuts fixed windows), read
-from the shard's first record. A record of `L` ids serves `(L - 1) // sequence_length` windows of
+The files are TFRecord shards of token windows, or token files (``prefix.bin`` with its
+``prefix.idx``, Megatron's indexed layout, data/indexed_tokens.py). Every record of a shard holds
+the same number of token ids (the writer cuts fixed windows), read from the shard's first record. A record of `L` ids serves `(L - 1) // sequence_length` windows of
 `sequence_length + 1` ids, starting every `sequence_length` ids: consecutive windows share one
 boundary id, which is the last label of one window and the first input of the next, so every id
 is still predicted once. That way records written for sequence length 1024 (1025 ids) serve 128,
@@ -9,10 +10,17 @@ is still predicted once. That way records written for sequence length 1024 (1025
 
 Windows are numbered record by record through the sorted file list; a `WindowTable` numbers the
 windows of a subset of records (the training or the held-out validation records).
+
+A token file is read as the records a TFRecord writer with ``--seq-length`` and ``--stride``
+equal to the run's sequence length would have cut from the same stream: record k is ids
+``k * s .. k * s + s`` of the file. So its windows, their numbering (and with it the shuffle,
+the sharding over ranks and the resumption) and the held-out records are those of such
+TFRecords, and training on either gives the same losses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -23,16 +31,19 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from data.errors import DataError
+from data.indexed_tokens import INDEX_SUFFIX, TOKEN_SUFFIX, IndexedTokens
 from data.tfrecord_io import FEATURE_NAME, RecordError, decode_example, index_path_for, read_record
 
 INDEX_COMMAND = "python data/index_tfrecord.py"
 
 
 def expand_files(patterns: Sequence[str]) -> list[str]:
-    """Expand paths and glob patterns into a sorted, de-duplicated list of TFRecord files.
+    """Expand paths and glob patterns into a sorted, de-duplicated list of data files.
 
     Sorting makes the window numbering, and so the shuffle, independent of the order in which
     the patterns were given. Index files and `metadata.json` matched by a broad glob are ignored.
+    A Megatron data set may be named by its prefix (``corpus_text_document`` for
+    ``corpus_text_document.bin``), as Megatron's own flags name it.
 
     Raises:
         DataError: the list is empty, a pattern matches nothing, or a path does not exist.
@@ -47,7 +58,7 @@ def expand_files(patterns: Sequence[str]) -> list[str]:
             matches = [
                 m
                 for m in glob.glob(pattern, recursive=True)
-                if os.path.isfile(m) and not m.endswith((".index", ".json"))
+                if os.path.isfile(m) and not m.endswith((".index", ".json", INDEX_SUFFIX))
             ]
             if not matches:
                 raise DataError(f"input pattern {pattern} matches no files")
@@ -56,6 +67,8 @@ def expand_files(patterns: Sequence[str]) -> list[str]:
             raise DataError(
                 f"input {pattern} is a folder; give its files with a glob, e.g. '{pattern}/*.tfrecord'"
             )
+        elif not os.path.isfile(pattern) and os.path.isfile(pattern + TOKEN_SUFFIX):
+            files.add(os.path.abspath(pattern + TOKEN_SUFFIX))
         elif not os.path.isfile(pattern):
             raise DataError(f"input file {pattern} does not exist")
         else:
@@ -73,8 +86,54 @@ class Shard:
     record_length: int = 0
     bad: set[int] = field(default_factory=set)  # records found corrupt (skip mode)
 
+    @property
+    def num_records(self) -> int:
+        return len(self.offsets)
+
     def where(self, record: int) -> str:
         return f"{self.path} record {record} (byte offset {int(self.offsets[record])})"
+
+    def opened(self):
+        """The file, open for :meth:`read` (a context manager)."""
+        return open(self.path, "rb")
+
+    def read(self, file, record: int) -> np.ndarray:
+        """The ids of record `record`; raises RecordError for a damaged one."""
+        offset, size = int(self.offsets[record]), int(self.sizes[record])
+        return decode_example(read_record(file, offset, size))
+
+
+class TokenShard:
+    """A token file as records of `sequence_length + 1` ids every `sequence_length` ids.
+
+    Args:
+        tokens: the file's checked index.
+        sequence_length: the run's sequence length.
+    """
+
+    def __init__(self, tokens: IndexedTokens, sequence_length: int):
+        self.path = tokens.path
+        self.tokens = tokens
+        self.stride = sequence_length
+        self.record_length = sequence_length + 1
+        self.num_records = max(0, (tokens.num_tokens - 1) // sequence_length)
+        self.bad: set[int] = set()
+        self._ids: np.ndarray | None = None
+
+    def where(self, record: int) -> str:
+        start = record * self.stride
+        return f"{self.path} window {record} (tokens {start:,} to {start + self.stride:,})"
+
+    def opened(self):
+        # Mapped once: a read touches only the pages of its windows, and the map costs no
+        # file handle.
+        if self._ids is None:
+            self._ids = self.tokens.tokens()
+        return contextlib.nullcontext(self._ids)
+
+    def read(self, ids: np.ndarray, record: int) -> np.ndarray:
+        start = record * self.stride
+        return np.asarray(ids[start : start + self.record_length], dtype=np.int64)
 
 
 def read_index(path: str, skip_truncated: bool = False) -> tuple[np.ndarray, np.ndarray, int]:
@@ -153,14 +212,19 @@ class WindowSet:
         files = expand_files(input_files)
         for directory in sorted({os.path.dirname(f) for f in files}):
             self._check_metadata(directory)
-        self.shards, self.skipped_records = [], 0
+        self.shards: list[Shard | TokenShard] = []
+        self.skipped_records = 0
         for path in files:
+            if path.endswith(TOKEN_SUFFIX):
+                self.shards.append(self._token_shard(path))
+                continue
             offsets, sizes, lost = read_index(path, skip_corrupt_records)
             self.shards.append(Shard(path, offsets, sizes))
             self.skipped_records += lost
         for shard in self.shards:
-            self._set_record_length(shard)
-        counts = [len(s.offsets) for s in self.shards]
+            if isinstance(shard, Shard):
+                self._set_record_length(shard)
+        counts = [s.num_records for s in self.shards]
         # Flat record numbering: record r is record `record_number[r]` of shard `record_shard[r]`.
         self.record_shard = np.repeat(np.arange(len(self.shards)), counts)
         self.record_number = np.concatenate([np.arange(c) for c in counts])
@@ -174,7 +238,7 @@ class WindowSet:
     def digest(self) -> str:
         """A fingerprint of the data set (file names and record counts) to check resumption."""
         text = "\n".join(
-            f"{os.path.basename(s.path)} {len(s.offsets)} {s.record_length}" for s in self.shards
+            f"{os.path.basename(s.path)} {s.num_records} {s.record_length}" for s in self.shards
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -194,10 +258,19 @@ class WindowSet:
                 f"vocab_size is {self.vocab_size}: use the model's tokenizer or a larger vocab_size"
             )
 
+    def _token_shard(self, path: str) -> TokenShard:
+        shard = TokenShard(IndexedTokens.open(path), self.sequence_length)
+        if shard.num_records == 0:
+            raise DataError(
+                f"{path} holds {shard.tokens.num_tokens} tokens, fewer than sequence_length + 1 "
+                f"= {self.sequence_length + 1}: give more text or a smaller sequence_length"
+            )
+        return shard
+
     def _set_record_length(self, shard: Shard) -> None:
         """Take the shard's record length from its first readable record."""
-        with open(shard.path, "rb") as file:
-            for record in range(len(shard.offsets)):
+        with shard.opened() as file:
+            for record in range(shard.num_records):
                 ids = self._read(shard, file, record, check_length=False)
                 if ids is not None:
                     break
@@ -215,15 +288,13 @@ class WindowSet:
         shard.record_length = len(ids)
 
     def _read(
-        self, shard: Shard, file, record: int, check_length: bool = True
+        self, shard: Shard | TokenShard, file, record: int, check_length: bool = True
     ) -> np.ndarray | None:
         """Read and check one record; on a problem raise `DataError`, or count it and return None."""
         if record in shard.bad:
             return None
         try:
-            ids = decode_example(
-                read_record(file, int(shard.offsets[record]), int(shard.sizes[record]))
-            )
+            ids = shard.read(file, record)
             problem = None
             if check_length and len(ids) != shard.record_length:
                 problem = (
@@ -266,7 +337,7 @@ class WindowSet:
             shard = self.shards[shard_id]
             requests = np.flatnonzero(shard_ids == shard_id)
             numbers = self.record_number[records[requests]]
-            with open(shard.path, "rb") as file:
+            with shard.opened() as file:
                 for i in requests[np.argsort(numbers, kind="stable")]:
                     record = int(self.record_number[records[i]])
                     ids = self._read(shard, file, record)
