@@ -19,7 +19,7 @@ from execution.training.program import Program, run_program
 def _check_input_files(config) -> None:
     from execution.planning.dry_run import check_input_files
 
-    check_input_files(config.data.input_files)
+    check_input_files(config.data.input_files, config.data.data_blend)
 
 
 PRETRAINING = Program(

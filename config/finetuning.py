@@ -127,6 +127,10 @@ def validate_finetuning(config: FinetuningRunConfig) -> None:
             f"--context_parallel {ex.context_parallel}: fine-tuning heads read whole sequences "
             "(a softmax over every position, or the last token); use --context_parallel 1"
         )
+    if d.data_blend:
+        raise ConfigError(
+            "--data_blend does not apply to fine-tuning; give the task's files with --input_files"
+        )
     if d.validation_fraction:
         raise ConfigError(
             "--validation_fraction does not apply to fine-tuning; give the task's evaluation "

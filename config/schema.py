@@ -95,11 +95,24 @@ class DataConfig:
     input_files: list[str] = field(
         default_factory=list,
         metadata=_doc(
-            "TFRecord files or globs; empty uses the sample data shipped in data/sample."
+            "TFRecord files or token files (prefix.bin beside prefix.idx, as write_into_tfrecord.py "
+            "--output-format tokens or Megatron write them), or globs; empty uses the sample "
+            "data shipped in data/sample."
+        ),
+    )
+    data_blend: list[str] = field(
+        default_factory=list,
+        metadata=_doc(
+            "Train on a weighted blend of corpora instead of --input_files: \"0.7 'a/*.tfrecord' "
+            "0.3 'b/*.bin'\" (pairs of WEIGHT GLOB; weights are normalised)."
         ),
     )
     validation_files: list[str] = field(
-        default_factory=list, metadata=_doc("Held-out TFRecord files or globs for evaluation.")
+        default_factory=list,
+        metadata=_doc(
+            "Held-out files or globs for evaluation, or a blend of them (WEIGHT GLOB pairs): "
+            "then each corpus' loss is reported as well."
+        ),
     )
     validation_fraction: float = field(
         default=0.0, metadata=_doc("Fraction of the training windows held out for evaluation.")

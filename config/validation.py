@@ -185,6 +185,8 @@ def _validate_planning(config: PretrainingConfig) -> None:
 def _validate_data(config: PretrainingConfig) -> None:
     """Evaluation data: one source, and a schedule that reads it."""
     d = config.data
+    if d.data_blend and d.input_files:
+        raise ConfigError("give either --input_files or --data_blend, not both")
     if d.validation_files and d.validation_fraction:
         raise ConfigError("give either --validation_files or --validation_fraction, not both")
     if d.validation_files and not d.eval_every and not config.EVALUATES_AT_END:

@@ -1,4 +1,5 @@
-"""Training and validation batches from TFRecord shards, sharded by data-parallel rank.
+"""Training and validation batches from TFRecord shards or token files, sharded by
+data-parallel rank (a weighted blend of corpora: data/blend.py).
 
 The data path is a pure function of (seed, step, rank, layout): epoch `e` visits the windows in
 the order of a permutation drawn from `(seed, e)`; the global batch of step `k` is positions
@@ -16,6 +17,7 @@ on the global position, so every layout still computes the same global batch.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,14 +25,18 @@ import torch
 
 from config.loading import ConfigError
 from config.schema import PretrainingConfig
+from data.blend import BlendedDataLoader, is_blend, parse_blend
 from data.dataset import WindowSet, WindowTable, split_records
 from data.errors import DataError
+from data.window_order import WindowOrder, check_batch_layout, read_rows
 
 __all__ = [
     "SAMPLE_DATA_GLOB",
     "SAMPLE_VALIDATION_GLOB",
     "DataError",
     "PretrainingDataLoader",
+    "Validation",
+    "data_description",
     "training_loader",
     "validation_batches",
     "validation_source",
@@ -45,40 +51,12 @@ SAMPLE_VALIDATION_GLOB = str(_SAMPLE_DIR / "validation" / "*.tfrecord")
 STATE_FORMAT = 1
 
 
-def _read_rows(
-    table: WindowTable, positions: np.ndarray, window_at: Callable[[np.ndarray], np.ndarray]
-) -> np.ndarray:
-    """Read the windows at `positions` of a cyclic order; a bad window takes the next good one.
-
-    Args:
-        table: the windows.
-        positions: positions in the order; position p lies in cycle `p // num_windows`.
-        window_at: maps positions to window numbers.
-
-    Returns:
-        int64 array [len(positions), sequence_length + 1].
-    """
-    n = table.num_windows
-    rows = table.read(window_at(positions))
-    for i, row in enumerate(rows):
-        position = int(positions[i])
-        cycle_start, offset = position - position % n, position % n
-        step = 1
-        while row is None and step < n:  # only in skip mode: bad records give None
-            substitute = cycle_start + (offset + step) % n
-            row = table.read(window_at(np.array([substitute])))[0]
-            step += 1
-        if row is None:
-            raise DataError("every window of the data set lies in a corrupt record")
-        rows[i] = row
-    return np.stack(rows)
-
-
 class PretrainingDataLoader:
     """Deterministic, resumable training batches for one data-parallel rank.
 
     Args:
-        input_files: TFRecord paths or glob patterns (each file needs its `.index`).
+        input_files: paths or glob patterns of TFRecord files (each with its `.index`) or token
+            files (`.bin`, each with its `.idx`).
         sequence_length: the model's sequence length; windows hold `sequence_length + 1` ids.
         global_batch_size: sequences per optimizer step over all replicas.
         micro_batch_size: sequences per forward pass on one replica.
@@ -107,37 +85,22 @@ class PretrainingDataLoader:
         skip_corrupt_records: bool = False,
         validation_fraction: float = 0.0,
     ):
-        rows_per_pass = micro_batch_size * data_parallel_size
-        if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size < 1:
-            raise DataError(
-                f"global_batch_size {global_batch_size}, micro_batch_size {micro_batch_size} and "
-                f"data_parallel_size {data_parallel_size} must be positive"
-            )
-        if global_batch_size % rows_per_pass:
-            raise DataError(
-                f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size "
-                f"{micro_batch_size} x data_parallel {data_parallel_size} = {rows_per_pass}"
-            )
-        if not 0 <= data_parallel_rank < data_parallel_size:
-            raise DataError(
-                f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})"
-            )
-        if seed < 0:
-            raise DataError(f"seed {seed} must be >= 0")
+        self.gradient_accumulation = check_batch_layout(
+            global_batch_size, micro_batch_size, data_parallel_rank, data_parallel_size, seed
+        )
         self.sequence_length = sequence_length
         self.global_batch_size = global_batch_size
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
-        self.gradient_accumulation = global_batch_size // rows_per_pass
         self.seed = seed
         self._windows = WindowSet(input_files, sequence_length, vocab_size, skip_corrupt_records)
         train_records, _ = split_records(self._windows.num_records, validation_fraction)
         self._table = WindowTable(self._windows, train_records)
         self.samples_per_epoch = self._table.num_windows
+        self._order = WindowOrder(self.samples_per_epoch, seed)
         self.step = 0
         self._skipped_before = 0  # skipped records counted before a resume
-        self._permutations: dict[int, np.ndarray] = {}
 
     @property
     def epoch(self) -> int:
@@ -151,21 +114,7 @@ class PretrainingDataLoader:
 
     def permutation(self, epoch: int) -> np.ndarray:
         """The order in which epoch `epoch` visits the windows (a function of seed and epoch)."""
-        if epoch not in self._permutations:
-            if len(self._permutations) >= 2:  # a batch spans at most two epochs in practice
-                self._permutations.clear()
-            rng = np.random.default_rng([self.seed, epoch])
-            self._permutations[epoch] = rng.permutation(self.samples_per_epoch)
-        return self._permutations[epoch]
-
-    def _window_at(self, positions: np.ndarray) -> np.ndarray:
-        n = self.samples_per_epoch
-        epochs = positions // n
-        windows = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            mask = epochs == epoch
-            windows[mask] = self.permutation(int(epoch))[positions[mask] % n]
-        return windows
+        return self._order.permutation(epoch)
 
     def batch_positions(self, step: int) -> np.ndarray:
         """Positions (in the concatenated epoch permutations) of this rank's rows of step `step`."""
@@ -180,7 +129,7 @@ class PretrainingDataLoader:
             int64 tensor [gradient_accumulation, micro_batch_size, sequence_length + 1];
             inputs are `[..., :-1]`, labels `[..., 1:]`.
         """
-        rows = _read_rows(self._table, self.batch_positions(self.step), self._window_at)
+        rows = read_rows(self._table, self.batch_positions(self.step), self._order.window_at)
         self.step += 1
         shape = (self.gradient_accumulation, self.micro_batch_size, self.sequence_length + 1)
         return torch.from_numpy(rows).view(shape)
@@ -210,6 +159,11 @@ class PretrainingDataLoader:
         if state.get("format") != STATE_FORMAT:
             raise DataError(
                 f"data loader state has format {state.get('format')}, expected {STATE_FORMAT}"
+            )
+        if "blend" in state:
+            raise DataError(
+                "cannot resume the data loader: the checkpoint was trained on a --data_blend; "
+                "give its --data_blend"
             )
         mine = self.state_dict()
         for key in ("seed", "global_batch_size", "sequence_length", "samples_per_epoch"):
@@ -250,7 +204,7 @@ def validation_batches(
     global batch is dropped).
 
     Args:
-        input_files: TFRecord paths or glob patterns.
+        input_files: TFRecord or token file paths or glob patterns.
         sequence_length: the model's sequence length.
         micro_batch_size: sequences per batch on this rank.
         data_parallel_rank: this replica's data-parallel index.
@@ -294,17 +248,24 @@ def validation_batches(
         for batch in range(num_batches):
             first = batch * per_batch + data_parallel_rank * micro_batch_size
             positions = np.arange(first, first + micro_batch_size, dtype=np.int64)
-            yield torch.from_numpy(_read_rows(table, positions, lambda p: p))
+            yield torch.from_numpy(read_rows(table, positions, lambda p: p))
 
     return batches()
 
 
-def training_loader(config: PretrainingConfig, dp_rank: int, dp_size: int) -> PretrainingDataLoader:
+def training_loader(
+    config: PretrainingConfig, dp_rank: int, dp_size: int
+) -> PretrainingDataLoader | BlendedDataLoader:
     """The training loader of data-parallel rank ``dp_rank`` of ``dp_size``, as the run's
-    config describes it (the shipped sample when no ``--input_files`` are given)."""
+    config describes it: ``--data_blend``'s corpora, else ``--input_files`` (the shipped sample
+    when neither is given)."""
     d, ex = config.data, config.execution
-    return PretrainingDataLoader(
-        d.input_files or [SAMPLE_DATA_GLOB],
+    if d.data_blend:
+        make, source = BlendedDataLoader, parse_blend(d.data_blend, "--data_blend")
+    else:
+        make, source = PretrainingDataLoader, d.input_files or [SAMPLE_DATA_GLOB]
+    return make(
+        source,
         config.model.sequence_length,
         config.training.global_batch_size,
         ex.micro_batch_size,
@@ -317,15 +278,45 @@ def training_loader(config: PretrainingConfig, dp_rank: int, dp_size: int) -> Pr
     )
 
 
-def validation_source(
-    config: PretrainingConfig, dp_rank: int, dp_size: int
-) -> Callable[[], Iterator[torch.Tensor]] | None:
-    """A function that returns a fresh pass over this rank's validation batches, or None when
-    the run evaluates nothing. The data is opened once here, so a bad file or too little data
-    is reported at start-up rather than hours into training.
+def data_description(config: PretrainingConfig, loader) -> str:
+    """The start-up line's words for the training data."""
+    if config.data.data_blend:
+        return loader.describe()
+    files = config.data.input_files or [SAMPLE_DATA_GLOB]
+    shipped = "" if config.data.input_files else "shipped sample "
+    return f"{shipped}{', '.join(files)} ({loader.samples_per_epoch} sequences per epoch)"
 
-    Held-out records of the training files (``--validation_fraction``), else
-    ``--validation_files``, else the shipped sample's validation shard when training on it.
+
+@dataclass
+class Validation:
+    """The held-out data of a run: one set, or one per corpus of a blend.
+
+    Attributes:
+        sets: (weight, a function returning a fresh pass over this rank's batches) per set.
+    """
+
+    sets: list[tuple[float, Callable[[], Iterator[torch.Tensor]]]]
+
+    def scores(self, evaluate: Callable[[Iterator[torch.Tensor]], float]) -> dict[str, float]:
+        """``eval_loss``, and for a blend each corpus' loss (``eval_loss_0``, ...) with
+        ``eval_loss`` their mean under the blend's weights. ``evaluate`` is collective, so every
+        rank runs the sets in the same order."""
+        losses = [evaluate(batches()) for _, batches in self.sets]
+        if len(losses) == 1:
+            return {"eval_loss": losses[0]}
+        weights = [weight for weight, _ in self.sets]
+        mean = sum(w * loss for w, loss in zip(weights, losses, strict=True)) / sum(weights)
+        return {"eval_loss": mean, **{f"eval_loss_{i}": loss for i, loss in enumerate(losses)}}
+
+
+def validation_source(config: PretrainingConfig, dp_rank: int, dp_size: int) -> Validation | None:
+    """This rank's validation data, or None when the run evaluates nothing. The data is opened
+    once here, so a bad file or too little data is reported at start-up rather than hours into
+    training.
+
+    Held-out records of the training data (``--validation_fraction``: of each corpus of a
+    blend, weighted as the blend), else ``--validation_files`` (files, or a blend of them),
+    else the shipped sample's validation shard when training on it.
 
     Raises:
         ConfigError: evaluation is asked for but no held-out data is named.
@@ -334,10 +325,17 @@ def validation_source(
     d, c = config.data, config.checkpoint
     if not (d.eval_every or c.eval_only):
         return None
+    on_sample = not (d.input_files or d.data_blend)
     if d.validation_fraction:
-        files, fraction = d.input_files or [SAMPLE_DATA_GLOB], d.validation_fraction
-    elif d.validation_files or not d.input_files:
+        fraction = d.validation_fraction
+        if d.data_blend:
+            sources = parse_blend(d.data_blend, "--data_blend")
+        else:
+            sources = [(1.0, d.input_files or [SAMPLE_DATA_GLOB])]
+    elif d.validation_files or on_sample:
         files, fraction = d.validation_files or [SAMPLE_VALIDATION_GLOB], 0.0
+        blended = is_blend(files)
+        sources = parse_blend(files, "--validation_files") if blended else [(1.0, files)]
     else:
         flag = "--eval_only" if c.eval_only else "--eval_every"
         raise ConfigError(
@@ -346,23 +344,27 @@ def validation_source(
         )
     micro_batch = config.execution.micro_batch_size
 
-    def validation() -> Iterator[torch.Tensor]:
-        return validation_batches(
-            files,
-            config.model.sequence_length,
-            micro_batch,
-            dp_rank,
-            dp_size,
-            config.model.vocab_size,
-            d.eval_batches or None,
-            validation_fraction=fraction,
-            skip_corrupt_records=d.skip_corrupt_records,
-        )
+    def batches_of(files) -> Callable[[], Iterator[torch.Tensor]]:
+        def validation() -> Iterator[torch.Tensor]:
+            return validation_batches(
+                [files] if isinstance(files, str) else files,
+                config.model.sequence_length,
+                micro_batch,
+                dp_rank,
+                dp_size,
+                config.model.vocab_size,
+                d.eval_batches or None,
+                validation_fraction=fraction,
+                skip_corrupt_records=d.skip_corrupt_records,
+            )
 
-    if next(iter(validation()), None) is None:
-        raise ConfigError(
-            f"the validation data {', '.join(files)} holds fewer than --micro_batch_size "
-            f"{micro_batch} x --data_parallel {dp_size} sequences of "
-            f"{config.model.sequence_length + 1} tokens; give more validation data"
-        )
-    return validation
+        if next(iter(validation()), None) is None:
+            names = files if isinstance(files, str) else ", ".join(files)
+            raise ConfigError(
+                f"the validation data {names} holds fewer than --micro_batch_size "
+                f"{micro_batch} x --data_parallel {dp_size} sequences of "
+                f"{config.model.sequence_length + 1} tokens; give more validation data"
+            )
+        return validation
+
+    return Validation([(weight, batches_of(files)) for weight, files in sources])

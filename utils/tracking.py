@@ -83,6 +83,9 @@ class ConsoleTracker:
         ]
         if (data_time := metrics.get("data_time")) is not None:
             parts.append(f"data {data_time:.3f} s")
+        drawn = [value for key, value in metrics.items() if key.startswith("windows_drawn_")]
+        if drawn:  # a blend: the windows each corpus has given so far
+            parts.append("drawn " + "/".join(f"{n:,}" for n in drawn))
         if metrics.get("skipped"):
             parts.append("SKIPPED (non-finite grads)")
         if skipped_records := metrics.get("skipped_records"):

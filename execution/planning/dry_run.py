@@ -417,10 +417,15 @@ def _plan_dict(plan: MemoryPlan) -> dict:
     }
 
 
-def check_input_files(patterns: list[str]) -> None:
-    """The dry run reads no data, but the files it would train on must exist (the shipped
-    sample when no ``--input_files`` are given)."""
+def check_input_files(patterns: list[str], blend: list[str] = ()) -> None:
+    """The dry run reads no data, but the files it would train on must exist (``--data_blend``'s
+    corpora, else the shipped sample when no ``--input_files`` are given)."""
+    from data.blend import parse_blend
     from data.dataset import expand_files
     from data.loader import SAMPLE_DATA_GLOB
 
+    if blend:
+        for _, pattern in parse_blend(blend, "--data_blend"):
+            expand_files([pattern])
+        return
     expand_files(patterns or [SAMPLE_DATA_GLOB])

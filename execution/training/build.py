@@ -24,8 +24,8 @@ from config.loading import ConfigError, config_to_dict
 from config.schema import PretrainingConfig
 from config.validation import kv_heads_note
 from data.loader import (
-    SAMPLE_DATA_GLOB,
     PretrainingDataLoader,
+    data_description,
     training_loader,
     validation_source,
 )
@@ -140,15 +140,13 @@ def build(
     """
     loader = training_loader(config, layout.dp.rank, layout.dp.size)
     validation = validation_source(config, layout.dp.rank, layout.dp.size)
-    files = config.data.input_files or [SAMPLE_DATA_GLOB]
-    data = ("" if config.data.input_files else "shipped sample ") + ", ".join(files)
 
     def evaluation(engine: PhasedEngine, output_dir: Path) -> Evaluation:
-        return lambda step: {"eval_loss": engine.evaluate(validation())}
+        return lambda step: validation.scores(engine.evaluate)
 
     inputs = RunInputs(
         loader,
-        f"{data} ({loader.samples_per_epoch} sequences per epoch)",
+        data_description(config, loader),
         evaluation if validation is not None else None,
         lambda engine, loader: _restore(config, engine, loader),
     )

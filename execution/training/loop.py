@@ -118,6 +118,7 @@ def train(run: Run) -> list[dict]:
     eval_at_end = run.evaluate is not None and (eval_every or config.EVALUATES_AT_END)
     every = config.checkpoint.checkpoint_steps
     loader = PrefetchingLoader(run.loader, pin_memory=layout.device.type == "cuda")
+    windows_drawn = getattr(run.loader, "windows_drawn", None)
     history = []
     done = run.start_step
     hooks = run.checkpointer.hooks if run.checkpointer is not None else None
@@ -155,6 +156,8 @@ def train(run: Run) -> list[dict]:
                 ),
                 "epoch": loader.epoch,
             }
+            if windows_drawn is not None:  # a blend: a function of the step, the same everywhere
+                metrics.update(windows_drawn(step + 1))
             if engine.compiled:
                 metrics["compiled_graphs"] = result.compiled_graphs
                 if result.compiled_graphs and step > run.start_step and layout.is_main:
@@ -206,9 +209,10 @@ def train(run: Run) -> list[dict]:
 def evaluate_only(run: Run) -> float:
     """``--eval_only``: the validation loss of the loaded weights, reported and logged."""
     try:
-        loss = run.evaluate(run.start_step)["eval_loss"]
+        scores = run.evaluate(run.start_step)  # a blend's corpora add theirs
+        loss = scores["eval_loss"]
         perplexity = math.exp(loss) if loss < 700 else math.inf
-        metrics = {"step": run.start_step, "eval_loss": loss, "eval_perplexity": perplexity}
+        metrics = {"step": run.start_step, **scores, "eval_perplexity": perplexity}
         run.tracker.log(metrics)
         if run.engine.layout.is_main:
             print(f"validation loss {loss:.4f}, perplexity {perplexity:.2f}", flush=True)
