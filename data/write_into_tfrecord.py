@@ -33,7 +33,6 @@ Example:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
@@ -100,14 +99,15 @@ def tokenize_chunk(documents: list[str]) -> tuple[np.ndarray, np.ndarray, int]:
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets nobody reads.
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     encodings = encode(documents, add_special_tokens=False)
-    sizes = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int32, count=len(encodings))
-    ids = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain(e.ids, eot) for e in encodings),
-        dtype=np.int32,
-        count=int(sizes.sum()),
-    )
+    ids: list[int] = []
+    sizes = np.empty(len(encodings), dtype=np.int32)
+    for number, encoding in enumerate(encodings):
+        document = encoding.ids  # each access builds a new list: read it once
+        ids += document
+        ids += eot
+        sizes[number] = len(document) + 1
     num_bytes = sum(len(d.encode("utf-8")) for d in documents)
-    return ids, sizes, num_bytes
+    return np.array(ids, dtype=np.int32), sizes, num_bytes
 
 
 class WindowCutter:
