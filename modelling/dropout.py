@@ -67,11 +67,12 @@ def keep_mask(
     """Inverted-dropout multipliers of ``shape`` (0, or 1 / (1 - p) with probability 1 - p), a
     pure function of ``seed``: drawn from a generator of their own, so neither the global
     random stream nor another mask moves them. ``F.dropout`` draws the same mask from a
-    generator in the same state. On the meta device (planning) only the shape matters.
+    generator in the same state. On the meta device (planning) the same kernels run, on no
+    values: a dry run prices the draw and the scaling like any other op.
     """
     mask = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "meta":  # the draw and the scaling are in place: nothing to plan
-        return mask
+    if device.type == "meta":  # no generator: a meta draw has nothing to seed
+        return mask.bernoulli_(1 - p).div_(1 - p)
     generator = torch.Generator(device).manual_seed(seed)
     return mask.bernoulli_(1 - p, generator=generator).div_(1 - p)
 

@@ -17,13 +17,21 @@ from torch import nn
 
 from execution.engine.engine import PhasedEngine
 from execution.engine.phases import schedule
-from execution.engine.phases.recompute import attention_kernel
+from execution.engine.phases.recompute import attention_kernel, attention_on_meta, meta_block
 from execution.engine.plan import MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.compiled_costs import CostChange, _PartPricer, phase_changes
-from execution.planning.measure import Measurements, meta_step
+from execution.planning.compiled_costs import (
+    CostChange,
+    _PartPricer,
+    apply_changes,
+    phase_changes,
+)
+from execution.planning.estimate_checks import EstimateError
+from execution.planning.measure import Measurements, Window, meta_step
 from execution.planning.memory import RankShape
+from execution.planning.op_costs import OpCosts
 from execution.planning.run_shape import RunShape
+from execution.planning.step_meter import StepMeter
 from tests.distributed import small_config
 
 ROWS, HIDDEN = 64, 32
@@ -47,8 +55,48 @@ def test_a_fused_norm_and_gelu_saves_what_the_eager_pair_writes_and_reads_back()
     x = torch.empty(ROWS, HIDDEN, device="meta")
     pricer = _PartPricer("math", "cpu", torch.float32, axes=())
     change = pricer(NormGelu(), x, inference=True).inference
-    tensor, statistics = ROWS * HIDDEN * FLOAT, 2 * ROWS * FLOAT
-    assert change == CostChange(kernels=-1, memory_bytes=-(2 * tensor + statistics))
+    tensor, statistics, affine = ROWS * HIDDEN * FLOAT, 2 * ROWS * FLOAT, 2 * HIDDEN * FLOAT
+    eager = (2, 4 * tensor + affine + statistics)  # x, w, b in; normed, stats out; GELU
+    assert change == CostChange(*eager, compiled_kernels=1, compiled_bytes=2 * tensor + affine)
+    assert (change.kernels, change.memory_bytes) == (-1, -(2 * tensor + statistics))
+
+
+def test_a_dropout_free_block_is_priced_eager_as_the_eager_step_runs_it():
+    """A block without dropout compiles to one graph, attention inside it. The eager side of
+    its price must be what the eager step meters for the block: the same kernels and bytes,
+    forward and backward, with attention as the device's fused kernel. (On meta tensors torch
+    itself takes the math path, which writes the [heads, 512, 512] scores here, 22 times the
+    block's other bytes: compiling seemed to save them, and dry runs printed negative
+    memory-bound seconds and MFU above 100%.)"""
+    sequence = 512
+    flags = ("--sequence_length", str(sequence), "--max_positional_length", str(sequence))
+    config = small_config(*flags, "--dropout_prob", "0", "--dropout_parity", "false")
+    block = meta_block(RunShape.of(config).shards()).to(torch.bfloat16)
+    x = torch.empty(2, sequence, block.attn.qkv.weight.shape[1], dtype=torch.bfloat16)
+    x = x.to("meta").requires_grad_()
+    change = _PartPricer("flash", "cuda", torch.bfloat16, axes=())(block, x, None)
+    with attention_on_meta("flash", block), StepMeter() as meter:
+        y = block(x, None)
+        forward = meter.costs.copy()
+        torch.autograd.backward(y, torch.empty_like(y))
+    backward = meter.costs - forward
+    for side, metered in ((change.forward, forward), (change.backward, backward)):
+        assert (side.eager_kernels, side.eager_bytes) == (metered.kernels, metered.memory_bytes)
+    assert meter.attention_flops > 0  # the fused kernel ran, forward and backward
+
+
+def test_compiling_removes_no_more_than_a_phase_ran():
+    """A compiled call replaces its eager ops' kernels and bytes, once per micro-batch: a
+    phase that ran fewer (the eager side priced ops the step never ran) is a bug, raised, not
+    a negative figure; nor can a change count negative work."""
+    window = Window("layer_forward", costs=OpCosts(kernels=20, memory_bytes=1000), micro_batches=2)
+    apply_changes([window], {"layer_forward": CostChange(10, 500, 3, 200)})
+    assert (window.costs.kernels, window.costs.memory_bytes) == (20 - 14, 1000 - 600)
+    window = Window("layer_forward", costs=OpCosts(kernels=20, memory_bytes=999), micro_batches=2)
+    with pytest.raises(EstimateError, match=r"'layer_forward'.*memory-bound bytes"):
+        apply_changes([window], {"layer_forward": CostChange(10, 500, 3, 200)})
+    with pytest.raises(EstimateError, match="compiled_bytes"):
+        CostChange(1, 1, 1, -1)
 
 
 def _engine(*flags: str) -> tuple[PhasedEngine, str]:

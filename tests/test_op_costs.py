@@ -10,6 +10,7 @@ import torch
 from execution.planning.device_specs import SPECS
 from execution.planning.op_costs import device_seconds, op_cost
 from execution.planning.step_meter import StepMeter
+from modelling.dropout import dropout
 
 META = torch.device("meta")
 
@@ -66,3 +67,15 @@ def test_an_in_place_op_reads_what_it_updates_and_writes_it_back():
             op()
         sizes.append(meter.costs.memory_bytes // 4096)
     assert sizes == [3, 2, 2, 1, 3]
+
+
+def test_a_residual_dropout_on_meta_prices_the_draw_it_makes_on_a_device():
+    """A device draws a residual dropout's mask (``bernoulli_``: writes 2 bytes an element in
+    bfloat16), scales it in place (``div_``: reads and writes them) and multiplies x by it
+    (reads both, writes the result): 3 kernels and 12 bytes an element. Planning on meta
+    tensors once skipped the draw and the scaling, so a compiled block's eager side (which
+    prices the draw) removed more bytes than the step had counted."""
+    x = torch.empty(2, 8, 16, dtype=torch.bfloat16, device=META)
+    with StepMeter() as meter:
+        dropout(x, 0.1, seed=7)
+    assert (meter.costs.kernels, meter.costs.memory_bytes) == (3, 12 * x.numel())

@@ -32,7 +32,13 @@ def flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
     parameters = shapes.num_parameters
     if not shapes.ties_word_embedding:
         parameters -= shapes.vocab * shapes.hidden
-    return 6 * parameters + 12 * shapes.layers * shapes.attention_width * sequence_length
+    return 6 * parameters + attention_flops_per_token(shapes, sequence_length)
+
+
+def attention_flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
+    """The attention scores' and values' share of :func:`flops_per_token`, ``12 L a S``: the
+    whole ``[S, S]`` square, forward and backward (a causal kernel executes half of it)."""
+    return 12 * shapes.layers * shapes.attention_width * sequence_length
 
 
 def device_peak_tflops(device: torch.device, configured: float) -> float | None:

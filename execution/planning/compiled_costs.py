@@ -11,14 +11,18 @@ each region between two graph breaks, with the graphs inductor would compile of 
 prices each region twice:
 
 - eager: Dynamo's graph of the region run op by op on meta tensors under a
-  :class:`~execution.planning.step_meter.StepMeter`, as the eager step runs it;
+  :class:`~execution.planning.step_meter.StepMeter`, as the eager step runs it: attention as
+  the device's fused kernel (on meta tensors torch would take the math path, whose bytes grow
+  with the square of the sequence, and compiling would seem to save them);
 - compiled: inductor's schedule of the region's graph
   (:func:`~execution.planning.fused_bytes.fused_cost`): its fused kernels' bytes, plus the
   extern kernels it calls (matmuls and attention, priced as before, and any fallback op by
-  the bytes the scheduler gives it).
+  the bytes the scheduler gives it). Each attention call of the region must be one fused
+  kernel here too.
 
-The difference, in kernels and memory-bound bytes, is what one call changes; the dry run adds
-it to each phase once per micro-batch (:func:`apply_changes`). What runs between the regions
+The difference, in kernels and memory-bound bytes, is what one call changes; the dry run
+replaces each phase's eager ops by it once per micro-batch (:func:`apply_changes`), after
+checking that the phase ran them: compiling removes no more than the eager ops cost. What runs between the regions
 (collectives, attention's seeded dropout, selective recompute's checkpointed core) runs eagerly
 either way and is metered as it is. A run keeps attention's dropout in the block's graph as one
 op (:mod:`~execution.engine.phases.seeded_attention`), which the capture breaks at instead:
@@ -38,10 +42,12 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from execution.engine.phases import schedule
 from execution.engine.phases.compiled import COMPILED_PARTS
-from execution.engine.phases.recompute import attention_on_meta, meta_block
+from execution.engine.phases.recompute import attention_on_meta, kernel_attention, meta_block
+from execution.planning.estimate_checks import EstimateError
 from execution.planning.fused_bytes import Region, capture_regions, fused_cost, graph_on_device
 from execution.planning.op_costs import OpCosts
 from execution.planning.step_meter import ATTENTION_KERNELS, StepMeter
@@ -56,13 +62,35 @@ _ATTENTION_OPS = tuple(str(op) for op in ATTENTION_KERNELS)
 
 @dataclass(frozen=True)
 class CostChange:
-    """What compiling changes in one call of a part: kernels and memory-bound bytes."""
+    """What compiling changes in one call of a part: the kernels and memory-bound bytes of
+    the eager ops its compiled regions replace (``eager_*``), and of the kernels inductor
+    makes of them (``compiled_*``). Each is a count of work, so >= 0: compiling removes no
+    more than the eager ops cost (:func:`apply_changes` checks that a phase ran them)."""
 
-    kernels: int = 0
-    memory_bytes: int = 0
+    eager_kernels: int = 0
+    eager_bytes: int = 0
+    compiled_kernels: int = 0
+    compiled_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 0:
+                raise EstimateError(f"a compiled part's {name} is {value}, below 0")
+
+    @property
+    def kernels(self) -> int:
+        return self.compiled_kernels - self.eager_kernels
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.compiled_bytes - self.eager_bytes
 
     def __add__(self, other: CostChange) -> CostChange:
-        return CostChange(self.kernels + other.kernels, self.memory_bytes + other.memory_bytes)
+        return CostChange(*(a + b for a, b in zip(_counts(self), _counts(other), strict=True)))
+
+
+def _counts(change: CostChange) -> tuple[int, ...]:
+    return tuple(getattr(change, f.name) for f in dataclasses.fields(change))
 
 
 @dataclass(frozen=True)
@@ -194,16 +222,18 @@ class _PartPricer:
             regions, _ = capture_regions(_call, module, *args)
         before, after = CostChange(), CostChange()
         for region in regions:
-            eager = self._eager(region, grad)
+            eager, attentions = self._eager(region, grad)
             for graph in region.graphs:
-                compiled = self._compiled(graph)
+                compiled = self._compiled(graph, attentions)
                 if graph.kind == "backward":
                     after += _change(compiled, eager[1])
                 else:
                     before += _change(compiled, eager[0])
         return before, after
 
-    def _compiled(self, graph) -> OpCosts:
+    def _compiled(self, graph, attentions: int) -> OpCosts:
+        """Inductor's kernels of one of a region's graphs; ``attentions``: the attention
+        calls the region makes, each of which the graph must run as one fused kernel."""
         try:
             cost = fused_cost(graph.gm, graph.example_inputs, self.device_type)
         except RuntimeError:
@@ -213,16 +243,27 @@ class _PartPricer:
             # embedding's backward does) makes a real CUDA tensor: that graph takes the
             # CPU's fusion rules.
             cost = fused_cost(graph.gm, graph.example_inputs, "cpu")
+        fused = sum(op.startswith(_ATTENTION_OPS) for op in cost.extern_ops)
+        if fused != attentions:  # else one side prices attention as its unfused composite
+            raise EstimateError(
+                f"a compiled {graph.kind} graph runs {fused} fused attention kernels for the "
+                f"{attentions} attention calls of its region"
+            )
         costs = OpCosts(kernels=cost.kernels + len(cost.extern_ops), memory_bytes=cost.memory_bytes)
         for op, nbytes in zip(cost.extern_ops, cost.extern_bytes, strict=True):
             if not op.startswith(_MATMUL_OPS + _ATTENTION_OPS):
                 costs.memory_bytes += nbytes  # a fallback op: memory-bound, as eager prices it
         return costs
 
-    def _eager(self, region: Region, grad: bool) -> tuple[OpCosts, OpCosts]:
-        """Dynamo's graph of the region run eagerly on meta tensors: (forward, backward)."""
+    def _eager(self, region: Region, grad: bool) -> tuple[tuple[OpCosts, OpCosts], int]:
+        """Dynamo's graph of the region run eagerly on meta tensors: (forward, backward), with
+        its attention as the device's kernel, as the eager step runs it
+        (:func:`~execution.engine.phases.recompute.kernel_attention`: on meta tensors torch
+        would take the math path, whose bytes grow with the square of the sequence); and the
+        number of attention calls."""
         inputs = [_meta_like(t) for t in region.example_inputs]
         gm = graph_on_device(region.gm, META)  # it makes its positions, say, on the CPU
+        attentions = _as_kernel(gm, kernel_attention(self.kernel))
         with torch.set_grad_enabled(grad), StepMeter() as meter:
             outputs = gm(*inputs)
             forward = meter.costs.copy()
@@ -231,7 +272,22 @@ class _PartPricer:
             if grad and outputs and wanted:
                 tangents = [torch.empty_like(o) for o in outputs]
                 torch.autograd.grad(outputs, wanted, tangents, allow_unused=True)
-        return forward, meter.costs - forward
+        return (forward, meter.costs - forward), attentions
+
+
+def _as_kernel(gm: torch.fx.GraphModule, attention) -> int:
+    """Makes ``gm``'s calls of ``scaled_dot_product_attention`` call ``attention`` (the
+    device's kernel on meta tensors; None: left as they are); returns how many it has."""
+    calls = [
+        node
+        for node in gm.graph.nodes
+        if node.op == "call_function" and node.target is F.scaled_dot_product_attention
+    ]
+    if attention is not None and calls:
+        for node in calls:
+            node.target = attention
+        gm.recompile()
+    return len(calls)
 
 
 def _call(module: torch.nn.Module, *args):
@@ -239,7 +295,7 @@ def _call(module: torch.nn.Module, *args):
 
 
 def _change(compiled: OpCosts, eager: OpCosts) -> CostChange:
-    return CostChange(compiled.kernels - eager.kernels, compiled.memory_bytes - eager.memory_bytes)
+    return CostChange(eager.kernels, eager.memory_bytes, compiled.kernels, compiled.memory_bytes)
 
 
 def _bound_copy(
@@ -280,13 +336,29 @@ def _meta_like(value):
 
 
 def apply_changes(windows, changes: dict[str, CostChange]) -> None:
-    """Adds each phase window's compiled change, once per micro-batch its body ran."""
+    """Replaces, in each phase window, the eager ops of each compiled call by its kernels,
+    once per micro-batch its body ran.
+
+    Raises:
+        EstimateError: a window metered fewer kernels or memory-bound bytes than the eager
+            ops its compiled calls replace: the change would remove work the phase never did.
+    """
     for window in windows:
         change = changes.get(window.kind)
         if change is None or not window.micro_batches:
             continue
+        costs, calls = window.costs, window.micro_batches
+        for name, ran, replaced in (
+            ("kernels", costs.kernels, change.eager_kernels),
+            ("memory-bound bytes", costs.memory_bytes, change.eager_bytes),
+        ):
+            if ran < calls * replaced:
+                raise EstimateError(
+                    f"phase {window.kind!r}: compiling replaces {calls} x {replaced:,} eager "
+                    f"{name}, but the phase ran {ran:,}"
+                )
         window.costs = dataclasses.replace(
-            window.costs,
-            kernels=window.costs.kernels + window.micro_batches * change.kernels,
-            memory_bytes=window.costs.memory_bytes + window.micro_batches * change.memory_bytes,
+            costs,
+            kernels=costs.kernels + calls * change.kernels,
+            memory_bytes=costs.memory_bytes + calls * change.memory_bytes,
         )

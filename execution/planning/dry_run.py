@@ -36,12 +36,14 @@ from execution.parallel.mesh import MeshShape, ParallelLayout
 from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.dry_run_report import STATE_KEYS, fit_line, format_report
+from execution.planning.estimate_checks import check_mfu, check_rank
 from execution.planning.measure import Measurements, meta_step
 from execution.planning.memory import spec_budget
 from execution.planning.pipeline_figures import bubble_fraction
 from execution.planning.planner import choose_or_least
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import (
+    COST_INDEX,
     axis_traffic,
     estimate_step,
     phase_costs,
@@ -335,6 +337,8 @@ def estimate(run: RunShape, m: RankMeasurement, spec: DeviceSpec) -> dict:
     per_rank = model_flops * run.tokens_per_step / run.world_size
     out["mfu"] = per_rank / (out["step_time_s"] * spec.peak_tflops * 1e12)
     out["bubble"] = bubble_fraction(stages, passes)
+    ran = sum(costs[COST_INDEX["attention_flops"]] for costs in m.phases.values())
+    out["mfu_ceiling"] = check_rank(run, m, ran, spec, out, final=stages == 1)
     return out
 
 
@@ -406,6 +410,7 @@ def _pipeline_estimates(mesh: MeshShape, entries: list[dict]) -> None:
         entry["bubble_s"] = step - own
         entry["bubble"] = entry["bubble_s"] / step  # this rank's idle share
         entry["step_time_s"] = step
+        check_mfu(entry["mfu"], max(e["mfu_ceiling"] for e in entries))
 
 
 def _plan_dict(plan: MemoryPlan) -> dict:

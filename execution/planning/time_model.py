@@ -25,6 +25,7 @@ from collections import Counter
 from execution.engine.phases.schedule import EMBEDDING_FORWARD, LAYER_FORWARD
 from execution.parallel.mesh import GroupAxis, ParallelLayout
 from execution.planning.device_specs import DeviceSpec
+from execution.planning.estimate_checks import check_step, non_negative_phases
 from execution.planning.op_costs import device_seconds
 from execution.planning.pipeline_figures import step_stretch
 
@@ -57,16 +58,11 @@ PHASE_COSTS = (
     "critical_comm_s",
 )
 COST_INDEX = {name: index for index, name in enumerate(PHASE_COSTS)}
-# What the host spends launching a phase's work (part of DEVICE_WORK).
+# What a phase's kernels spend on the device, and what its host spends issuing them: a phase
+# takes the longer of the two where the host queues kernels ahead (a GPU), their sum where the
+# same cores do both (a CPU). A host time measured per phase joins HOST_WORK.
+KERNEL_WORK = ("matmul_s", "attention_s", "memory_bound_s", "fresh_memory_s")
 HOST_WORK = ("launch_s", "engine_s")
-DEVICE_WORK = (
-    "matmul_s",
-    "attention_s",
-    "memory_bound_s",
-    "launch_s",
-    "engine_s",
-    "fresh_memory_s",
-)
 
 
 def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, tuple]:
@@ -198,7 +194,13 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
     of it, behind the next step: ``--overlap_update``); ``copies_s`` and ``collectives_s`` (all
     of them, hidden or not); ``hidden_comm_s`` (copies and collectives behind device work);
     ``exposed_comm_s`` (the rest); ``bubble_s`` (the pipeline's idle share of the phases);
-    ``by_kind`` (each kind of phase's seconds in the step)."""
+    ``by_kind`` (each kind of phase's seconds in the step).
+
+    Raises:
+        EstimateError: a cost or figure is negative, or the step shorter than its compute
+            (:mod:`~execution.planning.estimate_checks`): a bug, never a figure to print.
+    """
+    phases = non_negative_phases(phases, PHASE_COSTS)
     step = hidden = hidden_host = bubble_s = 0.0
     bubble = step_stretch(pipeline_stages, passes)
     totals = dict.fromkeys(PHASE_COSTS, 0.0)
@@ -208,11 +210,13 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
         costs = dict(zip(PHASE_COSTS, values, strict=True))
         for name, value in costs.items():
             totals[name] += value
-        device = sum(costs[name] for name in DEVICE_WORK)
+        kernels = sum(costs[name] for name in KERNEL_WORK)
+        host = sum(costs[name] for name in HOST_WORK)
         if spec.queues_kernels:  # the host launches ahead: a phase takes the longer of the two
-            host = sum(costs[name] for name in HOST_WORK)
-            hidden_host += min(host, device - host)
-            device = max(device - host, host)
+            hidden_host += min(host, kernels)
+            device = max(kernels, host)
+        else:
+            device = kernels + host
         device += costs["host_optimizer_s"]
         behind = costs["copies_s"] + costs["overlappable_comm_s"]
         if spec.copies_overlap:
@@ -235,21 +239,23 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
     compute = totals["matmul_s"] + totals["attention_s"]
     copies = totals["copies_s"]
     collectives = totals["overlappable_comm_s"] + totals["critical_comm_s"]
-    return {
-        "step_time_s": step,
-        "compute_s": compute,
-        "memory_bound_s": totals["memory_bound_s"],
-        "overhead_s": totals["launch_s"] + totals["engine_s"] + totals["fresh_memory_s"],
-        "hidden_overhead_s": hidden_host,
-        "host_optimizer_s": totals["host_optimizer_s"] + wait,
-        "hidden_update_s": behind_update - wait,
-        "copies_s": copies,
-        "collectives_s": collectives,
-        "hidden_comm_s": hidden,
-        "exposed_comm_s": copies + collectives - hidden,
-        "bubble_s": bubble_s,
-        "by_kind": by_kind,
-    }
+    return check_step(
+        {
+            "step_time_s": step,
+            "compute_s": compute,
+            "memory_bound_s": totals["memory_bound_s"],
+            "overhead_s": totals["launch_s"] + totals["engine_s"] + totals["fresh_memory_s"],
+            "hidden_overhead_s": hidden_host,
+            "host_optimizer_s": totals["host_optimizer_s"] + wait,
+            "hidden_update_s": behind_update - wait,
+            "copies_s": copies,
+            "collectives_s": collectives,
+            "hidden_comm_s": hidden,
+            "exposed_comm_s": copies + collectives - hidden,
+            "bubble_s": bubble_s,
+            "by_kind": by_kind,
+        }
+    )
 
 
 def pipeline_step(stages: dict[int, list[dict]], passes: int) -> float:

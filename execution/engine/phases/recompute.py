@@ -90,23 +90,16 @@ def _efficient_attention(q, k, v, dropout_p, is_causal):
     return efficient(q, k, v, None, backward, dropout_p, is_causal)
 
 
-@contextlib.contextmanager
-def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
-    """Runs the attention of ``modules`` on meta tensors as ``kernel`` would (the meta device
-    takes the math path), so that outputs, saved tensors and FLOPs are the device kernel's.
-
-    Each :class:`~modelling.layers.Attention` among them is given the kernel's op for the
-    block (its ``sdpa``), so nothing else in the process sees it: not another model, and not
-    ``F.scaled_dot_product_attention`` (which a patch would change for every thread). Being
-    the module's, it holds on the threads autograd runs a meta backward, and a selective
-    recompute inside it, on. Real tensors go to ``F.scaled_dot_product_attention``.
+def kernel_attention(kernel: str) -> Callable[..., torch.Tensor] | None:
+    """``scaled_dot_product_attention`` as ``kernel`` runs it, for meta and fake tensors (the
+    meta device would take the math path, whose bytes grow with the square of the sequence):
+    the kernel's own op, so that outputs, saved tensors, FLOPs and bytes are the device
+    kernel's. Real tensors, and calls with arguments the op does not take, go to
+    ``F.scaled_dot_product_attention``. None where ``kernel`` has no op of its own (``math``).
     """
-    op = sdpa_kernel_ops() | {"efficient": _efficient_attention}
-    op = op.get(kernel)
-    attentions = [m for module in modules for m in module.modules() if isinstance(m, Attention)]
+    op = (sdpa_kernel_ops() | {"efficient": _efficient_attention}).get(kernel)
     if op is None:
-        yield
-        return
+        return None
 
     def attention(q, k, v, *args, dropout_p=0.0, is_causal=False, **kwargs):
         if not (q.is_meta or is_fake(q)) or args or kwargs:
@@ -114,6 +107,25 @@ def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
             return sdpa(q, k, v, *args, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
         return op(q, k, v, dropout_p, is_causal)[0]
 
+    return attention
+
+
+@contextlib.contextmanager
+def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
+    """Runs the attention of ``modules`` on meta tensors as ``kernel`` would
+    (:func:`kernel_attention`).
+
+    Each :class:`~modelling.layers.Attention` among them is given the kernel's op for the
+    block (its ``sdpa``), so nothing else in the process sees it: not another model, and not
+    ``F.scaled_dot_product_attention`` (which a patch would change for every thread). Being
+    the module's, it holds on the threads autograd runs a meta backward, and a selective
+    recompute inside it, on.
+    """
+    attention = kernel_attention(kernel)
+    attentions = [m for module in modules for m in module.modules() if isinstance(m, Attention)]
+    if attention is None:
+        yield
+        return
     before = [m.sdpa for m in attentions]
     for m in attentions:
         m.sdpa = attention
