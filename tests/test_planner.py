@@ -21,7 +21,7 @@ from execution.planning.planner import (
     plans_fitting_every_stage,
 )
 from execution.planning.run_shape import RunShape
-from tests.reference import small_config
+from tests.reference import LLAMA_VARIANTS, small_config
 
 UNLIMITED = MemoryBudget(device=None, host=1 << 50)
 ALL_DEVICE = Placement("device", "device", "device")
@@ -182,10 +182,12 @@ def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("passes", [1, 3])
-def test_host_traffic_is_what_the_engine_copies(passes):
+@pytest.mark.parametrize(("passes", "head"), [(1, ()), (3, ()), (3, LLAMA_VARIANTS)])
+def test_host_traffic_is_what_the_engine_copies(passes, head):
     """For every placement, the planner's bytes per step equal the engine's own counters of
-    one real step (on meta tensors, so nothing is allocated)."""
+    one real step (on meta tensors, so nothing is allocated); with Llama's untied head too,
+    whose phase neither loads the word embedding nor stores a gradient of it (the planner
+    counted both, 1.5x the bytes of llama_tiny's gradients on the host)."""
     import itertools
 
     import torch
@@ -201,7 +203,7 @@ def test_host_traffic_is_what_the_engine_copies(passes):
         placement = []
         for state, place in zip(("weights", "grads", "activations"), where, strict=True):
             placement += [f"--{state}_placement", place]
-        config = small_config(*run, *placement)
+        config = small_config(*run, *placement, *head)
         shape_of_run = RunShape.of(config)
         plan = candidate_plans(shape_of_run, "cuda", measured=False)[0]  # traffic: no working set
         engine = PhasedEngine(shape_of_run.engine_plan(plan), ParallelLayout.shapes_only(1, 2, 1))

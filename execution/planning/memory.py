@@ -267,20 +267,19 @@ class RankShape:
         """What a decoder layer keeps per micro-batch for its backward (measured); with
         ``compiled``, what it keeps in place is the compiled forward's where the block is one
         graph (:func:`~execution.planning.compiled_costs.compiled_kept_in_place`)."""
-        key = ("kept", self.shapes, self.micro_batch, self.sequence, self.dtype, recompute, kernel)
+        layer = dataclasses.replace(self.shapes, layers=1)  # one layer's, however many
+        key = ("kept", layer, self.micro_batch, self.sequence, self.dtype, recompute, kernel)
         if key not in self.layer_memo:
             self.layer_memo[key] = kept_bytes(
-                self.shapes, self.micro_batch, self.sequence, self.dtype, recompute, kernel
+                layer, self.micro_batch, self.sequence, self.dtype, recompute, kernel
             )
         kept = self.layer_memo[key]
         # Selective recompute breaks the block at its core, context parallelism at attention.
         if not compiled or recompute != "none" or self.cp > 1:
             return kept
-        key = ("compiled kept", self.shapes, self.sequence, self.dtype, kernel)
+        key = ("compiled kept", layer, self.sequence, self.dtype, kernel)
         if key not in self.layer_memo:
-            self.layer_memo[key] = compiled_kept_in_place(
-                self.shapes, self.sequence, self.dtype, kernel
-            )
+            self.layer_memo[key] = compiled_kept_in_place(layer, self.sequence, self.dtype, kernel)
         per_sequence = self.layer_memo[key]
         if per_sequence is None:
             return kept
@@ -398,11 +397,11 @@ def host_traffic_by_phase(
 
     Counts exactly what :class:`execution.engine.storage.state.StateStore` copies (a test holds the two
     together): per pass each part's weights are loaded for forward and backward (the word
-    embedding a third time, tied in the head; from the compute-dtype copies of host weights
-    where kept), gradients are stored and, after the first pass, read back to accumulate (the
-    embedding's twice: the head's tied part and its own); host weights are updated on the
-    host, in place, so only gradients kept on the device cross the link for the optimizer,
-    while device weights read host gradients once; each micro-batch stores x at L + 1
+    embedding a third time where the head is tied to it; from the compute-dtype copies of host
+    weights where kept), gradients are stored and, after the first pass, read back to
+    accumulate (a tied embedding's twice: the head's part and its own); host weights are
+    updated on the host, in place, so only gradients kept on the device cross the link for the
+    optimizer, while device weights read host gradients once; each micro-batch stores x at L + 1
     boundaries and reads it 2L + 1 times (L in the forward; L + 1 in the backward, or only
     the head's when layers keep their activations: the backward then does not read x),
     stores and reads dx at L + 1, and per layer stores and reads back what the layer keeps.
@@ -415,15 +414,16 @@ def host_traffic_by_phase(
 
     total = sum(fp32(part) for part in PARTS)
     emb, lay, head = fp32("embedding"), fp32("layers"), fp32("head")
+    tied = emb if rank.shapes.ties_word_embedding else 0  # the head's use of the embedding
     copies = state_bytes(rank, entries, placement)["weight_copies"]
     forward = backward = optimizer = 0
     if placement.weights == "host":
         # Loads read the compute-dtype copies where kept (refreshed on the host).
         scale = (rank.dtype.itemsize, 4) if copies else (1, 1)
         forward += passes * (lay + emb) * scale[0] // scale[1]
-        backward += passes * (lay + 2 * emb + head) * scale[0] // scale[1]
+        backward += passes * (lay + emb + tied + head) * scale[0] // scale[1]
     if placement.grads == "host":
-        backward += (2 * passes - 1) * (lay + head) + (4 * passes - 1) * emb
+        backward += (2 * passes - 1) * (lay + head + emb) + 2 * passes * tied
     if placement.weights != placement.grads:  # the optimizer brings the gradients to the update
         optimizer += total
     if placement.activations == "host":
