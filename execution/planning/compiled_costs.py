@@ -22,9 +22,9 @@ prices each region twice:
 
 The difference, in kernels and memory-bound bytes, is what one call changes; the dry run
 replaces each phase's eager ops by it once per micro-batch (:func:`apply_changes`), after
-checking that the phase ran them: compiling removes no more than the eager ops cost. What runs between the regions
-(collectives, attention's seeded dropout, selective recompute's checkpointed core) runs eagerly
-either way and is metered as it is. A run keeps attention's dropout in the block's graph as one
+checking that the phase ran them: compiling removes no more than the eager ops cost. What runs
+between the regions (collectives, attention's seeded dropout, selective recompute's
+checkpointed core) runs eagerly either way and is metered as it is. A run keeps attention's dropout in the block's graph as one
 op (:mod:`~execution.engine.phases.seeded_attention`), which the capture breaks at instead:
 the device runs the same kernels either way (inductor fuses nothing across an attention
 kernel), and only the host's time differs, which the estimate leaves out. Not priced: a
@@ -119,8 +119,9 @@ def phase_changes(
     hidden = shapes.hidden // shapes.tp2
     x = torch.empty(micro_batch, sequence, hidden, dtype=dtype, device=META)
     selective = plan.memory.recompute == "selective"  # its block breaks at the core
-    key = (dataclasses.replace(shapes, layers=1), micro_batch, sequence, cp, dtype, selective)
-    price = _PartPricer(kernel, device_type, dtype, engine.layout.axes(), memo, key)
+    key = (dataclasses.replace(shapes, layers=1), micro_batch, sequence, cp, dtype)
+    axes = engine.layout.axes()
+    price = _PartPricer(kernel, device_type, dtype, axes, memo, (*key, selective))
     seeds = BlockSeeds(1, 2, 3).as_tensors() if dropout else None
     changes = {}  # of the parts that run compiled: not the embedding (compiled.py)
     if LAYERS in COMPILED_PARTS:
@@ -134,6 +135,10 @@ def phase_changes(
         tied = plan.model.ties_word_embedding
         word = engine.templates[EMBEDDING].word.weight
         words = (torch.empty(word.shape, dtype=dtype, device=META),) if tied else ()
+        # The head has no dropout, and runs whole whatever the blocks recompute.
+        unrelated = {"dropout_prob": 0.0, "dropout_parity": False}
+        key = (dataclasses.replace(key[0], **unrelated), *key[1:])
+        price = _PartPricer(kernel, device_type, dtype, axes, memo, key)
         head = price(engine.templates[HEAD], x, *words, labels, shapes.vocab)
         kind = schedule.HEAD_PHASE if tied else schedule.UNTIED_HEAD
         changes[kind] = head.forward + head.backward
