@@ -133,18 +133,18 @@ def placement_link_floor(
     return floor
 
 
-def check_link(sent: int, copies_s: float | None, floor: int, spec: DeviceSpec) -> None:
+def check_link(sent: int, link_s: float, floor: int, spec: DeviceSpec) -> None:
     """Raises :class:`EstimateError` where the host link carries less than ``floor``
-    (:func:`placement_link_floor`): ``sent`` bytes measured, and, where the link runs beside
-    the kernels (a GPU), ``copies_s`` at its rate."""
+    (:func:`placement_link_floor`): ``sent`` bytes measured, or, where the link runs beside
+    the kernels (a GPU), ``link_s`` seconds priced at its rate."""
     if sent < floor:
         raise EstimateError(
             f"the host link carries {sent:,} bytes, below the placement's {floor:,}"
         )
-    link = spec.host_link_gb_per_s * 1e9
-    if copies_s is not None and spec.copies_overlap and copies_s * link < floor * (1 - ROUNDING):
+    rate = spec.host_link_gb_per_s * 1e9
+    if spec.copies_overlap and link_s * rate < floor * (1 - ROUNDING):
         raise EstimateError(
-            f"the host copies take {copies_s:.6g} s, less than the placement's {floor:,} bytes "
+            f"the host link's {link_s:.6g} s carry less than the placement's {floor:,} bytes "
             f"at {spec.host_link_gb_per_s} GB/s"
         )
 
@@ -172,5 +172,7 @@ def check_rank(
     floor = placement_link_floor(
         measured.plan, itemsize, run.gradient_accumulation, boundaries, x_bytes
     )
-    check_link(measured.comm_bytes["host_link"], estimate["copies_s"], floor, spec)
+    # The update behind the next step carries its gradients' copies, beside it on a GPU.
+    behind = estimate["host_optimizer_s"] + estimate["hidden_update_s"]
+    check_link(measured.comm_bytes["host_link"], estimate["copies_s"] + behind, floor, spec)
     return ceiling
