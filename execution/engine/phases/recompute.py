@@ -91,12 +91,10 @@ def _efficient_attention(q, k, v, dropout_p, is_causal):
 
 
 def kernel_attention(kernel: str) -> Callable[..., torch.Tensor] | None:
-    """``scaled_dot_product_attention`` as ``kernel`` runs it, for meta and fake tensors (the
-    meta device would take the math path, whose bytes grow with the square of the sequence):
-    the kernel's own op, so that outputs, saved tensors, FLOPs and bytes are the device
-    kernel's. Real tensors, and calls with arguments the op does not take, go to
-    ``F.scaled_dot_product_attention``. None where ``kernel`` has no op of its own (``math``).
-    """
+    """``scaled_dot_product_attention`` as ``kernel`` runs it on meta and fake tensors (where
+    torch takes the math path, whose bytes grow with the square of the sequence): its own op,
+    whose outputs, saved tensors, FLOPs and bytes are the device kernel's; real tensors, or
+    arguments it does not take, go to ``F.scaled_dot_product_attention``. None: ``math``."""
     op = (sdpa_kernel_ops() | {"efficient": _efficient_attention}).get(kernel)
     if op is None:
         return None
