@@ -36,8 +36,9 @@ def flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
 
 
 def attention_flops_per_token(shapes: GPTShapes, sequence_length: int) -> int:
-    """The attention scores' and values' share of :func:`flops_per_token`, ``12 L a S``: the
-    whole ``[S, S]`` square, forward and backward (a causal kernel executes half of it)."""
+    """The attention scores' and values' share of :func:`flops_per_token`, ``12 L a S`` (``a``
+    the width of all heads, heads x head_dim): the whole ``[S, S]`` square, forward and backward
+    (a causal kernel executes half of it)."""
     return 12 * shapes.layers * shapes.attention_width * sequence_length
 
 
