@@ -33,6 +33,10 @@ from modelling.task_heads import TaskHead
 # float32 gradient once from memory (a whole shard widened at once moves 36 bytes an element,
 # 4 here: 170 -> 10-25 ms for 38.7M on a CPU), and no shard-sized copy joins the working set.
 NORM_CHUNK = 1 << 20
+# On an accelerator (and in a dry run, which plans for one) a chunk is a launch of three kernels,
+# not a cache's worth: 1M-element chunks were 5,400 launches per gpt3_175B layer (and half of
+# its dry run's time in the meter). 16M elements keep a chunk's float64 copy at 128 MiB.
+DEVICE_NORM_CHUNK = 1 << 24
 
 
 @dataclass
@@ -168,8 +172,9 @@ class Step:
 
 def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor``'s squares in float64 (each float32 square is exact in float64),
-    by chunks of :data:`NORM_CHUNK` elements."""
-    chunks = tensor.reshape(-1).split(NORM_CHUNK)
+    by chunks of :data:`NORM_CHUNK` elements on a CPU, :data:`DEVICE_NORM_CHUNK` elsewhere."""
+    chunk = NORM_CHUNK if tensor.device.type == "cpu" else DEVICE_NORM_CHUNK
+    chunks = tensor.reshape(-1).split(chunk)
     # A copy even of a float64 chunk: squaring in place must not touch the gradient.
     squares = [c.to(torch.float64, copy=True).square_().sum() for c in chunks]
     return torch.stack(squares).sum()
