@@ -27,6 +27,7 @@ from types import MappingProxyType
 import torch
 
 from execution.engine.phases import pipeline, schedule
+from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.bodies import BODIES
 from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
@@ -98,7 +99,7 @@ class PhasedEngine:
             template = GPT(
                 dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2, layout.cp
             )
-        # Stateless templates: weights are bound per call with functional_call.
+        # Stateless templates: each phase binds its weights to them (phases/binding.py).
         self.templates = {
             EMBEDDING: template.embedding,
             LAYERS: template.layers[0],
@@ -153,6 +154,7 @@ class PhasedEngine:
             shapes=self.shapes,
             state=self.state,
             templates=MappingProxyType(self.templates),
+            slots=MappingProxyType({part: WeightSlots(t) for part, t in self.templates.items()}),
             kept=self.kept,
             link=self.link,
             stage=self.stage,

@@ -3,7 +3,7 @@
 
 A body loads its part's weights once and runs the part for every micro-batch of its pass; the
 layers never know they are phased (one stateless template block is bound to each layer's
-weights in turn with ``functional_call``). Each micro-batch's temporaries (its input copy,
+weights in turn, once per phase: :mod:`execution.engine.phases.binding`). Each micro-batch's temporaries (its input copy,
 output, gradients) are dropped before the next micro-batch runs: a loop variable would hold
 them through the next one's compute (a whole layer's weight gradients in the backward), and
 the working set, which the planner measures at one micro-batch per pass, would grow once a
@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.func import functional_call
 
 from execution.engine.phases import pipeline, schedule
 from execution.engine.phases.head import head
@@ -29,12 +28,12 @@ from modelling.gpt import EMBEDDING, LAYERS
 def embedding_forward(step: Step, phase: Phase) -> None:
     context, batch = step.context, step.batch
     weights = context.state.load_weights(EMBEDDING, 0, context.dtype)
-    for m, e in step.entries(phase):
-        y = functional_call(
-            context.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
-        )
-        context.state.activations.store_x(0, e, y)
-        del y  # not held through the next micro-batch (module docstring)
+    embedding = context.templates[EMBEDDING]
+    with context.slots[EMBEDDING].bound(weights):
+        for m, e in step.entries(phase):
+            y = embedding(batch.ids[m], step.embedding_seed(m))
+            context.state.activations.store_x(0, e, y)
+            del y  # not held through the next micro-batch (module docstring)
 
 
 @torch.no_grad()
@@ -47,12 +46,13 @@ def layer_forward(step: Step, phase: Phase) -> None:
             state.activations.store_x(n + 1, e, context.kept.forward(n, e, vectors, x, seeds))
             del x
         return
-    weights = state.load_weights(LAYERS, n, context.dtype)
-    for m, e in step.entries(phase):
-        x = state.activations.fetch_x(n, e)
-        y = functional_call(context.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
-        state.activations.store_x(n + 1, e, y)
-        del x, y
+    block = context.templates[LAYERS]
+    with context.slots[LAYERS].bound(state.load_weights(LAYERS, n, context.dtype)):
+        for m, e in step.entries(phase):
+            x = state.activations.fetch_x(n, e)
+            y = block(x, step.layer_seeds(n, m))
+            state.activations.store_x(n + 1, e, y)
+            del x, y
 
 
 def layer_backward(step: Step, phase: Phase) -> None:
@@ -70,16 +70,16 @@ def layer_backward(step: Step, phase: Phase) -> None:
         return
     weights = state.load_weights(LAYERS, n, context.dtype)
     weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
-    for m, e in step.entries(phase):
-        x = state.activations.fetch_x(n, e).requires_grad_()
-        with torch.enable_grad():
-            y = functional_call(context.templates[LAYERS], weights, (x, step.layer_seeds(n, m)))
-        dx, *grads = torch.autograd.grad(
-            y, [x, *weights.values()], state.activations.fetch_dx(n + 1, e)
-        )
-        state.activations.store_dx(n, e, dx)
-        acc.add(weights, grads)
-        del x, y, dx, grads
+    inputs, block = list(weights.values()), context.templates[LAYERS]
+    with context.slots[LAYERS].bound(weights):
+        for m, e in step.entries(phase):
+            x = state.activations.fetch_x(n, e).requires_grad_()
+            with torch.enable_grad():
+                y = block(x, step.layer_seeds(n, m))
+            dx, *grads = torch.autograd.grad(y, [x, *inputs], state.activations.fetch_dx(n + 1, e))
+            state.activations.store_dx(n, e, dx)
+            acc.add(weights, grads)
+            del x, y, dx, grads
     step.finish_grads(acc, n, phase)
 
 
@@ -89,16 +89,14 @@ def embedding_backward(step: Step, phase: Phase) -> None:
     weights = context.state.load_weights(EMBEDDING, 0, context.dtype)
     weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
     acc = step.accumulators(EMBEDDING)
-    for m, e in step.entries(phase):
-        with torch.enable_grad():
-            y = functional_call(
-                context.templates[EMBEDDING], weights, (batch.ids[m], step.embedding_seed(m))
-            )
-        grads = torch.autograd.grad(
-            y, list(weights.values()), context.state.activations.fetch_dx(0, e)
-        )
-        acc.add(weights, grads)
-        del y, grads
+    inputs, embedding = list(weights.values()), context.templates[EMBEDDING]
+    with context.slots[EMBEDDING].bound(weights):
+        for m, e in step.entries(phase):
+            with torch.enable_grad():
+                y = embedding(batch.ids[m], step.embedding_seed(m))
+            grads = torch.autograd.grad(y, inputs, context.state.activations.fetch_dx(0, e))
+            acc.add(weights, grads)
+            del y, grads
     # With a pipeline the last stage holds the head's tied part: the sum is complete, and
     # counted in the norm, only after the two are added (pipeline.sum_tied_gradient).
     step.finish_grads(acc, 0, phase, norm=not context.tied_across_stages)

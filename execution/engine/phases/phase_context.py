@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.pipeline import Link
 from execution.engine.phases.recompute import KeptLayers
 from execution.engine.phases.schedule import Stage
@@ -32,7 +33,8 @@ class PhaseContext:
         plan: How this rank executes (seeds, loss scaling, overlap).
         shapes: This rank's shard shapes of the model.
         state: The rank's buffers: weights, gradients, activations.
-        templates: The stateless part modules, by part, bound to weights per call.
+        templates: The stateless part modules, by part, bound to weights per phase.
+        slots: Where each template holds its parameters, by part (binds a phase's weights).
         kept: What the layers keep for their backward; None when they recompute in full.
         link: The pipeline's boundary transfers of this stage.
         stage: This rank's pipeline stage (its layers).
@@ -53,6 +55,7 @@ class PhaseContext:
     shapes: GPTShapes
     state: StateStore
     templates: Mapping[str, nn.Module]
+    slots: Mapping[str, WeightSlots]
     kept: KeptLayers | None
     link: Link
     stage: Stage

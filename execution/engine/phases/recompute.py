@@ -35,10 +35,10 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
-from torch.func import functional_call
 from torch.nn.attention import SDPBackend
 from torch.utils.checkpoint import checkpoint
 
+from execution.engine.phases.binding import WeightSlots
 from execution.engine.storage.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
@@ -65,8 +65,7 @@ def attention_kernel(device_type: str, dropout_prob: float, dtype: torch.dtype) 
     return "cpu_flash" if dropout_prob == 0.0 else "math"
 
 
-# The SDPA backend each CUDA kernel is; a CPU's kernels are left to torch (its choice there is
-# the one attention_kernel names, and pinning it would change nothing).
+# Each CUDA kernel's SDPA backend; a CPU's are left to torch (it picks attention_kernel's).
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
 
 
@@ -83,8 +82,7 @@ def pin_attention(kernel: str, *modules: torch.nn.Module) -> None:
 
 
 def _efficient_attention(q, k, v, dropout_p, is_causal):
-    # SDPA asks for the logsumexp only where a backward will need it (should_compute_logsumexp
-    # in torch's attention.cpp); without it the kernel returns an empty one.
+    # SDPA asks for the logsumexp only for a backward (attention.cpp: should_compute_logsumexp).
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     efficient = sdpa_kernel_ops()["efficient"]
     return efficient(q, k, v, None, backward, dropout_p, is_causal)
@@ -265,16 +263,17 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks) -> tuple:
-    """One layer forward under autograd with its saved tensors packed by ``packer``; returns
-    the output and the handle of its graph."""
+def _bound_forward(slots, specs, flats, x, seeds, packer, unpack, sinks) -> tuple:
+    """One layer forward of the block ``slots`` holds (:class:`WeightSlots`) under autograd
+    with its saved tensors packed by ``packer``; returns the output and its graph's handle."""
     anchor = torch.empty(0, device=x.device, requires_grad=True)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, unpack):
         weights = {}
         for kind, flat in flats.items():
             for name, view in specs[kind].views(flat).items():
                 weights[name] = _Bind.apply(view, anchor, sinks, name)
-        y = functional_call(block, weights, (_Bind.apply(x, anchor, sinks, "x"), seeds))
+        with slots.bound(weights):
+            y = slots.module(_Bind.apply(x, anchor, sinks, "x"), seeds)
         handle = _Handle.apply(y)
     packer.close()
     return y.detach(), handle
@@ -312,7 +311,7 @@ class KeptLayers:
         in_place=False,
         buffers: frozenset[int] = frozenset(),
     ):
-        self.block, self.specs = block, specs
+        self.slots, self.specs = WeightSlots(block), specs
         self.exact_strides = exact_strides
         self.entries, self.store, self.load = entries, store, load
         self.in_place, self.buffers = in_place, buffers
@@ -347,7 +346,7 @@ class KeptLayers:
         packer = _Packer(
             self.entries[layer, entry], self.store, flats, self.in_place, self.buffers, self.on_keep
         )
-        args = (self.block, self.specs, flats, x, seeds, packer, self._unpack, self._sinks)
+        args = (self.slots, self.specs, flats, x, seeds, packer, self._unpack, self._sinks)
         y, self._graphs[layer, entry] = _bound_forward(*args)
         self.overflow += packer.overflow
         self.largest = max(self.largest, packer.held if self.in_place else packer.used)
@@ -443,6 +442,8 @@ def kept_layer_on_meta(
 
     sinks = collections.defaultdict(lambda: lambda grad: None)
     with attention_on_meta(kernel, block):
-        _, handle = _bound_forward(block, specs, flats, x, seeds, packer, unpack, sinks)
+        _, handle = _bound_forward(
+            WeightSlots(block), specs, flats, x, seeds, packer, unpack, sinks
+        )
         torch.autograd.backward(handle, torch.empty_like(x))
     return KeptBytes(packer.used, packer.copied, loaded, packer.held)
