@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import time
 
@@ -126,6 +127,11 @@ def train(run: Run) -> list[dict]:
         run.checkpointer.check_room(_saves_made(run))
     where = ""  # what a collective that fails was part of (a save names its own step)
     failed = interrupted = False
+    # What the run has built (torch's modules, the model, the data) leaves the collector's
+    # scans while it trains: a full collection otherwise walks those hundreds of thousands of
+    # objects, a third of a second each time the objects a step leaves behind (its graphs,
+    # kept for the backward) add up to a quarter of them, every few steps of a host-bound run.
+    gc.freeze()
     try:
         for step in range(run.start_step, t.steps):
             where = f"step {step + 1}"
@@ -188,6 +194,7 @@ def train(run: Run) -> list[dict]:
             raise
         interrupted = True
     finally:
+        gc.unfreeze()  # what the run built is garbage once it ends (tests train many runs)
         loader.close()
         if failed:  # the failure said is the first; a save in flight meets it again
             with contextlib.suppress(Exception):
