@@ -106,6 +106,9 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: Llama3Scaling | None = None):
         super().__init__()
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        # The last positions' angles: every layer and micro-batch of a step rotates by the
+        # same ones, which would otherwise take a dozen small ops each time.
+        self._last: tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None = None
 
     def angles(
         self, positions: torch.Tensor, dtype: torch.dtype
@@ -123,9 +126,22 @@ class Rotary(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, start: int = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k ``(B, heads, S, d)`` of positions ``start .. start + S - 1``, rotated."""
-        positions = torch.arange(start, start + q.shape[-2], device=q.device)
-        cos, sin = self.angles(positions, q.dtype)
+        cos, sin = self._angles_for(q, start)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _angles_for(self, q: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`angles` of ``q``'s positions from ``start``: the last call's where it asked
+        for the same of the same kind of tensor (a compiled graph computes them anew, in its
+        fused kernels)."""
+        length = q.shape[-2]
+        key = (start, length, q.dtype, q.device, type(q), torch.is_inference_mode_enabled())
+        if torch.compiler.is_compiling() or self._last is None or self._last[0] != key:
+            positions = torch.arange(start, start + length, device=q.device)
+            angles = self.angles(positions, q.dtype)
+            if torch.compiler.is_compiling():
+                return angles
+            self._last = (key, angles)
+        return self._last[1]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
