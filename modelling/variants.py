@@ -134,13 +134,13 @@ class Rotary(nn.Module):
         for the same of the same kind of tensor (a compiled graph computes them anew, in its
         fused kernels)."""
         length = q.shape[-2]
-        key = (start, length, q.dtype, q.device, type(q), torch.is_inference_mode_enabled())
-        if torch.compiler.is_compiling() or self._last is None or self._last[0] != key:
+        if torch.compiler.is_compiling():
             positions = torch.arange(start, start + length, device=q.device)
-            angles = self.angles(positions, q.dtype)
-            if torch.compiler.is_compiling():
-                return angles
-            self._last = (key, angles)
+            return self.angles(positions, q.dtype)
+        key = (start, length, q.dtype, q.device, type(q), torch.is_inference_mode_enabled())
+        if self._last is None or self._last[0] != key:
+            positions = torch.arange(start, start + length, device=q.device)
+            self._last = (key, self.angles(positions, q.dtype))
         return self._last[1]
 
 
