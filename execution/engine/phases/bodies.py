@@ -41,10 +41,12 @@ def layer_forward(step: Step, phase: Phase) -> None:
     context, n, state = step.context, phase.layer, step.context.state
     if step.batch.training and context.kept is not None:  # keep the graph for the backward
         vectors = state.load_weight_vectors(LAYERS, n, context.dtype)
+        views = context.kept.views(vectors)
         for m, e in step.entries(phase):
             x, seeds = state.activations.fetch_x(n, e), step.layer_seeds(n, m)
-            state.activations.store_x(n + 1, e, context.kept.forward(n, e, vectors, x, seeds))
-            del x
+            y = context.kept.forward(n, e, vectors, views, x, seeds)
+            state.activations.store_x(n + 1, e, y)
+            del x, y
         return
     block = context.templates[LAYERS]
     with context.slots[LAYERS].bound(state.load_weights(LAYERS, n, context.dtype)):

@@ -36,9 +36,9 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
-from torch.utils.checkpoint import checkpoint
 
 from execution.engine.phases.binding import WeightSlots
+from execution.engine.phases.selective import prepare_block
 from execution.engine.storage.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
@@ -130,25 +130,6 @@ def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
     finally:
         for m, sdpa in zip(attentions, before, strict=True):
             m.sdpa = sdpa
-
-
-def prepare_block(block: torch.nn.Module, mode: str) -> None:
-    """Makes a decoder block's attention core recompute in its backward (``selective``); only
-    where autograd records, so a forward without grad runs it plainly."""
-    if mode != "selective":
-        return
-    core = block.attn.core
-
-    # Outside a compiled block's graph (--compile): inductor would save and restore the
-    # generator's state around a checkpoint itself, on tensors the kept entry packs.
-    @torch.compiler.disable(reason="selective recompute checkpoints attention's core eagerly")
-    def checkpointed(q, k, v, seeds):
-        if not torch.is_grad_enabled():
-            return core(q, k, v, seeds)
-        # The core seeds its own dropout, so the generator's state need not be saved.
-        return checkpoint(core, q, k, v, seeds, use_reentrant=False, preserve_rng_state=False)
-
-    block.attn.core = checkpointed
 
 
 class _Bind(torch.autograd.Function):
@@ -263,15 +244,13 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _bound_forward(slots, specs, flats, x, seeds, packer, unpack, sinks) -> tuple:
-    """One layer forward of the block ``slots`` holds (:class:`WeightSlots`) under autograd
-    with its saved tensors packed by ``packer``; returns the output and its graph's handle."""
+def _bound_forward(slots, views, x, seeds, packer, unpack, sinks) -> tuple:
+    """One layer forward of the block ``slots`` holds (:class:`WeightSlots`) on the weights
+    ``views`` (by name) under autograd, with its saved tensors packed by ``packer``; returns
+    the output and its graph's handle."""
     anchor = torch.empty(0, device=x.device, requires_grad=True)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, unpack):
-        weights = {}
-        for kind, flat in flats.items():
-            for name, view in specs[kind].views(flat).items():
-                weights[name] = _Bind.apply(view, anchor, sinks, name)
+        weights = {name: _Bind.apply(view, anchor, sinks, name) for name, view in views.items()}
         with slots.bound(weights):
             y = slots.module(_Bind.apply(x, anchor, sinks, "x"), seeds)
         handle = _Handle.apply(y)
@@ -341,12 +320,20 @@ class KeptLayers:
             return exact.copy_(region)
         return packed[1]
 
-    def forward(self, layer, entry, flats, x, seeds) -> torch.Tensor:
-        """Layer ``layer``'s output for buffer entry ``entry``, its graph kept."""
+    def views(self, flats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A layer's weights by name, views into its gathered vectors ``flats``: taken once
+        for a phase's micro-batches."""
+        return {
+            n: v for kind, flat in flats.items() for n, v in self.specs[kind].views(flat).items()
+        }
+
+    def forward(self, layer, entry, flats, views, x, seeds) -> torch.Tensor:
+        """Layer ``layer``'s output for buffer entry ``entry``, its graph kept (``views``: the
+        weights in ``flats`` by name, :meth:`views`)."""
         packer = _Packer(
             self.entries[layer, entry], self.store, flats, self.in_place, self.buffers, self.on_keep
         )
-        args = (self.slots, self.specs, flats, x, seeds, packer, self._unpack, self._sinks)
+        args = (self.slots, views, x, seeds, packer, self._unpack, self._sinks)
         y, self._graphs[layer, entry] = _bound_forward(*args)
         self.overflow += packer.overflow
         self.largest = max(self.largest, packer.held if self.in_place else packer.used)
@@ -442,8 +429,7 @@ def kept_layer_on_meta(
 
     sinks = collections.defaultdict(lambda: lambda grad: None)
     with attention_on_meta(kernel, block):
-        _, handle = _bound_forward(
-            WeightSlots(block), specs, flats, x, seeds, packer, unpack, sinks
-        )
+        views = {n: v for k, flat in flats.items() for n, v in specs[k].views(flat).items()}
+        _, handle = _bound_forward(WeightSlots(block), views, x, seeds, packer, unpack, sinks)
         torch.autograd.backward(handle, torch.empty_like(x))
     return KeptBytes(packer.used, packer.copied, loaded, packer.held)
