@@ -65,7 +65,7 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _run_delays() -> dict[int, int]:
+def run_delays() -> dict[int, int]:
     """Nanoseconds each thread of this process has waited on a run queue so far."""
     delays = {}
     try:
@@ -104,12 +104,12 @@ def take_sample(fn: Callable[[], object], device: torch.device) -> Sample:
     caller = threading.get_native_id()
     synchronize(device)
     reading = time.perf_counter()
-    before = _run_delays()
+    before = run_delays()
     started = time.perf_counter()
     fn()
     synchronize(device)
     ended = time.perf_counter()
-    after = _run_delays()
+    after = run_delays()
     reading = time.perf_counter() - ended + started - reading
     waits = {tid: (ns - before.get(tid, 0)) / 1e9 for tid, ns in after.items()}
     own = waits.pop(caller, 0.0)
