@@ -113,6 +113,16 @@ def test_every_field_a_spec_file_can_name_has_a_rule():
         ("collective_gb_per_s", [["all_reduce", 4096, 0.0]], r"a list of \[op, bytes, GB/s\]"),
         ("device_type", "tpu", '"cuda" or "cpu"'),
         ("copies_overlap", "yes", "true or false"),
+        (
+            "host_phase_us",
+            [[False, "full", False, "layer_forward", 100.0, -5.0, 0.0, 30.0]],
+            r"a list of \[compiled, recompute, dropout, kind",
+        ),
+        (
+            "host_phase_us",
+            [[False, "some", False, "layer_forward", 100.0, 5.0, 0.0, 30.0]],
+            r"a list of \[compiled, recompute, dropout, kind",
+        ),
     ],
 )
 def test_a_value_out_of_range_is_one_config_error_naming_field_and_range(

@@ -74,6 +74,13 @@ class DeviceSpec:
             rank runs it (its thread pool over cache-sized chunks, the 16-bit weight copy
             refreshed on a GPU); 0: not measured, the update's bytes at
             ``host_memory_gb_per_s`` instead.
+        host_phase_us: The host's own time per kind of phase, measured on the host calibrated
+            with kernels that cost nothing (``benchmarks/host_time.py``): rows of
+            :data:`HOST_PHASE_COLUMNS`, eager and compiled, per recompute mode, with dropout
+            and without. A unit is a micro-batch, or a row of the update (``optimizer``);
+            the kernels are those the dry run counts for the phase measured. Empty: not
+            measured; a phase's host time is then its kernels x ``launch_overhead_us`` plus
+            ``phase_overhead_us`` (:meth:`host_row`).
     """
 
     name: str
@@ -101,6 +108,7 @@ class DeviceSpec:
     fresh_memory_gb_per_s: float = 0.0
     fresh_memory_threshold: int = 0
     host_adamw_elements_per_s: float = 0.0
+    host_phase_us: tuple[tuple, ...] = ()
 
     @property
     def queues_kernels(self) -> bool:
@@ -108,6 +116,19 @@ class DeviceSpec:
         host's time to launch them runs beside the kernels before them; on a CPU the same
         cores launch and run each op, one after the other."""
         return self.device_type == "cuda"
+
+    def host_row(self, compiled: bool, recompute: str, dropout: bool, kind: str) -> tuple | None:
+        """The measured host time of a phase of ``kind`` (:data:`HOST_PHASE_COLUMNS`' row) run
+        as given: the row measured so, else with the other dropout setting, else with another
+        recompute mode, compiled as asked; a head of its own (Llama's, a task's) as the tied
+        one. None where nothing of that kind was measured (:attr:`host_phase_us` empty)."""
+        kind = HOST_KIND.get(kind, kind)
+        rows = [r for r in self.host_phase_us if r[0] == compiled and r[3] == kind]
+        for wanted in ((recompute, dropout), (recompute, not dropout)):
+            for row in rows:
+                if (row[1], row[2]) == wanted:
+                    return row
+        return rows[0] if rows else None
 
     def collective_seconds(self, op: str, nbytes: int) -> float | None:
         """Seconds of ``op`` moving ``nbytes`` of payload between two ranks of a node, from the
@@ -153,6 +174,22 @@ class DeviceSpec:
         per_flop = sum(w / rate for w, (_, rate) in zip(weights, nearest, strict=True))
         return sum(weights) / per_flop
 
+
+# A row of DeviceSpec.host_phase_us: how the phase ran, then its host's microseconds per phase
+# and per unit (a micro-batch; the update's: a row), and its kernels per phase and per unit.
+HOST_PHASE_COLUMNS = (
+    "compiled",
+    "recompute",
+    "dropout",
+    "kind",
+    "per_phase_us",
+    "per_unit_us",
+    "kernels_per_phase",
+    "kernels_per_unit",
+)
+# Kinds of phase priced with another's measured host time: a head is a head.
+HOST_KIND = {"untied_head": "head", "task_head": "head"}
+RECOMPUTE_MODES = ("full", "selective", "none")
 
 # H100/H200 SXM: PCIe 5 x16 (~55 GB/s achieved), NVLink 4 (450 GB/s each way), 400 Gb/s NDR
 # per GPU. A100 SXM 80 GB: PCIe 4 x16 (~25 GB/s), NVLink 3 (300 GB/s each way), 200 Gb/s HDR.
@@ -286,6 +323,18 @@ FIELD_RULES = {
     "fresh_memory_gb_per_s": UNMEASURED_OK,
     "fresh_memory_threshold": (lambda v: v == 0 or _count(v), "an integer >= 0"),
     "host_adamw_elements_per_s": UNMEASURED_OK,
+    "host_phase_us": (
+        _table(
+            lambda v: isinstance(v, bool),
+            lambda v: v in RECOMPUTE_MODES,
+            lambda v: isinstance(v, bool),
+            lambda v: isinstance(v, str),
+            *(_non_negative,) * 4,
+        ),
+        "a list of [compiled, recompute, dropout, kind, us per phase, us per unit, kernels per "
+        "phase, kernels per unit]: two booleans around a recompute mode, a kind, then four "
+        "finite numbers >= 0",
+    ),
 }
 
 
@@ -312,7 +361,7 @@ def read_spec_file(path: str | Path, base: DeviceSpec) -> DeviceSpec:
         if not allowed(value):
             shown = reprlib.repr(value)  # a table's first rows, not all of them
             raise ConfigError(f"--device_spec_file {path}: {name} is {shown}; it must be {must_be}")
-    for name in ("matmul_tflops", "collective_gb_per_s"):  # JSON has lists; keep it hashable
+    for name in ("matmul_tflops", "collective_gb_per_s", "host_phase_us"):  # hashable, not lists
         if name in given:
             given[name] = tuple(tuple(entry) for entry in given[name])
     return dataclasses.replace(base, **given)
@@ -323,6 +372,7 @@ def spec_file_dict(spec: DeviceSpec) -> dict:
     fields = dataclasses.asdict(spec)
     fields["matmul_tflops"] = [list(entry) for entry in spec.matmul_tflops]
     fields["collective_gb_per_s"] = [list(entry) for entry in spec.collective_gb_per_s]
+    fields["host_phase_us"] = [list(entry) for entry in spec.host_phase_us]
     return fields
 
 

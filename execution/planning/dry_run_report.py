@@ -58,6 +58,7 @@ def format_report(run: RunShape, report: dict) -> str:
             + (f", pipeline bubble {entry['bubble']:.1%}" if entry["bubble"] else "")
         )
         lines.append("  " + time_breakdown(entry))
+        lines.append("  " + host_line(entry, bool(spec["host_phase_us"])))
         ckpt = entry["checkpoint"]
         lines.append(
             f"  checkpoint: {ckpt['bytes_written'] / 1e9:,.2f} GB written by this rank, "
@@ -109,3 +110,21 @@ def time_breakdown(entry: dict) -> str:
         f"{entry['collectives_s']:,.3f} s ({entry['hidden_comm_s']:,.3f} s hidden, "
         f"{entry['exposed_comm_s']:,.3f} s exposed), bubble {entry['bubble_s']:,.3f} s"
     )
+
+
+def host_line(entry: dict, measured: bool) -> str:
+    """Each kind of phase's device time over its host's, and the share of its time the host
+    sets (on a GPU, the device waits for it; on a CPU, whose cores do both, the host's own
+    share); ``measured``: the spec holds the host's time per phase (``host_phase_us``)."""
+    parts = []
+    for kind, figures in entry["host_by_kind"].items():
+        host, device = figures["host_s"], figures["device_s"]
+        ratio = f"{device / host:,.1f}x" if host else "-"
+        parts.append(f"{kind} {ratio} {figures['host_bound']:.0%}")
+    line = "host (device / host time, host-bound share): " + ", ".join(parts)
+    if not measured:
+        line += (
+            "; this spec holds no measured host time per phase (host_phase_us): priced as its "
+            "kernels x launch_overhead_us + phase_overhead_us (calibrate.py measures it)"
+        )
+    return line

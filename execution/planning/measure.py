@@ -62,6 +62,10 @@ class Window:
             host update runs behind the next step.
         loads: The (part, row) whose weights the phase loads.
         micro_batches: The micro-batches its body ran (0 for the optimizer).
+        rows: The rows the optimizer's window updates (0 for a phase).
+        run_as: How the step ran, as its host's time was measured
+            (``DeviceSpec.host_row``): its parts compiled, its recompute mode, and whether
+            it draws dropout masks.
     """
 
     kind: str
@@ -76,14 +80,18 @@ class Window:
     overlap_update: str = "false"
     loads: tuple[tuple[str, int], ...] = ()
     micro_batches: int = 0
+    rows: int = 0
+    run_as: tuple[bool, str, bool] = (False, "full", False)
 
 
 class PhaseRecorder:
     """Splits a step's FLOPs, host copies and collectives into one :class:`Window` per phase,
     by reading the counters at each phase's start (the engine's ``on_phase`` hook)."""
 
-    def __init__(self, meter: StepMeter, engine: PhasedEngine):
+    def __init__(self, meter: StepMeter, engine: PhasedEngine, compiled: bool = False):
         self.meter, self.engine = meter, engine
+        plan = engine.plan
+        self.run_as = (compiled, plan.memory.recompute, plan.model.dropout_prob > 0)
         self.windows: list[Window] = []
         self._last = self._counters()
         self._kind: str | None = None
@@ -125,6 +133,8 @@ class PhaseRecorder:
                 overlap_update=self.engine.plan.overlap_update if optimizer else "false",
                 loads=self._loads,
                 micro_batches=self._micro_batches,
+                rows=len(self.engine.state.part_rows()) if optimizer else 0,
+                run_as=self.run_as,
             )
             self.windows.append(window)
         self._last = now
@@ -215,7 +225,7 @@ def meta_step(
         attention_on_meta(kernel, *engine.templates.values()),
         StepMeter(replayed, engine.state.host_buffers()) as meter,
     ):
-        recorder = PhaseRecorder(meter, engine)
+        recorder = PhaseRecorder(meter, engine, compiled_on is not None)
         if engine.kept is not None:  # kept in place: the activations' figure, not working set
             engine.kept.on_keep = meter.disown
         hooks = StepHooks(on_phase=recorder.start)

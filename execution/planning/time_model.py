@@ -2,9 +2,12 @@
 
 Per phase, the device runs the phase's ops, each at the larger of its FLOPs over the matmul
 rate of its shape and its bytes over memory bandwidth (:mod:`execution.planning.op_costs`),
-and the host launches them and adds the engine's own time per phase. On a CPU the same cores
-do both, one after the other; a GPU's host queues kernels ahead on its stream, so a phase
-takes the longer of the two (``DeviceSpec.queues_kernels``). Host
+and the host launches them and adds the engine's own time: per phase and per micro-batch as
+the calibration measured it on its host (:func:`host_seconds`). On a CPU the same cores do
+both, one after the other; a GPU's host queues kernels ahead on its stream, so the device
+waits for it only where it falls behind: the phases run in a queue from the step's start to
+its first synchronisation (the norm's read), the host running ahead by as much as the
+launch queue holds (:func:`queued_phases`). Host
 copies and asynchronous collectives (the next phase's all-gathers, the previous phase's
 reductions) run behind that where the device has engines of its own for them
 (``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU).
@@ -58,11 +61,18 @@ PHASE_COSTS = (
     "critical_comm_s",
 )
 COST_INDEX = {name: index for index, name in enumerate(PHASE_COSTS)}
-# What a phase's kernels spend on the device, and what its host spends issuing them: a phase
-# takes the longer of the two where the host queues kernels ahead (a GPU), their sum where the
-# same cores do both (a CPU). A host time measured per phase joins HOST_WORK.
+# What a phase's kernels spend on the device, and what its host spends issuing them: the
+# device waits for the host where the host falls behind (a GPU, which queues kernels ahead:
+# queued_phases), their sum where the same cores do both (a CPU). engine_s: the host's time
+# beyond its launches, measured per phase and micro-batch where the calibration measured it.
 KERNEL_WORK = ("matmul_s", "attention_s", "memory_bound_s", "fresh_memory_s")
 HOST_WORK = ("launch_s", "engine_s")
+# Kernels a CUDA stream's launch queue holds before a launch blocks the host (the driver's
+# pending-launch limit, about a thousand): how far ahead of the device the host can run.
+LAUNCH_QUEUE = 1024
+# Of a step of more passes, the passes queued_phases runs one by one before it extends the
+# last one's times to the rest (a pass's queue settles in one or two).
+QUEUED_PASSES = 8
 
 
 def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, tuple]:
@@ -108,7 +118,7 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             "memory_bound_s": device["memory_bound"],
             "launch_s": device["launch"],
             "fresh_memory_s": device["fresh_memory"],
-            "engine_s": spec.phase_overhead_us * 1e-6 if window.kind != "optimizer" else 0.0,
+            "engine_s": host_seconds(window, spec),
             "host_optimizer_s": host_update,
             "update_behind_s": behind,
             "update_lead_s": lead,
@@ -125,6 +135,22 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             carried
         )
     return {kind: tuple(sums) for kind, sums in out.items()}
+
+
+def host_seconds(window, spec: DeviceSpec) -> float:
+    """The host's time in a window beyond its kernels' launches (``launch_overhead_us``
+    each): as measured on the calibrated host for a phase of its kind run as it runs
+    (``DeviceSpec.host_row``: per phase, and per micro-batch or, of the update, per row),
+    less the launches of the kernels the measured phase ran, each part at least 0; where
+    nothing was measured, ``phase_overhead_us`` a phase."""
+    row = spec.host_row(*window.run_as, window.kind)
+    if row is None:
+        return spec.phase_overhead_us * 1e-6 if window.kind != "optimizer" else 0.0
+    *_, per_phase, per_unit, kernels_per_phase, kernels_per_unit = row
+    launch = spec.launch_overhead_us
+    units = window.rows if window.kind == "optimizer" else window.micro_batches
+    own = max(per_phase - kernels_per_phase * launch, 0.0)
+    return (own + units * max(per_unit - kernels_per_unit * launch, 0.0)) * 1e-6
 
 
 def updates_behind(window, spec: DeviceSpec) -> bool:
@@ -188,44 +214,52 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
 
     Returns seconds per step: ``step_time_s``; ``compute_s`` (matmuls and attention, at the
     rates of their shapes); ``memory_bound_s``; ``overhead_s`` (launches, the engine's host
-    time and first touches of fresh memory) and ``hidden_overhead_s`` (the launches and host
-    time run beside the kernels before them, where the device queues them);
-    ``host_optimizer_s`` (the host AdamW the step waits for) and ``hidden_update_s`` (the rest
-    of it, behind the next step: ``--overlap_update``); ``copies_s`` and ``collectives_s`` (all
-    of them, hidden or not); ``hidden_comm_s`` (copies and collectives behind device work);
-    ``exposed_comm_s`` (the rest); ``bubble_s`` (the pipeline's idle share of the phases);
-    ``by_kind`` (each kind of phase's seconds in the step).
+    time and first touches of fresh memory) and ``hidden_overhead_s`` (the host's time run
+    beside the kernels, where the device queues them); ``host_wait_s`` (the device's time
+    waiting for its host: a GPU's host fell behind; on a CPU, whose cores do both, the
+    host's whole time); ``host_optimizer_s`` (the host AdamW the step waits for) and
+    ``hidden_update_s`` (the rest of it, behind the next step: ``--overlap_update``);
+    ``copies_s`` and ``collectives_s`` (all of them, hidden or not); ``hidden_comm_s``
+    (copies and collectives behind device work); ``exposed_comm_s`` (the rest); ``bubble_s``
+    (the pipeline's idle share of the phases); ``by_kind`` (each kind of phase's seconds in
+    the step); ``host_by_kind`` (each kind's ``device_s``, ``host_s`` and ``host_bound``, the
+    share of its time the host set).
 
     Raises:
         EstimateError: a cost or figure is negative, or the step shorter than its compute
             (:mod:`~execution.planning.estimate_checks`): a bug, never a figure to print.
     """
     phases = non_negative_phases(phases, PHASE_COSTS)
-    step = hidden = hidden_host = bubble_s = 0.0
     bubble = step_stretch(pipeline_stages, passes)
     totals = dict.fromkeys(PHASE_COSTS, 0.0)
-    by_kind = {}
-    forward = 0.0  # the forward phases' seconds, every pass
+    work = {}  # per kind: kernels, host, device beside the host (copies, collectives), behind
     for kind, values in phases.items():
         costs = dict(zip(PHASE_COSTS, values, strict=True))
         for name, value in costs.items():
             totals[name] += value
         kernels = sum(costs[name] for name in KERNEL_WORK)
         host = sum(costs[name] for name in HOST_WORK)
-        if spec.queues_kernels:  # the host launches ahead: a phase takes the longer of the two
-            hidden_host += min(host, kernels)
-            device = max(kernels, host)
-        else:
-            device = kernels + host
-        device += costs["host_optimizer_s"]
         behind = costs["copies_s"] + costs["overlappable_comm_s"]
-        if spec.copies_overlap:
-            seconds = max(device, behind) + costs["critical_comm_s"]
-            hidden += min(device, behind)
+        if spec.copies_overlap:  # copy engines and NCCL run beside the kernels
+            device = max(kernels + costs["host_optimizer_s"], behind) + costs["critical_comm_s"]
         else:
-            seconds = device + behind + costs["critical_comm_s"]
+            device = kernels + costs["host_optimizer_s"] + behind + costs["critical_comm_s"]
+        kernel_count = costs["launch_s"] / (spec.launch_overhead_us * 1e-6 or 1.0)
+        work[kind] = (kernels, host, device, behind, kernel_count)
+    waits = _host_waits(work, passes, spec)
+    step = bubble_s = hidden = 0.0
+    forward = 0.0  # the forward phases' seconds, every pass
+    by_kind, host_by_kind = {}, {}
+    for kind, (kernels, host, device, behind, _) in work.items():
+        seconds = device + waits[kind]
+        hidden += min(kernels + waits[kind], behind) if spec.copies_overlap else 0.0
         if kind in (EMBEDDING_FORWARD, LAYER_FORWARD):
             forward += seconds
+        host_by_kind[kind] = {
+            "device_s": kernels,
+            "host_s": host,
+            "host_bound": waits[kind] / seconds if seconds else 0.0,
+        }
         if kind != "optimizer":
             bubble_s += seconds * (bubble - 1.0)
             seconds *= bubble
@@ -239,13 +273,16 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
     compute = totals["matmul_s"] + totals["attention_s"]
     copies = totals["copies_s"]
     collectives = totals["overlappable_comm_s"] + totals["critical_comm_s"]
+    host = sum(totals[name] for name in HOST_WORK)
+    host_wait = sum(waits.values())
     return check_step(
         {
             "step_time_s": step,
             "compute_s": compute,
             "memory_bound_s": totals["memory_bound_s"],
-            "overhead_s": totals["launch_s"] + totals["engine_s"] + totals["fresh_memory_s"],
-            "hidden_overhead_s": hidden_host,
+            "overhead_s": host + totals["fresh_memory_s"],
+            "hidden_overhead_s": max(host - host_wait, 0.0),
+            "host_wait_s": host_wait,
             "host_optimizer_s": totals["host_optimizer_s"] + wait,
             "hidden_update_s": behind_update - wait,
             "copies_s": copies,
@@ -254,8 +291,69 @@ def estimate_step(phases: dict[str, tuple], pipeline_stages: int, passes: int, s
             "exposed_comm_s": copies + collectives - hidden,
             "bubble_s": bubble_s,
             "by_kind": by_kind,
+            "host_by_kind": host_by_kind,
         }
     )
+
+
+def _host_waits(work: dict[str, tuple], passes: int, spec: DeviceSpec) -> dict[str, float]:
+    """Per kind of phase, the seconds the device spends waiting for its host (``work``: each
+    kind's kernels, host, device work, background and kernel count, summed over the step).
+    On a CPU the same cores do both: the host's whole time. On a GPU, the phases' queue
+    (:func:`queued_phases`); the optimizer's window follows the norm's read, which waits for
+    every phase, so its host runs ahead of nothing: it waits for as long as its host takes
+    beyond its kernels."""
+    if not spec.queues_kernels:
+        return {kind: host for kind, (_, host, *_) in work.items()}
+    phases = {k: v for k, v in work.items() if k != "optimizer"}
+    queue = [
+        (kind, device, host, _lead_limit(kernels, count))
+        for kind, (kernels, host, device, _, count) in phases.items()
+    ]
+    waits = queued_phases(queue, passes)
+    if "optimizer" in work:
+        kernels, host, *_ = work["optimizer"]
+        waits["optimizer"] = max(host - kernels, 0.0)
+    return waits
+
+
+def _lead_limit(kernels: float, count: float) -> float:
+    """How far the device may lag its host in a phase of ``kernels`` seconds of ``count``
+    kernels: the device's time for a launch queue's worth of them (none counted: no bound)."""
+    return LAUNCH_QUEUE * kernels / count if count >= 1 else float("inf")
+
+
+def queued_phases(kinds: list[tuple[str, float, float, float]], passes: int) -> dict[str, float]:
+    """Per kind, the seconds a GPU waits for its host over a step whose phases run in a queue:
+    ``passes`` passes, each running every kind's share of the step (``kinds``: name, device
+    seconds, host seconds, the most the device may lag the host, over the whole step) in
+    their order, from the step's start, where both begin together (the last step ended in a
+    read of its norm).
+
+    The host issues each phase's kernels in its own time; the device runs them in its own,
+    starting each once it has run the last and the host has issued it, and ending it no
+    earlier than the host issued its last kernel: where the host falls behind, the device
+    waits. Where the device falls behind, the host runs ahead, by no more than the launch
+    queue holds (it then waits for a slot), and a later phase whose host is slow spends that
+    lead before the device waits. Passes after :data:`QUEUED_PASSES` repeat the last one's
+    waits."""
+    waited = {kind: 0.0 for kind, *_ in kinds}
+    device_end = host_end = 0.0
+    run = min(passes, QUEUED_PASSES)
+    for index in range(run):
+        last = {}
+        for kind, device, host, limit in kinds:
+            share = device / passes
+            host_end += host / passes
+            started = device_end
+            device_end = max(device_end + share, host_end)
+            last[kind] = max(device_end - started - share, 0.0)
+            waited[kind] += last[kind]
+            host_end = max(host_end, device_end - limit)
+        if index == run - 1:
+            for kind in waited:
+                waited[kind] += (passes - run) * last[kind]
+    return waited
 
 
 def pipeline_step(stages: dict[int, list[dict]], passes: int) -> float:
