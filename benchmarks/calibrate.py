@@ -25,14 +25,16 @@ rates, say) is one more entry in both places.
 - collectives: all-gather, reduce-scatter, all-reduce, all-to-all and send/receive between two
   local ranks (gloo on a CPU, NCCL where two GPUs are visible), payload bytes per second at a
   few sizes.
-- engine: the engine's own host time. Real steps of a model too small for its ops to cost more
-  than their launch, at three micro-batch counts, less what the ops' FLOPs and bytes take;
-  what is left is fitted as (ops x launch) + (phases x phase overhead), so ``launch`` is the
-  engine's cost per op as its modules issue them, not only a bare kernel's.
-- waited_collectives: real steps of that model at tensor-parallel 2 on two ranks, less the time
-  model's step on the rates above, per collective waited for where it is issued: what such a
-  call costs in a step besides its payload at the op's bandwidth (its latency as a step sees
-  it, the peer's lateness, waking the communication thread).
+- host_phases: the host's own time per kind of phase (``benchmarks/host_time.py``): the
+  engine's real phases on kernels that cost nothing (GPT-3's structure at widths of a few
+  elements), eager and compiled, each recompute mode, with dropout and without, per phase and
+  per micro-batch (the update: per row), with the kernels the dry run counts for each; the
+  time model prices a phase's host time from it, the kernels beyond the measured ones at
+  ``launch`` each.
+- waited_collectives: real steps of a small model at tensor-parallel 2 on two ranks, less the
+  time model's step on the rates above, per collective waited for where it is issued: what
+  such a call costs in a step besides its payload at the op's bandwidth (its latency as a step
+  sees it, the peer's lateness, waking the communication thread).
 
 On a CPU the "device" is the host: its measured best matmul rate stands in for the peak (no
 data sheet), and memory and host_link are host memory.
@@ -63,12 +65,12 @@ from calibrate_kernels import (
 )
 from calibrate_runtime import (
     measure_collectives,
-    measure_engine,
     measure_host_adamw,
     measure_host_link,
     measure_waited_collectives,
 )
 from command_line import check_output_file, exit_on_bad_input
+from host_time import host_phase_rows
 from sample_clock import (
     MachineShare,
     doubtful_timings,
@@ -77,6 +79,7 @@ from sample_clock import (
 )
 
 from config.loading import OneLineParser
+from execution.engine.phases.recompute import MODES
 from execution.engine.plan import GiB
 from execution.parallel.launch import select_device
 from execution.planning.device_specs import SPECS, spec_file_dict
@@ -108,6 +111,14 @@ class Sizes:
     # float32 elements of the host AdamW update: large enough that its four tensors stream
     # from memory rather than sit in cache, as a rank's shards do.
     adamw_elements: int = 1 << 20
+    # The ways of running whose host time per phase is measured: (compiled, recompute,
+    # dropout probability). Every way a run can take, but for --quick.
+    host_runs: tuple[tuple[bool, str, float], ...] = tuple(
+        (compiled, recompute, dropout)
+        for compiled in (False, True)
+        for recompute in MODES
+        for dropout in (0.0, 0.1)
+    )
 
 
 FULL = {
@@ -152,6 +163,7 @@ QUICK = Sizes(
     collective_repeats=2,
     engine_steps=8,
     waited_shapes=((1, 2), (3, 2)),
+    host_runs=((False, "full", 0.0),),
 )
 
 
@@ -236,10 +248,12 @@ def calibrate(device: torch.device, sizes: Sizes, base: str, prioritised: bool =
         matmul_tflops=tuple(map(tuple, spec.matmul_tflops)),
         collective_gb_per_s=tuple(map(tuple, spec.collective_gb_per_s)),
     )
-    # The engine's own time, measured against the kernels' rates just measured.
-    engine = measured["engine"] = _timed("engine", measure_engine, device, sizes, spec)
+    # The host's own time per phase, its kernels' (on a CPU) at the rates just measured.
+    host = measured["host_phases"] = _timed(
+        "host_phases", host_phase_rows, device, sizes.engine_steps, sizes.host_runs, spec
+    )
     spec = dataclasses.replace(
-        spec, launch_overhead_us=engine["launch_us"], phase_overhead_us=engine["phase_us"]
+        spec, phase_overhead_us=0.0, host_phase_us=tuple(map(tuple, host["rows"]))
     )
     # Waiting for a collective inside a step, against the engine's time just measured.
     waited = _timed("waited_collectives", measure_waited_collectives, device, sizes, spec)
@@ -261,7 +275,8 @@ def summary(result: dict) -> str:
         f"{s['name']}: peak {s['peak_tflops']:.3g} TFLOPS, GPT matmuls at "
         f"{s['compute_efficiency']:.0%} of it; memory {s['device_memory_gb_per_s']:.0f} GB/s; "
         f"H2D {s['h2d_gb_per_s']:.1f} GB/s, D2H {s['d2h_gb_per_s']:.1f} GB/s; launch "
-        f"{s['launch_overhead_us']:.1f} us per op, {s['phase_overhead_us']:.0f} us per phase; "
+        f"{s['launch_overhead_us']:.1f} us per op, host time of {len(s['host_phase_us'])} "
+        "phase kinds and ways; "
         f"host memory {s['host_memory_gb_per_s']:.1f} GB/s, host AdamW "
         f"{s['host_adamw_elements_per_s'] / 1e6:.0f} M elements/s; attention at "
         f"{s['attention_efficiency']:.0%} of the peak; "
@@ -282,6 +297,8 @@ def main(argv: list[str] | None = None) -> dict:
         "with OMP_NUM_THREADS=1, one process alone uses every core); default: torch's"
     )
     parser.add_argument("--threads", type=int, default=0, help=threads_help)
+    dropout_help = "dropout probabilities whose host time per phase is measured (default: 0, 0.1)"
+    parser.add_argument("--host_dropout", type=float, nargs="+", help=dropout_help)
     args = parser.parse_args(argv)
     check_output_file("--output", args.output)  # written after minutes of measuring
     if args.threads < 0:
@@ -294,6 +311,12 @@ def main(argv: list[str] | None = None) -> dict:
     # The device as a run selects it (on a CPU: freed blocks kept, as the engine's process has).
     device = select_device(args.device, 0)
     sizes = QUICK if args.quick else FULL[device.type]
+    if args.host_dropout:
+        if not all(0 <= p < 1 for p in args.host_dropout):
+            parser.error("--host_dropout takes probabilities in [0, 1)")
+        runs = {(c, r) for c, r, _ in sizes.host_runs}
+        ways = tuple((c, r, p) for c, r in sorted(runs) for p in args.host_dropout)
+        sizes = dataclasses.replace(sizes, host_runs=ways)
     # Raised before any thread or rank starts: they run at the priority of their starter.
     with raised_priority() as prioritised:
         result = calibrate(device, sizes, args.base, prioritised)

@@ -1,7 +1,7 @@
 """calibrate.py's measurements of the runtime around the kernels, as the engine runs it: host
 link copies on the engine's own host memory, the engine's host AdamW, collectives between two
-local ranks, the engine's own host time, and what waiting for a collective costs inside a step
-(see calibrate.py's docstring)."""
+local ranks, and what waiting for a collective costs inside a step (see calibrate.py's
+docstring; the engine's own host time per phase is host_time.py's)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sample_clock import (
     Sample,
     combined,
-    summarise,
     summarise_together,
     synchronize,
     take_sample,
@@ -41,7 +40,6 @@ from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.measure import meta_step
-from execution.planning.op_costs import device_seconds
 from execution.planning.planner import planned_engine
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import estimate_step, phase_costs
@@ -273,64 +271,6 @@ ENGINE_FLAGS = shlex.split(
     "--max_positional_length 32 --vocab_size 512 --micro_batch_size 1 --precision float32 "
     "--dropout_prob 0 --placement resident --passes 1"
 )
-# (layers, micro-batches): ops grow with both, phases with layers only, so the two separate.
-ENGINE_SHAPES = ((2, 1), (2, 8), (6, 1), (6, 8))
-
-
-def measure_engine(device: torch.device, sizes, spec: DeviceSpec) -> dict:
-    """The engine's host time per op and per phase: real steps of a small model at several
-    layer and micro-batch counts, less their ops' device time on ``spec`` (this machine's measured
-    rates), fitted by least squares as ops x launch + phases x phase overhead.
-
-    The shapes take their steps in turn, so a machine whose speed drifts over seconds (a shared
-    VM) slows every row alike rather than one; the fit weighs each row's residual relative to
-    its step, so the short rows count as much as the long ones."""
-    no_launch = dataclasses.replace(spec, launch_overhead_us=0.0)
-    kernel = attention_kernel(device.type, 0.0, torch.float32)  # ENGINE_FLAGS' precision
-    runs = []
-    for layers, micro_batches in ENGINE_SHAPES:
-        flags = [*ENGINE_FLAGS, "--layers", str(layers), "--global_batch_size", str(micro_batches)]
-        config, _ = parse_config([*flags, "--device", device.type])
-        engine = planned_engine(RunShape.of(config), ParallelLayout.single(device))
-        plan = engine.plan
-        row = plan.sequence_length + plan.model.label_columns
-        shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
-        windows = meta_step(plan, ParallelLayout.shapes_only(1, 1, 1), kernel).windows
-        runs.append((engine, torch.randint(0, 512, shape, device=device), windows, []))
-    for step in range(sizes.engine_steps + 2):
-        for engine, tokens, _, samples in runs:
-            train_step = functools.partial(engine.train_step, tokens, step=step, lr=1e-3)
-            samples.append(take_sample(train_step, device))
-    rows = []
-    for (layers, micro_batches), (*_, windows, samples) in zip(ENGINE_SHAPES, runs, strict=True):
-        timing = summarise(samples[2:], sizes.engine_steps)
-        work = sum(
-            sum(device_seconds(w.costs, w.attention_flops, no_launch).values()) for w in windows
-        )
-        rows.append(
-            {
-                "layers": layers,
-                "micro_batches": micro_batches,
-                "step_s": timing.seconds,
-                "ops_s": work,
-                "kernels": sum(w.costs.kernels for w in windows),
-                "phases": sum(1 for w in windows if w.kind != "optimizer"),
-                "timing": timing.record(),
-            }
-        )
-    del runs
-    weight = np.array([1.0 / r["step_s"] for r in rows])
-    matrix = np.array([[r["kernels"], r["phases"]] for r in rows], dtype=np.float64)
-    matrix *= weight[:, None]
-    residual = np.array([max(r["step_s"] - r["ops_s"], 0.0) for r in rows]) * weight
-    (per_kernel, per_phase), *_ = np.linalg.lstsq(matrix, residual, rcond=None)
-    # Neither cost can be negative (a spec file refuses it): a fit that says so puts it all on
-    # the other.
-    if per_phase < 0:
-        per_kernel, per_phase = float(residual @ matrix[:, 0] / (matrix[:, 0] @ matrix[:, 0])), 0.0
-    elif per_kernel < 0:
-        per_kernel, per_phase = 0.0, float(residual @ matrix[:, 1] / (matrix[:, 1] @ matrix[:, 1]))
-    return {"rows": rows, "launch_us": per_kernel * 1e6, "phase_us": per_phase * 1e6}
 
 
 def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> None:
