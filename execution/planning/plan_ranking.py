@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from execution.engine.plan import MemoryPlan
+from execution.engine.phases import schedule
+from execution.engine.plan import MemoryPlan, compiles
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import RankShape, host_traffic_by_phase
 from execution.planning.pipeline_figures import step_stretch
@@ -21,9 +22,13 @@ from utils.metrics import flops_per_token
 
 def step_seconds(run: RunShape, rank: RankShape, kernel: str, plan: MemoryPlan):
     """What the planner ranks plans by, at ``--device_spec``'s rates (on a CPU device only the
-    relative sizes matter): the forward phases' compute or their host copies, whichever is
-    longer, the same of the backward phases (recompute included), the optimizer's copies,
-    and the data-parallel weight all-gathers that every pass after the first repeats.
+    relative sizes matter): the forward phases' compute, their host copies or their host's
+    own time, whichever is longest, the same of the backward phases (recompute included),
+    the optimizer's copies, and the data-parallel weight all-gathers that every pass after
+    the first repeats. The host's time is the calibration's per phase and micro-batch
+    (:func:`host_seconds`), where it measured it: more passes are more phases, and a mode
+    that keeps a layer's graph costs its host more than a recompute; on a device whose
+    cores are the host's (a CPU) it adds to the rest.
 
     Forward and backward are weighed apart because a phase's copies hide behind its own
     compute only, as the dry run estimates them: weights streamed in many passes load each
@@ -56,12 +61,46 @@ def step_timer(run: RunShape, rank: RankShape, kernel: str):
         # The forward is a third of a step's model FLOPs (a backward is twice its forward).
         forward = max(model_flops / 3 / rate, copies["forward"] / link)
         backward = max((2 * model_flops / 3 + recompute) / rate, copies["backward"] / link)
+        host = host_seconds(run, rank, plan)
+        if spec.queues_kernels:  # the host runs beside the kernels
+            forward, backward = max(forward, host["forward"]), max(backward, host["backward"])
+        else:
+            forward, backward = forward + host["forward"], backward + host["backward"]
         # A pipeline's P passes take P + S - 1 pass-times (the bubble).
         bubble = step_stretch(stages, plan.passes)
         step = (forward + backward) * bubble + copies["optimizer"] / link
         return step + (plan.passes - 1) * pass_gathers
 
     return seconds
+
+
+# The kinds of phase of a pass's forward and backward, by the quick estimate's halves.
+HOST_HALVES = {
+    "forward": (schedule.EMBEDDING_FORWARD, schedule.LAYER_FORWARD, schedule.HEAD_PHASE),
+    "backward": (schedule.LAYER_BACKWARD, schedule.EMBEDDING_BACKWARD),
+}
+
+
+def host_seconds(run: RunShape, rank: RankShape, plan: MemoryPlan) -> dict[str, float]:
+    """The host's own time in a step's forward and backward phases under ``plan``, as the
+    calibration measured it per phase and micro-batch (``DeviceSpec.host_row``; 0 where the
+    spec holds none): each layer's phases once per pass, the embedding's and the head's
+    once per pass, each over its micro-batches."""
+    spec = run.spec
+    way = (compiles(run.compile, spec.device_type), plan.recompute, run.model.dropout_prob > 0)
+    layers, micro_batches = rank.shapes.layers, rank.gradient_accumulation
+    out = {}
+    for half, kinds in HOST_HALVES.items():
+        seconds = 0.0
+        for kind in kinds:
+            row = spec.host_row(*way, kind)
+            if row is None:
+                continue
+            per_phase, per_unit = row[4], row[5]
+            count = layers if kind in (schedule.LAYER_FORWARD, schedule.LAYER_BACKWARD) else 1
+            seconds += count * (plan.passes * per_phase + micro_batches * per_unit) * 1e-6
+        out[half] = seconds
+    return out
 
 
 def _pass_gather_seconds(run: RunShape, rank: RankShape, spec) -> float:

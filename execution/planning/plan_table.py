@@ -54,7 +54,9 @@ def print_layouts(
         f"x {run.sequence_length}; {len(shown)} layouts fit ({len(rows)} with their "
         f"micro-batch sizes), {len(misfits)} do not; mbs: micro-batch sizes within "
         f"{TIE:.1%} of the layout's fastest; bubble: (S - 1) / (P + S - 1); "
-        f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s"
+        f"ckpt GB: checkpoint bytes rank 0 writes, save s: at {spec.storage_gb_per_s:g} GB/s; "
+        "host: the share of the step the device waits for its host (a host-bound row: more "
+        "than 0; a CPU's host is its device, so all of its host time)"
     )
     if weighed_run(run).compile != run.compile:
         print(
@@ -65,7 +67,7 @@ def print_layouts(
         f"{'dp':>3} {'pp':>3} {'cp':>3} {'tp1':>4} {'tp2':>4} {'mbs':>6} {'passes':>6} "
         f"{'bubble':>6}  {'placement (w/g/a)':<21}{'recompute':<10}"
         f"{'device GiB':>11} {'host GiB':>9} {'step s':>9} {'tokens/s':>10} {'MFU':>6}"
-        f"{'ckpt GB':>9} {'save s':>7}"
+        f"{'ckpt GB':>9} {'save s':>7} {'host':>5}"
     )
     if shown:
         print(header)
@@ -79,7 +81,7 @@ def print_layouts(
             f"{row['device_bytes'] / GiB:>11.1f} {row['host_bytes'] / GiB:>9.1f} "
             f"{row['step_time_s']:>9.2f} {tokens / row['step_time_s']:>10,.0f} "
             f"{row['mfu']:>6.1%}{row['checkpoint']['bytes_written'] / 1e9:>9.2f}"
-            f"{row['checkpoint']['save_s']:>7.1f}"
+            f"{row['checkpoint']['save_s']:>7.1f} {row['host_wait_s'] / row['step_time_s']:>5.0%}"
         )
     if not across_nodes:
         spanning = len(layouts(run, devices, across_nodes=True)) - len(layouts(run, devices))
