@@ -59,6 +59,8 @@ def estimate(row: dict, spec_file: Path) -> dict:
     )
     return {
         "step_s": rank["step_time_s"],
+        "host_s": rank["overhead_s"],
+        "host_wait_s": rank["host_wait_s"],
         "mfu": rank["mfu"],
         "ratio": rank["step_time_s"] / row["step_s"],
         "same_plan": same,
@@ -76,8 +78,23 @@ def estimates(results: dict, spec_file: Path) -> list[dict]:
     return results["rows"]
 
 
+def host_note(spec_file: Path) -> str | None:
+    """The line that says a calibration holds no host time per phase, or None where it does."""
+    spec = json.loads(spec_file.read_text())["device_spec"]
+    if spec.get("host_phase_us"):
+        return None
+    return (
+        f"{spec_file.name} holds no measured host time per phase (host_phase_us): each phase's "
+        "host is priced as its kernels x launch_overhead_us + phase_overhead_us, the "
+        "calibration's fit (calibrate.py on the GPU's host measures it)"
+    )
+
+
 def table(rows: list[dict]) -> str:
-    head = f"{'stage':<16} {'row':<30} {'meas. s':>8} {'est. s':>8} {'est/meas':>8} {'MFU':>6}"
+    head = (
+        f"{'stage':<16} {'row':<30} {'meas. s':>8} {'est. s':>8} {'est/meas':>8} {'MFU':>6}"
+        f" {'host s':>7} {'waits s':>7}"
+    )
     lines = [head]
     for row in rows:
         label = f"{row.get('stage', ''):<16} {row['variant']:<30}"
@@ -87,8 +104,9 @@ def table(rows: list[dict]) -> str:
         est = row.get("estimate")
         mfu = f"{row['mfu']:.1%}" if row.get("mfu") is not None else "-"
         priced = f"{est['step_s']:8.3f} {est['ratio']:8.2f}" if est else f"{'-':>8} {'-':>8}"
+        host = f" {est['host_s']:7.3f} {est['host_wait_s']:7.3f}" if est else ""
         note = "" if not est or est["same_plan"] else "  (the dry run priced another plan)"
-        lines.append(f"{label} {row['step_s']:8.3f} {priced} {mfu:>6}{note}")
+        lines.append(f"{label} {row['step_s']:8.3f} {priced} {mfu:>6}{host}{note}")
         if est and row.get("phase_clock"):
             lines += by_kind_lines(row["phase_clock"], est["by_kind"])
     return "\n".join(lines)
@@ -133,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         parser.error(str(err))
     print(table(rows))
+    print("host s: the host's time in the estimated step; waits s: the device's wait for it")
+    if note := host_note(spec):
+        print(note)
     if args.update:
         write_atomic(args.results, json.dumps(results, indent=1))
         print(f"written: {args.results}")
