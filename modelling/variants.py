@@ -131,13 +131,14 @@ class Rotary(nn.Module):
 
     def _angles_for(self, q: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`angles` of ``q``'s positions from ``start``: the last call's where it asked
-        for the same of the same kind of tensor (a compiled graph computes them anew, in its
-        fused kernels)."""
+        for the same. A compiled graph computes them anew, in its fused kernels; so does a
+        step on meta or fake tensors (planning), whose every call of a part must run the same
+        ops, as its pricing of a compiled call counts them."""
         length = q.shape[-2]
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or q.is_meta or type(q) is not torch.Tensor:
             positions = torch.arange(start, start + length, device=q.device)
             return self.angles(positions, q.dtype)
-        key = (start, length, q.dtype, q.device, type(q), torch.is_inference_mode_enabled())
+        key = (start, length, q.dtype, q.device, torch.is_inference_mode_enabled())
         if self._last is None or self._last[0] != key:
             positions = torch.arange(start, start + length, device=q.device)
             self._last = (key, self.angles(positions, q.dtype))
