@@ -86,7 +86,16 @@ def _nbytes(t: torch.Tensor) -> int:
 # In-place ops that write their tensor without reading it (the rest read what they update).
 _OVERWRITES = frozenset(
     getattr(aten, name)
-    for name in ("copy_", "fill_", "zero_", "normal_", "uniform_", "bernoulli_", "random_")
+    for name in (
+        "copy_",
+        "_foreach_copy_",
+        "fill_",
+        "zero_",
+        "normal_",
+        "uniform_",
+        "bernoulli_",
+        "random_",
+    )
     if hasattr(aten, name)
 )
 
