@@ -88,13 +88,19 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
         for name, axis in axes.items():
             # Waited for: each call's own time, latency and all, is on the critical path. In
             # the background: a call's latency is waiting, hidden; what its bytes take is
-            # priced at the rate of the window's total of that op.
+            # priced at the rate of the window's total of that op. Where the cores that would
+            # carry it compute (a CPU, gloo's thread), a call started in the background is
+            # waited for a phase later as if it were waited for where issued, call by call.
             in_background = Counter()
             for (op, nbytes, asynchronous), count in window.calls[name].items():
-                if asynchronous:
-                    in_background[op] += nbytes * count
-                else:
+                if not asynchronous:
                     critical += count * waited_call_seconds(axis, op, nbytes, spec)
+                elif spec.copies_overlap:
+                    in_background[op] += nbytes * count
+                elif op == "all_gather":
+                    gathers += count * waited_call_seconds(axis, op, nbytes, spec)
+                else:
+                    reductions += count * waited_call_seconds(axis, op, nbytes, spec)
             for op, nbytes in in_background.items():
                 if op == "all_gather":
                     gathers += collective_seconds(axis, op, nbytes, spec)
