@@ -42,6 +42,16 @@ LONG = (
     "--config tiny --layers 3 --hidden_size 192 --heads 6 --sequence_length 256 "
     "--max_positional_length 256 --recompute selective"
 )
+# Host-bound: narrow layers, many micro-batches of one short sequence; the host's time per
+# phase and micro-batch is most of the step (the head's vocabulary matmuls the rest).
+HOST = (
+    "--config tiny --layers 8 --hidden_size 32 --heads 2 --sequence_length 8 "
+    "--max_positional_length 8 --micro_batch_size 1 --global_batch_size 32"
+)
+NARROW = (
+    "--config tiny --layers 4 --hidden_size 64 --heads 4 --sequence_length 16 "
+    "--max_positional_length 16 --micro_batch_size 1"
+)
 RUNS = {
     "tiny p1 resident none": (1, "--config tiny --passes 1 --placement resident --recompute none"),
     "tiny p4 remote full": (
@@ -101,6 +111,32 @@ RUNS = {
         1,
         f"{WIDE} --micro_batch_size 8 --passes 1 --placement resident --compile true",
     ),
+    # Host-bound (the host's time per phase and micro-batch, calibrate.py's host_phase_us).
+    "host p1 L8 h32 mb32 selective": (
+        1,
+        f"{HOST} --passes 1 --placement resident --recompute selective",
+    ),
+    "compiled host p1 L8 h32 mb32 full": (
+        1,
+        f"{HOST} --passes 1 --placement resident --recompute full --compile true",
+    ),
+    "host p4 L4 h64 mb24 remote full": (
+        1,
+        f"{NARROW} --global_batch_size 24 --passes 4 --placement remote --recompute full",
+    ),
+    "compiled host p2 L4 h64 mb16 none": (
+        1,
+        f"{NARROW} --global_batch_size 16 --passes 2 --placement resident --recompute none "
+        "--compile true",
+    ),
+    "host dp 2 L8 h32 mb32 none": (
+        2,
+        f"{HOST} --data_parallel 2 --passes 1 --placement resident --recompute none",
+    ),
+    "host pp 2 L8 h32 mb32 full": (
+        2,
+        f"{HOST} --pipeline_parallel 2 --passes 8 --placement resident --recompute full",
+    ),
 }
 # The layout axes --plan_for weighs, by flag.
 AXES = {
@@ -128,6 +164,7 @@ def spec_file(threads: int, spec_dir: Path, round_: int = 0) -> Path:
     if not path.exists():
         command = [sys.executable, "benchmarks/calibrate.py", "--device", "cpu"]
         command += ["--threads", str(threads), "--output", str(path)]
+        command += ["--host_dropout", "0"]  # the runs' (COMMON)
         _run(command)
     return path
 

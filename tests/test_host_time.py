@@ -216,3 +216,39 @@ def test_the_benchmark_prints_each_width_s_host_time_per_layer_and_micro_batch(t
     for kind in ("layer_forward", "layer_backward"):
         assert kinds[kind]["per_unit_us"] > 0 and kinds[kind]["kernels_per_unit"] > 0
     assert "gpt3_1.3B   false    full" in printed
+
+
+@pytest.mark.slow  # four micro-batch sizes' probes, twice: about 10 s
+def test_plan_for_ranks_a_host_bound_layout_s_larger_micro_batches_first():
+    """tiny's one-device layout at micro-batches of 1 to 8 (global batch 8): with launches
+    and the host's time free the rows tie within the table's 0.5% (the same tokens, the same
+    kernels' work); with a host measured at 2 ms per phase and micro-batch of every kind, a
+    larger micro-batch is fewer of them, so the rows come fastest first from 8 down to 1, each
+    host-bound, by the host's time they save."""
+    from execution.planning.plan_search import search
+
+    config, _ = parse_config(shlex.split("--config tiny --global_batch_size 8 --compile false"))
+    free = dataclasses.replace(SPECS["h100_sxm"], launch_overhead_us=0.0)
+    kinds = ("embedding_forward", "layer_forward", "head", "layer_backward", "embedding_backward")
+    rows = tuple(
+        (False, mode, False, kind, 0.0, 2000.0, 0.0, 0.0)
+        for mode in ("full", "selective", "none")
+        for kind in kinds
+    )
+    results = {}
+    for name, spec in (("free", free), ("host", dataclasses.replace(free, host_phase_us=rows))):
+        run = dataclasses.replace(RunShape.of(config), spec=spec)
+        found, _, _ = search(run, 1, workers=1)
+        results[name] = {row["run"].micro_batch_size: row for row in found}
+    free_steps = [row["step_time_s"] for row in results["free"].values()]
+    assert max(free_steps) <= min(free_steps) * 1.005
+    host = results["host"]
+    assert list(host) == [8, 4, 2, 1]  # fastest first
+    layers = config.model.layers
+    for size, row in host.items():
+        # Each micro-batch: each layer's forward and backward, and the embedding's two phases
+        # and the head's, 2 ms of host apiece; the device's own work adds at most its step.
+        host_time = (2 * layers + 3) * (8 // size) * 2e-3
+        free_step = results["free"][size]["step_time_s"]
+        assert host_time <= row["step_time_s"] <= host_time + free_step
+        assert row["host_wait_s"] > 0
