@@ -10,9 +10,8 @@ from pathlib import Path
 from config.errors import ConfigError, refuse_ignored_flags
 from config.schema import PretrainingConfig, plannable_recompute
 from config.schema_model import check_rope_scaling, uneven_splits
+from config.size_limits import MOST_DEVICES, validate_sizes
 
-# The most devices --plan_for plans for (2^20): more than any machine has.
-MOST_DEVICES = 1 << 20
 # The longest --collective_timeout, in seconds (30 days): a longer wait is a hang.
 LONGEST_TIMEOUT_S = 30 * 24 * 3600
 
@@ -32,6 +31,7 @@ def validate(config: PretrainingConfig, given: Collection[str] = ()) -> None:
     _validate_data(config)
     _validate_checkpoint(config)
     _validate_model(config, given)
+    validate_sizes(config)
     _validate_layout(config)
     _validate_pipeline(config)
     _validate_rigl(config, given)
