@@ -4,6 +4,7 @@ indices are runs (execution/parallel/index_runs.py), the norm's chunks are bound
 
 from __future__ import annotations
 
+import itertools
 import json
 import shlex
 import subprocess
@@ -23,6 +24,7 @@ from config.size_limits import (
 from execution.checkpoint.chunks import held_chunks
 from execution.engine.phases import step as engine_step
 from execution.engine.storage.buffers import flat_specs
+from execution.parallel.index_runs import IndexRuns
 from execution.parallel.sharding import rts_sizes, shard_sizes
 from modelling.gpt import EMBEDDING, GPTShapes
 from tests.entry_points import ROOT, assert_refused, run_script
@@ -166,6 +168,37 @@ def test_the_int64_limits_are_exact():
         _tiny("--steps", str(2**63))
     # digits are read exactly, not through a float (which rounds past 2^53)
     assert _tiny("--steps", str(2**53 + 1)).training.steps == 2**53 + 1
+
+
+def test_index_runs_do_what_torch_does_to_an_arange():
+    """Every operation a sharding rule uses, against the same on torch's index tensors (an
+    uneven chunk leaves out chunks as torch.chunk does; -1 is padding)."""
+    for n, parts, unit in itertools.product(range(13), range(1, 6), (1, 2, 3)):
+        if n % unit:
+            continue
+        full = torch.arange(n)
+        padded = full.clone()
+        padded[n // 2 :] = -1
+        for runs, tensor in (
+            (IndexRuns.arange(n), full),
+            (IndexRuns.arange(n).padded_from(n // 2), padded),
+        ):
+            assert torch.equal(runs.tensor(), tensor)
+            pieces = tensor.view(-1, unit).chunk(parts) if n else tensor.chunk(parts)
+            chunks = runs.chunk(parts, unit)
+            assert [c.tensor().tolist() for c in chunks] == [p.reshape(-1).tolist() for p in pieces]
+            assert torch.equal(
+                IndexRuns.cat(chunks[::-1]).tensor(), torch.cat(pieces[::-1]).reshape(-1)
+            )
+            assert torch.equal(runs[1 : n - 1].tensor(), tensor[1 : n - 1])
+            sizes = [n // 3, n - n // 3]
+            assert [p.tensor().tolist() for p in runs.split(sizes)] == [
+                p.tolist() for p in tensor.split(sizes)
+            ]
+            located = [(int(p), int(tensor[p])) for p in range(n) if tensor[p] >= 0]
+            assert [
+                (p + k, first + k) for p, length, first in runs.located() for k in range(length)
+            ] == located
 
 
 def test_a_shard_s_shape_and_chunks_cost_no_index_tensor():
