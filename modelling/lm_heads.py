@@ -3,6 +3,11 @@
 
 :class:`LMHead` projects with the word embedding (tied, GPT-3); :class:`UntiedLMHead` with a
 projection of its own, split as the word embedding is (rows over tp1, columns over tp2: Llama).
+
+A micro-batch's logits can be the largest tensors of a step (Llama 3's 128,256-word vocabulary
+at 8,192 tokens: 4.2 GB in float32, which the cross-entropy holds twice), so the engine calls a
+head on chunks of the tokens (:func:`logits_chunks`), each chunk's forward and backward before
+the next's, and never holds all the logits.
 """
 
 from __future__ import annotations
@@ -13,6 +18,30 @@ from torch import nn
 
 from modelling.layers import ParallelLinear
 from modelling.parallel import Axis, copy_to, reduce_from
+
+# A chunk's logits may always hold this many elements (32 MiB in float32): a micro-batch whose
+# logits are no more runs as one chunk, and a small head is cut no finer.
+LOGITS_CHUNK_FLOOR = 1 << 23
+
+
+def logits_chunks(tokens: int, local_vocab: int, local_hidden: int) -> list[slice]:
+    """The chunks of a micro-batch's ``tokens`` (flattened) whose logits a head computes at
+    once: as equal as can be (where their number divides the tokens, one compiled graph serves
+    them all), each one's logits at most half as many elements as the head's weight shard
+    (``local_vocab`` x ``local_hidden``), or :data:`LOGITS_CHUNK_FLOOR` where that is more.
+
+    Why half the weight: a chunk's backward makes a gradient of the whole weight shard beside
+    the gradient of the chunk's logits, and the cross-entropy holds two float32 tensors of the
+    logits' size at once (the logits and their shifted copy). At half the weight's elements
+    those take what the weight's own float32 gradient does, so the head's working set is a few
+    of the weight's size, however long the micro-batch. Smaller chunks would hold little less
+    (the weight's gradient stays) but spend more: each chunk passes over the whole weight
+    three or four times (its matmuls read it, its gradient is written and accumulated).
+    """
+    limit = max(local_vocab * local_hidden // 2, LOGITS_CHUNK_FLOOR) // local_vocab
+    count = -(-tokens // max(limit, 1))
+    size = -(-tokens // count)
+    return [slice(start, min(start + size, tokens)) for start in range(0, tokens, size)]
 
 
 class LMHead(nn.Module):
@@ -60,8 +89,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             local_max = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
         max_logit = tp1.all_reduce_(local_max, op="max")
 
-        # One fp32 buffer of the logits' size, reused in place: shifted logits -> exp -> softmax.
-        shifted = logits.float() - max_logit.unsqueeze(-1)
+        # One fp32 buffer of the logits' size, reused in place: shifted logits -> exp -> softmax
+        # (from 16-bit logits, their float32 copy itself; float32 logits are the caller's).
+        if logits.dtype == torch.float32:
+            shifted = logits - max_logit.unsqueeze(-1)
+        else:
+            shifted = logits.float().sub_(max_logit.unsqueeze(-1))
         shifted[..., real:] = float("-inf")
         local_label = labels - start
         owned = (local_label >= 0) & (local_label < local_vocab)

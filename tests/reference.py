@@ -107,8 +107,9 @@ def reference_step(
 
 
 def unpadded(name: str, tensor: torch.Tensor, config: PretrainingConfig) -> torch.Tensor:
-    """Drops the zero rows the single-device model pads its embeddings with."""
-    if name == "embedding.word.weight":
+    """Drops the zero rows the single-device model pads its embeddings (and an untied head's
+    projection) with."""
+    if name in ("embedding.word.weight", "head.output.weight"):
         return tensor[: config.model.vocab_size]
     if name == "embedding.position.weight":
         return tensor[: config.model.max_positional_length]
