@@ -34,7 +34,7 @@ from tests.distributed import (
     train_steps,
     world_layout,
 )
-from tests.reference import LLAMA_VARIANTS
+from tests.reference import LLAMA_VARIANTS, chunk_every_head
 
 pytestmark = pytest.mark.distributed
 
@@ -131,13 +131,13 @@ def test_real_vocabulary_with_eight_vocab_shards(tmp_path):
     "model_flags", [(), (*LLAMA_VARIANTS, "--kv_heads", "2")], ids=["tied", "untied"]
 )
 def test_a_head_on_chunks_of_tokens_matches_single_process(tmp_path, monkeypatch, model_flags):
-    """Without the floor, tp1 2 x tp2 2 runs each micro-batch's head (4 x 8 tokens) on 4
+    """With every head on chunks, tp1 2 x tp2 2 runs each micro-batch's head (4 x 8 tokens) on 4
     chunks of 8 (half its weight shard's 16 columns), the vocabulary-parallel cross-entropy's
     all-reduces and the tied word gradient once per chunk; the single process runs its
     micro-batches (2 x 8 tokens) whole."""
-    monkeypatch.setattr(lm_heads, "LOGITS_CHUNK_FLOOR", 0)  # the forked ranks inherit it
-    assert len(lm_heads.logits_chunks(32, 1024 // 2, 32 // 2)) == 4
-    assert len(lm_heads.logits_chunks(16, 1008, 32)) == 1
+    chunk_every_head(monkeypatch)
+    assert len(lm_heads.logits_chunks(32, 1000, 1024 // 2, 32 // 2)) == 4
+    assert len(lm_heads.logits_chunks(16, 1000, 1008, 32)) == 1
     flags = ["--micro_batch_size", "4"]
     assert_layout_matches(tmp_path, (1, 2, 2), model_flags, layout_only_flags=flags)
 

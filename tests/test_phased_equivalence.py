@@ -19,6 +19,7 @@ from modelling import lm_heads
 from tests.distributed import planned_engine
 from tests.reference import (
     LLAMA_VARIANTS,
+    chunk_every_head,
     reference_model,
     reference_optimizer,
     reference_step,
@@ -122,11 +123,11 @@ def test_phased_step_equals_autograd_with_accumulation(layers, accumulation):
 
 @pytest.mark.parametrize("variant", [(), tuple(LLAMA_VARIANTS)], ids=["tied", "untied"])
 def test_a_head_on_chunks_of_tokens_equals_autograd(monkeypatch, variant):
-    """Without the floor, a micro-batch of 4 x 16 tokens runs its head on 4 chunks of 16 (half
+    """With every head on chunks, a micro-batch of 4 x 16 tokens runs its head on 4 chunks of 16 (half
     the weight's 32 columns): the chunks' losses weighted by their share of the tokens, their
     dx put together and their gradients accumulated give autograd's step on the whole
     micro-batch, within the same tolerance (only the order of sums differs)."""
-    monkeypatch.setattr(lm_heads, "LOGITS_CHUNK_FLOOR", 0)
+    chunk_every_head(monkeypatch)
     seen = []
 
     def logits_chunks(*args):

@@ -53,6 +53,7 @@ from execution.parallel.sharding import rts_sizes
 from execution.planning.compiled_costs import compiled_kept_in_place
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
+from modelling.lm_heads import logits_chunks
 
 if TYPE_CHECKING:
     from execution.planning.run_shape import RunShape
@@ -359,7 +360,9 @@ def working_set_bytes(
         layer += 16 * rank.micro_batch * (s.heads // s.tp1) * rank.cp * rank.sequence**2
     layer += 3 * tokens * h2 * b
     vocab = s.vocab_padded // s.tp1
-    head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
+    chunk = logits_chunks(tokens, s.vocab, vocab, h2)[0]  # the head's logits, a chunk at a time
+    logits = (chunk.stop - chunk.start) * vocab * (3 * b + 4)
+    head = logits + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
     largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
     # Host weights are updated on the host; a device update holds a gradient and two temporaries.
     optimizer = 0 if placement.weights == "host" else 12 * largest_row

@@ -65,7 +65,7 @@ def head(step: Step, phase: Phase) -> None:
     local_vocab, local_hidden = shapes.vocab_padded // shapes.tp1, shapes.hidden // shapes.tp2
     for m, e in step.entries(phase):
         x, labels = state.activations.fetch_x(last, e), batch.labels[m]
-        chunks = logits_chunks(labels.numel(), local_vocab, local_hidden)
+        chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
         loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
         batch.losses.append(loss)
         if backward:
@@ -119,7 +119,7 @@ def head_on_chunks(
     # (1, tokens, ...): a view of x; the labels (a strided view of the batch) are copied.
     flat_x, labels = x.view(1, tokens, -1), labels.reshape(1, tokens)
     dx = torch.empty_like(flat_x) if backward else None
-    losses = []
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
     for rows in chunks:
         # A chunk's loss counts by its share of the tokens: in the loss and in its gradient.
         share = (rows.stop - rows.start) / tokens
@@ -127,11 +127,11 @@ def head_on_chunks(
         with torch.set_grad_enabled(backward):
             piece.requires_grad_(backward)
             loss = call(piece, labels[:, rows])
-        losses.append(loss.detach() * share)
+        total.add_(loss.detach(), alpha=share)
         if backward:
             dpiece, *grads = torch.autograd.grad(loss, [piece, *params], scale * share)
             dx[:, rows] = dpiece
             add_grads(grads)
             del dpiece, grads
         del piece, loss
-    return torch.stack(losses).sum(), None if dx is None else dx.view(x.shape)
+    return total, None if dx is None else dx.view(x.shape)
