@@ -5,9 +5,9 @@
 projection of its own, split as the word embedding is (rows over tp1, columns over tp2: Llama).
 
 A micro-batch's logits can be the largest tensors of a step (Llama 3's 128,256-word vocabulary
-at 8,192 tokens: 4.2 GB in float32, which the cross-entropy holds twice), so the engine calls a
-head on chunks of the tokens (:func:`logits_chunks`), each chunk's forward and backward before
-the next's, and never holds all the logits.
+at 8,192 tokens: 4.2 GB in float32, which the cross-entropy holds twice), so where the
+vocabulary is large the engine calls a head on chunks of the tokens (:func:`logits_chunks`),
+each chunk's forward and backward before the next's, and never holds all the logits.
 """
 
 from __future__ import annotations
@@ -46,9 +46,10 @@ def logits_chunks(tokens: int, vocab: int, local_vocab: int, local_hidden: int) 
     Why by the vocabulary: each chunk passes over the whole weight three or four times (its
     matmuls read it; its gradient is written and accumulated), which costs the same share of
     the head's time whatever the vocabulary, while the memory it gives back grows with the
-    vocabulary. Llama 3's 128,256 words at 8,192 tokens held 8.1 GiB whole in bfloat16 (4 chunks:
-    3.6 GiB; the dry run prices llama3_8B's step 0.7% slower); GPT-2's, cut the same way,
-    would cost gpt3_125M 13% of its step on an H100 for memory its plan does not need.
+    vocabulary. Llama 3's 128,256 words at 8,192 tokens hold 8.1 GiB in a bfloat16 head run
+    whole, 3.6 GiB on 4 chunks, and the dry run prices llama3_8B's step 0.7% slower for it;
+    GPT-2's, cut the same way, would cost gpt3_125M 13% of its step on an H100 for memory its
+    plan does not need.
     """
     if vocab <= CHUNKED_VOCABULARY:
         return [slice(0, tokens)]

@@ -317,3 +317,21 @@ def test_the_planned_working_set_holds_one_chunk_of_a_large_vocabulary_s_logits(
     logits = 32 * 16 * engine.shapes.vocab_padded * 4
     assert meter.peak <= planned + 64, (planned, meter.peak)
     assert planned < logits, (planned, logits)
+
+
+def test_a_16_bit_cross_entropy_holds_one_float32_copy_of_its_logits():
+    """bfloat16 logits of 64 tokens x 4096 words: the cross-entropy's forward allocates one
+    float32 tensor of their size (shifted in place, then exp and softmax in place), not a copy
+    and a shifted copy beside it (2 MiB more), besides a few per-token vectors."""
+    import torch
+
+    from execution.planning.step_meter import StepMeter
+    from modelling.lm_heads import vocab_parallel_cross_entropy
+    from modelling.parallel import LOCAL
+
+    logits = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    labels = torch.zeros(64, dtype=torch.long, device="meta")
+    with StepMeter() as meter:
+        vocab_parallel_cross_entropy(logits, labels, LOCAL, 4096)
+    float32_copy = 64 * 4096 * 4
+    assert float32_copy <= meter.peak <= float32_copy + 64 * 64, meter.peak

@@ -8,9 +8,9 @@ alone and hands the embedding nothing.
 A task head other than the language model's goes beside this one, with its own kind in
 :data:`execution.engine.phases.schedule.PHASE_KINDS`.
 
-The head runs on chunks of a micro-batch's tokens (:func:`modelling.lm_heads.logits_chunks`):
-each chunk's forward, then its backward, before the next chunk's, so only one chunk's logits
-exist at a time. A chunk's loss is its tokens' mean, so it counts by its share of the tokens,
+A large vocabulary's head runs on chunks of a micro-batch's tokens
+(:func:`modelling.lm_heads.logits_chunks`): each chunk's forward, then its backward, before the
+next chunk's, so only one chunk's logits exist at a time. A chunk's loss is its tokens' mean, so it counts by its share of the tokens,
 in the loss and in the gradient's scale. Chunking here rather than inside the head keeps the
 head one module, compiled once for every chunk (``--compile``), and its cross-entropy the
 vocabulary-parallel one, whose backward applies the loss scale before the logits' gradient is
