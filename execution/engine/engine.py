@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -116,7 +117,11 @@ class PhasedEngine:
             plan.model.task_head is not None,
             plan.model.tied_head,
         )
+        # How long the set-up's two large costs took (the first GPU run prints them): the
+        # buffers (on a GPU, registering every host page) and drawing the weights into them.
+        started = time.perf_counter()
         self.state = self._buffers()
+        self.setup_seconds = {"buffers": time.perf_counter() - started, "weights": 0.0}
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         self.compiled = self._compiles()
         # What the layers keep for their backward (None: they recompute it in full).
@@ -167,7 +172,11 @@ class PhasedEngine:
             compiled=self.compiled,
         )
         if self.device.type != "meta":  # a dry run draws no weights
+            started = time.perf_counter()
             self._initialise_weights(max(1, host_threads))
+            if self.device.type == "cuda":  # the last copies to the device landed
+                torch.cuda.synchronize(self.device)
+            self.setup_seconds["weights"] = time.perf_counter() - started
             if self.rigl is not None:
                 self.rigl.initialise(plan.seed)
 
