@@ -364,3 +364,22 @@ def test_the_table_shows_both_mfu_conventions_and_the_published_rows(tmp_path):
     assert all("published, not measured here" in line for line in published)
     assert "- / 60.1%" in published[0] and "- / 50.8%" in published[1]
     assert all("8 (bf16)" in line and "~606k" in line for line in published)
+
+
+def test_a_targeted_row_takes_the_smallest_batch_that_reaches_its_step():
+    """A step of 0.3 s a sequence: of 16, 32, 48, 64, 96, ... the first to take 20 s or more
+    is 96 (28.8 s; 64 takes 19.2 s); a batch that does not fit ends the search there, as a
+    larger one would hold more."""
+
+    def price(fits_up_to: int):
+        def priced(flags: list[str]) -> dict:
+            batch = int(flags[flags.index("--global_batch_size") + 1])
+            return {"predicted_step_s": 0.3 * batch, "fits": batch <= fits_up_to}
+
+        return priced
+
+    tried = stage_prices.choose_batch(["--config", "x"], (20.0, 40.0), price(10**6))
+    assert [b for b, _ in tried] == [16, 32, 48, 64, 96]
+    assert tried[-1][1]["predicted_step_s"] == pytest.approx(28.8)
+    tried = stage_prices.choose_batch(["--config", "x"], (20.0, 40.0), price(32))
+    assert [b for b, _ in tried] == [16, 32, 48] and not tried[-1][1]["fits"]
