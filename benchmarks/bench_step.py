@@ -56,7 +56,13 @@ from bench_profile import gpu_activity, profile_step, synchronize
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 from child_process import append_json_line, read_json_lines, run_child
 from command_line import check_output_file, exit_on_bad_input
-from idle_gaps import PhaseClock, format_clock, format_gaps, profile_idle
+from idle_gaps import (
+    PhaseClock,
+    format_clock,
+    format_gaps,
+    format_update_behind,
+    profile_idle,
+)
 
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
@@ -142,6 +148,8 @@ def our_engine(config: PretrainingConfig, device: torch.device, batches) -> Step
     state = sum(memory.state_bytes.get(k, 0) for k in STATE_KEYS)
     step.state_bytes_per_param = state / GPTShapes.from_config(config.model).num_parameters
     step.setup_s = engine.setup_seconds  # buffers (host pages registered) and weights drawn
+    # The host update that ran behind the step just taken, row by row (None: none ran).
+    step.update_behind = lambda: engine.optimizer.behind
     step.plan = {
         "passes": memory.passes,
         "micro_batches_per_pass": memory.micro_batches_per_pass,
@@ -186,12 +194,14 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     times, losses, every = [], [], []
     ours = getattr(step_fn, "plan", None) is not None
     clock = PhaseClock(device) if run.idle_gaps and ours else None
+    behind = None  # the host update behind the clocked step, where one ran
     for i in range(run.warmup + run.steps):
         synchronize(device)
         started = time.perf_counter()
         if clock is not None and i == run.warmup + run.steps - 1:
             losses.append(step_fn(i, on_phase=clock))
             clock.stop()
+            behind = step_fn.update_behind()
         else:
             losses.append(step_fn(i))
         synchronize(device)
@@ -212,6 +222,8 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     row["each_step_s"] = every  # warm-up included: the first step compiles
     if clock is not None:
         row["phase_clock"] = clock.seconds()
+        if behind is not None:
+            row["update_behind"] = behind
     row.update(first_loss=losses[0], last_loss=losses[-1])
     m, shapes = config.model, GPTShapes.from_config(config.model)
     full = flops_per_token(shapes, m.sequence_length)
@@ -399,6 +411,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in rows:
         if "phase_clock" in row:
             print(f"{row['variant']}: " + format_clock(row["phase_clock"]))
+        if row.get("update_behind"):
+            print(f"{row['variant']}: " + format_update_behind(row["update_behind"]))
         if "idle_gaps" in row:
             print(f"{row['variant']}: " + format_gaps(row["idle_gaps"]))
     if args.adamw_elements > 0:

@@ -102,7 +102,22 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{label} {row['step_s']:8.3f} {priced} {mfu:>6}{note}")
         if est and row.get("phase_clock"):
             lines += by_kind_lines(row["phase_clock"], est["by_kind"])
+        if row.get("update_behind"):
+            lines.append(f"{'':<16}   {update_behind_line(row['update_behind'])}")
     return "\n".join(lines)
+
+
+def update_behind_line(rows: list[dict]) -> str:
+    """The clocked step's waits for the host update behind it (bench_step.py --idle_gaps), in
+    one line: in all, the longest, and when the update wrote its last row."""
+    waits = [(r["waited_s"], f"{r['part']} {r['row']}") for r in rows]
+    longest = max(waits)
+    ends = [r["written_s"] for r in rows if r["written_s"] is not None]
+    last = f"{max(ends):.3f} s" if ends else "never"
+    return (
+        f"loads waited {sum(w for w, _ in waits):.3f} s for the host update behind the step "
+        f"(longest {longest[0]:.3f} s, {longest[1]}); its last row written at {last}"
+    )
 
 
 def by_kind_lines(clock: dict, priced: dict) -> list[str]:

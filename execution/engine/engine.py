@@ -146,8 +146,16 @@ class PhasedEngine:
                 print(f"--compile: attention's dropout runs between graphs ({reason})")
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)
+        # A host update behind a step writes the rows in the order that step first loads them.
+        steps_phases = schedule.training_phases(
+            self.stage, plan.gradient_accumulation, self.memory.passes
+        )
         self.optimizer = AdamWDriver(
-            self.state, plan.optimizer, host_threads, overlap=self.overlaps_update
+            self.state,
+            plan.optimizer,
+            host_threads,
+            overlap=self.overlaps_update,
+            order=schedule.first_loads(steps_phases),
         )
         self.rigl: RigL | None = None
         if plan.sparsity is not None:
@@ -391,10 +399,16 @@ class PhasedEngine:
                     if on_phase is not None:
                         on_phase(phase)
                     ahead = following.get(n, loading[0] if n < loading[0] else None)
+                    later = []  # prefetches that would wait for the update: after this phase
                     if (plan.prefetch or overlap) and ahead is not None and n < ahead:
                         for part, row in schedule.weights_loaded(phases[ahead]):
-                            self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
+                            if self.state.prefetch_would_wait(part, row, overlap):
+                                later.append((part, row))
+                            else:
+                                self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
                     BODIES[phase.kind](run, phase)
+                    for part, row in later:
+                        self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
             current = "the last transfers of the phases"
             run.in_flight.finish()  # the norm and the optimizer read every gradient
             self.link.finish()  # every boundary activation sent has arrived

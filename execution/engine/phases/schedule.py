@@ -101,6 +101,13 @@ def weights_loaded(phase: Phase) -> list[tuple[str, int]]:
     return [(part, phase.layer if part == LAYERS else 0) for part in PHASE_KINDS[phase.kind].loads]
 
 
+def first_loads(phases: list[Phase]) -> list[tuple[str, int]]:
+    """Each (part, row) whose weights ``phases`` load, in the order of its first load: the
+    order in which a host update running behind the step should write them (the last
+    pipeline stage loads its layers before the head and the word embedding tied to it)."""
+    return list(dict.fromkeys(key for phase in phases for key in weights_loaded(phase)))
+
+
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: its place in the pipeline and the decoder layers it holds.
