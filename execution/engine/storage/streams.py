@@ -67,6 +67,8 @@ class CudaStream:
     ``after_compute`` False: its work waits for nothing on the compute stream (the host
     update's staging copies, whose inputs the step's end synchronised)."""
 
+    after_compute = True
+
     def __init__(self, device: torch.device, delay_cycles: int = 0, after_compute: bool = True):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
