@@ -56,13 +56,7 @@ from bench_profile import gpu_activity, profile_step, synchronize
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 from child_process import append_json_line, read_json_lines, run_child
 from command_line import check_output_file, exit_on_bad_input
-from idle_gaps import (
-    PhaseClock,
-    format_clock,
-    format_gaps,
-    format_update_behind,
-    profile_idle,
-)
+from idle_gaps import PhaseClock, format_clock, format_gaps, format_update_behind, profile_idle
 
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
@@ -150,6 +144,7 @@ def our_engine(config: PretrainingConfig, device: torch.device, batches) -> Step
     step.setup_s = engine.setup_seconds  # buffers (host pages registered) and weights drawn
     # The host update that ran behind the step just taken, row by row (None: none ran).
     step.update_behind = lambda: engine.optimizer.behind
+    step.attention = engine.attention.record()  # its kernel, and faster ones passed over
     step.plan = {
         "passes": memory.passes,
         "micro_batches_per_pass": memory.micro_batches_per_pass,
@@ -215,6 +210,7 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     if ours:
         row["plan"] = step_fn.plan
         row["setup_s"] = step_fn.setup_s
+        row["attention_kernel"] = step_fn.attention
     row["state_bytes_per_param"] = getattr(step_fn, "state_bytes_per_param", None)
     row["device_cap_GiB"] = config.execution.device_memory_cap_gb or None
     row["tokens_per_step"] = config.tokens_per_step

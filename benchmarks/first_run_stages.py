@@ -1,6 +1,8 @@
 """What the first run on a GPU runs, in order of value, and at what size (gpu_first_run.py).
 
-The rows (:data:`ROWS`) are the issue's, most valuable first: ``llama3_8B`` at full depth,
+The probe first, then the attention kernels timed at the rows' calls (the rows run with those
+timings, so each engine runs the fastest kernel that passes its check). The rows
+(:data:`ROWS`) are the issue's, most valuable first: ``llama3_8B`` at full depth,
 streamed, on an H200 capped at an H100's memory and at 24 GiB; ``gpt3_6.7B`` at full depth,
 streamed and capped; ``gpt3_1.3B`` resident, compiled at dropout 0 and 0.1 and eager; our
 streamed row against FSDP2 with CPU offload on the same model, batch and recompute, both
@@ -143,6 +145,7 @@ def quick_stages(device: str) -> list[Stage]:
     on = ("--device", device)
     return [
         Stage("probe", 0, 60),
+        Stage("attention", 5, 120),
         *(Stage(r.name, 5, 120, r.variant, (*r.quick, *on), 0, 1) for r in ROWS),
         Stage("checks", 10, 200),
         *(Stage(f"parity:{r}", 5, 120, r, (*QUICK, *on), 0, 1) for r in PARITY_ROWS),
@@ -184,7 +187,7 @@ def real_stages(device: str, plan: dict) -> list[Stage]:
 
 def stage_definitions() -> list[tuple[str, str, tuple[str, ...], int, int]]:
     """(name, row, flags, warm-up, steps) of every stage of a real run, in order."""
-    stages = [("probe", "", (), 0, 0)]
+    stages = [("probe", "", (), 0, 0), ("attention", "", (), 0, 0)]
     stages += [(r.name, r.variant, r.flags, r.warmup, r.steps) for r in ROWS]
     stages.append(("checks", "", (), 0, 0))
     parity = tuple(PARITY_SIZE)

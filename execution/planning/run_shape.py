@@ -240,4 +240,15 @@ class RunShape:
             sparsity=self.sparsity,
             overlap_update=self.overlap_update,
             compile=self.compile,
+            attention_kernels=self.attention_ranking(),
+        )
+
+    def attention_ranking(self) -> tuple[str, ...]:
+        """The fused attention kernels the spec timed at this run's shape, dtype and dropout,
+        fastest first: one call is a micro-batch's sequences, whole (context parallelism
+        hands a rank heads instead of pieces), over this rank's heads."""
+        model, mesh = self.model, self.mesh
+        batch_heads = self.micro_batch_size * max(1, model.heads // (mesh.tp1 * mesh.cp))
+        return self.spec.attention_ranking(
+            self.precision, model.dropout_prob, batch_heads, self.sequence_length, model.head_dim
         )

@@ -171,6 +171,11 @@ class Stage:
         assert part == HEAD, part
         return int(self.is_last)
 
+    def load_order(self, micro_batches: int, passes: int) -> list[tuple[str, int]]:
+        """Each (part, row) this stage holds in the order a training step first loads it
+        (:func:`first_loads`)."""
+        return first_loads(training_phases(self, micro_batches, passes))
+
     def in_flight(self, passes: int) -> int:
         """Passes whose activations this stage holds at once in one-forward-one-backward."""
         return min(self.count - self.index, passes)

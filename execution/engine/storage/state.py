@@ -262,6 +262,17 @@ class StateStore:
             return False
         return not gather or all(self.rts[kind].size == 1 for kind in self.specs[part])
 
+    def prefetch_unless_waiting(
+        self, loads: list[tuple[str, int]], dtype: torch.dtype, gather: bool
+    ) -> list[tuple[str, int]]:
+        """Prefetches each of ``loads`` but those :meth:`prefetch_would_wait` for, which it
+        returns: the caller issues them after the phase it is about to run."""
+        later = [(part, row) for part, row in loads if self.prefetch_would_wait(part, row, gather)]
+        for part, row in loads:
+            if (part, row) not in later:
+                self.prefetch_weights(part, row, dtype, gather)
+        return later
+
     def await_update(self, part: str, row: int) -> None:
         """Returns once the update in flight, if any, has written (part, row)."""
         if self.updating is not None:
