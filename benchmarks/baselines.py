@@ -41,22 +41,31 @@ def plain_loop_label(config: PretrainingConfig) -> str:
 FSDP2_OFFLOAD = "pytorch FSDP2 + CPU offload"
 
 
-class Checkpointed(nn.Module):
-    """A decoder block whose activations are recomputed in backward (torch.utils.checkpoint)."""
+class Held(nn.Module):
+    """A decoder block behind a module of its own: what is hooked onto this one (FSDP2's
+    gathers) runs outside the block's compiled graph, as torchtitan compiles then shards."""
 
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None = None) -> torch.Tensor:
+        return self.block(x, seeds)
+
+
+class Checkpointed(Held):
+    """A decoder block whose activations are recomputed in backward (torch.utils.checkpoint)."""
+
+    def forward(self, x: torch.Tensor, seeds: BlockSeeds | None = None) -> torch.Tensor:
         return checkpoint(self.block, x, seeds, use_reentrant=False)
 
 
-def initial_model(config: PretrainingConfig) -> GPT:
+def initial_model(config: PretrainingConfig, held: bool = False) -> GPT:
     """The single-device GPT with our engine's initial weights, each layer checkpointed unless
-    ``--recompute none``. The weights are drawn once, on every core this process may use, into
-    a model built without storage: one built on the host would first allocate weights of its
-    own and fill its embeddings with torch's random numbers, only to have them replaced."""
+    ``--recompute none`` (then :class:`Held` if ``held``). The weights are drawn once, on every
+    core this process may use, into a model built without storage: one built on the host would
+    first allocate weights of its own and fill its embeddings with torch's random numbers, only
+    to have them replaced."""
     shapes = GPTShapes.from_config(config.model)
     with torch.device("meta"):
         model = GPT(shapes)
@@ -65,6 +74,8 @@ def initial_model(config: PretrainingConfig) -> GPT:
     model.load_state_dict(weights, assign=True)
     if config.execution.recompute != "none":
         model.layers = nn.ModuleList(Checkpointed(layer) for layer in model.layers)
+    elif held:
+        model.layers = nn.ModuleList(Held(layer) for layer in model.layers)
     return model
 
 
@@ -97,7 +108,7 @@ def compile_blocks(model: GPT) -> None:
     """Compiles each decoder block and the head in place, as torchtitan compiles per block
     and as ``--compile`` compiles our parts (execution/engine/phases/compiled.py)."""
     for layer in model.layers:
-        block = layer.block if isinstance(layer, Checkpointed) else layer
+        block = layer.block if isinstance(layer, Held) else layer
         block.compile(options=INDUCTOR_OPTIONS)
     model.head.compile(options=INDUCTOR_OPTIONS)
 
@@ -110,6 +121,7 @@ def pytorch_loop(
     autocast: bool = True,
     fused: bool | None = None,
     before_micro_batch: MicroBatchHook | None = None,
+    compiled: bool | None = None,
 ) -> StepFn:
     """The textbook loop on ``model`` (default: :func:`initial_model` moved to ``device``).
 
@@ -117,12 +129,14 @@ def pytorch_loop(
     where the model casts its parameters itself, as FSDP2's mixed precision does). ``fused``
     picks torch's fused AdamW; by default on CUDA only, so that on a CPU the baseline's update
     is the textbook single-tensor one. The loop's own model compiles its blocks where
-    ``--compile`` would compile ours (:func:`compile_blocks`).
+    ``--compile`` would compile ours (:func:`compile_blocks`); ``compiled`` says whether a
+    given model's blocks are compiled (their dropout seeds are then tensors).
     """
-    compiled = model is None and compiles(config.execution.compile, device.type)
-    model = model if model is not None else initial_model(config).to(device)
-    if compiled:
-        compile_blocks(model)
+    if model is None:
+        compiled = compiles(config.execution.compile, device.type)
+        model = initial_model(config).to(device)
+        if compiled:
+            compile_blocks(model)
     t, o = config.training, config.training.optimizer
     if fused is None:
         fused = device.type == "cuda"
@@ -145,7 +159,7 @@ def pytorch_loop(
             if before_micro_batch is not None:
                 before_micro_batch(m, accumulation)
             with torch.autocast(device.type, dtype, enabled=autocast):
-                seeds = _dropout_seeds(config, i, m, compiled)
+                seeds = _dropout_seeds(config, i, m, bool(compiled))
                 loss = model(tokens[m, :, :-1], tokens[m, :, 1:], **seeds)
             (loss * (scale / accumulation)).backward()
             total += loss.detach().float()
@@ -157,6 +171,8 @@ def pytorch_loop(
         optimizer.step()
         return total.item() / accumulation
 
+    # Each parameter, its gradient and AdamW's two moments, all in the parameters' dtype.
+    step.state_bytes_per_param = 4 * next(model.parameters()).element_size()
     return step
 
 
@@ -168,8 +184,11 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
     the layers compute in that dtype (``MixedPrecisionPolicy``), gradients are reduced in
     float32.
 
-    Configured as fairly as FSDP2 allows, to move what our engine moves: each parameter once to
-    the device per step and each gradient once back. Parameters stay gathered from the first
+    Its blocks recompute what ours do (``--recompute``: none keeps every activation) and
+    compile where ours do (``--compile``; :func:`compile_blocks` on each block inside the
+    module FSDP2 shards). Configured as fairly as FSDP2 allows, to move what our engine moves:
+    each parameter once to the device per step and each gradient once back. Parameters stay
+    gathered from the first
     forward of a step to its last backward (``reshard_after_forward=False``, and
     ``set_reshard_after_backward(False)`` on all but the last micro-batch), and gradients
     accumulate on the device without a reduction or an offload per micro-batch
@@ -193,7 +212,10 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
     policy = {"offload_policy": CPUOffloadPolicy(), "reshard_after_forward": False}
     if dtype != torch.float32:
         policy["mp_policy"] = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-    model = initial_model(config)
+    compiled = compiles(config.execution.compile, device.type)
+    model = initial_model(config, held=compiled)
+    if compiled:
+        compile_blocks(model)
     for layer in model.layers:
         fully_shard(layer, **policy)
     fully_shard(model, **policy)
@@ -205,7 +227,14 @@ def fsdp2_offload(config: PretrainingConfig, device: torch.device, batches) -> S
 
     # The update runs on the host copies; torch's fused CPU AdamW is the fastest it offers.
     return pytorch_loop(
-        config, device, batches, model, autocast=False, fused=True, before_micro_batch=last_only
+        config,
+        device,
+        batches,
+        model,
+        autocast=False,
+        fused=True,
+        before_micro_batch=last_only,
+        compiled=compiled,
     )
 
 

@@ -56,7 +56,7 @@ from bench_profile import gpu_activity, profile_step, synchronize
 from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
 from child_process import append_json_line, read_json_lines, run_child
 from command_line import check_output_file, exit_on_bad_input
-from idle_gaps import PhaseClock, format_clock, format_gaps, profile_idle
+from idle_gaps import PhaseClock, format_clock, format_gaps, format_update_behind, profile_idle
 
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
@@ -65,12 +65,18 @@ from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
+from execution.planning.memory import cap_device_memory
 from execution.planning.planner import plan_for_process
 from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
 from modelling.host_threads import team_thread
-from utils.metrics import device_peak_tflops, flops_per_token, throughput
+from utils.metrics import (
+    attention_flops_per_token,
+    device_peak_tflops,
+    flops_per_token,
+    throughput,
+)
 
 
 @dataclass(frozen=True)
@@ -102,6 +108,9 @@ VARIANTS = {
     "fsdp2": Variant(FSDP2_OFFLOAD, "fsdp2"),
 }
 COMPARE = ("auto", "streamed", "no_overlap", "plain", "fsdp2")
+# The training state a parameter costs wherever it lives (activations and working sets aside):
+# its weights, 16-bit copies, gradient accumulators and AdamW moments.
+STATE_KEYS = ("weights", "weight_copies", "grads", "optimizer")
 FSDP2_NEEDS_CUDA = "needs CUDA (its offload moves state between host and GPU)"
 # What a row's process runs with on CUDA: the allocator maps segments that grow in place, so
 # the phases' changing working sets fragment less (and the row says it ran so).
@@ -130,6 +139,12 @@ def our_engine(config: PretrainingConfig, device: torch.device, batches) -> Step
         lr = learning_rate(i, t.optimizer, config.tokens_per_step, t.steps)
         return engine.train_step(batches[i], i, lr, StepHooks(on_phase=on_phase)).loss
 
+    state = sum(memory.state_bytes.get(k, 0) for k in STATE_KEYS)
+    step.state_bytes_per_param = state / GPTShapes.from_config(config.model).num_parameters
+    step.setup_s = engine.setup_seconds  # buffers (host pages registered) and weights drawn
+    # The host update that ran behind the step just taken, row by row (None: none ran).
+    step.update_behind = lambda: engine.optimizer.behind
+    step.attention = engine.attention.record()  # its kernel, and faster ones passed over
     step.plan = {
         "passes": memory.passes,
         "micro_batches_per_pass": memory.micro_batches_per_pass,
@@ -174,12 +189,14 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     times, losses, every = [], [], []
     ours = getattr(step_fn, "plan", None) is not None
     clock = PhaseClock(device) if run.idle_gaps and ours else None
+    behind = None  # the host update behind the clocked step, where one ran
     for i in range(run.warmup + run.steps):
         synchronize(device)
         started = time.perf_counter()
         if clock is not None and i == run.warmup + run.steps - 1:
             losses.append(step_fn(i, on_phase=clock))
             clock.stop()
+            behind = step_fn.update_behind()
         else:
             losses.append(step_fn(i))
         synchronize(device)
@@ -192,26 +209,40 @@ def measure(label: str, build, config: PretrainingConfig, run: Run) -> dict:
     row = {"variant": label, "device": str(device), "pid": os.getpid()}
     if ours:
         row["plan"] = step_fn.plan
+        row["setup_s"] = step_fn.setup_s
+        row["attention_kernel"] = step_fn.attention
+    row["state_bytes_per_param"] = getattr(step_fn, "state_bytes_per_param", None)
+    row["device_cap_GiB"] = config.execution.device_memory_cap_gb or None
+    row["tokens_per_step"] = config.tokens_per_step
     row["step_s"] = statistics.median(times)
     row["each_step_s"] = every  # warm-up included: the first step compiles
     if clock is not None:
         row["phase_clock"] = clock.seconds()
+        if behind is not None:
+            row["update_behind"] = behind
     row.update(first_loss=losses[0], last_loss=losses[-1])
-    m = config.model
+    m, shapes = config.model, GPTShapes.from_config(config.model)
+    full = flops_per_token(shapes, m.sequence_length)
     rates = throughput(
         row["step_s"],
         config.training.global_batch_size,
         m.sequence_length,
-        flops_per_token(GPTShapes.from_config(m), m.sequence_length),
+        full,
         device_peak_tflops(device, config.execution.peak_tflops),
         devices=1,
     )
     row.update(tokens_per_s=rates["tokens_per_sec"], tflops=rates["tflops"], mfu=rates["mfu"])
+    # MFU's other convention: attention's causal half of the [S, S] square, as FlashAttention's
+    # benchmarks and the published leader count it.
+    causal = full - attention_flops_per_token(shapes, m.sequence_length) / 2
+    row["mfu_causal"] = None if rates["mfu"] is None else rates["mfu"] * causal / full
     row["peak_mem_GiB"] = peak_memory(device) / 2**30
     if device.type == "cuda":
         row["peak_reserved_GiB"] = torch.cuda.max_memory_reserved(device) / 2**30
         row["allocator"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row["host_rss_GiB"] = (proc_status_bytes("VmRSS") or 0) / 2**30 or None
+    # The process's peak since it started (on a CPU, since this row's reset): its set-up too.
+    row["host_peak_GiB"] = (proc_status_bytes("VmHWM") or 0) / 2**30 or None
     if device.type == "cuda" and run.profile:
         row.update(profile_step(step_fn, run.warmup + run.steps, device))
         if run.idle_gaps and ours:
@@ -254,12 +285,18 @@ def measure_row(key: str, flags: list[str], run_args: argparse.Namespace) -> dic
     run.idle_gaps = getattr(run_args, "idle_gaps", False)
     batches = read_batches(config, run.warmup + run.steps + 4)  # + 4: the profiled steps
     build = {"ours": our_engine, "plain": pytorch_loop, "fsdp2": fsdp2_offload}[kind]
+    if kind != "ours":  # ours is capped by its planning (plan_for_process)
+        cap_device_memory(RunShape.of(config), device)
     try:
         return measure(label, lambda: build(config, device, batches), config, run)
     except Exception as err:
         if not out_of_memory(err):
             raise
-        return {"variant": label, "device": str(device), "error": f"out of memory: {one_line(err)}"}
+        # A baseline that keeps every activation may need recompute where ours does not.
+        keeps = kind != "ours" and config.execution.recompute == "none"
+        why = " at --recompute none (it needs recompute to fit)" if keeps else ""
+        error = f"out of memory{why}: {one_line(err)}"
+        return {"variant": label, "device": str(device), "error": error}
     finally:
         gc.collect()
         if device.type == "cuda":
@@ -370,6 +407,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for row in rows:
         if "phase_clock" in row:
             print(f"{row['variant']}: " + format_clock(row["phase_clock"]))
+        if row.get("update_behind"):
+            print(f"{row['variant']}: " + format_update_behind(row["update_behind"]))
         if "idle_gaps" in row:
             print(f"{row['variant']}: " + format_gaps(row["idle_gaps"]))
     if args.adamw_elements > 0:

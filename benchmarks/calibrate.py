@@ -22,6 +22,10 @@ rates, say) is one more entry in both places.
 - free_memory: device and host memory free to use when the calibration starts.
 - attention: causal ``scaled_dot_product_attention``, forward and backward, at a GPT shape;
   its FLOPs (half the square) over its time, against the peak, is ``attention_efficiency``.
+- attention_kernels (CUDA only): each fused kernel (flash, cuDNN's, the memory-efficient one)
+  at the first run's rows' calls, with dropout 0 and 0.1 (calibrate_attention.py): the
+  engine runs the fastest that passes its check (``attention_kernel_seconds``), and
+  ``attention_efficiency`` is the fastest's where it beats the pinned kernel's.
 - collectives: all-gather, reduce-scatter, all-reduce, all-to-all and send/receive between two
   local ranks (gloo on a CPU, NCCL where two GPUs are visible), payload bytes per second at a
   few sizes.
@@ -54,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from calibrate_attention import fastest_tflops, kernel_timings, measure_attention_kernels
 from calibrate_kernels import (
     measure_attention,
     measure_free_memory,
@@ -175,6 +180,7 @@ MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
     "launch": measure_launch,
     "host_memory": measure_host_memory,
     "attention": measure_attention,
+    "attention_kernels": measure_attention_kernels,
     "fresh_memory": measure_fresh_memory,
     "host_adamw": measure_host_adamw,
     "collectives": measure_collectives,
@@ -205,6 +211,11 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
     one_rate = min(link[key] for key in alone_and_both) if "both_gb_per_s" in link else host_bw
     free = measured["free_memory"]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    # The kernel the engine would choose there: the fastest timed without dropout, or the
+    # pinned one's (a CPU's, or where none of them ran at that shape).
+    attention = measured["attention"]
+    fastest = fastest_tflops(measured["attention_kernels"], attention["shape"])
+    attention_tflops = max(attention["tflops"], fastest or 0.0)
     return {
         "name": f"calibrated {name}",
         "peak_tflops": peak,
@@ -218,7 +229,8 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
         "d2h_gb_per_s": d2h,
         "launch_overhead_us": measured["launch"]["overhead_us"],
         "host_memory_gb_per_s": host_bw,
-        "attention_efficiency": min(1.0, measured["attention"]["tflops"] / peak),
+        "attention_efficiency": min(1.0, attention_tflops / peak),
+        "attention_kernel_seconds": kernel_timings(measured["attention_kernels"]),
         "collective_gb_per_s": [tuple(row) for row in measured["collectives"]["rates"]],
         "device_type": device.type,
         # A CPU's copies and gloo's collectives run on the cores that compute.

@@ -139,7 +139,7 @@ class HostUpdateState:
     def part_rows(self) -> list[tuple[str, int]]:
         return [("layers", 0)]
 
-    def host_update_pieces(self):
+    def host_update_pieces(self, rows=None):
         n = self.tensors[0].numel()
         for start in range(0, n, STAGING_ELEMENTS):
             piece = slice(start, min(start + STAGING_ELEMENTS, n))

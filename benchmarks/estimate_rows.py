@@ -1,7 +1,14 @@
-"""The dry run of exactly the plans a first run's rows ran, priced with its calibrated spec.
+"""The dry run of exactly the plans a first run's rows ran, priced with its calibrated spec;
+and, before a run, the price of every stage it will run.
 
     python benchmarks/estimate_rows.py benchmarks/results/2026-11-26-nvidia-h100-80gb-hbm3.json
     python benchmarks/estimate_rows.py RESULTS --update      # also writes the estimates into it
+    python benchmarks/estimate_rows.py --plan [--write]      # the next run's stages priced
+
+``--plan`` prices each stage of gpu_first_run.py's next run on a GPU (stage_prices.py: its
+rows' dry runs on the newest committed calibration, a targeted row's batch chosen, the other
+costs read off the committed results), marks the budget's plan and, with ``--write``, writes
+it to ``benchmarks/first_run_plan.json``, which that run sizes its stages by.
 
 Runs on any CPU, so that a lent GPU's minutes go to measuring (gpu_first_run.py). Each of our
 rows recorded the plan it ran (passes, each state's placement, recompute, micro-batch) and the
@@ -12,6 +19,7 @@ rows (the plain loop, FSDP2) have no plan of ours to price and are listed withou
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -24,6 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_step import VARIANTS
 from command_line import check_output_file, exit_on_bad_input
+from first_run_stages import DEFAULT_BUDGET_S, PLAN_FILE
+from gpu_table import RESULTS, result_files
+from stage_prices import price_stages
 
 from config.errors import ConfigError
 from config.loading import OneLineParser, parse_config
@@ -109,7 +120,22 @@ def table(rows: list[dict]) -> str:
         lines.append(f"{label} {row['step_s']:8.3f} {priced} {mfu:>6}{host}{note}")
         if est and row.get("phase_clock"):
             lines += by_kind_lines(row["phase_clock"], est["by_kind"])
+        if row.get("update_behind"):
+            lines.append(f"{'':<16}   {update_behind_line(row['update_behind'])}")
     return "\n".join(lines)
+
+
+def update_behind_line(rows: list[dict]) -> str:
+    """The clocked step's waits for the host update behind it (bench_step.py --idle_gaps), in
+    one line: in all, the longest, and when the update wrote its last row."""
+    waits = [(r["waited_s"], f"{r['part']} {r['row']}") for r in rows]
+    longest = max(waits)
+    ends = [r["written_s"] for r in rows if r["written_s"] is not None]
+    last = f"{max(ends):.3f} s" if ends else "never"
+    return (
+        f"loads waited {sum(w for w, _ in waits):.3f} s for the host update behind the step "
+        f"(longest {longest[0]:.3f} s, {longest[1]}); its last row written at {last}"
+    )
 
 
 def by_kind_lines(clock: dict, priced: dict) -> list[str]:
@@ -129,13 +155,73 @@ def by_kind_lines(clock: dict, priced: dict) -> list[str]:
     return lines
 
 
+def plan_table(plan: dict) -> str:
+    """The priced stages: each one's price, whether the budget plans it, and why."""
+    lines = [
+        f"{'stage':<22} {'batch':>5} {'tokens/step':>11} {'step s':>7} {'host GiB':>8} "
+        f"{'dev GiB':>7} {'stage s':>7}  plan"
+    ]
+    for s in plan["stages"]:
+        figures = [
+            f"{s['batch'] or '-':>5}" if "batch" in s else f"{'':>5}",
+            f"{s['tokens_per_step']:>11,}" if s.get("tokens_per_step") else f"{'':>11}",
+            f"{s['predicted_step_s']:>7.1f}" if s.get("predicted_step_s") else f"{'':>7}",
+            f"{s['host_GiB']:>8.1f}" if s.get("host_GiB") else f"{'':>8}",
+            f"{s['device_GiB']:>7.1f}" if s.get("device_GiB") else f"{'':>7}",
+            f"{s['est_s']:>7.1f}",
+        ]
+        verdict = "skipped" if s.get("skip") else "planned" if s["planned"] else "if time is left"
+        why = s.get("skip") or s.get("note", "")
+        lines.append(
+            f"{s['name']:<22} {' '.join(figures)}  {verdict}" + (f": {why}" if why else "")
+        )
+    room = plan["budget_s"] * (1 - plan["margin"])
+    lines.append(
+        f"planned: {plan['planned_s']:.0f} s of the {plan['budget_s']:.0f} s budget less its "
+        f"{plan['margin']:.0%} margin ({room:.0f} s); prices on {plan['spec']}"
+    )
+    return "\n".join(lines)
+
+
+def newest_spec(folder: Path) -> Path | None:
+    """The calibration of the newest committed run (gpu_table.py's order)."""
+    specs = [p.with_suffix(".spec.json") for p in result_files(folder)]
+    specs = [p for p in specs if p.is_file()]
+    return specs[-1] if specs else None
+
+
+def main_plan(args: argparse.Namespace, parser) -> int:
+    results = [json.loads(p.read_text()) for p in result_files(args.results_dir)]
+    spec = args.spec or newest_spec(args.results_dir)
+    if not results or spec is None:
+        parser.error(f"{args.results_dir}: no committed first run to price the stages from")
+    plan = price_stages(results, spec, args.budget_s)
+    print(plan_table(plan))
+    if args.write:
+        write_atomic(PLAN_FILE, json.dumps(plan, indent=1) + "\n")
+        print(f"written: {PLAN_FILE}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", type=Path, help="a results file of gpu_first_run.py")
+    parser.add_argument("results", type=Path, nargs="?", help="a results file of gpu_first_run.py")
     spec_help = "device spec file (default: the results file's name, ending .spec.json)"
     parser.add_argument("--spec", type=Path, help=spec_help)
     parser.add_argument("--update", action="store_true", help="write the estimates into it")
+    parser.add_argument("--plan", action="store_true", help="price the next run's stages")
+    parser.add_argument("--write", action="store_true", help="--plan: write its plan file")
+    parser.add_argument("--budget_s", type=float, default=DEFAULT_BUDGET_S, help="--plan's budget")
+    parser.add_argument("--results_dir", type=Path, default=RESULTS, help="committed runs")
     args = parser.parse_args(argv)
+    if args.plan:
+        if args.results or args.update:
+            parser.error("--plan prices the next run: give no results file and no --update")
+        if args.budget_s <= 0:
+            parser.error("--budget_s must be a positive number of seconds")
+        return main_plan(args, parser)
+    if args.results is None:
+        parser.error("give a results file of gpu_first_run.py, or --plan")
     if args.update:
         check_output_file("--update", args.results)
     try:

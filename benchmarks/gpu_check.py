@@ -17,6 +17,11 @@
 3. The prefetching loader hands out pinned batches.
 4. Attention with dropout, as one op of a compiled block, is eager's call on each kernel the
    engine pins (FlashAttention in bfloat16, the memory-efficient kernel in float32).
+5. The check the engine makes of an attention kernel before it runs the calibration's fastest
+   (``execution/engine/phases/attention_kernels.py``), on each fused kernel at gpt3_1.3B's
+   call, with dropout 0 and 0.1: what passes, and why each other does not. It fails if a
+   kernel the engine ran before (flash in bfloat16, the memory-efficient kernel in float32)
+   does not pass: the check would then pass over a kernel that works.
 
 Prints one line per check and a verdict; exits 1 if any check fails. Without CUDA it says so
 in one line and exits 2, unless ``--device cpu`` asks for the checks a CPU can run (the others
@@ -51,6 +56,7 @@ from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
 from data.prefetch import PrefetchingLoader
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases.attention_kernels import CUDA_KERNELS, kernel_mismatch
 from execution.engine.phases.compiled import attention_op_mismatch, compile_unavailable
 from execution.engine.storage.streams import late_side_streams
 from execution.parallel.mesh import ParallelLayout, _all_gather_flat, _reduce_scatter_flat
@@ -240,6 +246,29 @@ def check_attention_op(device: torch.device, steps: int) -> tuple[bool, str]:
     return ok, "; ".join(details)
 
 
+def check_attention_kernels(device: torch.device, steps: int) -> tuple[bool, str]:
+    """The engine's check of each fused attention kernel (the CPU's kernels on a CPU), at
+    gpt3_1.3B's call in bfloat16 (16 heads of 128 over 2048 tokens) with dropout 0 and 0.1,
+    and the memory-efficient kernel in float32: which pass, and why the others do not."""
+    heads, head_dim, sequence = (16, 128, 2048) if device.type == "cuda" else (2, 16, 64)
+    kernels = CUDA_KERNELS if device.type == "cuda" else ("cpu_flash", "math")
+    ran_before = {("flash", torch.bfloat16), ("efficient", torch.float32)}
+    cases = [(k, torch.bfloat16, p) for k in kernels for p in (0.0, 0.1)]
+    cases.append(("efficient" if device.type == "cuda" else "math", torch.float32, 0.1))
+    details, ok = [], True
+    for kernel, dtype, dropout in cases:
+        if device.type != "cuda" and (kernel == "math") != bool(dropout):
+            continue  # a CPU runs its fused kernel without dropout, the math path with
+        reason = kernel_mismatch(device, dtype, heads, head_dim, sequence, kernel, dropout)
+        if device.type == "cuda" and (kernel, dtype) in ran_before:
+            ok &= reason is None
+        name = f"{kernel} {str(dtype).removeprefix('torch.')} p={dropout:g}"
+        details.append(f"{name}: {reason or 'passes'}")
+    if device.type == "cuda":
+        details.insert(0, f"cuDNN {torch.backends.cudnn.version()}")
+    return ok, "; ".join(details)
+
+
 Check = Callable[[torch.device, int], tuple[bool, str]]
 CHECKS: dict[str, Check] = {
     "remote vs resident (bf16)": check_placements,
@@ -250,6 +279,7 @@ CHECKS: dict[str, Check] = {
     "NCCL world of one": check_nccl_world_of_one,
     "pinned prefetch": check_pinned_prefetch,
     "attention's dropout as one op": check_attention_op,
+    "attention kernels' checks": check_attention_kernels,
 }
 # What a CPU cannot check: a second device to compare with, NCCL, pinned memory.
 CUDA_ONLY = ("GPU vs CPU (float32)", "NCCL world of one", "pinned prefetch")

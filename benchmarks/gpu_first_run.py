@@ -2,27 +2,39 @@
 
     python benchmarks/gpu_first_run.py --results_dir DIR          # one H200: about 8 minutes
     python benchmarks/gpu_first_run.py --device cpu --quick --json out.json   # tiny, for tests
-    python benchmarks/gpu_first_run.py --stages calibration row:resident      # some stages again
+    python benchmarks/gpu_first_run.py --stages calibration row:1.3B-dropout0 # some stages again
 
-Stages, in order (:func:`stages`), each in a process of its own with its own time limit:
+Stages, in order of value (first_run_stages.py), each in a process of its own with its own
+time limit:
 
-1. probe: the device, its free memory, torch's and CUDA's versions;
-2. checks: gpu_check.py's correctness checks (remote, host activations, host gradients and
+1. probe: the device, its free memory, the host's memory, torch's and CUDA's versions;
+   then attention: each fused attention kernel timed at the rows' calls
+   (calibrate_attention.py), written beside the results as ``<name>.attention.json``, a
+   device spec file the rows run with: each row's engine runs the fastest kernel that
+   passes its check (the kernel a row ran, and any it passed over, are in its results);
+2. rows: ``llama3_8B`` at full depth, streamed, capped at an H100's memory and at 24 GiB;
+   ``gpt3_6.7B`` at full depth, streamed and capped; ``gpt3_1.3B`` resident, compiled at
+   dropout 0 and 0.1 and eager; ours streamed against FSDP2 with CPU offload on the same model,
+   batch and recompute, both compiled. Each prints how long its buffers (the host pages
+   registered) and its weights took to set up;
+3. checks: gpu_check.py's correctness checks (remote, host activations, host gradients and
    bfloat16 host weights against resident, with late side streams; GPU against CPU; NCCL;
    pinned prefetch; attention's dropout as one op). A check that kills its process is
    recorded as failed and the remaining checks run in a fresh one;
-3. parity: ours, the plain PyTorch loop and FSDP2 with CPU offload at a small size in float32,
+4. parity: ours, the plain PyTorch loop and FSDP2 with CPU offload at a small size in float32,
    each in its own process: their first losses must agree (the baselines train our model);
-4. calibration: calibrate.py's constants, written beside the results as ``<name>.spec.json``;
-5. rows: ours with gpt3_1.3B resident, ours streaming the weights of a model at gpt3_6.7B's
-   width with 8 layers, and FSDP2 with CPU offload on that same model, at a global batch of 64.
+5. calibration: calibrate.py's constants, written beside the results as ``<name>.spec.json``.
 
+A real run sizes its stages by ``benchmarks/first_run_plan.json`` (``estimate_rows.py --plan
+--write``: each row's batch, each stage's price and host memory, the stages the budget plans).
 This process never touches CUDA: a fault in one stage cannot poison another. The results file
-is rewritten atomically after every stage. A stage starts only when the budget (``--budget_s``)
-leaves the time it needs (``need_s``), and is otherwise recorded as skipped; its limit is cut
-so that the stages after it keep theirs. A row keeps the steps that ended and the end of its
-output if it is killed at its limit. ``benchmarks/estimate_rows.py`` later prices exactly the
-plans the rows ran with the calibrated spec, on any CPU, and ``benchmarks/gpu_table.py``
+is rewritten atomically after every stage. A planned stage starts when the budget
+(``--budget_s``) leaves the time it needs (``need_s``), and its limit is cut so that the planned
+stages after it keep theirs; a stage the budget did not plan runs only on time the planned ones
+do not need; a row whose plan does not fit the host's memory (the probe's) or whose dry run
+fits nothing is recorded as skipped, with why. A row keeps the steps that ended and the end of
+its output if it is killed at its limit. ``benchmarks/estimate_rows.py`` later prices exactly
+the plans the rows ran with the calibrated spec, on any CPU, and ``benchmarks/gpu_table.py``
 renders the README's table from the results.
 """
 
@@ -33,7 +45,6 @@ import datetime
 import json
 import os
 import re
-import shlex
 import sys
 import time
 import traceback
@@ -47,37 +58,24 @@ import bench_step
 from baselines import fsdp2_host_bytes
 from child_process import read_json_lines, run_child
 from command_line import check_output_file, check_output_folder, exit_on_bad_input
-from gpu_table import device_slug
+from first_run_stages import DEFAULT_BUDGET_S, Stage, quick_stages, read_plan, real_stages
+from gpu_table import device_slug, run_lines
+from stage_prices import host_fits
 
 from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_BUDGET_S = 450  # with the machine's start, one command of 9 minutes at most
 CHECK_STEPS = 2  # the second step's loss shows the first update's gradients
 PARITY_TOLERANCE = 1e-4  # float32 first losses near ln(50257); summation order only
 HOST_HEADROOM = 1.15  # Python, CUDA context, batches and the allocator's slack beside FSDP2's
-REDUCED_BATCH = ("--global_batch_size", "64")
-# Eager, the plain loop too (it follows --compile): parity is of the engine's numbers, and
-# its minute would go to compiling; the rows compile.
-PARITY_SIZE = shlex.split(
-    "--config tiny --layers 2 --hidden_size 256 --heads 4 --sequence_length 256 "
-    "--max_positional_length 256 --global_batch_size 8 --micro_batch_size 2 "
-    "--dropout_prob 0 --precision float32 --compile false"
-)
-QUICK = shlex.split(
-    "--config tiny --hidden_size 32 --sequence_length 32 --max_positional_length 32 "
-    "--global_batch_size 4 --micro_batch_size 2"
-)
-QUICK_LLAMA = shlex.split(
-    "--config llama_tiny --layers 2 --global_batch_size 4 --micro_batch_size 2"
-)
 PROBE = """
 import json, os, sys, torch
 out = {"torch": torch.__version__, "cpus": os.cpu_count(), "python": sys.version.split()[0]}
 with open("/proc/meminfo") as meminfo:
-    out["host_available_GiB"] = next(
-        int(line.split()[1]) / 2**20 for line in meminfo if line.startswith("MemAvailable:"))
+    kib = {line.split(":")[0]: int(line.split()[1]) for line in meminfo}
+out["host_available_GiB"] = kib["MemAvailable"] / 2**20
+out["host_total_GiB"] = kib["MemTotal"] / 2**20
 if sys.argv[1] == "cuda":
     free, total = torch.cuda.mem_get_info(0)
     props = torch.cuda.get_device_properties(0)
@@ -90,64 +88,10 @@ print("PROBE " + json.dumps(out))
 """
 
 
-@dataclass(frozen=True)
-class Stage:
-    """One process of the run: ``need_s`` is what it must be left to start, ``limit_s`` the
-    most it may take."""
-
-    name: str
-    need_s: float
-    limit_s: float
-    row: str = ""  # a bench_step.VARIANTS key, for the parity and measured rows
-    flags: tuple[str, ...] = ()
-    warmup: int = 1
-    steps: int = 2
-    profile: bool = False
-
-    @property
-    def kind(self) -> str:
-        return self.name.split(":")[0]
-
-
 def stages(device: str, quick: bool) -> list[Stage]:
-    """What the run does, in order, with the time each needs and may take. The needs and
-    limits of the real run are for one H100 (16 host cores)."""
-    on = ("--device", device)
-    if quick:
-        small, rows = (*QUICK, *on), (*QUICK, "--layers", "2", *on)
-        return [
-            Stage("probe", 0, 60),
-            Stage("checks", 10, 200),
-            *(Stage(f"parity:{r}", 5, 120, r, small, 0, 1) for r in ("ours", "plain", "fsdp2")),
-            Stage("calibration", 10, 200),
-            Stage("row:resident", 5, 120, "resident", rows, 0, 1),
-            Stage("row:streamed", 5, 120, "streamed", rows, 0, 1),
-            Stage("row:fsdp2", 5, 120, "fsdp2", rows, 0, 1),
-            Stage("row:llama", 5, 120, "streamed", (*QUICK_LLAMA, *on), 0, 1),
-        ]
-    parity = (*PARITY_SIZE, *on)
-    wide = ("--config", "gpt3_6.7B", "--layers", "8", *REDUCED_BATCH, *on)
-    # The 8B Llama's width (GQA, SwiGLU, its 128K vocabulary) with few layers, streamed.
-    llama = ("--config", "llama3_8B", "--layers", "4", "--sequence_length", "2048")
-    return [
-        Stage("probe", 0, 60),
-        Stage("checks", 45, 120),
-        *(Stage(f"parity:{r}", 15, 60, r, parity, 0, 2) for r in ("ours", "plain", "fsdp2")),
-        Stage("calibration", 60, 150),
-        Stage(
-            "row:resident",
-            60,
-            150,
-            "resident",
-            ("--config", "gpt3_1.3B", *REDUCED_BATCH, *on),
-            1,
-            3,
-            True,
-        ),
-        Stage("row:streamed", 60, 150, "streamed", wide, 1, 2, True),
-        Stage("row:fsdp2", 60, 150, "fsdp2", wide, 1, 2),
-        Stage("row:llama", 60, 150, "streamed", (*llama, *REDUCED_BATCH, *on), 1, 2),
-    ]
+    """What the run does, in order, with the time each needs and may take: at CPU size, or
+    sized by the priced plan (first_run_stages.py; ValueError where it is missing or stale)."""
+    return quick_stages(device) if quick else real_stages(device, read_plan())
 
 
 @dataclass
@@ -181,6 +125,11 @@ class Report:
     @property
     def spec_file(self) -> Path:
         return self.path.with_suffix(".spec.json")
+
+    @property
+    def attention_file(self) -> Path:
+        """The attention stage's timings: the device spec file the rows run with."""
+        return self.path.with_suffix(".attention.json")
 
 
 def run_probe(stage: Stage, report: Report, timeout: float) -> dict:
@@ -241,6 +190,15 @@ def run_calibration(stage: Stage, report: Report, timeout: float, quick: bool) -
     return {"ok": False, "error": f"{why}: {done.last_line()}", "output_tail": done.tail}
 
 
+def run_attention(stage: Stage, report: Report, timeout: float) -> dict:
+    command = [sys.executable, str(HERE / "calibrate_attention.py"), "--device", report.device]
+    done = run_child([*command, "--output", str(report.attention_file)], timeout)
+    if done.returncode == 0 and report.attention_file.exists():
+        return {"ok": True, "spec_file": report.attention_file.name, "output_tail": done.tail}
+    why = "timed out" if done.timed_out else f"exit code {done.returncode}"
+    return {"ok": False, "error": f"{why}: {done.last_line()}", "output_tail": done.tail}
+
+
 def run_row(stage: Stage, report: Report, timeout: float) -> dict:
     if stage.row == "fsdp2":
         if report.device != "cuda":
@@ -259,7 +217,10 @@ def run_row(stage: Stage, report: Report, timeout: float) -> dict:
         # Our rows clock their phases (free); the profiled ones also split their idle time.
         idle_gaps=True,
     )
-    row = bench_step.run_row(stage.row, list(stage.flags), run_args, timeout)
+    flags = list(stage.flags)
+    if report.attention_file.exists():  # the kernels' timings: the engine runs the fastest
+        flags += ["--device_spec_file", str(report.attention_file)]
+    row = bench_step.run_row(stage.row, flags, run_args, timeout)
     return _record_row(stage, report, row)
 
 
@@ -277,6 +238,8 @@ def run_stage(stage: Stage, report: Report, timeout: float, quick: bool) -> dict
         return run_checks(stage, report, timeout, quick)
     if stage.kind == "calibration":
         return run_calibration(stage, report, timeout, quick)
+    if stage.kind == "attention":
+        return run_attention(stage, report, timeout)
     return run_row(stage, report, timeout)
 
 
@@ -303,7 +266,8 @@ def results_path(args: argparse.Namespace, probe: dict) -> Path:
 def check_results_files(flag: str, path: Path) -> None:
     """Every file a run writes beside its results, checked before the stages spend minutes of
     a lent device: a folder or a read-only file in the way is one line, not a lost run."""
-    for file in (path, path.with_suffix(".spec.json"), path.with_suffix(".checks.jsonl")):
+    beside = (".spec.json", ".checks.jsonl", ".attention.json")
+    for file in (path, *(path.with_suffix(suffix) for suffix in beside)):
         check_output_file(flag, file)
 
 
@@ -323,12 +287,15 @@ def main(argv: list[str] | None = None) -> int:
         default=DEFAULT_BUDGET_S,
         help="seconds the stages may take in all (stages that do not fit are skipped)",
     )
-    stages_help = "run only these stages (and the probe), e.g. calibration row:resident"
+    stages_help = "run only these stages (and the probe), e.g. calibration row:1.3B-eager"
     parser.add_argument("--stages", nargs="+", metavar="STAGE", help=stages_help)
     args = parser.parse_args(argv)
     if args.budget_s <= 0:
         parser.error("--budget_s must be a positive number of seconds")
-    plan = stages(args.device, args.quick)
+    try:
+        plan = stages(args.device, args.quick)
+    except ValueError as err:  # the priced plan is missing or is of other stages
+        parser.error(f"{err}; price the stages with benchmarks/estimate_rows.py --plan --write")
     unknown = sorted(set(args.stages or ()) - {s.name for s in plan})
     if unknown:
         names = " ".join(s.name for s in plan)
@@ -343,17 +310,17 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(Path(os.devnull), args.device, args.budget_s)
     for n, stage in enumerate(plan):
         left = args.budget_s - report.elapsed()
-        later = sum(s.need_s for s in plan[n + 1 :])
-        if left < stage.need_s and stage.kind != "probe":  # the probe names the results
-            outcome = {"skipped": f"{left:.0f} s of the budget left, it needs {stage.need_s:.0f} s"}
+        later = sum(s.need_s for s in plan[n + 1 :] if s.planned)
+        why = None if stage.kind == "probe" else why_skipped(stage, report.probe, left, later)
+        if why:  # the probe names the results, so it always runs
+            outcome = {"skipped": why}
             if stage.row:
-                row = {
-                    "variant": bench_step.VARIANTS[stage.row].label,
-                    "skipped": outcome["skipped"],
-                }
+                row = {"variant": bench_step.VARIANTS[stage.row].label, "skipped": why}
                 _record_row(stage, report, row)
         else:
-            timeout = min(stage.limit_s, max(stage.need_s, left - later, 0), max(left, 0))
+            # A stage the budget did not plan takes no planned stage's time.
+            floor = stage.need_s if stage.planned else 0
+            timeout = min(stage.limit_s, max(floor, left - later, 0), max(left, 0))
             if stage.kind == "probe":
                 timeout = stage.limit_s
             started = time.perf_counter()
@@ -378,16 +345,50 @@ def main(argv: list[str] | None = None) -> int:
             f"of {args.budget_s:.0f} s)",
             flush=True,
         )
+        if stage.row and report.rows and report.rows[-1].get("setup_s"):
+            print(setup_line(report.rows[-1]), flush=True)
         if stage.name == "parity:fsdp2":
             report.checks.append(parity_verdict(report.rows))
         report.write()
 
     print(bench_step.format_table(report.rows))
+    print("\n".join(run_lines(report.path, {"probe": report.probe, "rows": report.rows})))
     failed = [c["check"] for c in report.checks if c["ok"] is False]
     print(f"checks failed: {', '.join(failed)}" if failed else "checks: none failed")
     spec = f" and {report.spec_file.name}" if report.spec_file.exists() else ""
     print(f"total {report.elapsed():.0f} s; written: {report.path}{spec}")
     return 1 if failed else 0
+
+
+def why_skipped(stage: Stage, probe: dict, left: float, later: float) -> str | None:
+    """Why ``stage`` does not start with ``left`` seconds of the budget, ``later`` of them
+    planned for the stages after it; None: it starts."""
+    if stage.skip:  # the dry run of its plan says it cannot run here
+        return stage.skip
+    if stage.planned and left < stage.need_s:
+        return f"{left:.0f} s of the budget left, it needs {stage.need_s:.0f} s"
+    if not stage.planned and left - later < stage.need_s:
+        return (
+            f"not in the budget's plan, and {left:.0f} s left less the planned stages' "
+            f"{later:.0f} s is under the {stage.need_s:.0f} s it needs"
+        )
+    available = probe.get("host_available_GiB")
+    if stage.host_GiB and available and not host_fits(stage.host_GiB, available):
+        return (
+            f"its plan holds {stage.host_GiB:.1f} GiB of host memory; the host has "
+            f"{available:.1f} GiB available, of which a plan may take 90%"
+        )
+    return None
+
+
+def setup_line(row: dict) -> str:
+    """A row's set-up as the engine timed it: the goal is an 8B model drawn within a minute."""
+    setup = row["setup_s"]
+    host = row.get("host_peak_GiB")
+    return (
+        f"   set-up: buffers {setup['buffers']:.1f} s (host pages allocated and registered), "
+        f"weights drawn {setup['weights']:.1f} s; host peak {host or 0:.1f} GiB"
+    )
 
 
 def _outcome_line(outcome: dict) -> str:

@@ -303,3 +303,23 @@ def format_clock(seconds: dict) -> str:
         cell = f"{device:9.3f}" if device is not None else f"{'-':>9}"
         lines.append(f"{kind:<22} {cell} {times['host_s']:9.3f}")
     return "\n".join(lines)
+
+
+def format_update_behind(rows: list[dict]) -> str:
+    """The host update that ran behind the clocked step, row by row in its order
+    (:meth:`~execution.engine.storage.row_updates.RowUpdates.report`): when each row was
+    written, from the update's start, and how long the step's loads of it (or their
+    prefetches) waited. A wait on a row written as early as the update's pace allows is the
+    update's pace; a row written early and waited for long is a load waiting for more than
+    its own row."""
+    lines = ["host update behind the clocked step (its rows in the order it wrote them)"]
+    lines.append(f"{'row':<22} {'written s':>9} {'waited s':>9}")
+    for row in rows:
+        written = row["written_s"]
+        cell = f"{written:9.3f}" if written is not None else f"{'-':>9}"
+        lines.append(f"{row['part'] + ' ' + str(row['row']):<22} {cell} {row['waited_s']:9.3f}")
+    waited = sum(row["waited_s"] for row in rows)
+    ends = [row["written_s"] for row in rows if row["written_s"] is not None]
+    took = f"{max(ends):.3f} s" if ends else "-"
+    lines.append(f"loads waited {waited:.3f} s in all; the update wrote its last row at {took}")
+    return "\n".join(lines)

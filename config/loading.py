@@ -124,12 +124,7 @@ def _coerce_type(value: Any, type_name: str, where: str) -> Any:
         if type_name == "bool":
             return _parse_bool(value)
         if type_name == "int":
-            if isinstance(value, bool):
-                raise ValueError
-            number = float(value) if isinstance(value, str) else value
-            if isinstance(number, float) and not number.is_integer():
-                raise ValueError
-            return int(number)
+            return _integer(value, where)
         if type_name == "float":
             if isinstance(value, bool):
                 raise ValueError
@@ -144,9 +139,39 @@ def _coerce_type(value: Any, type_name: str, where: str) -> Any:
             if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
                 raise ValueError
             return list(value)
+    except ConfigError:
+        raise
     except (TypeError, ValueError):
         raise ConfigError(f"{where} must be {_TYPE_WORDS[type_name]}, got {value!r}") from None
     raise AssertionError(f"unsupported config field type {type_name}")
+
+
+# Every size reaches torch, whose sizes and counts are int64: a larger integer is a bad flag,
+# said here, not an OverflowError wherever it first meets a tensor.
+INT64 = (-(2**63), 2**63 - 1)
+
+
+def _integer(value: Any, where: str) -> int:
+    """An int flag or preset value: digits exactly (a float would round past 2^53), or a
+    whole number written as one (``1e6``, ``4.0``), within int64."""
+    if isinstance(value, bool):
+        raise ValueError
+    if isinstance(value, str):
+        try:
+            number = int(value)
+        except ValueError:
+            number = float(value)
+    else:
+        number = value
+    if isinstance(number, float) and not number.is_integer():
+        raise ValueError  # nan and infinity too
+    number = int(number)
+    if not INT64[0] <= number <= INT64[1]:
+        raise ConfigError(
+            f"{where} {value} does not fit a 64-bit integer (at most 2^63 - 1 = {INT64[1]}), "
+            "the sizes torch counts in; check the number"
+        )
+    return number
 
 
 _TYPE_WORDS = {

@@ -263,6 +263,15 @@ class ExecutionConfig:
             "device, host and device are the same memory)."
         ),
     )
+    device_memory_cap_gb: float = field(
+        default=0.0,
+        metadata=_doc(
+            "Caps the device memory this process may use, in GiB, as a smaller GPU would (an "
+            "H100's 80 on an H200): the planner plans within the lesser of this and what "
+            "--device_memory_gb or the device gives, and on a GPU the allocator refuses to "
+            "hold more, so a run that needs more fails as it would on that GPU. 0: no cap."
+        ),
+    )
     host_memory_gb: float = field(
         default=0.0,
         metadata=_doc(

@@ -10,9 +10,8 @@ from pathlib import Path
 from config.errors import ConfigError, refuse_ignored_flags
 from config.schema import PretrainingConfig, plannable_recompute
 from config.schema_model import check_rope_scaling, uneven_splits
+from config.size_limits import MOST_DEVICES, validate_sizes
 
-# The most devices --plan_for plans for (2^20): more than any machine has.
-MOST_DEVICES = 1 << 20
 # The longest --collective_timeout, in seconds (30 days): a longer wait is a hang.
 LONGEST_TIMEOUT_S = 30 * 24 * 3600
 
@@ -32,6 +31,7 @@ def validate(config: PretrainingConfig, given: Collection[str] = ()) -> None:
     _validate_data(config)
     _validate_checkpoint(config)
     _validate_model(config, given)
+    validate_sizes(config)
     _validate_layout(config)
     _validate_pipeline(config)
     _validate_rigl(config, given)
@@ -72,6 +72,7 @@ def _validate_counts(config: PretrainingConfig) -> None:
         "peak_tflops": ex.peak_tflops,
         "passes": ex.passes,
         "device_memory_gb": ex.device_memory_gb,
+        "device_memory_cap_gb": ex.device_memory_cap_gb,
         "host_memory_gb": ex.host_memory_gb,
         "plan_for": config.planning.plan_for,
         "plan_workers": config.planning.plan_workers,
@@ -146,6 +147,7 @@ def _validate_machine(config: PretrainingConfig) -> None:
         "plan_for": (config.planning.plan_for, 1, MOST_DEVICES),
         "peak_tflops": (ex.peak_tflops, 1e-3, 1e6),
         "device_memory_gb": (ex.device_memory_gb, 1e-3, 1e6),
+        "device_memory_cap_gb": (ex.device_memory_cap_gb, 1e-3, 1e6),
         "host_memory_gb": (ex.host_memory_gb, 1e-3, 1e8),
         "host_link_gb_per_s": (config.planning.host_link_gb_per_s, 1e-3, 1e5),
         "intra_node_gb_per_s": (config.planning.intra_node_gb_per_s, 1e-3, 1e5),

@@ -147,8 +147,8 @@ class Attention(nn.Module):
         # (execution/engine/phases/recompute.py: attention_on_meta), and no other module sees it.
         self.sdpa: Callable[..., torch.Tensor] | None = None
         # The one SDPA backend attention may run (None: torch chooses). Whoever builds the
-        # model pins the kernel its plan measured (execution/engine/phases/recompute.py:
-        # pin_attention), so torch cannot pick another that saves other tensors. The pin sets
+        # model pins the kernel it chose (execution/engine/phases/attention_kernels.py:
+        # AttentionKernel.pin), so torch cannot pick another behind the plan. The pin sets
         # process-wide flags while it runs: one thread at a time runs a step's attention.
         self.backend: SDPBackend | None = None
         # With dropout, what a compiled block (tensor seeds) calls as one op of its graph in

@@ -13,7 +13,18 @@ import torch
 from config.loading import parse_config
 from config.schema import PretrainingConfig
 from execution.parallel.sharding import shard_part
+from modelling import lm_heads
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, GPTShapes, init_full_part
+
+
+def chunk_every_head(monkeypatch) -> None:
+    """Makes the engine run every language model head on chunks of tokens, as it runs a large
+    vocabulary's (:func:`modelling.lm_heads.logits_chunks`, without its vocabulary threshold
+    and floor): each chunk's logits then hold half the weight shard's elements, so a test's
+    small model takes the chunked path. Forked ranks inherit it."""
+    monkeypatch.setattr(lm_heads, "CHUNKED_VOCABULARY", 0)
+    monkeypatch.setattr(lm_heads, "LOGITS_CHUNK_FLOOR", 0)
+
 
 # The flags of the Llama variants (the llama presets' architecture; sizes are each test's).
 LLAMA_VARIANTS = shlex.split(
@@ -107,8 +118,9 @@ def reference_step(
 
 
 def unpadded(name: str, tensor: torch.Tensor, config: PretrainingConfig) -> torch.Tensor:
-    """Drops the zero rows the single-device model pads its embeddings with."""
-    if name == "embedding.word.weight":
+    """Drops the zero rows the single-device model pads its embeddings (and an untied head's
+    projection) with."""
+    if name in ("embedding.word.weight", "head.output.weight"):
         return tensor[: config.model.vocab_size]
     if name == "embedding.position.weight":
         return tensor[: config.model.max_positional_length]

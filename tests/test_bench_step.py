@@ -72,6 +72,13 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
         assert row["first_loss"] == pytest.approx(ours["first_loss"], abs=1e-4)
         assert row["last_loss"] == pytest.approx(ours["last_loss"], abs=1e-3)
         assert row["last_loss"] < row["first_loss"]
+        assert row["tokens_per_step"] == 4 * 32 and row["device_cap_GiB"] is None
+        assert row["host_peak_GiB"] >= row["host_rss_GiB"] > 0
+    # In float32 a parameter's state is its weight, gradient and two AdamW moments, 4 bytes
+    # each: 16 bytes (ours pads a few shards to the RTS group, within 0.1%).
+    assert rows[plain_label]["state_bytes_per_param"] == 16
+    assert ours["state_bytes_per_param"] == pytest.approx(16, rel=1e-3)
+    assert ours["setup_s"]["buffers"] > 0 and ours["setup_s"]["weights"] > 0
 
 
 @pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import calibrate  # noqa: E402
+import calibrate_attention  # noqa: E402
 import calibrate_kernels  # noqa: E402
 import calibrate_runtime  # noqa: E402
 from sample_clock import timed  # noqa: E402
@@ -251,7 +252,8 @@ def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_
         "host_memory": {"gb_per_s": 12.0},
         "host_link": {},
         "launch": {"overhead_us": 3.0},
-        "attention": {"tflops": 1e-7},
+        "attention": {"tflops": 1e-7, "shape": [1, 2, 64, 32]},
+        "attention_kernels": {"cases": []},
         "collectives": {"rates": []},
         "fresh_memory": {"gb_per_s": 0.0, "threshold": 0},
         "host_adamw": {"elements_per_s": 3.5e8},
@@ -277,6 +279,35 @@ def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_
     assert fields["host_link_gb_per_s"] == pytest.approx(45.0)
     fields = calibrate.spec_fields(measured | {"host_link": link(0.05)}, CPU)
     assert fields["host_link_gb_per_s"] == pytest.approx(40.0)
+
+
+def test_spec_fields_take_each_attention_kernel_s_timing_and_the_fastest_s_rate():
+    """The kernels' cases that ran become the spec's timings (one that raised is left out);
+    attention_efficiency is the fastest kernel's without dropout at the pinned kernel's shape
+    where it beats the pinned one (300 TFLOPS of a 1000 peak), not a faster one with dropout
+    or at another shape."""
+    shape = [4, 16, 2048, 128]
+    cases = [
+        {"kernel": "flash", "shape": shape, "dtype": "bfloat16", "dropout": 0.0},
+        {"kernel": "cudnn", "shape": shape, "dtype": "bfloat16", "dropout": 0.0},
+        {"kernel": "cudnn", "shape": shape, "dtype": "bfloat16", "dropout": 0.1},
+        {"kernel": "flash", "shape": shape, "dtype": "bfloat16", "dropout": 0.1},
+        {"kernel": "flash", "shape": [1, 32, 2048, 128], "dtype": "bfloat16", "dropout": 0.0},
+    ]
+    timed = [(2e-3, 200.0), (1.5e-3, 300.0), None, (1e-3, 400.0), (1e-3, 500.0)]
+    for case, ran in zip(cases, timed, strict=True):
+        case.update({"seconds": ran[0], "tflops": ran[1]} if ran else {"error": "RuntimeError"})
+    measured = {"cases": cases}
+    assert calibrate_attention.kernel_timings(measured) == [
+        ["flash", *shape, "bfloat16", 0.0, 2e-3],
+        ["cudnn", *shape, "bfloat16", 0.0, 1.5e-3],
+        ["flash", *shape, "bfloat16", 0.1, 1e-3],
+        ["flash", 1, 32, 2048, 128, "bfloat16", 0.0, 1e-3],
+    ]
+    assert calibrate_attention.fastest_tflops(measured, shape) == 300.0
+    assert calibrate_attention.fastest_tflops(measured, [2, 2, 2, 2]) is None
+    # Two matmuls of 2 x 4 x 4 x 2 FLOPs forward, 2.5 times that backward, half of it causal.
+    assert calibrate_attention.causal_attention_flops((1, 1, 4, 2)) == (128 + 320) // 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's host link")

@@ -25,6 +25,7 @@ from execution.engine.phases.recompute import attention_kernel
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import RankShape
 from execution.planning.run_shape import RunShape
+from modelling import lm_heads
 from tests.distributed import (
     CPU,
     FLOAT32_TOLERANCE,
@@ -35,6 +36,7 @@ from tests.distributed import (
     planned_engine,
     small_config,
 )
+from tests.reference import chunk_every_head
 from utils.torch_private import dynamo_counters
 
 STEPS = 3
@@ -71,13 +73,18 @@ def _run(mode: str, compile_parts: str, *flags: str) -> dict:
     "mode, flags",
     [
         ("full", ("--dropout_parity", "false")),  # attention's dropout: one op of the graph
-        ("none", ("--placement", "remote")),  # kept tensors go through the host's entries
+        # Kept tensors go through the host's entries; the head runs on 2 chunks of 16 tokens.
+        ("none", ("--placement", "remote", "--micro_batch_size", "4")),
         ("selective", ("--dropout_parity", "false")),  # the fused kernel's dropout
     ],
 )
-def test_compiled_parts_give_eager_numbers(mode, flags):
+def test_compiled_parts_give_eager_numbers(monkeypatch, mode, flags):
+    """Each mode's engine against eager's; with every head on chunks, micro-batches of 4 x 8
+    tokens run the compiled head on 2 chunks of 16 (half its 32 columns), one graph for both."""
     if compiled.compile_unavailable("cpu"):
         pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
+    chunk_every_head(monkeypatch)
+    assert len(lm_heads.logits_chunks(4 * 8, 1000, 1008, 32)) == 2
     eager, built = _run(mode, "false", *flags), _run(mode, "true", *flags)
     assert not eager["compiled"] and built["compiled"]
     # The first step compiles each part's variants (unless an engine before compiled the same

@@ -160,7 +160,8 @@ def test_flags_override_the_preset():
         ("--collective_timeout 0", "--collective_timeout is in seconds, more than 0 and at most"),
         ("--collective_timeout inf", "at most 2592000, got inf"),
         ("--seed 20000000000000", "--seed must be in [0, 2^32)"),
-        ("--vocab_size 1e30", "--vocab_size 1000000000000000019884624838656 is too large"),
+        ("--vocab_size 1e30", "--vocab_size 1e30 does not fit a 64-bit integer"),
+        ("--vocab_size 2147483648", "--vocab_size 2147483648 is too large (the limit is 2^31"),
     ],
 )
 def test_bad_flags_name_the_problem(flags, message):

@@ -20,6 +20,7 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
+from modelling import lm_heads
 from tests.distributed import (
     FLOAT32_TOLERANCE,
     assert_curves_close,
@@ -33,6 +34,7 @@ from tests.distributed import (
     train_steps,
     world_layout,
 )
+from tests.reference import LLAMA_VARIANTS, chunk_every_head
 
 pytestmark = pytest.mark.distributed
 
@@ -123,6 +125,21 @@ def test_real_vocabulary_with_eight_vocab_shards(tmp_path):
     """50257 tokens over tp1 8 (shards of 6288 rows) with 8 heads of width 4."""
     model_flags = ["--vocab_size", "50257", "--heads", "8"]
     assert_layout_matches(tmp_path, (1, 8, 1), model_flags=model_flags)
+
+
+@pytest.mark.parametrize(
+    "model_flags", [(), (*LLAMA_VARIANTS, "--kv_heads", "2")], ids=["tied", "untied"]
+)
+def test_a_head_on_chunks_of_tokens_matches_single_process(tmp_path, monkeypatch, model_flags):
+    """With every head on chunks, tp1 2 x tp2 2 runs each micro-batch's head (4 x 8 tokens) on 4
+    chunks of 8 (half its weight shard's 16 columns), the vocabulary-parallel cross-entropy's
+    all-reduces and the tied word gradient once per chunk; the single process runs its
+    micro-batches (2 x 8 tokens) whole."""
+    chunk_every_head(monkeypatch)
+    assert len(lm_heads.logits_chunks(32, 1000, 1024 // 2, 32 // 2)) == 4
+    assert len(lm_heads.logits_chunks(16, 1000, 1008, 32)) == 1
+    flags = ["--micro_batch_size", "4"]
+    assert_layout_matches(tmp_path, (1, 2, 2), model_flags, layout_only_flags=flags)
 
 
 @pytest.mark.parametrize("layout", [(2, 1, 1), (1, 2, 2), (2, 2, 2)], ids=["dp2", "tp2x2", "2x2x2"])

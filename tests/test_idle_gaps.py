@@ -157,3 +157,27 @@ def test_kernels_alike_in_time_are_not_compared_further():
     result = idle_gaps.idle_gaps(events)
     assert result["idle_ms"] == pytest.approx(0.010 + 0.040)  # 0-10, then 60-100
     assert result["kernel_ms_by_phase"] == pytest.approx({"outside phases": 0.1})
+
+
+def test_the_waits_for_the_update_behind_a_step_row_by_row():
+    """What the next GPU run prints of the host update behind its clocked step: each row's
+    end and its loads' wait, in the update's order, and estimate_rows' one line of them."""
+    rows = [
+        {"part": "embedding", "row": 0, "written_s": 0.086, "waited_s": 0.086},
+        {"part": "layers", "row": 0, "written_s": 0.170, "waited_s": 0.0},
+        {"part": "head", "row": 0, "written_s": None, "waited_s": 0.25},
+    ]
+    lines = idle_gaps.format_update_behind(rows).splitlines()
+    assert [line.split() for line in lines[2:5]] == [
+        ["embedding", "0", "0.086", "0.086"],
+        ["layers", "0", "0.170", "0.000"],
+        ["head", "0", "-", "0.250"],
+    ]
+    assert lines[-1] == "loads waited 0.336 s in all; the update wrote its last row at 0.170 s"
+
+    import estimate_rows
+
+    assert estimate_rows.update_behind_line(rows) == (
+        "loads waited 0.336 s for the host update behind the step (longest 0.250 s, head 0); "
+        "its last row written at 0.170 s"
+    )

@@ -15,6 +15,7 @@ from execution.parallel.sharding import init_part_shard, shard_part, unshard_par
 from execution.planning.plan_search import layouts
 from execution.planning.run_shape import RunShape
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes, init_full_part
+from modelling.lm_heads import logits_chunks
 from tasks.specs import run_shapes
 from utils.metrics import flops_per_token
 
@@ -174,3 +175,26 @@ def test_rope_scaling_and_head_dim_flags_that_cannot_compute_are_one_line(flags,
 def test_hidden_size_need_not_divide_into_heads_of_an_explicit_width():
     config, _ = parse_config(["--config", "llama_tiny", "--heads", "6", "--head_dim", "16"])
     assert run_shapes(config).attention_width == 96  # beside a hidden size of 128
+
+
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "local_vocab", "hidden", "sizes"),
+    [
+        (512, 50257, 50304, 128, [512]),  # GPT-2's vocabulary: whole
+        (8192, 50257, 50304, 4096, [8192]),
+        # 128,256 x 128: half the weight is 64 tokens; the floor's 2^23 elements 65.4.
+        (1024, 128256, 128256, 128, [64] * 16),
+        (8192, 128256, 128256, 4096, [2048] * 4),  # llama3_8B: half of 4096 columns
+        (8192, 128256, 64128, 2048, [1024] * 8),  # at tp1 2 x tp2 2: half its shard's 2048
+        (1000, 128256, 128256, 128, [63] * 15 + [55]),  # 16 chunks that cannot all be equal
+        (40, 128256, 128256, 128, [40]),  # within the floor: whole
+    ],
+)
+def test_a_large_vocabulary_s_head_runs_on_chunks_of_half_its_weight(
+    tokens, vocab, local_vocab, hidden, sizes
+):
+    """Hand counts: chunks of at most max(local_vocab x hidden / 2, 2^23) / local_vocab tokens,
+    as few as that allows and as equal as can be, covering every token once in order."""
+    chunks = logits_chunks(tokens, vocab, local_vocab, hidden)
+    assert [c.stop - c.start for c in chunks] == sizes
+    assert [c.start for c in chunks] == [sum(sizes[:i]) for i in range(len(sizes))]

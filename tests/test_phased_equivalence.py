@@ -11,11 +11,15 @@ import torch
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
+from execution.engine.phases import head
 from execution.engine.phases.step import dropout_seeds
 from execution.engine.update.optimizer import clip_coefficient
 from execution.parallel.mesh import ParallelLayout
+from modelling import lm_heads
 from tests.distributed import planned_engine
 from tests.reference import (
+    LLAMA_VARIANTS,
+    chunk_every_head,
     reference_model,
     reference_optimizer,
     reference_step,
@@ -115,6 +119,25 @@ def test_phased_step_equals_autograd_with_accumulation(layers, accumulation):
     config = small_config("--layers", str(layers), "--global_batch_size", str(2 * accumulation))
     assert config.gradient_accumulation == accumulation
     assert_matches_reference(config)
+
+
+@pytest.mark.parametrize("variant", [(), tuple(LLAMA_VARIANTS)], ids=["tied", "untied"])
+def test_a_head_on_chunks_of_tokens_equals_autograd(monkeypatch, variant):
+    """With every head on chunks, a micro-batch of 4 x 16 tokens runs its head on 4 chunks of 16 (half
+    the weight's 32 columns): the chunks' losses weighted by their share of the tokens, their
+    dx put together and their gradients accumulated give autograd's step on the whole
+    micro-batch, within the same tolerance (only the order of sums differs)."""
+    chunk_every_head(monkeypatch)
+    seen = []
+
+    def logits_chunks(*args):
+        seen.append(lm_heads.logits_chunks(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(head, "logits_chunks", logits_chunks)
+    config = small_config(*variant, "--micro_batch_size", "4", "--global_batch_size", "8")
+    assert_matches_reference(config)
+    assert seen and all(len(chunks) == 4 for chunks in seen), seen
 
 
 def test_phased_dropout_recomputes_the_forward_masks():

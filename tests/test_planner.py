@@ -290,3 +290,48 @@ def test_a_step_of_too_many_micro_batches_is_refused_in_one_line():
     check_micro_batches(RunShape.of(preset("tiny", "--global_batch_size", "65536")))
     with pytest.raises(ConfigError, match="at most 65,536"):
         check_micro_batches(RunShape.of(preset("tiny", "--global_batch_size", "65540")))
+
+
+@pytest.mark.parametrize("head", ["tied", "untied"])
+def test_the_planned_working_set_holds_one_chunk_of_a_large_vocabulary_s_logits(head):
+    """128,256 words and micro-batches of 32 x 16 tokens: the whole micro-batch's float32
+    logits are 263 MB, and the head holds two such tensors at once when it runs them whole
+    (the plan was 575 MB). On chunks of 64 tokens (the floor's 2^23 elements) a real CPU step
+    allocates about 99 MB beyond its buffers, and the planner's meta step, which runs the same
+    phases, plans no less than that and less than one copy of the logits."""
+    import torch
+
+    from execution.parallel.mesh import ParallelLayout
+    from execution.planning.measure import measured_working_set
+    from execution.planning.step_meter import StepMeter
+    from tests.distributed import global_batches, planned_engine, replica_batch
+    from tests.reference import LLAMA_VARIANTS
+
+    flags = "--vocab_size 128256 --sequence_length 16 --global_batch_size 32 --placement remote"
+    variant = LLAMA_VARIANTS if head == "untied" else []
+    config = small_config(*shlex.split(flags), "--micro_batch_size", "32", *variant)
+    engine = planned_engine(config, ParallelLayout.single(torch.device("cpu")))
+    with StepMeter() as meter:
+        engine.train_step(replica_batch(config, global_batches(config, 1)[0], 0), 0, 1e-3)
+    planned = measured_working_set(RunShape.of(config), "cpu", config.execution.recompute)
+    logits = 32 * 16 * engine.shapes.vocab_padded * 4
+    assert meter.peak <= planned + 64, (planned, meter.peak)
+    assert planned < logits, (planned, logits)
+
+
+def test_a_16_bit_cross_entropy_holds_one_float32_copy_of_its_logits():
+    """bfloat16 logits of 64 tokens x 4096 words: the cross-entropy's forward allocates one
+    float32 tensor of their size (shifted in place, then exp and softmax in place), not a copy
+    and a shifted copy beside it (2 MiB more), besides a few per-token vectors."""
+    import torch
+
+    from execution.planning.step_meter import StepMeter
+    from modelling.lm_heads import vocab_parallel_cross_entropy
+    from modelling.parallel import LOCAL
+
+    logits = torch.empty(64, 4096, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    labels = torch.zeros(64, dtype=torch.long, device="meta")
+    with StepMeter() as meter:
+        vocab_parallel_cross_entropy(logits, labels, LOCAL, 4096)
+    float32_copy = 64 * 4096 * 4
+    assert float32_copy <= meter.peak <= float32_copy + 64 * 64, meter.peak

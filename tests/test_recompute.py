@@ -10,13 +10,14 @@ import torch
 from torch.nn.attention import SDPBackend
 
 from execution.checkpoint.logical import full_state
+from execution.engine.phases.attention_kernels import AttentionKernel
 from execution.engine.phases.recompute import (
     ALIGN,
+    SDPA_BACKENDS,
     _Packer,
     attention_kernel,
     kept_bytes,
     meta_block,
-    pin_attention,
 )
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import recompute_flops
@@ -179,15 +180,13 @@ def test_a_layer_keeps_what_the_fused_kernel_saves(dropout):
 
 
 def test_pinned_attention_runs_only_its_kernel():
-    """On CUDA the engine pins the kernel its plan measured, so torch cannot choose cuDNN's
-    (Hopper) or the math path instead: inside the module's SDPA call only that backend is
-    enabled, with dropout or without, and every backend is again afterwards. A CPU kernel
-    pins nothing."""
+    """On CUDA the engine pins the kernel it chose, so torch cannot take another (cuDNN's on
+    Hopper, the math path where the kernel cannot run): inside the module's SDPA call only
+    that backend is enabled, with dropout or without, and every backend is again afterwards.
+    A CPU kernel pins nothing."""
     block = meta_block(GPTShapes(2, 32, 4, 64, 16, 0.1, 1e-5))
-    pin_attention("cpu_flash", block)
+    AttentionKernel("cpu_flash").pin(block)
     assert block.attn.backend is None
-    pin_attention("efficient", block)
-    assert block.attn.backend == SDPBackend.EFFICIENT_ATTENTION
     enabled = []
 
     def sdpa(q, k, v, dropout_p=0.0, is_causal=False):
@@ -198,9 +197,15 @@ def test_pinned_attention_runs_only_its_kernel():
 
     block.attn.sdpa = sdpa
     q = torch.zeros(1, 4, 16, 8)
-    for seeds in (None, BlockSeeds(1, 2, 3)):
-        block.attn.core(q, q, q, seeds)
-    assert enabled == [(False, True, False, False)] * 2
+    for kernel in ("efficient", "cudnn", "flash"):
+        AttentionKernel(kernel, SDPA_BACKENDS[kernel]).pin(block)
+        for seeds in (None, BlockSeeds(1, 2, 3)):
+            block.attn.core(q, q, q, seeds)
+    assert block.attn.backend == SDPBackend.FLASH_ATTENTION
+    only = {"flash": (True, False, False), "efficient": (False, True, False)}
+    only["cudnn"] = (False, False, True)
+    wanted = [(*only[kernel], False) for kernel in ("efficient", "cudnn", "flash") for _ in "ab"]
+    assert enabled == wanted
     assert torch.backends.cuda.math_sdp_enabled() and torch.backends.cuda.flash_sdp_enabled()
 
 

@@ -11,9 +11,9 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   backend, a job of any size in one process whose collectives only check shapes (dry runs,
   ``--plan_for``), as torch's own tests use it; no public module exports the store.
 - The SDPA kernels' aten ops (``_scaled_dot_product_flash_attention`` and its CPU form,
-  ``_scaled_dot_product_efficient_attention``): on meta tensors the public function takes the
-  math path, so a dry run calls the kernel a device would run, to see its outputs and saved
-  tensors. With their backwards and the math path's op, the same ops make attention with
+  ``_scaled_dot_product_efficient_attention``, ``_scaled_dot_product_cudnn_attention``): on
+  meta tensors the public function takes the math path, so a dry run calls the kernel a
+  device would run, to see its outputs and saved tensors. With their backwards and the math path's op, the same ops make attention with
   dropout one op of a compiled graph (``execution/engine/phases/seeded_attention.py``): it
   seeds the generator and calls the kernel SDPA would call, which no public function lets it
   do, and its backward is the one SDPA's autograd calls (``derivatives.yaml``).
@@ -97,6 +97,7 @@ def sdpa_kernel_ops() -> dict[str, Callable]:
     return {
         "flash": aten._scaled_dot_product_flash_attention,
         "efficient": aten._scaled_dot_product_efficient_attention,
+        "cudnn": aten._scaled_dot_product_cudnn_attention,
         "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu,
     }
 

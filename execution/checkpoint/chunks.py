@@ -22,7 +22,8 @@ from dataclasses import dataclass
 import torch
 
 from execution.engine.storage.buffers import FlatSpec
-from execution.parallel.sharding import shard_index
+from execution.parallel.index_runs import IndexRuns
+from execution.parallel.sharding import shard_runs
 from modelling.gpt import GPTShapes
 
 # Chunks are split along their first dim to at most this many bytes, so that a write copies
@@ -60,22 +61,6 @@ class Chunk:
         """The chunk as a (strided) view of a buffer row ``[shard]``."""
         strides = (self.stride, 1) if len(self.sizes) == 2 else (1,)
         return row.as_strided(self.sizes, strides, row.storage_offset() + self.base)
-
-
-def _runs(index: list[int]) -> list[tuple[int, int, int]]:
-    """Maximal runs of consecutive logical indices: (local start, length, logical start).
-
-    Padding (-1) is in no run."""
-    runs: list[tuple[int, int, int]] = []
-    for local, logical in enumerate(index):
-        if logical < 0:
-            continue
-        if runs and runs[-1][0] + runs[-1][1] == local and runs[-1][2] + runs[-1][1] == logical:
-            start, length, first = runs[-1]
-            runs[-1] = (start, length + 1, first)
-        else:
-            runs.append((local, 1, logical))
-    return runs
 
 
 def _rectangles(lo: int, hi: int, cols: int) -> list[tuple[int, int, int, int]]:
@@ -138,7 +123,7 @@ def held_chunks(
         rts_ranks: The rank's coordinate in the RTS group of each kind.
         max_chunk_bytes: Chunks are cut to at most this many float32 bytes.
     """
-    index = shard_index(part, shapes, *tp_ranks)
+    index = shard_runs(part, shapes, *tp_ranks)
     chunks: list[Chunk] = []
     for kind, spec in specs.items():
         start = rts_ranks[kind] * spec.shard
@@ -158,7 +143,7 @@ def _tensor_chunks(
     kind: str,
     name: str,
     shape: torch.Size,
-    index: tuple[torch.Tensor, ...],
+    index: tuple[IndexRuns, ...],
     lo: int,
     hi: int,
     base: int,
@@ -166,13 +151,13 @@ def _tensor_chunks(
     """The chunks of elements [lo, hi) of one local shard at ``base`` in the buffer row."""
     out = []
     if len(shape) == 1:
-        for local, length, logical in _runs(index[0][lo:hi].tolist()):
+        for local, length, logical in index[0][lo:hi].located():
             out.append(Chunk(kind, name, (logical,), (length,), base + lo + local, 1))
         return out
     cols = shape[1]
     for row0, row1, col0, col1 in _rectangles(lo, hi, cols):
-        for r, rn, r_logical in _runs(index[0][row0:row1].tolist()):
-            for c, cn, c_logical in _runs(index[1][col0:col1].tolist()):
+        for r, rn, r_logical in index[0][row0:row1].located():
+            for c, cn, c_logical in index[1][col0:col1].located():
                 first = base + (row0 + r) * cols + col0 + c
                 out.append(Chunk(kind, name, (r_logical, c_logical), (rn, cn), first, cols))
     return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -27,16 +28,12 @@ from types import MappingProxyType
 import torch
 
 from execution.engine.phases import pipeline, schedule
+from execution.engine.phases.attention_kernels import engine_attention
 from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.bodies import BODIES
 from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
-from execution.engine.phases.recompute import (
-    KeptLayers,
-    attention_kernel,
-    pin_attention,
-    prepare_block,
-)
+from execution.engine.phases.recompute import KeptLayers, prepare_block
 from execution.engine.phases.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
 from execution.engine.phases.step import Batch, Step
 from execution.engine.plan import PLACED_STATES, EnginePlan
@@ -105,9 +102,6 @@ class PhasedEngine:
             LAYERS: template.layers[0],
             HEAD: template.head,
         }
-        # Attention runs the kernel the plan was measured with, chosen by this device and dtype.
-        kernel = attention_kernel(self.device.type, plan.model.dropout_prob, self.dtype)
-        pin_attention(kernel, template.layers[0])
         self.rts = rts_axes(layout)
         self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
@@ -117,9 +111,16 @@ class PhasedEngine:
             plan.model.task_head is not None,
             plan.model.tied_head,
         )
+        # How long the set-up's two large costs took (the first GPU run prints them): the
+        # buffers (on a GPU, registering every host page) and drawing the weights into them.
+        started = time.perf_counter()
         self.state = self._buffers()
+        self.setup_seconds = {"buffers": time.perf_counter() - started, "weights": 0.0}
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
         self.compiled = self._compiles()
+        # The fastest attention kernel timed that passes its check here, pinned.
+        self.attention = engine_attention(plan, self.templates[LAYERS], layout, self.dtype)
+        self.attention.pin(self.templates[LAYERS])
         # What the layers keep for their backward (None: they recompute it in full).
         self.kept: KeptLayers | None = None
         if self.memory.recompute != "full":
@@ -142,9 +143,10 @@ class PhasedEngine:
                 print(f"--compile: attention's dropout runs between graphs ({reason})")
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)
-        self.optimizer = AdamWDriver(
-            self.state, plan.optimizer, host_threads, overlap=self.overlaps_update
-        )
+        # A host update behind a step writes the rows in the order that step first loads them.
+        order = self.stage.load_order(plan.gradient_accumulation, self.memory.passes)
+        overlap = self.overlaps_update
+        self.optimizer = AdamWDriver(self.state, plan.optimizer, host_threads, overlap, order)
         self.rigl: RigL | None = None
         if plan.sparsity is not None:
             first = self.stage.first_layer
@@ -169,7 +171,11 @@ class PhasedEngine:
             compiled=self.compiled,
         )
         if self.device.type != "meta":  # a dry run draws no weights
+            started = time.perf_counter()
             self._initialise_weights(max(1, host_threads))
+            if self.device.type == "cuda":  # the last copies to the device landed
+                torch.cuda.synchronize(self.device)
+            self.setup_seconds["weights"] = time.perf_counter() - started
             if self.rigl is not None:
                 self.rigl.initialise(plan.seed)
 
@@ -384,10 +390,13 @@ class PhasedEngine:
                     if on_phase is not None:
                         on_phase(phase)
                     ahead = following.get(n, loading[0] if n < loading[0] else None)
+                    later = []  # prefetches that would wait for the update: after this phase
                     if (plan.prefetch or overlap) and ahead is not None and n < ahead:
-                        for part, row in schedule.weights_loaded(phases[ahead]):
-                            self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
+                        loads = schedule.weights_loaded(phases[ahead])
+                        later = self.state.prefetch_unless_waiting(loads, self.dtype, overlap)
                     BODIES[phase.kind](run, phase)
+                    for part, row in later:
+                        self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
             current = "the last transfers of the phases"
             run.in_flight.finish()  # the norm and the optimizer read every gradient
             self.link.finish()  # every boundary activation sent has arrived

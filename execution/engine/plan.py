@@ -138,6 +138,10 @@ class EnginePlan:
             auto (on a GPU).
         compile: Whether each part runs compiled (``torch.compile``): true, false or auto
             (on a GPU).
+        attention_kernels: The fused attention kernels the device spec timed at this run's
+            shape, dtype and dropout, fastest first; the engine runs the first that passes
+            its check (:mod:`~execution.engine.phases.attention_kernels`). Empty: none timed,
+            the device's and dtype's kernel.
     """
 
     model: GPTShapes
@@ -156,6 +160,7 @@ class EnginePlan:
     sparsity: SparsitySchedule | None = None
     overlap_update: str = "auto"
     compile: str = "auto"
+    attention_kernels: tuple[str, ...] = ()
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether the parts run compiled on a device of ``device_type`` (:func:`compiles`)."""

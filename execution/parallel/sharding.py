@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from execution.parallel.index_runs import IndexRuns
 from modelling.gpt import (
     EMBEDDING,
     HEAD,
@@ -43,53 +44,54 @@ DECAYED_KINDS = frozenset({MATRIX, TP2_MATRIX})
 # A rule gives, for each dim of the unsharded tensor, the full-tensor indices that shard (i, j)
 # holds along that dim (-1 for a zero padding row). Every rule is such a product of per-dim
 # indices, so sharding, unsharding and shard-local initialisation all read the same indices
-# and cannot disagree, and none of them needs a full-size index tensor.
+# and cannot disagree, and none of them needs a full-size index tensor. The rules give them as
+# runs (IndexRuns): a shard's shape, or what a checkpoint chunk of it covers, is then a few
+# numbers whatever the model's size (a dry run holds no index tensor at all).
 ShardIndex = tuple[torch.Tensor, ...]
-IndexRule = Callable[[tuple[int, ...], GPTShapes, int, int], ShardIndex]
+ShardRuns = tuple[IndexRuns, ...]
+IndexRule = Callable[[tuple[int, ...], GPTShapes, int, int], ShardRuns]
 
 
-def _block(n: int, parts: int, index: int) -> torch.Tensor:
-    return torch.arange(n).chunk(parts)[index]
+def _block(n: int, parts: int, index: int) -> IndexRuns:
+    return IndexRuns.arange(n).chunk(parts)[index]
 
 
 def _rows_padded(rows: Callable[[GPTShapes], int]) -> IndexRule:
     """A table split by rows over tp1 (after zero-padding them) and columns over tp2."""
 
-    def index(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
-        padded = torch.arange(rows(s))
-        padded[shape[0] :] = -1
+    def index(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
+        padded = IndexRuns.arange(rows(s)).padded_from(shape[0])
         return padded.chunk(s.tp1)[i], _block(shape[1], s.tp2, j)
 
     return index
 
 
-def _head_rows(n: int, s: GPTShapes, i: int) -> torch.Tensor:
+def _head_rows(n: int, s: GPTShapes, i: int) -> IndexRuns:
     """Rows [h + 2 kv] of the qkv heads of tp1 shard i: its q rows, then its k rows, then its
     v rows (with grouped-query attention, 1/tp1 of the KV heads beside 1/tp1 of the q heads)."""
     heads = (s.heads, s.key_value_heads, s.key_value_heads)
-    blocks = torch.arange(n).split([count * s.head_dim for count in heads])
-    shards = [b.view(k, s.head_dim).chunk(s.tp1)[i] for b, k in zip(blocks, heads, strict=True)]
-    return torch.cat([shard.reshape(-1) for shard in shards])
+    blocks = IndexRuns.arange(n).split([count * s.head_dim for count in heads])
+    return IndexRuns.cat(b.chunk(s.tp1, unit=s.head_dim)[i] for b in blocks)
 
 
-def _paired_rows(n: int, s: GPTShapes, i: int) -> torch.Tensor:
+def _paired_rows(n: int, s: GPTShapes, i: int) -> IndexRuns:
     """Rows [2 f] of SwiGLU's gate and up projections of tp1 shard i: its gate rows, then its
     up rows, so the shard's two halves pair elementwise."""
-    return torch.cat([half.chunk(s.tp1)[i] for half in torch.arange(n).chunk(2)])
+    return IndexRuns.cat(half.chunk(s.tp1)[i] for half in IndexRuns.arange(n).chunk(2))
 
 
-def _paired(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _paired(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     """gate_up weight [2 f, h] (rows: :func:`_paired_rows`, columns over tp2) or bias [2 f]."""
     rows = _paired_rows(shape[0], s, i)
     return (rows, _block(shape[1], s.tp2, j)) if len(shape) == 2 else (rows,)
 
 
-def _heads_rows(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _heads_rows(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     """qkv weight [3h, h]: keep q, k and v of the heads of shard i together, columns over tp2."""
     return _head_rows(shape[0], s, i), _block(shape[1], s.tp2, j)
 
 
-def _heads_vector(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _heads_vector(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     """qkv bias [3h]: split with the heads over tp1 (not over tp2, the reference's bug)."""
     return (_head_rows(shape[0], s, i),)
 
@@ -97,7 +99,7 @@ def _heads_vector(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> Shard
 def _out_in(out_axis_tp1: bool) -> IndexRule:
     """A [out, in] weight with one dim over tp1 and the other over tp2."""
 
-    def index(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+    def index(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
         if out_axis_tp1:
             return _block(shape[0], s.tp1, i), _block(shape[1], s.tp2, j)
         return _block(shape[0], s.tp2, j), _block(shape[1], s.tp1, i)
@@ -105,24 +107,23 @@ def _out_in(out_axis_tp1: bool) -> IndexRule:
     return index
 
 
-def _over_tp1(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _over_tp1(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     return (_block(shape[0], s.tp1, i),)
 
 
-def _over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     return (_block(shape[0], s.tp2, j),)
 
 
-def _columns_over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _columns_over_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     """A [out, in] weight whole along ``out``, its input features over tp2."""
-    return torch.arange(shape[0]), _block(shape[1], s.tp2, j)
+    return IndexRuns.arange(shape[0]), _block(shape[1], s.tp2, j)
 
 
-def _on_first_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardIndex:
+def _on_first_tp2(shape: tuple[int, ...], s: GPTShapes, i: int, j: int) -> ShardRuns:
     """A vector too short to split, added before a tp2 all-reduce: held whole by tp2 rank 0,
     padding on the others (which the model masks, so it stays zero)."""
-    whole = torch.arange(shape[0])
-    return (whole if j == 0 else torch.full_like(whole, -1),)
+    return (IndexRuns.arange(shape[0]) if j == 0 else IndexRuns.padding(shape[0]),)
 
 
 @dataclass(frozen=True)
@@ -180,14 +181,33 @@ def part_rules(part: str, shapes: GPTShapes) -> dict[str, ParamRule]:
     return {name: rules[name] for name in part_inits(shapes, part)}
 
 
-def shard_index(
-    part: str, shapes: GPTShapes, tp1_rank: int, tp2_rank: int
-) -> dict[str, ShardIndex]:
-    """Per-dim full-tensor indices (-1: padding) of this (tp1, tp2) rank's shard of a part."""
+def shard_runs(part: str, shapes: GPTShapes, tp1_rank: int, tp2_rank: int) -> dict[str, ShardRuns]:
+    """Per-dim full-tensor indices (-1: padding) of this (tp1, tp2) rank's shard of a part, as
+    runs (:class:`~execution.parallel.index_runs.IndexRuns`)."""
     rules = part_rules(part, shapes)
     return {
         name: rules[name].index(init.shape, shapes, tp1_rank, tp2_rank)
         for name, init in part_inits(shapes, part).items()
+    }
+
+
+def shard_index(
+    part: str, shapes: GPTShapes, tp1_rank: int, tp2_rank: int
+) -> dict[str, ShardIndex]:
+    """:func:`shard_runs` as index tensors, for gathering, scattering or drawing a shard."""
+    return {
+        name: tuple(dim.tensor() for dim in runs)
+        for name, runs in shard_runs(part, shapes, tp1_rank, tp2_rank).items()
+    }
+
+
+def shard_sizes(
+    part: str, shapes: GPTShapes, tp1_rank: int, tp2_rank: int
+) -> dict[str, torch.Size]:
+    """The shapes of this (tp1, tp2) rank's shard of a part's parameters (padding included)."""
+    return {
+        name: torch.Size(dim.size for dim in runs)
+        for name, runs in shard_runs(part, shapes, tp1_rank, tp2_rank).items()
     }
 
 
@@ -196,13 +216,7 @@ def shard_shapes(shapes: GPTShapes) -> dict[str, dict[str, torch.Size]]:
 
     Every shard of a layout has the same shapes (padding keeps them equal), so shard (0, 0)
     stands for all of them."""
-    return {
-        part: {
-            name: torch.Size(len(p) for p in index)
-            for name, index in shard_index(part, shapes, 0, 0).items()
-        }
-        for part in PARTS
-    }
+    return {part: shard_sizes(part, shapes, 0, 0) for part in PARTS}
 
 
 # The mesh axis (execution.parallel.mesh.AXES) of each kind's RTS group.

@@ -81,6 +81,10 @@ class DeviceSpec:
             the kernels are those the dry run counts for the phase measured. Empty: not
             measured; a phase's host time is then its kernels x ``launch_overhead_us`` plus
             ``phase_overhead_us`` (:meth:`host_row`).
+        attention_kernel_seconds: ``(kernel, batch, heads, sequence, head_dim, dtype, dropout,
+            seconds)`` of each fused attention kernel timed (forward and backward, causal; a
+            kernel that could not run a case is left out of it): what the engine's choice of
+            kernel follows (:meth:`attention_ranking`); empty: not measured.
     """
 
     name: str
@@ -109,6 +113,7 @@ class DeviceSpec:
     fresh_memory_threshold: int = 0
     host_adamw_elements_per_s: float = 0.0
     host_phase_us: tuple[tuple, ...] = ()
+    attention_kernel_seconds: tuple[tuple[str, int, int, int, int, str, float, float], ...] = ()
 
     @property
     def queues_kernels(self) -> bool:
@@ -154,6 +159,31 @@ class DeviceSpec:
         ``op`` was not measured."""
         rates = [rate for name, _, rate in self.collective_gb_per_s if name == op]
         return max(rates) * 1e9 if rates else None
+
+    def attention_ranking(
+        self, dtype: str, dropout: float, batch_heads: int, sequence: int, head_dim: int
+    ) -> tuple[str, ...]:
+        """The fused attention kernels timed for ``dtype`` (a precision's name) and
+        ``dropout``, fastest first, at the timed shape nearest to ``batch_heads`` (a call's
+        sequences times heads), ``sequence`` and ``head_dim`` (distance: the sum of the log
+        ratios, the sequences and heads counted together, as the kernels spread over them);
+        empty where none was timed for that dtype and dropout."""
+        rows = [
+            r
+            for r in self.attention_kernel_seconds
+            if r[5] == dtype and math.isclose(r[6], dropout)
+        ]
+        if not rows:
+            return ()
+        wanted = (math.log(batch_heads), math.log(sequence), math.log(head_dim))
+
+        def distance(row) -> float:
+            timed = (math.log(row[1] * row[2]), math.log(row[3]), math.log(row[4]))
+            return sum(abs(a - b) for a, b in zip(timed, wanted, strict=True))
+
+        shape = min(rows, key=distance)[1:5]
+        at = sorted((r for r in rows if r[1:5] == shape), key=lambda r: r[7])
+        return tuple(dict.fromkeys(r[0] for r in at))
 
     def matmul_rate(self, m: int, n: int, k: int) -> float:
         """TFLOPS of ``(m, k) @ (k, n)``: from the measured shapes nearest in each dimension
@@ -335,6 +365,18 @@ FIELD_RULES = {
         "phase, kernels per unit]: two booleans around a recompute mode, a kind, then four "
         "finite numbers >= 0",
     ),
+    "attention_kernel_seconds": (
+        _table(
+            lambda kernel: kernel in ("flash", "cudnn", "efficient"),
+            *(_count,) * 4,
+            lambda dtype: dtype in ("float32", "bfloat16", "float16"),
+            lambda p: _non_negative(p) and p < 1,
+            _positive,
+        ),
+        "a list of [kernel, batch, heads, sequence, head_dim, dtype, dropout, seconds]: kernel "
+        "flash, cudnn or efficient, the sizes integers >= 1, dtype float32, bfloat16 or "
+        "float16, dropout in [0, 1), seconds a finite number > 0",
+    ),
 }
 
 
@@ -361,7 +403,12 @@ def read_spec_file(path: str | Path, base: DeviceSpec) -> DeviceSpec:
         if not allowed(value):
             shown = reprlib.repr(value)  # a table's first rows, not all of them
             raise ConfigError(f"--device_spec_file {path}: {name} is {shown}; it must be {must_be}")
-    for name in ("matmul_tflops", "collective_gb_per_s", "host_phase_us"):  # hashable, not lists
+    for name in (
+        "matmul_tflops",
+        "collective_gb_per_s",
+        "host_phase_us",
+        "attention_kernel_seconds",
+    ):
         if name in given:
             given[name] = tuple(tuple(entry) for entry in given[name])
     return dataclasses.replace(base, **given)
@@ -373,6 +420,7 @@ def spec_file_dict(spec: DeviceSpec) -> dict:
     fields["matmul_tflops"] = [list(entry) for entry in spec.matmul_tflops]
     fields["collective_gb_per_s"] = [list(entry) for entry in spec.collective_gb_per_s]
     fields["host_phase_us"] = [list(entry) for entry in spec.host_phase_us]
+    fields["attention_kernel_seconds"] = [list(entry) for entry in spec.attention_kernel_seconds]
     return fields
 
 

@@ -33,7 +33,7 @@ from execution.engine.plan import EnginePlan, MemoryPlan
 from execution.engine.storage.buffers import DTYPES, WEIGHT_STATES, ActivationLayout, flat_specs
 from execution.parallel.fake_job import fake_job
 from execution.parallel.mesh import MeshShape, ParallelLayout
-from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_index
+from execution.parallel.sharding import RTS_AXES, rts_sizes, shard_sizes
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.dry_run_report import STATE_KEYS, fit_line, format_report
 from execution.planning.estimate_checks import check_mfu, check_rank
@@ -68,21 +68,35 @@ def rank_kinds(run: RunShape, devices_per_node: int) -> list[list[int]]:
     @functools.cache
     def shard_signature(i: int, j: int) -> tuple:
         return tuple(
-            (part, name, tuple(len(dim) for dim in index))
+            (part, name, tuple(size))
             for part in PARTS
-            for name, index in shard_index(part, shapes, i, j).items()
+            for name, size in shard_sizes(part, shapes, i, j).items()
         )
 
-    def nodes(members: tuple[int, ...]) -> int:
-        return len({r // devices_per_node for r in members})
-
+    # Each group's span once, not once per member: a layout of 2^20 ranks in groups of 2^20
+    # would otherwise walk 2^40 ranks.
+    spans = [_node_spans(mesh, axis, devices_per_node) for axis in COMMUNICATING_AXES]
     kinds: dict[tuple, list[int]] = {}
     for rank in range(mesh.world_size):
         coords = mesh.coords(rank)
-        spans = tuple(nodes(mesh.members(axis, rank)) for axis in COMMUNICATING_AXES)
-        signature = (coords["p"], shard_signature(coords["i"], coords["j"]), spans)
+        signature = (
+            coords["p"],
+            shard_signature(coords["i"], coords["j"]),
+            tuple(span[rank] for span in spans),
+        )
         kinds.setdefault(signature, []).append(rank)
     return list(kinds.values())
+
+
+def _node_spans(mesh: MeshShape, axis: str, devices_per_node: int) -> list[int]:
+    """Per rank, how many nodes its group along ``axis`` spans (a rank alone in its group,
+    as a middle stage is in ``embedding``'s, spans its own)."""
+    spans = [1] * mesh.world_size
+    for group in mesh.groups(axis):
+        nodes = len({r // devices_per_node for r in group})
+        for rank in group:
+            spans[rank] = nodes
+    return spans
 
 
 @dataclass(kw_only=True)
@@ -280,9 +294,14 @@ def checkpoint_figures(
     specs = flat_specs(shapes, rts_sizes(mesh.dp, mesh.tp1, mesh.tp2, mesh.cp))
     coords = mesh.coords(rank)
     rts = {kind: mesh.members(axis, rank).index(rank) for kind, axis in RTS_AXES.items()}
+    # Counted whole: cut to MAX_CHUNK_BYTES, a model of terabytes per rank is a list of
+    # millions of chunks, and the count is the same.
     per_row = {
         part: sum(
-            c.numel for c in held_chunks(part, specs[part], shapes, (coords["i"], coords["j"]), rts)
+            c.numel
+            for c in held_chunks(
+                part, specs[part], shapes, (coords["i"], coords["j"]), rts, max_chunk_bytes=1 << 63
+            )
         )
         for part in PARTS
     }

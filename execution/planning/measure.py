@@ -160,7 +160,7 @@ def host_update_rows(engine: PhasedEngine) -> tuple[tuple[str, int, int], ...]:
         return ()
     return tuple(
         (part, row, sum(t[row].numel() for t in state.parts[part].weights.values()))
-        for part, row in state.part_rows()
+        for part, row in engine.optimizer.order
     )
 
 

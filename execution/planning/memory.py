@@ -53,6 +53,7 @@ from execution.parallel.sharding import rts_sizes
 from execution.planning.compiled_costs import compiled_kept_in_place
 from execution.planning.device_specs import DeviceSpec
 from modelling.gpt import PARTS, GPTShapes
+from modelling.lm_heads import logits_chunks
 
 if TYPE_CHECKING:
     from execution.planning.run_shape import RunShape
@@ -153,10 +154,11 @@ def plan_budget(
     ``--plan_for`` (a plan one accepts, the others accept too).
 
     Of the device (None: the CPU is the device), the process may use ``--device_memory_gb``,
-    else what is available less ``DEVICE_HEADROOM``; on a GPU, less again what the run
-    allocates outside its plan (:func:`device_reserve`: the cuBLAS and attention
-    workspaces), so that no plan fills what they need. Of the host, shared by the node's
-    processes, ``--host_memory_gb``, else its share less ``HOST_HEADROOM``.
+    else what is available less ``DEVICE_HEADROOM`` (a ``--device_memory_cap_gb`` device at
+    most: planned as that smaller device); on a GPU, less again what the run allocates
+    outside its plan (:func:`device_reserve`: the cuBLAS and attention workspaces), so that
+    no plan fills what they need. Of the host, shared by the node's processes,
+    ``--host_memory_gb``, else its share less ``HOST_HEADROOM``.
 
     Args:
         device_available: Free device bytes (a real run measures them; a dry run takes the
@@ -170,22 +172,34 @@ def plan_budget(
     device = None
     if device_available is not None:
         device = run.device_memory_gb * GiB or device_available * (1 - DEVICE_HEADROOM)
+        device = min(device, run.device_memory_cap_gb * GiB * (1 - DEVICE_HEADROOM) or device)
         device = max(int(device) - device_reserve(run, device_type), 0)
     return MemoryBudget(device, int(host))
 
 
 def measure_budget(run: RunShape, device: torch.device, processes_per_node: int):
     """:func:`plan_budget` of what this machine has free."""
-    if device.type == "cpu" and run.device_memory_gb:
-        # Not ignored in silence: on the CPU the device is the host, one pool.
-        raise ConfigError(
-            f"--device_memory_gb {run.device_memory_gb:g} does not apply to a run "
-            "on the CPU, whose one memory pool --host_memory_gb sets; leave it out (it applies "
-            "on a GPU, and to --dry_run and --plan_for)"
-        )
+    for flag in ("device_memory_gb", "device_memory_cap_gb"):
+        if device.type == "cpu" and getattr(run, flag):
+            # Not ignored in silence: on the CPU the device is the host, one pool.
+            raise ConfigError(
+                f"--{flag} {getattr(run, flag):g} does not apply to a run on the CPU, whose "
+                "one memory pool --host_memory_gb sets; leave it out (it applies on a GPU, and "
+                "to --dry_run and --plan_for)"
+            )
     free = torch.cuda.mem_get_info(device)[0] if device.type != "cpu" else None
     host = _host_memory_available() or 0
     return plan_budget(run, free, host, processes_per_node, device_type=device.type)
+
+
+def cap_device_memory(run: RunShape, device: torch.device) -> None:
+    """``--device_memory_cap_gb`` as a limit of this process's allocator too: on a GPU it
+    refuses to hold more than the cap (out of memory), as the smaller GPU would."""
+    if device.type != "cuda" or not run.device_memory_cap_gb:
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, run.device_memory_cap_gb * GiB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 def spec_budget(run: RunShape, spec: DeviceSpec) -> MemoryBudget:
@@ -359,7 +373,9 @@ def working_set_bytes(
         layer += 16 * rank.micro_batch * (s.heads // s.tp1) * rank.cp * rank.sequence**2
     layer += 3 * tokens * h2 * b
     vocab = s.vocab_padded // s.tp1
-    head = tokens * vocab * (3 * b + 4) + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
+    chunk = logits_chunks(tokens, s.vocab, vocab, h2)[0]  # the head's logits, a chunk at a time
+    logits = (chunk.stop - chunk.start) * vocab * (3 * b + 4)
+    head = logits + local("embedding") * (2 * b + 12) + 4 * tokens * h2 * b
     largest_row = max(spec.shard for part in PARTS for spec in specs[part].values())
     # Host weights are updated on the host; a device update holds a gradient and two temporaries.
     optimizer = 0 if placement.weights == "host" else 12 * largest_row

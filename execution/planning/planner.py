@@ -35,6 +35,7 @@ from execution.planning.measure import Measurements, measured_working_set
 from execution.planning.memory import (
     MemoryBudget,
     RankShape,
+    cap_device_memory,
     host_traffic_by_phase,
     measure_budget,
     micro_batches_per_pass,
@@ -293,6 +294,7 @@ def plan_for_process(
         ConfigError: no plan fits (one line with the least memory needed and what would fit).
     """
     budget = measure_budget(run, layout.device, layout.local_world_size)
+    cap_device_memory(run, layout.device)
     device_type = layout.device.type
     if compiles(run.compile, device_type) and compile_unavailable(device_type):
         run = dataclasses.replace(run, compile="false")  # the engine will run eager: plan that

@@ -83,6 +83,7 @@ class RunShape:
         stage_layers: Decoder layers of each pipeline stage.
         request: The passes, placements and recompute the flags fix.
         device_memory_gb, host_memory_gb: The memory a process may plan with (0: measured).
+        device_memory_cap_gb: The most device memory it may plan with and hold (0: no cap).
         spec: The device it is planned for (``--device_spec`` and its overrides).
         sparsity: RigL's schedule (None: dense), whose masks the plan holds.
         engine: What the engine takes besides the plan (:meth:`engine_plan`).
@@ -105,6 +106,7 @@ class RunShape:
     spec: DeviceSpec
     sparsity: SparsitySchedule | None
     engine: EngineSettings
+    device_memory_cap_gb: float = 0.0
 
     @classmethod
     def of(cls, config: PretrainingConfig) -> RunShape:
@@ -133,6 +135,7 @@ class RunShape:
             compile=ex.compile,
             device_memory_gb=ex.device_memory_gb,
             host_memory_gb=ex.host_memory_gb,
+            device_memory_cap_gb=ex.device_memory_cap_gb,
             spec=resolve_spec(config.planning, ex),
             sparsity=SparsitySchedule.of(config.rigl, training.steps),
             engine=EngineSettings(
@@ -237,4 +240,15 @@ class RunShape:
             sparsity=self.sparsity,
             overlap_update=self.overlap_update,
             compile=self.compile,
+            attention_kernels=self.attention_ranking(),
+        )
+
+    def attention_ranking(self) -> tuple[str, ...]:
+        """The fused attention kernels the spec timed at this run's shape, dtype and dropout,
+        fastest first: one call is a micro-batch's sequences, whole (context parallelism
+        hands a rank heads instead of pieces), over this rank's heads."""
+        model, mesh = self.model, self.mesh
+        batch_heads = self.micro_batch_size * max(1, model.heads // (mesh.tp1 * mesh.cp))
+        return self.spec.attention_ranking(
+            self.precision, model.dropout_prob, batch_heads, self.sequence_length, model.head_dim
         )

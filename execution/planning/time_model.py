@@ -115,7 +115,7 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             # the next step; the copies beside the update where the device copies on its own.
             both = max if spec.copies_overlap else sum
             behind, host_update, copies = both((host_update, copies)), 0.0, 0.0
-            lead = behind * update_lead_share(window.host_update_rows, loading[:2])
+            lead = behind * update_lead_share(window.host_update_rows, loading[:1])
         costs = {
             "flops": window.flops,
             "attention_flops": window.attention_flops,
@@ -170,8 +170,9 @@ def updates_behind(window, spec: DeviceSpec) -> bool:
 
 def update_lead_share(rows: tuple, first_loads: list[tuple]) -> float:
     """The share of a host update (``rows``: (part, row, elements), in its order) written
-    before the rows the next step loads first are: those of its first phase and, loaded a
-    phase early, its second's (``first_loads``). The next step starts that late at least."""
+    before the rows the next step loads first are (``first_loads``: those of its first phase;
+    a prefetch that would wait for the update is issued after the phase, not before). The
+    next step starts that late at least."""
     total = sum(elements for *_, elements in rows)
     needed = {key for loads in first_loads for key in loads}
     if not total:
@@ -186,7 +187,7 @@ def update_lead_share(rows: tuple, first_loads: list[tuple]) -> float:
 
 def update_wait_seconds(behind: float, lead: float, first_pass_forward: float) -> float:
     """How long the next step waits for a host update of ``behind`` seconds that runs behind
-    it, in the order the step first loads the rows: the rows of its first two phases (``lead``
+    it, in the order the step first loads the rows: the rows of its first phase (``lead``
     seconds of the update) before it starts, the last rows by the end of its first pass's
     forward (``first_pass_forward``), the first load of the head. The update's rows are
     spread evenly over that forward as its loads are, so the larger of the two bounds the

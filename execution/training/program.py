@@ -59,14 +59,18 @@ def run_program(program: Program, argv: list[str] | None = None, job: Job | None
 
 def plan_without_launching(program: Program, config, preset: str) -> None:
     """--dry_run and --plan_for: one CPU process, no data read, no weights drawn."""
+    from config.size_limits import refuse_unholdable
     from execution.planning.dry_run import dry_run
     from execution.planning.plan_table import print_layouts
     from execution.planning.run_shape import RunShape
 
     planning = config.planning
+    run = RunShape.of(config)
+    spec = run.spec
+    refuse_unholdable(config, spec.name, spec.memory_gb, spec.host_memory_gb)  # before planning
     if planning.plan_for:
         print_layouts(
-            RunShape.of(config),
+            run,
             preset,
             planning.plan_for,
             planning.plan_across_nodes,
@@ -76,4 +80,4 @@ def plan_without_launching(program: Program, config, preset: str) -> None:
     if program.check_inputs is not None:
         program.check_inputs(config)
     default = f"runs/{time.strftime('%Y%m%d-%H%M%S')}-{program.dry_run_name(config, preset)}"
-    dry_run(RunShape.of(config), Path(config.logging.output_dir or default))
+    dry_run(run, Path(config.logging.output_dir or default))

@@ -57,7 +57,8 @@ def attention_kernel(device_type: str, dropout_prob: float, dtype: torch.dtype) 
     """The attention kernel ``scaled_dot_product_attention`` runs on a device in ``dtype``,
     which decides what it saves. On CUDA: ``flash`` in 16 bits, ``efficient`` (the
     memory-efficient kernel) in float32, which FlashAttention does not take; with dropout too,
-    which both draw (the engine pins the kernel: :func:`pin_attention`). On a CPU:
+    which both draw. The engine runs the calibration's fastest that passes its check, this one
+    without timings (:mod:`~execution.engine.phases.attention_kernels`). On a CPU:
     ``cpu_flash`` without dropout, else ``math``. (``--dropout_parity`` writes attention with
     dropout out instead of calling it: matmuls and a [heads, seq, seq] tensor anywhere.)"""
     if device_type == "cuda":
@@ -65,27 +66,20 @@ def attention_kernel(device_type: str, dropout_prob: float, dtype: torch.dtype) 
     return "cpu_flash" if dropout_prob == 0.0 else "math"
 
 
-# Each CUDA kernel's SDPA backend; a CPU's are left to torch (it picks attention_kernel's).
-SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}
+# The SDPA backend each CUDA kernel is; a CPU's kernels are left to torch (its choice there is
+# the one attention_kernel names, and pinning it would change nothing).
+SDPA_BACKENDS = {
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+}
 
 
-def pin_attention(kernel: str, *modules: torch.nn.Module) -> None:
-    """Makes every :class:`~modelling.layers.Attention` among ``modules`` run ``kernel`` and no
-    other: on Hopper torch would otherwise prefer cuDNN's attention, which saves other
-    tensors than the plan measured, and fall back to the math path where the kernel cannot
-    run. Whoever builds the model decides (the engine, from its device and dtype)."""
-    backend = SDPA_BACKENDS.get(kernel)
-    for module in modules:
-        for m in module.modules():
-            if isinstance(m, Attention):
-                m.backend = backend
-
-
-def _efficient_attention(q, k, v, dropout_p, is_causal):
-    # SDPA asks for the logsumexp only for a backward (attention.cpp: should_compute_logsumexp).
+def _with_bias_slot(kernel, q, k, v, dropout_p, is_causal):
+    # The memory-efficient and cuDNN kernels take a bias, and a logsumexp only where a
+    # backward will need it (should_compute_logsumexp in torch's attention.cpp).
     backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    efficient = sdpa_kernel_ops()["efficient"]
-    return efficient(q, k, v, None, backward, dropout_p, is_causal)
+    return sdpa_kernel_ops()[kernel](q, k, v, None, backward, dropout_p, is_causal)
 
 
 def kernel_attention(kernel: str) -> Callable[..., torch.Tensor] | None:
@@ -93,7 +87,8 @@ def kernel_attention(kernel: str) -> Callable[..., torch.Tensor] | None:
     torch takes the math path, whose bytes grow with the square of the sequence): its own op,
     whose outputs, saved tensors, FLOPs and bytes are the device kernel's; real tensors, or
     arguments it does not take, go to ``F.scaled_dot_product_attention``. None: ``math``."""
-    op = (sdpa_kernel_ops() | {"efficient": _efficient_attention}).get(kernel)
+    biased = {name: functools.partial(_with_bias_slot, name) for name in ("efficient", "cudnn")}
+    op = (sdpa_kernel_ops() | biased).get(kernel)
     if op is None:
         return None
 

@@ -101,6 +101,13 @@ def weights_loaded(phase: Phase) -> list[tuple[str, int]]:
     return [(part, phase.layer if part == LAYERS else 0) for part in PHASE_KINDS[phase.kind].loads]
 
 
+def first_loads(phases: list[Phase]) -> list[tuple[str, int]]:
+    """Each (part, row) whose weights ``phases`` load, in the order of its first load: the
+    order in which a host update running behind the step should write them (the last
+    pipeline stage loads its layers before the head and the word embedding tied to it)."""
+    return list(dict.fromkeys(key for phase in phases for key in weights_loaded(phase)))
+
+
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: its place in the pipeline and the decoder layers it holds.
@@ -163,6 +170,11 @@ class Stage:
             return int(self.is_first or self.holds_tied_head)
         assert part == HEAD, part
         return int(self.is_last)
+
+    def load_order(self, micro_batches: int, passes: int) -> list[tuple[str, int]]:
+        """Each (part, row) this stage holds in the order a training step first loads it
+        (:func:`first_loads`)."""
+        return first_loads(training_phases(self, micro_batches, passes))
 
     def in_flight(self, passes: int) -> int:
         """Passes whose activations this stage holds at once in one-forward-one-backward."""

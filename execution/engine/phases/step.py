@@ -37,6 +37,10 @@ NORM_CHUNK = 1 << 20
 # not a cache's worth: 1M-element chunks were 5,400 launches per gpt3_175B layer (and half of
 # its dry run's time in the meter). 16M elements keep a chunk's float64 copy at 128 MiB.
 DEVICE_NORM_CHUNK = 1 << 24
+# The most chunks of one shard: past 1024 chunks (2^30 elements, a 4 GiB float32 shard) the
+# chunks grow instead, so a step's norm stays a bounded number of ops whatever the model's
+# size (a dry run meters every op; a 2^40-element shard would otherwise be a million chunks).
+MOST_NORM_CHUNKS = 1024
 
 
 @dataclass
@@ -172,9 +176,11 @@ class Step:
 
 def sum_of_squares(tensor: torch.Tensor) -> torch.Tensor:
     """The sum of ``tensor``'s squares in float64 (each float32 square is exact in float64),
-    by chunks of :data:`NORM_CHUNK` elements on a CPU, :data:`DEVICE_NORM_CHUNK` elsewhere."""
+    by chunks of :data:`NORM_CHUNK` elements on a CPU, :data:`DEVICE_NORM_CHUNK` elsewhere, and
+    at most :data:`MOST_NORM_CHUNKS` of them."""
+    flat = tensor.reshape(-1)
     chunk = NORM_CHUNK if tensor.device.type == "cpu" else DEVICE_NORM_CHUNK
-    chunks = tensor.reshape(-1).split(chunk)
+    chunks = flat.split(max(chunk, -(-flat.numel() // MOST_NORM_CHUNKS)))
     # A copy even of a float64 chunk: squaring in place must not touch the gradient.
     squares = [c.to(torch.float64, copy=True).square_().sum() for c in chunks]
     return torch.stack(squares).sum()

@@ -9,8 +9,9 @@ of them once the phases are done, before the norm, the tied sum and the optimize
 
 A host AdamW update of gradients kept on the device reads them through two pinned staging
 buffers of at most :data:`STAGING_ELEMENTS` each (:meth:`GradientStore.host_update_pieces`):
-the copy of the next piece runs on the store stream while the host updates this one, instead
-of a blocking copy to pageable memory per row.
+the copy of the next piece runs on the update's own stream while the host updates this one,
+instead of a blocking copy to pageable memory per row. That stream is the update thread's
+alone: running behind the next step, its copies queue behind nothing the step issues.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class GradientStore:
         places: Where weights and gradients live.
         mover: Copies to and from the device, counted.
         stores: The side stream of stores to host memory.
+        staging_stream: The side stream of the host update's staging copies
+            (:func:`~execution.engine.storage.streams.update_stream`; default: ``stores``).
     """
 
     def __init__(
@@ -60,8 +63,10 @@ class GradientStore:
         places: dict[str, Place],
         mover: Mover,
         stores,
+        staging_stream=None,
     ):
         self.parts, self.specs, self.mover, self.stores = parts, specs, mover, stores
+        self.staging_stream = staging_stream or stores
         self.place = places["grads"]
         self._in_flight: dict[tuple, object] = {}  # (part, kind, row) -> event of its store
         self.staging: list[torch.Tensor] = []
@@ -158,13 +163,13 @@ class GradientStore:
         for index, (part, kind, row, piece) in enumerate(pieces):
             if index + 1 < len(pieces):  # behind this piece's update on the host
                 events[index + 1] = self._stage(pieces[index + 1], (index + 1) % 2)
-            self.stores.synchronize(events.pop(index))
+            self.staging_stream.synchronize(events.pop(index))
             staged = self.staging[index % 2][: piece.stop - piece.start]
             yield part, kind, row, piece, staged
 
     def _stage(self, piece: tuple, buffer: int):
-        """Copies one piece of a device-kept gradient row into a staging buffer, on the store
-        stream (after the compute stream's work so far: the step's last accumulation)."""
+        """Copies one piece of a device-kept gradient row into a staging buffer, on the staging
+        stream (the step's last accumulation was synchronised before the update began)."""
         part, kind, row, span = piece
         source = self.parts[part].grads[kind][row][span]
         target = self.staging[buffer][: span.stop - span.start]
@@ -173,7 +178,7 @@ class GradientStore:
         def copy() -> None:
             target.copy_(source, non_blocking=True)
 
-        return self.stores.submit(copy, [target], inputs=[source])
+        return self.staging_stream.submit(copy, [target], inputs=[source])
 
     def nbytes(self) -> int:
         """Bytes of the staging buffers."""

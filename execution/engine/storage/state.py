@@ -55,7 +55,7 @@ from execution.engine.storage.gradient_store import GradientStore
 from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.engine.storage.moves import ActivationStore, Mover, Traffic
 from execution.engine.storage.row_updates import RowUpdates
-from execution.engine.storage.streams import side_streams
+from execution.engine.storage.streams import side_streams, update_stream
 from execution.parallel.mesh import ParallelLayout
 from modelling.gpt import LAYERS, PARTS
 from modelling.parallel import Axis
@@ -112,7 +112,8 @@ class StateStore:
         self.activations = ActivationStore(
             activations, places["activations"], layout.tp1, self.mover, self.stores
         )
-        self.grads = GradientStore(self.parts, specs, places, self.mover, self.stores)
+        staging = update_stream(self.device)  # the host update's, behind the next step
+        self.grads = GradientStore(self.parts, specs, places, self.mover, self.stores, staging)
         # The host update of the last step, where it runs behind this one (row_updates.py).
         self.updating: RowUpdates | None = None
         self.masks: SparseMasks | None = None
@@ -251,6 +252,27 @@ class StateStore:
             vectors[kind] = full
         return vectors
 
+    def prefetch_would_wait(self, part: str, row: int, gather: bool) -> bool:
+        """Whether a prefetch of (part, row) now would block on the update in flight, and
+        issuing it later would change no collective's order (none to start: ``gather`` off,
+        or an RTS group of one for each of the part's kinds). The engine then issues it after
+        the current phase, which so waits only for its own rows (a timing-dependent order is
+        safe only where no other rank has to match it)."""
+        if self.updating is None or not self.updating.pending(part, row):
+            return False
+        return not gather or all(self.rts[kind].size == 1 for kind in self.specs[part])
+
+    def prefetch_unless_waiting(
+        self, loads: list[tuple[str, int]], dtype: torch.dtype, gather: bool
+    ) -> list[tuple[str, int]]:
+        """Prefetches each of ``loads`` but those :meth:`prefetch_would_wait` for, which it
+        returns: the caller issues them after the phase it is about to run."""
+        later = [(part, row) for part, row in loads if self.prefetch_would_wait(part, row, gather)]
+        for part, row in loads:
+            if (part, row) not in later:
+                self.prefetch_weights(part, row, dtype, gather)
+        return later
+
     def await_update(self, part: str, row: int) -> None:
         """Returns once the update in flight, if any, has written (part, row)."""
         if self.updating is not None:
@@ -311,14 +333,16 @@ class StateStore:
             for s in PART_STATES
         ]
 
-    def host_update_pieces(self) -> Iterator[tuple[str, str, int, slice, list[torch.Tensor]]]:
-        """(part, kind, row, piece, [weights, gradient, exp_avg, exp_avg_sq]) of every row
-        held, piece by piece, all in host memory, for an update in place there: the
+    def host_update_pieces(
+        self, rows: list[tuple[str, int]]
+    ) -> Iterator[tuple[str, str, int, slice, list[torch.Tensor]]]:
+        """(part, kind, row, piece, [weights, gradient, exp_avg, exp_avg_sq]) of each of
+        ``rows`` in turn, piece by piece, all in host memory, for an update in place there: the
         gradient through staging where it is kept on the device
         (:meth:`GradientStore.host_update_pieces`), the rest the buffers themselves (nothing
         else crosses the host link)."""
         assert self.places["weights"].remote, "host update of weights that live on the device"
-        for part, kind, row, piece, grad in self.grads.host_update_pieces(self.part_rows()):
+        for part, kind, row, piece, grad in self.grads.host_update_pieces(rows):
             buffers = self.parts[part]
             rest = (buffers.weights, buffers.exp_avg, buffers.exp_avg_sq)
             w, m, v = (state[kind][row][piece] for state in rest)

@@ -63,17 +63,23 @@ LATE_CUDA_CYCLES = 20_000_000
 
 
 class CudaStream:
-    """A CUDA side stream of ``device``; ``delay_cycles`` > 0 makes it late (module docstring)."""
+    """A CUDA side stream of ``device``; ``delay_cycles`` > 0 makes it late (module docstring).
+    ``after_compute`` False: its work waits for nothing on the compute stream (the host
+    update's staging copies, whose inputs the step's end synchronised)."""
 
-    def __init__(self, device: torch.device, delay_cycles: int = 0):
+    after_compute = True
+
+    def __init__(self, device: torch.device, delay_cycles: int = 0, after_compute: bool = True):
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         self.delay_cycles = delay_cycles
+        self.after_compute = after_compute
 
     def submit(self, work: Work, outputs: Sequence[torch.Tensor] = (), inputs=()):
         # After the compute stream's work so far (what made the inputs; earlier reads of the
         # outputs' memory).
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        if self.after_compute:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             if self.delay_cycles:
                 cuda_sleep(self.delay_cycles)  # queued before the work, on this stream
@@ -172,6 +178,18 @@ def side_streams(device: torch.device):
     if late:
         return LateStream("loads"), LateStream("stores")
     return EagerStream(), EagerStream()
+
+
+def update_stream(device: torch.device):
+    """The side stream of the host update's gradient staging copies, used by the update's
+    thread alone. Not the store stream: behind a step, the update's copies would queue
+    behind the next step's activation stores, and those behind its compute so far; the
+    gradients they read were synchronised when the step ended, so they wait for nothing.
+    Late inside :func:`late_side_streams`, as the other two."""
+    late = _LATE.get()
+    if device.type == "cuda":
+        return CudaStream(device, LATE_CUDA_CYCLES if late else 0, after_compute=False)
+    return LateStream("update") if late else EagerStream()
 
 
 @contextlib.contextmanager

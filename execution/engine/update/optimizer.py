@@ -103,8 +103,9 @@ class AdamWDriver:
     kept on the device do. The host's update runs on a thread of its own whose OpenMP team is
     this rank's share of the node's cores (:func:`~modelling.host_threads.team_thread`). With
     ``overlap`` that thread goes on behind the next step: :meth:`update` returns once the
-    update is started, the rows are updated in the order the next step first loads them, and
-    a load of a row waits for that row alone (:mod:`execution.engine.storage.row_updates`).
+    update is started, the rows are updated in ``order``, the order the next step first loads
+    them, and a load of a row waits for that row alone
+    (:mod:`execution.engine.storage.row_updates`).
     The numbers are the same either way: each row's update reads and writes what it would
     have, before the next step reads or writes that row.
 
@@ -113,13 +114,31 @@ class AdamWDriver:
         optim: Betas, epsilon and weight decay.
         host_threads: Cores for host updates (this process's share of the node's).
         overlap: Let the host update run behind the next step.
+        order: Every (part, row) held, in the order the host updates them
+            (:func:`~execution.engine.phases.schedule.first_loads`); default: the embedding,
+            each decoder layer, the head.
+
+    Attributes:
+        behind: The rows of the last update that ran behind a step, once the next update
+            (or :meth:`finish`) has waited for it: when each was written and how long the
+            step's loads waited for it (:meth:`RowUpdates.report`); None before.
     """
 
     def __init__(
-        self, state: StateStore, optim: OptimizerConfig, host_threads: int, overlap: bool = False
+        self,
+        state: StateStore,
+        optim: OptimizerConfig,
+        host_threads: int,
+        overlap: bool = False,
+        order: list[tuple[str, int]] | None = None,
     ):
         self.state, self.optim, self.host_threads = state, optim, max(1, host_threads)
         self.overlap = overlap
+        held = dict.fromkeys(state.part_rows())
+        self.order = list(dict.fromkeys(key for key in order or held if key in held))
+        placed = set(self.order)
+        self.order += [key for key in held if key not in placed]  # none that no phase loads
+        self.behind: list[dict] | None = None
         self.steps = 0  # updates applied (AdamW's bias correction counts them)
         self._in_flight: Future | None = None
         self._host: ThreadPoolExecutor | None = None  # made at the first host update
@@ -165,7 +184,7 @@ class AdamWDriver:
                     decay = kind in DECAYED_KINDS
                     adamw_(w, g, m, v, weight_decay=decay, mask=mask, scratch=scratch, **hyper)
             return
-        rows = RowUpdates(state.part_rows())
+        rows = RowUpdates(self.order)
         if state.device.type == "meta":  # a dry run: its ops are metered on this thread
             self._host_update(rows, hyper)
             return
@@ -182,6 +201,8 @@ class AdamWDriver:
             try:
                 future.result()
             finally:
+                if self.state.updating is not None:
+                    self.behind = self.state.updating.report()
                 self.state.updating = None
 
     @torch.no_grad()
@@ -191,7 +212,7 @@ class AdamWDriver:
         state, masks = self.state, self.state.masks
         current = None
         try:
-            for part, kind, row, piece, tensors in state.host_update_pieces():
+            for part, kind, row, piece, tensors in state.host_update_pieces(self.order):
                 if current is not None and current != (part, row):
                     rows.finished(*current)
                 current = (part, row)
