@@ -43,27 +43,34 @@ print(json.dumps({"added": during - before}))
 """
 
 
-def _threads_added(team: int) -> int:
-    """Threads the update adds to a process of two intra-op threads: on a team thread of
-    ``team``, or (0) on a plain thread."""
+def _threads_added(*teams: int) -> list[int]:
+    """Threads the update adds to a process of two intra-op threads, per team: on a team
+    thread of ``team``, or (0) on a plain thread. Each count in a fresh process of its own,
+    the processes side by side: a count is of the process's own threads, whatever runs
+    beside it, and the suite runs one test at a time, so the second core is otherwise idle."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", SCRIPT, str(team)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=120,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])["added"]
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, str(team)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=ROOT,
+        )
+        for team in teams
+    ]
+    added = []
+    for process in processes:
+        out, err = process.communicate(timeout=120)
+        assert process.returncode == 0, err[-3000:]
+        added.append(json.loads(out.strip().splitlines()[-1])["added"])
+    return added
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="needs /proc (Linux)")
 @pytest.mark.slow  # over 2.5 s: the whole suite's, not the fast lane's
 def test_the_host_update_s_thread_opens_a_team_of_the_rank_s_cores():
-    # The thread itself, and its team's other threads.
-    assert _threads_added(team=1) == 1
-    assert _threads_added(team=3) == 3
-    # The count catches the bug: a plain thread opens a team of the process's two.
-    assert _threads_added(team=0) == 2
+    # The thread itself, and its team's other threads; the count catches the bug: a plain
+    # thread (0) opens a team of the process's two.
+    assert _threads_added(1, 3, 0) == [1, 3, 2]
