@@ -145,7 +145,7 @@ def run_probe(stage: Stage, report: Report, timeout: float) -> dict:
 
 def run_checks(stage: Stage, report: Report, timeout: float, quick: bool) -> dict:
     """gpu_check.py in a process; after a crash, the remaining checks in a fresh one."""
-    import gpu_check
+    from benchmarks import gpu_check
 
     names, record = list(gpu_check.CHECKS), report.path.with_suffix(".checks.jsonl")
     record.unlink(missing_ok=True)
@@ -297,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = stages(args.device, args.quick)
     except ValueError as err:  # the priced plan is missing or is of other stages
-        parser.error(f"{err}; price the stages with python -m benchmarks.estimate_rows --plan --write")
+        parser.error(
+            f"{err}; price the stages with python -m benchmarks.estimate_rows --plan --write"
+        )
     unknown = sorted(set(args.stages or ()) - {s.name for s in plan})
     if unknown:
         names = " ".join(s.name for s in plan)
