@@ -63,7 +63,12 @@ from benchmarks.first_run_stages import (
 )
 from benchmarks.gpu_table import device_slug, run_lines
 from benchmarks.stage_prices import host_fits
-from config.command_line import check_output_file, check_output_folder, exit_on_bad_input
+from config.command_line import (
+    check_output_file,
+    check_output_folder,
+    exit_for_bad_input,
+    exit_on_bad_input,
+)
 from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
 
@@ -342,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         if stage.kind == "probe" and not outcome.get("ok"):
             report.write()  # what the probe printed is the one thing to read
             why = outcome.get("error", outcome.get("skipped"))
-            print(f"gpu_first_run: the {args.device} device cannot be used: {why}", file=sys.stderr)
-            return 2
+            message = f"the {args.device} device cannot be used: {why}"
+            exit_for_bad_input("benchmarks.gpu_first_run", message)
         print(
             f"== {stage.name}: {_outcome_line(outcome)} (elapsed {report.elapsed():.0f} s "
             f"of {args.budget_s:.0f} s)",
