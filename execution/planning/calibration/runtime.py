@@ -148,7 +148,7 @@ class HostUpdateState:
 def host_update_threads(device: torch.device) -> int:
     """The threads one rank's host AdamW gets (the engine: the node's cores over its local
     ranks). A GPU machine starts a rank per GPU; a CPU spec describes one rank of the threads
-    ``calibrate.py --threads`` gives it."""
+    ``python -m benchmarks.calibrate --threads`` gives it."""
     if device.type == "cuda":
         return max(1, usable_cores() // max(torch.cuda.device_count(), 1))
     return max(1, min(torch.get_num_threads(), usable_cores()))
