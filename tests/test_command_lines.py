@@ -14,6 +14,7 @@ import pytest
 from config.command_line import exit_for_bad_input, exit_on_bad_input
 from config.errors import ConfigError
 from data.errors import DataError
+from execution.training import entry
 from tests.library_files import library_files
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,3 +79,27 @@ def test_a_benchmark_runs_as_a_module_from_the_checkout_and_not_as_a_file():
     done = subprocess.run(module, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.startswith("benchmarks.gpu_table: error: ") and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("rank", "joined", "said"),
+    [
+        (0, False, "prog: error: bad flag\n"),
+        (1, False, ""),
+        (1, True, "prog: error: rank 1: bad flag\n"),
+    ],
+)
+def test_an_entry_point_s_bad_input_is_said_once_or_by_its_own_rank(
+    monkeypatch, capsys, rank, joined, said
+):
+    """Before the ranks join every rank finds the same mistake and rank 0 says it; after, the
+    mistake may be one rank's own, which says it with its rank (execution/training/entry.py)."""
+
+    def main(job):
+        job.joined = joined
+        raise ConfigError("bad flag")
+
+    monkeypatch.setattr(entry, "launcher_rank", lambda: rank)
+    with pytest.raises(SystemExit) as stop:
+        entry.run_entry_point(main, "prog")
+    assert stop.value.code == 2 and capsys.readouterr().err == said
