@@ -11,24 +11,18 @@ Llama variants, with ``transformers.LlamaForCausalLM.from_pretrained``. The othe
 
 from __future__ import annotations
 
-import argparse
-import sys
 from pathlib import Path
-from typing import NoReturn
 
-from config.loading import ConfigError
+from config.command_line import exit_on_bad_input
+from config.errors import ConfigError
+from config.loading import OneLineParser
 from execution.checkpoint.load import read_weights
 from modelling.hf_interchange import HFModelError, export_hf
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
-
-
 def main(argv: list[str] | None = None) -> None:
     summary = __doc__.split("\n")[0]
-    parser = _Parser(prog="convert_checkpoint.py", description=summary, allow_abbrev=False)
+    parser = OneLineParser(prog="convert_checkpoint.py", description=summary, allow_abbrev=False)
     parser.add_argument("--load", required=True, help="A --save folder or one step_N in it.")
     parser.add_argument("--hf_output", required=True, help="Folder to write the HF model into.")
     args = parser.parse_args(argv)
@@ -48,8 +42,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as err:
-        print(f"convert_checkpoint.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_bad_input(main, "convert_checkpoint.py")

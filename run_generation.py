@@ -10,26 +10,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
-from typing import NoReturn
 
 import torch
 
-from config.loading import ConfigError
+from config.command_line import exit_on_bad_input
+from config.errors import ConfigError
+from config.loading import OneLineParser
 from data.tokenizer import GPT2_EOT_TOKEN, TokenizerSpec, load_tokenizer
 from execution.checkpoint.load import read_weights, saved_model_shapes
 from modelling.generation import build_model, generate
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise ConfigError(message)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     summary = __doc__.split("\n")[0]
-    parser = _Parser(prog="run_generation.py", description=summary, allow_abbrev=False)
+    parser = OneLineParser(prog="run_generation.py", description=summary, allow_abbrev=False)
     parser.add_argument("--load", required=True, help="A --save folder or one step_N in it.")
     parser.add_argument("--prompt", required=True, help="Text to continue.")
     parser.add_argument("--max_new_tokens", type=int, default=50, help="Tokens to generate.")
@@ -133,8 +128,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except ConfigError as err:
-        print(f"run_generation.py: error: {err}", file=sys.stderr)
-        sys.exit(2)
+    exit_on_bad_input(main, "run_generation.py")

@@ -1,8 +1,8 @@
 """Step time, throughput, memory and transfer rates of a preset, against plain PyTorch and FSDP2.
 
-    python benchmarks/bench_step.py --config tiny --steps 5 [any run_pretraining.py flag ...]
-    python benchmarks/bench_step.py --config gpt3_1.3B --steps 5 --compare --json out.json
-    python benchmarks/bench_step.py --config gpt3_6.7B --rows streamed fsdp2 --json out.json
+    python -m benchmarks.bench_step --config tiny --steps 5 [any run_pretraining.py flag ...]
+    python -m benchmarks.bench_step --config gpt3_1.3B --steps 5 --compare --json out.json
+    python -m benchmarks.bench_step --config gpt3_6.7B --rows streamed fsdp2 --json out.json
 
 Every variant trains on the same token batches (read from the project's data loader, the
 shipped sample data by default; data loading is not timed), from the same initial weights. The
@@ -48,16 +48,24 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from baselines import FSDP2_OFFLOAD, StepFn, fsdp2_offload, plain_loop_label, pytorch_loop
-from bench_profile import gpu_activity, profile_step, synchronize
-from bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
-from child_process import append_json_line, read_json_lines, run_child
-from command_line import check_output_file, exit_on_bad_input
-from idle_gaps import PhaseClock, format_clock, format_gaps, format_update_behind, profile_idle
-
+from benchmarks.baselines import (
+    FSDP2_OFFLOAD,
+    StepFn,
+    fsdp2_offload,
+    plain_loop_label,
+    pytorch_loop,
+)
+from benchmarks.bench_profile import gpu_activity, profile_step, synchronize
+from benchmarks.bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
+from benchmarks.child_process import append_json_line, read_json_lines, run_child
+from benchmarks.idle_gaps import (
+    PhaseClock,
+    format_clock,
+    format_gaps,
+    format_update_behind,
+    profile_idle,
+)
+from config.command_line import check_output_file, exit_on_bad_input
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
@@ -326,7 +334,16 @@ def run_row(
         out, progress = Path(tmp) / "row.json", Path(tmp) / "progress.jsonl"
         steps = ["--steps", str(run_args.steps), "--warmup", str(run_args.warmup)]
         mode = ["--rows", key, "--in_process", "--adamw_elements", "0", "--json", str(out)]
-        command = [sys.executable, __file__, *mode, *steps, "--progress", str(progress), *flags]
+        command = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_step",
+            *mode,
+            *steps,
+            "--progress",
+            str(progress),
+            *flags,
+        ]
         if run_args.no_profile:
             command.append("--no_profile")
         if getattr(run_args, "idle_gaps", False):
@@ -444,4 +461,4 @@ def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) 
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(main, "bench_step.py")
+    exit_on_bad_input(main, "benchmarks.bench_step")

@@ -1,6 +1,6 @@
 """Checkpoint save and load speed, the time the training loop is held, and the extra memory.
 
-    python benchmarks/checkpoint_io.py [--ranks 1 2 4] [--placements host device] [flags...]
+    python -m benchmarks.checkpoint_io [--ranks 1 2 4] [--placements host device] [flags...]
 
 Each row is one job of forked gloo processes on this machine (``file://`` rendezvous) holding a
 GPT-2-small-sized model (12 layers x 768, 124M parameters: 0.5 GB of float32 weights, a 1.5 GB
@@ -26,7 +26,6 @@ import datetime
 import gc
 import json
 import multiprocessing
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,11 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_report import proc_status_bytes, reset_peak_memory
-
+from benchmarks.bench_report import proc_status_bytes, reset_peak_memory
 from config.loading import parse_config
 from execution.checkpoint.dcp_plans import held_items, item_bytes
 from execution.checkpoint.load import load_checkpoint

@@ -1,9 +1,9 @@
 """``--compile`` on this machine: our engine compiled, the plain PyTorch loop compiled (its
 blocks, as torchtitan compiles them) and our engine eager, in turn, round after round.
 
-    python benchmarks/compile_compare.py --config test --global_batch_size 8 \\
+    python -m benchmarks.compile_compare --config test --global_batch_size 8 \\
         --micro_batch_size 2 --recompute full --rounds 3 --steps 5
-    python benchmarks/compile_compare.py --config tiny --recompute none --rounds 3 --steps 10
+    python -m benchmarks.compile_compare --config tiny --recompute none --rounds 3 --steps 10
 
 Each round runs the three as ``bench_step.py`` rows, each in a process of its own (one
 process holding three engines slows them unequally: their thread pools share two cores), on
@@ -21,14 +21,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_step import row_label, run_row
-from command_line import exit_on_bad_input
-
+from benchmarks.bench_step import row_label, run_row
+from config.command_line import exit_on_bad_input
 from config.loading import parse_config
 from execution.engine.phases.compiled import compile_unavailable
 
@@ -45,14 +40,14 @@ def compare(argv: list[str] | None) -> dict:
     config, _ = parse_config(flags)
     reason = compile_unavailable("cpu")
     if reason is not None:
-        sys.exit(f"compile_compare.py: torch.compile cannot run here ({reason})")
+        sys.exit(f"benchmarks.compile_compare: torch.compile cannot run here ({reason})")
     row_args = argparse.Namespace(steps=args.steps, warmup=args.warmup, no_profile=True)
     seconds: dict[str, list[float]] = {key: [] for key in ROWS}
     for round_ in range(args.rounds):
         for key in ROWS:
             row = run_row(key, flags, row_args, timeout=None)
             if "error" in row:
-                sys.exit(f"compile_compare.py: {row_label(key, config)}: {row['error']}")
+                sys.exit(f"benchmarks.compile_compare: {row_label(key, config)}: {row['error']}")
             seconds[key].append(row["step_s"])
             print(f"round {round_ + 1}: {row_label(key, config)} {row['step_s']:.3f} s", flush=True)
     ours = seconds["ours"]
@@ -75,7 +70,7 @@ def compare(argv: list[str] | None) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     rows: dict = {}
-    exit_on_bad_input(lambda: rows.update(compare(argv)), "compile_compare.py")
+    exit_on_bad_input(lambda: rows.update(compare(argv)), "benchmarks.compile_compare")
     return rows
 
 

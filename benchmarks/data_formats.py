@@ -1,6 +1,6 @@
 """The writer's throughput for each input format, and the token-file loader's time per batch.
 
-    python benchmarks/data_formats.py --corpus corpus.txt --work /tmp/formats [--workers 2]
+    python -m benchmarks.data_formats --corpus corpus.txt --work /tmp/formats [--workers 2]
 
 ``--corpus`` is text with one document per line (what ``wikipedia_preprocess.py`` writes). The
 same documents are written as JSON Lines (plain and zstd) and Parquet into ``--work``, and each
@@ -18,11 +18,8 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from data.documents import expand_inputs
 from data.errors import DataError

@@ -1,9 +1,9 @@
 """The dry run of exactly the plans a first run's rows ran, priced with its calibrated spec;
 and, before a run, the price of every stage it will run.
 
-    python benchmarks/estimate_rows.py benchmarks/results/2026-11-26-nvidia-h100-80gb-hbm3.json
-    python benchmarks/estimate_rows.py RESULTS --update      # also writes the estimates into it
-    python benchmarks/estimate_rows.py --plan [--write]      # the next run's stages priced
+    python -m benchmarks.estimate_rows benchmarks/results/2026-11-26-nvidia-h100-80gb-hbm3.json
+    python -m benchmarks.estimate_rows RESULTS --update      # also writes the estimates into it
+    python -m benchmarks.estimate_rows --plan [--write]      # the next run's stages priced
 
 ``--plan`` prices each stage of gpu_first_run.py's next run on a GPU (stage_prices.py: its
 rows' dry runs on the newest committed calibration, a targeted row's batch chosen, the other
@@ -27,15 +27,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_step import VARIANTS
-from command_line import check_output_file, exit_on_bad_input
-from first_run_stages import DEFAULT_BUDGET_S, PLAN_FILE
-from gpu_table import RESULTS, result_files
-from stage_prices import price_stages
-
+from benchmarks.bench_step import VARIANTS
+from benchmarks.first_run_stages import DEFAULT_BUDGET_S, PLAN_FILE
+from benchmarks.gpu_table import RESULTS, result_files
+from benchmarks.stage_prices import price_stages
+from config.command_line import check_output_file, exit_on_bad_input
 from config.errors import ConfigError
 from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
@@ -247,4 +243,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(lambda: sys.exit(main()), "estimate_rows.py")
+    exit_on_bad_input(lambda: sys.exit(main()), "benchmarks.estimate_rows")

@@ -10,7 +10,7 @@ compiled. Then the checks, parity and the calibration.
 
 A row with a step target (``step_s``) has its global batch chosen by the dry run: the
 smallest of :data:`BATCHES` whose step, as the committed H200 rows measured against their
-estimates, lands in the target (``benchmarks/estimate_rows.py --plan``, which also prices
+estimates, lands in the target (``python -m benchmarks.estimate_rows --plan``, which also prices
 every stage and writes :data:`PLAN_FILE`). A real run takes each stage's batch, time and host
 memory from that file; a stage its budget leaves out still runs if time is left, and a row
 whose plan fits no 128 GiB host is recorded as skipped with the dry run's numbers.
@@ -158,7 +158,7 @@ def real_stages(device: str, plan: dict) -> list[Stage]:
 
     Raises:
         ValueError: the plan is not of these stages (a row's flags changed since it was
-            priced): ``benchmarks/estimate_rows.py --plan --write`` prices them again.
+            priced): ``python -m benchmarks.estimate_rows --plan --write`` prices them again.
     """
     priced = {s["name"]: s for s in plan["stages"]}
     on = ("--device", device)

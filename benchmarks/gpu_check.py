@@ -1,6 +1,6 @@
 """Checks to run by hand on a CUDA machine (CI has no GPU): correctness of the GPU paths.
 
-    python benchmarks/gpu_check.py [--steps 4]
+    python -m benchmarks.gpu_check [--steps 4]
 
 1. Phased (every state remote: host buffers) and resident placement give the same losses on
    the GPU within a bfloat16 tolerance, and in float32 the GPU's losses match the CPU's. Each
@@ -45,12 +45,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from child_process import append_json_line
-from command_line import check_output_file, exit_on_bad_input
-
+from benchmarks.child_process import append_json_line
+from config.command_line import check_output_file, exit_on_bad_input
 from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import PretrainingDataLoader, training_loader
@@ -384,4 +380,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(lambda: sys.exit(main()), "gpu_check.py")
+    exit_on_bad_input(lambda: sys.exit(main()), "benchmarks.gpu_check")

@@ -1,8 +1,8 @@
 """The first run on a GPU, in one command that fits a lent GPU's minutes and cannot lose them.
 
-    python benchmarks/gpu_first_run.py --results_dir DIR          # one H200: about 8 minutes
-    python benchmarks/gpu_first_run.py --device cpu --quick --json out.json   # tiny, for tests
-    python benchmarks/gpu_first_run.py --stages calibration row:1.3B-dropout0 # some stages again
+    python -m benchmarks.gpu_first_run --results_dir DIR          # one H200: about 8 minutes
+    python -m benchmarks.gpu_first_run --device cpu --quick --json out.json   # tiny, for tests
+    python -m benchmarks.gpu_first_run --stages calibration row:1.3B-dropout0 # some stages again
 
 Stages, in order of value (first_run_stages.py), each in a process of its own with its own
 time limit:
@@ -51,17 +51,24 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench_step
-from baselines import fsdp2_host_bytes
-from child_process import read_json_lines, run_child
-from command_line import check_output_file, check_output_folder, exit_on_bad_input
-from first_run_stages import DEFAULT_BUDGET_S, Stage, quick_stages, read_plan, real_stages
-from gpu_table import device_slug, run_lines
-from stage_prices import host_fits
-
+from benchmarks import bench_step
+from benchmarks.baselines import fsdp2_host_bytes
+from benchmarks.child_process import read_json_lines, run_child
+from benchmarks.first_run_stages import (
+    DEFAULT_BUDGET_S,
+    Stage,
+    quick_stages,
+    read_plan,
+    real_stages,
+)
+from benchmarks.gpu_table import device_slug, run_lines
+from benchmarks.stage_prices import host_fits
+from config.command_line import (
+    check_output_file,
+    check_output_folder,
+    exit_for_bad_input,
+    exit_on_bad_input,
+)
 from config.loading import OneLineParser, parse_config
 from execution.checkpoint.files import write_atomic
 
@@ -143,13 +150,13 @@ def run_probe(stage: Stage, report: Report, timeout: float) -> dict:
 
 def run_checks(stage: Stage, report: Report, timeout: float, quick: bool) -> dict:
     """gpu_check.py in a process; after a crash, the remaining checks in a fresh one."""
-    import gpu_check
+    from benchmarks import gpu_check
 
     names, record = list(gpu_check.CHECKS), report.path.with_suffix(".checks.jsonl")
     record.unlink(missing_ok=True)
     deadline, crashes = time.perf_counter() + timeout, []
     while names:
-        command = [sys.executable, str(HERE / "gpu_check.py"), "--device", report.device]
+        command = [sys.executable, "-m", "benchmarks.gpu_check", "--device", report.device]
         command += ["--steps", str(CHECK_STEPS), "--json", str(record), "--checks", *names]
         done = run_child(
             [*command, *(["--quick"] if quick else [])], deadline - time.perf_counter()
@@ -179,7 +186,7 @@ def run_checks(stage: Stage, report: Report, timeout: float, quick: bool) -> dic
 
 
 def run_calibration(stage: Stage, report: Report, timeout: float, quick: bool) -> dict:
-    command = [sys.executable, str(HERE / "calibrate.py"), "--device", report.device]
+    command = [sys.executable, "-m", "benchmarks.calibrate", "--device", report.device]
     command += ["--output", str(report.spec_file), *(["--quick"] if quick else [])]
     if "h200" in report.probe.get("name", "").lower():
         command += ["--base", "h200"]
@@ -191,7 +198,7 @@ def run_calibration(stage: Stage, report: Report, timeout: float, quick: bool) -
 
 
 def run_attention(stage: Stage, report: Report, timeout: float) -> dict:
-    command = [sys.executable, str(HERE / "calibrate_attention.py"), "--device", report.device]
+    command = [sys.executable, "-m", "benchmarks.calibrate_attention", "--device", report.device]
     done = run_child([*command, "--output", str(report.attention_file)], timeout)
     if done.returncode == 0 and report.attention_file.exists():
         return {"ok": True, "spec_file": report.attention_file.name, "output_tail": done.tail}
@@ -295,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plan = stages(args.device, args.quick)
     except ValueError as err:  # the priced plan is missing or is of other stages
-        parser.error(f"{err}; price the stages with benchmarks/estimate_rows.py --plan --write")
+        parser.error(
+            f"{err}; price the stages with python -m benchmarks.estimate_rows --plan --write"
+        )
     unknown = sorted(set(args.stages or ()) - {s.name for s in plan})
     if unknown:
         names = " ".join(s.name for s in plan)
@@ -338,8 +347,8 @@ def main(argv: list[str] | None = None) -> int:
         if stage.kind == "probe" and not outcome.get("ok"):
             report.write()  # what the probe printed is the one thing to read
             why = outcome.get("error", outcome.get("skipped"))
-            print(f"gpu_first_run: the {args.device} device cannot be used: {why}", file=sys.stderr)
-            return 2
+            message = f"the {args.device} device cannot be used: {why}"
+            exit_for_bad_input("benchmarks.gpu_first_run", message)
         print(
             f"== {stage.name}: {_outcome_line(outcome)} (elapsed {report.elapsed():.0f} s "
             f"of {args.budget_s:.0f} s)",
@@ -399,4 +408,4 @@ def _outcome_line(outcome: dict) -> str:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(lambda: sys.exit(main()), "gpu_first_run.py")
+    exit_on_bad_input(lambda: sys.exit(main()), "benchmarks.gpu_first_run")

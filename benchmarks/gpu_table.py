@@ -1,7 +1,7 @@
 """The README's table of GPU measurements, rendered from the results files of first runs.
 
-    python benchmarks/gpu_table.py                      # prints it
-    python benchmarks/gpu_table.py --write README.md    # replaces it between the markers
+    python -m benchmarks.gpu_table                      # prints it
+    python -m benchmarks.gpu_table --write README.md    # replaces it between the markers
 
 Reads every ``benchmarks/results/*.json`` written by gpu_first_run.py (spec files aside), with
 the estimates estimate_rows.py --update added where it ran. One line per measured row (the
@@ -18,11 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from command_line import check_output_file, exit_on_bad_input
-
+from config.command_line import check_output_file, exit_on_bad_input
 from config.loading import OneLineParser
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -219,4 +215,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(lambda: sys.exit(main()), "gpu_table.py")
+    exit_on_bad_input(lambda: sys.exit(main()), "benchmarks.gpu_table")

@@ -1,8 +1,8 @@
 """The language model head on chunks of a micro-batch's tokens against the head run whole: the
 bytes it allocates, its time and how far its numbers are from the whole run's.
 
-    python benchmarks/head_chunks.py --config llama_tiny --vocab_size 128256 --sequence_length 256 --max_positional_length 256 --micro_batch_size 4
-    python benchmarks/head_chunks.py --config llama3_8B --meta
+    python -m benchmarks.head_chunks --config llama_tiny --vocab_size 128256 --sequence_length 256 --max_positional_length 256 --micro_batch_size 4
+    python -m benchmarks.head_chunks --config llama3_8B --meta
 
 One micro-batch's head forward and backward as the head phase runs it
 (``execution/engine/phases/head.py: head_on_chunks``), on one device (tp1 = tp2 = 1) in the
@@ -20,17 +20,12 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch.func import functional_call
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from command_line import exit_on_bad_input
-
+from config.command_line import exit_on_bad_input
 from config.loading import OneLineParser, parse_config
 from execution.engine.phases.head import head_on_chunks
 from execution.engine.storage.buffers import DTYPES
@@ -170,4 +165,4 @@ def format_rows(rows: dict[str, dict]) -> str:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(main, "head_chunks.py")
+    exit_on_bad_input(main, "benchmarks.head_chunks")

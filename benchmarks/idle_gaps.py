@@ -1,7 +1,7 @@
 """Where a GPU step's idle time goes: each stretch with no kernel running, put down to what the
 host was doing then, phase by phase, from one step profiled with CPU and CUDA activity.
 
-    python benchmarks/bench_step.py --config gpt3_1.3B --device cuda --rows resident --idle_gaps
+    python -m benchmarks.bench_step --config gpt3_1.3B --device cuda --rows resident --idle_gaps
 
 A gap between two kernels is one of three things:
 
@@ -30,7 +30,8 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import torch
-from bench_profile import record_trace, synchronize
+
+from benchmarks.bench_profile import record_trace, synchronize
 
 STEP_LABEL = "bench:step"
 AFTER_PHASES = "after phases"

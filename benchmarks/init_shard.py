@@ -1,6 +1,6 @@
 """Time and peak memory of initialising one rank's shard of a decoder layer vs the whole layer.
 
-    python benchmarks/init_shard.py [--hidden 12288] [--heads 96] [--tp1 8] [--tp2 8]
+    python -m benchmarks.init_shard [--hidden 12288] [--heads 96] [--tp1 8] [--tp2 8]
 
 Defaults are a gpt3_175B decoder layer (12 h^2 + 13 h = 1.8e9 parameters, 7.2 GB in float32)
 at the pod256 tensor-parallel layout. Each measurement runs in a fresh process: its peak
@@ -10,7 +10,7 @@ resident memory is reset (``/proc/self/clear_refs``) after importing torch and r
 the call draws, "held" those it returns. When the machine has too little free memory for the
 whole layer, that row is measured at the largest hidden size that fits and says so.
 
-    python benchmarks/init_shard.py --model gpt3_6.7B [--model_layers 2] [--workers 1 2]
+    python -m benchmarks.init_shard --model gpt3_6.7B [--model_layers 2] [--workers 1 2]
 
 instead times drawing a preset's whole model for one device (``init_full_part`` of the
 embedding, the first ``--model_layers`` decoder layers and the head, each dropped before the
@@ -27,11 +27,8 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
 from execution.parallel.sharding import init_part_shard, shard_index
@@ -120,7 +117,10 @@ def _model_table(args: argparse.Namespace) -> None:
         flags = ["--measure", "model", "--model", args.model, "--workers", str(workers)]
         flags += ["--model_layers", str(args.model_layers), "--threads", str(args.threads)]
         done = subprocess.run(
-            [sys.executable, __file__, *flags], check=True, capture_output=True, text=True
+            [sys.executable, "-m", "benchmarks.init_shard", *flags],
+            check=True,
+            capture_output=True,
+            text=True,
         )
         result = json.loads(done.stdout.strip().splitlines()[-1])
         seconds = result["seconds"]
@@ -168,7 +168,7 @@ def _run(args: argparse.Namespace, which: str, hidden: int) -> dict:
         "--tp2": args.tp2,
         "--threads": args.threads,
     }
-    command = [sys.executable, __file__]
+    command = [sys.executable, "-m", "benchmarks.init_shard"]
     for flag, value in flags.items():
         command += [flag, str(value)]
     done = subprocess.run(command, check=True, capture_output=True, text=True)

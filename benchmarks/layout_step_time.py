@@ -1,6 +1,6 @@
 """Step time, per-rank buffer memory and loss curve of several (dp, tp1, tp2) layouts on CPU.
 
-    python benchmarks/layout_step_time.py [--layouts 1x1x1 2x1x1 2x2x2] [--steps 3] [flags...]
+    python -m benchmarks.layout_step_time [--layouts 1x1x1 2x1x1 2x2x2] [--steps 3] [flags...]
 
 Each layout runs as dp x tp1 x tp2 forked gloo processes on this machine (a ``file://``
 rendezvous, no port) over the shipped sample data, with the preset's flags plus ``flags``. The
@@ -18,15 +18,12 @@ import json
 import math
 import multiprocessing
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
 from data.loader import training_loader

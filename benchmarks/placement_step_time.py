@@ -1,6 +1,6 @@
 """Step time of remote (phased, host buffers) versus resident placement, on this machine.
 
-    python benchmarks/placement_step_time.py [--config tiny] [--steps 5] [extra flags...]
+    python -m benchmarks.placement_step_time [--config tiny] [--steps 5] [extra flags...]
 
 Runs the same preset in both placements on the shipped sample data (first step is warm-up and
 not timed) and prints a table of median step time, tokens/s and buffer memory.
@@ -10,13 +10,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from config.loading import parse_config
 from data.loader import training_loader

@@ -1,6 +1,6 @@
 """Dense against RigL-sparse training of the same preset at equal steps, on the sample data.
 
-    python benchmarks/rigl_compare.py --output_dir runs/rigl_compare [--steps 200] [flags...]
+    python -m benchmarks.rigl_compare --output_dir runs/rigl_compare [--steps 200] [flags...]
 
 Runs ``run_pretraining.py`` twice (dense, then ``--sparsity``) with the same flags, seed and
 data, evaluating on the shipped validation files, and writes ``comparison.json`` (a table of
@@ -18,14 +18,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from config.command_line import check_output_file, check_output_folder, exit_on_bad_input
+from config.errors import ConfigError
+from utils.plot import plot_losses, read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from command_line import check_output_file, check_output_folder, exit_on_bad_input  # noqa: E402
-
-from config.errors import ConfigError  # noqa: E402
-from utils.plot import plot_losses, read_metrics  # noqa: E402
 
 
 def _train(folder: Path, flags: list[str]) -> list[dict]:
@@ -96,4 +93,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(main, "rigl_compare.py")
+    exit_on_bad_input(main, "benchmarks.rigl_compare")

@@ -133,7 +133,7 @@ def choose_batch(flags: list[str], target: tuple[float, float], price) -> list[t
     dry run, with ``predicted_step_s``) up to the smallest whose predicted step reaches
     ``target``'s low end, or the first that does not fit: the last is the choice, the others
     what the budget may take instead."""
-    from first_run_stages import BATCHES
+    from benchmarks.first_run_stages import BATCHES
 
     tried = []
     for batch in BATCHES:
@@ -197,8 +197,8 @@ def host_fits(host_GiB: float, available_GiB: float) -> bool:
 def price_stages(results: list[dict], spec_file: Path, budget_s: float) -> dict:
     """Every stage of a real first run priced (rows by their dry runs on ``spec_file``, a
     targeted row's batch chosen), the budget's plan marked: what :data:`PLAN_FILE` holds."""
-    from baselines import fsdp2_host_bytes
-    from first_run_stages import row_by_name, stage_definitions
+    from benchmarks.baselines import fsdp2_host_bytes
+    from benchmarks.first_run_stages import row_by_name, stage_definitions
 
     costs = committed_costs(results)
     cache: dict[tuple[str, ...], dict] = {}

@@ -1,12 +1,12 @@
 """The dry run's step time against measured steps on this machine, run by run, and the
 ranking ``--plan_for`` gives 2-rank layouts against their measured order.
 
-    python benchmarks/time_model_check.py [--runs NAME ...] [--steps 6] [--rounds 2]
+    python -m benchmarks.time_model_check [--runs NAME ...] [--steps 6] [--rounds 2]
         [--spec_dir DIR] [--skip_ranking] [--output rows.json]
 
 Works in ``--rounds`` rounds over all runs (a shared machine's speed drifts over minutes; each
 side of the comparison then sees several stretches of it). Each round calibrates this machine
-once per thread count its runs use (``benchmarks/calibrate.py --device cpu --threads N``: one
+once per thread count its runs use (``python -m benchmarks.calibrate --device cpu --threads N``: one
 process alone has every core, torchrun gives each of its ranks one), takes each run's dry run
 on that calibration (``--dry_run --device_spec_file``; the slowest kind of rank, of a pipeline
 the stage that sets its pace) and trains each run on the shipped sample (torchrun for two
@@ -28,11 +28,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from config.command_line import check_output_file, check_output_folder, exit_on_bad_input
 
-from command_line import check_output_file, check_output_folder, exit_on_bad_input  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # name: (processes, flags). One process: tiny and test, passes 1 and 4, resident and remote,
 # each recompute mode; two ranks: each parallel axis on its own.
@@ -162,7 +160,7 @@ def spec_file(threads: int, spec_dir: Path, round_: int = 0) -> Path:
     once, then reused)."""
     path = spec_dir / f"cpu_threads{threads}_round{round_ + 1}.json"
     if not path.exists():
-        command = [sys.executable, "benchmarks/calibrate.py", "--device", "cpu"]
+        command = [sys.executable, "-m", "benchmarks.calibrate", "--device", "cpu"]
         command += ["--threads", str(threads), "--output", str(path)]
         command += ["--host_dropout", "0"]  # the runs' (COMMON)
         _run(command)
@@ -202,7 +200,6 @@ def ranking_layouts(spec_dir: Path) -> list[dict]:
     """``--plan_for 2`` of ``tiny`` on this machine's one-thread calibration: each 2-rank layout
     it lists, fastest first, with the flags of what it chose (micro-batch, passes, placement,
     recompute) and its estimate."""
-    sys.path.insert(0, str(ROOT))
     from config.loading import parse_config
     from execution.planning.plan_search import search
     from execution.planning.plan_table import layout_rows
@@ -345,4 +342,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    exit_on_bad_input(main, "time_model_check.py")
+    exit_on_bad_input(main, "benchmarks.time_model_check")

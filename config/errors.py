@@ -1,11 +1,17 @@
-"""The one exception type for a user's configuration mistakes."""
+"""The user's bad input: its exception types (``ConfigError`` here, ``data.errors.DataError``
+for data), which every entry point says as one line and exit 2 (``config/command_line.py``)."""
 
 
-class ConfigError(ValueError):
+class BadInput(ValueError):
+    """A mistake of the user's (a flag, a file, a preset), not a bug: its message is one line
+    that names what is wrong and what to do."""
+
+
+class ConfigError(BadInput):
     """A preset, flag or combination of values that cannot be trained.
 
     Its message is one line naming the flag or preset key and what would be accepted;
-    ``run_pretraining.py`` prints it and exits 2.
+    An entry point prints it and exits 2.
     """
 
 

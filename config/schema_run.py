@@ -57,7 +57,7 @@ class PlanningConfig:
     device_spec_file: str = field(
         default="",
         metadata=_doc(
-            "JSON file of measured device numbers (written by benchmarks/calibrate.py) that "
+            "JSON file of measured device numbers (written by python -m benchmarks.calibrate) that "
             "replace --device_spec's data-sheet numbers; fields it lacks keep those. Empty: none."
         ),
     )

@@ -1,7 +1,9 @@
 """The one exception type for user-facing data problems."""
 
+from config.errors import BadInput
 
-class DataError(ValueError):
+
+class DataError(BadInput):
     """A problem with the user's data or data options.
 
     The message names the file (and record, where there is one) and says what to do about it.

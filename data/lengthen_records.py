@@ -25,6 +25,7 @@ import numpy as np
 if __package__ in (None, ""):  # run as `python data/lengthen_records.py`
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from config.command_line import exit_for_bad_input
 from data.dataset import read_index
 from data.errors import DataError
 from data.script_checks import existing_folder, output_folder, positive
@@ -104,8 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         count = lengthen(args.input, args.output, args.seq_length, args.num_shards)
     except DataError as err:
-        print(f"lengthen_records.py: error: {err}", file=sys.stderr)
-        return 2
+        exit_for_bad_input("lengthen_records.py", err)
     print(f"wrote {count} records of {args.seq_length + 1} ids to {args.output}")
     return 0
 

@@ -6,9 +6,11 @@ import multiprocessing
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import TypeVar
 
-from data.errors import DataError
+from config.command_line import exit_for_bad_input
+from config.errors import BadInput
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -55,12 +57,12 @@ def ordered_map(
 
 
 def run_script(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> None:
-    """Run a script's `main`, turning a `DataError` or missing file into one line and exit code 2."""
+    """Run a script's `main`, turning bad input (a `DataError`, `ConfigError` or missing file)
+    into one line, ``{script}: error: ...``, and exit code 2 (`exit_for_bad_input`)."""
     try:
         code = main(argv)
-    except (DataError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+    except (BadInput, FileNotFoundError) as error:
+        exit_for_bad_input(Path(main.__code__.co_filename).name, error)
     except KeyboardInterrupt:
         sys.exit(130)
     sys.exit(code)

@@ -93,7 +93,7 @@ def quick_first_run(tmp_path_factory) -> tuple[object, dict, Path]:
     blocked = root / "tests" / "fixtures" / "blocked_imports"
     path = os.pathsep.join(filter(None, [str(blocked), os.environ.get("PYTHONPATH")]))
     out = tmp_path_factory.mktemp("first_run") / "first.json"
-    command = [sys.executable, "benchmarks/gpu_first_run.py", "--device", "cpu", "--quick"]
+    command = [sys.executable, "-m", "benchmarks.gpu_first_run", "--device", "cpu", "--quick"]
     result = subprocess.run(
         [*command, "--json", str(out)],
         cwd=root,

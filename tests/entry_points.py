@@ -1,5 +1,6 @@
-"""An entry script run as ``python SCRIPT FLAGS...`` would run it, in a forked child of the test
-process.
+"""An entry script run as ``python SCRIPT FLAGS...`` (or a module as ``python -m MODULE
+FLAGS...``: ``run_script("-m", "benchmarks.bench_step", ...)``) would run it, in a forked child
+of the test process.
 
 A fresh interpreter spends 2 to 4 s importing torch (and torch._dynamo, which a dispatch mode
 pulls in) before the script does anything; the suite runs the entry points some hundred times.
@@ -41,7 +42,7 @@ def run_script(
 ) -> subprocess.CompletedProcess:
     """``subprocess.run([python, script, *flags], cwd=cwd, capture_output=True, text=True)``
     with ``env`` added to the environment, in a forked child; raises ``TimeoutExpired`` as
-    ``subprocess.run`` does."""
+    ``subprocess.run`` does. ``script`` ``"-m"`` runs the module named by the first flag."""
     argv = [str(script), *flags]
     with tempfile.TemporaryDirectory() as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
@@ -70,7 +71,12 @@ def _child(argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path
     try:
         _as_a_new_interpreter(argv, env, cwd, out, err)
         atexit.register = lambda func, *args, **kwargs: at_exit.append((func, args, kwargs))
-        runpy.run_path(argv[0], run_name="__main__")
+        if argv[0] == "-m":  # sys.argv[0] becomes the module's file, as for `python -m`
+            # A new interpreter has not imported it yet (runpy warns where it has).
+            sys.modules.pop(argv[1], None)
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -96,9 +102,13 @@ def _as_a_new_interpreter(
     argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path
 ) -> None:
     os.chdir(cwd)
-    sys.path.insert(0, str(Path(argv[0]).resolve().parent))  # as for `python SCRIPT`
+    if argv[0] == "-m":  # as for `python -m MODULE`: the working folder first
+        sys.path.insert(0, str(cwd))
+        sys.argv = [argv[1], *argv[2:]]
+    else:  # as for `python SCRIPT`: the script's folder first
+        sys.path.insert(0, str(Path(argv[0]).resolve().parent))
+        sys.argv = list(argv)
     os.environ.update(env)
-    sys.argv = list(argv)
     for fd, path in ((1, out), (2, err)):
         opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(opened, fd)

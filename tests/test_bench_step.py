@@ -12,12 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks import bench_step
+from tests.entry_points import assert_refused, run_script
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_step  # noqa: E402
-
-from tests.entry_points import assert_refused, run_script  # noqa: E402
 
 SMALL = shlex.split(
     "--hidden_size 32 --sequence_length 32 --max_positional_length 32 "
@@ -41,7 +39,7 @@ def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     # In one process, to keep the test short; test_an_out_of_memory_row_is_its_result and
     # tests/test_gpu_first_run.py run rows in processes of their own.
     run = "--config tiny --warmup 1 --steps 1 --compare --in_process --adamw_elements 300000"
-    command = [sys.executable, "benchmarks/bench_step.py", *shlex.split(run), "--json", str(out)]
+    command = [sys.executable, "-m", "benchmarks.bench_step", *shlex.split(run), "--json", str(out)]
     result = subprocess.run(
         [*command, *SMALL], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
@@ -129,8 +127,8 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2():
     import torch
 
     if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU: run benchmarks/gpu_check.py itself")
-    command = [sys.executable, "benchmarks/gpu_check.py"]
+        pytest.skip("this machine has a GPU: run python -m benchmarks.gpu_check itself")
+    command = [sys.executable, "-m", "benchmarks.gpu_check"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
@@ -148,9 +146,9 @@ def test_gpu_check_without_a_gpu_says_so_in_one_line_and_exits_2():
 )
 def test_bad_flags_are_one_line_and_exit_2_before_any_row_runs(tmp_path, flags, message):
     command = shlex.split(flags.format(tmp=tmp_path))
-    result = run_script("benchmarks/bench_step.py", *command, "--adamw_elements", "0")
-    assert_refused(result, "bench_step.py", message.format(tmp=tmp_path))
-    assert result.stderr.startswith(f"bench_step.py: error: {message.format(tmp=tmp_path)}")
+    result = run_script("-m", "benchmarks.bench_step", *command, "--adamw_elements", "0")
+    assert_refused(result, "benchmarks.bench_step", message.format(tmp=tmp_path))
+    assert result.stderr.startswith(f"benchmarks.bench_step: error: {message.format(tmp=tmp_path)}")
     assert result.stdout == "" and "Traceback" not in result.stderr
     assert list(tmp_path.iterdir()) == []
 

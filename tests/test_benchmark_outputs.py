@@ -29,38 +29,38 @@ def _run_folder(tmp: Path, name: str) -> Path:
     return tmp / name
 
 
-# script, the flags before the path, how the path is in the way, its name, the message
+# the module under benchmarks/, the flags before the path, how the path is in the way, its name, the message
 CASES = {
     "first run --json a folder": (
-        "gpu_first_run.py", ["--device", "cpu", "--json"], _folder, "out.json", "is a folder"
+        "gpu_first_run", ["--device", "cpu", "--json"], _folder, "out.json", "is a folder"
     ),
     "first run --json beside a folder": (
-        "gpu_first_run.py", ["--device", "cpu", "--json"], None, "out.json", "is a folder"
+        "gpu_first_run", ["--device", "cpu", "--json"], None, "out.json", "is a folder"
     ),
     "first run --results_dir a file": (
-        "gpu_first_run.py", ["--device", "cpu", "--results_dir"], _file, "results", "is a file"
+        "gpu_first_run", ["--device", "cpu", "--results_dir"], _file, "results", "is a file"
     ),
     "gpu_check --json a folder": (
-        "gpu_check.py", ["--device", "cpu", "--json"], _folder, "checks.jsonl", "is a folder"
+        "gpu_check", ["--device", "cpu", "--json"], _folder, "checks.jsonl", "is a folder"
     ),
-    "gpu_table --write a folder": ("gpu_table.py", ["--write"], _folder, "t.md", "is a folder"),
+    "gpu_table --write a folder": ("gpu_table", ["--write"], _folder, "t.md", "is a folder"),
     "bench_step --json a folder": (
-        "bench_step.py", ["--config", "tiny", "--json"], _folder, "rows.json", "is a folder"
+        "bench_step", ["--config", "tiny", "--json"], _folder, "rows.json", "is a folder"
     ),
     "calibrate --output a folder": (
-        "calibrate.py", ["--device", "cpu", "--output"], _folder, "spec.json", "is a folder"
+        "calibrate", ["--device", "cpu", "--output"], _folder, "spec.json", "is a folder"
     ),
     "time_model_check --output a folder": (
-        "time_model_check.py", ["--output"], _folder, "rows.json", "is a folder"
+        "time_model_check", ["--output"], _folder, "rows.json", "is a folder"
     ),
     "time_model_check --spec_dir a file": (
-        "time_model_check.py", ["--spec_dir"], _file, "specs", "is a file"
+        "time_model_check", ["--spec_dir"], _file, "specs", "is a file"
     ),
     "rigl_compare --output_dir a file": (
-        "rigl_compare.py", ["--output_dir"], _file, "rigl", "is a file"
+        "rigl_compare", ["--output_dir"], _file, "rigl", "is a file"
     ),
     "rigl_compare --output_dir holding a run": (
-        "rigl_compare.py", ["--output_dir"], _run_folder, "rigl", "dense/ holds a run"
+        "rigl_compare", ["--output_dir"], _run_folder, "rigl", "dense/ holds a run"
     ),
 }  # fmt: skip
 
@@ -74,6 +74,6 @@ def test_an_output_path_in_the_way_is_refused_before_any_work(tmp_path, case):
     else:
         path = in_the_way(tmp_path, name)
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    result = run_script(f"benchmarks/{script}", *flags, str(path), timeout=60)
-    assert_refused(result, script, message)
+    result = run_script("-m", f"benchmarks.{script}", *flags, str(path), timeout=60)
+    assert_refused(result, f"benchmarks.{script}", message)
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before

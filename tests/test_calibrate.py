@@ -7,30 +7,24 @@ import dataclasses
 import itertools
 import json
 import shlex
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from config.loading import parse_config
+from config.schema import OptimizerConfig
+from execution.engine.update.optimizer import AdamWDriver
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.calibration import attention, calibrate, kernels, runtime
+from execution.planning.device_specs import SPECS, read_spec_file
+from execution.planning.dry_run import estimate, measure_rank
+from execution.planning.planner import planned_engine
+from execution.planning.run_shape import RunShape
+from tests.entry_points import run_script
+from utils.sample_clock import timed
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import calibrate  # noqa: E402
-import calibrate_attention  # noqa: E402
-import calibrate_kernels  # noqa: E402
-import calibrate_runtime  # noqa: E402
-from sample_clock import timed  # noqa: E402
-
-from config.loading import parse_config  # noqa: E402
-from config.schema import OptimizerConfig  # noqa: E402
-from execution.engine.update.optimizer import AdamWDriver  # noqa: E402
-from execution.parallel.mesh import ParallelLayout  # noqa: E402
-from execution.planning.device_specs import SPECS, read_spec_file  # noqa: E402
-from execution.planning.dry_run import estimate, measure_rank  # noqa: E402
-from execution.planning.planner import planned_engine  # noqa: E402
-from execution.planning.run_shape import RunShape  # noqa: E402
-from tests.entry_points import run_script  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -48,10 +42,16 @@ def quick_calibration(quick_first_run):
 def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, output, words):
     """The file is written after minutes of measuring: its path is checked first."""
     result = run_script(
-        "benchmarks/calibrate.py", "--device", "cpu", "--quick", "--output", str(tmp_path / output)
+        "-m",
+        "benchmarks.calibrate",
+        "--device",
+        "cpu",
+        "--quick",
+        "--output",
+        str(tmp_path / output),
     )
     assert result.returncode == 2 and result.stdout == ""  # no measurement ran
-    assert result.stderr.startswith(f"calibrate.py: error: --output {tmp_path / output}")
+    assert result.stderr.startswith(f"benchmarks.calibrate: error: --output {tmp_path / output}")
     assert words.format(tmp=tmp_path) in result.stderr and result.stderr.count("\n") == 1
     assert list(tmp_path.iterdir()) == []
 
@@ -64,7 +64,7 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     measured = result["measurements"]
     shapes = measured["matmul"]["shapes"]
     # Every shape of the plan was timed, and its rate is its FLOPs over its time.
-    expected = [(m, n, k) for _, m, n, k in calibrate_kernels.matmul_shapes(calibrate.QUICK)]
+    expected = [(m, n, k) for _, m, n, k in kernels.matmul_shapes(calibrate.QUICK)]
     assert [(s["m"], s["n"], s["k"]) for s in shapes] == expected
     for (m, n, k, tflops), s in zip(spec.matmul_tflops, shapes, strict=True):
         assert (m, n, k) == (s["m"], s["n"], s["k"])
@@ -181,13 +181,13 @@ def test_the_timed_host_update_is_the_engine_s_adamw_piece_by_piece(monkeypatch)
     refreshing a bfloat16 weight copy after each. Against torch.optim.AdamW on the same
     numbers: the same elementwise arithmetic, so float32 rounding only (rtol 1e-6 is several
     ulps at these magnitudes, as test_optimizer_and_metrics compares adamw_)."""
-    monkeypatch.setattr(calibrate_runtime, "STAGING_ELEMENTS", 1000)
+    monkeypatch.setattr(runtime, "STAGING_ELEMENTS", 1000)
     n, lr = 2500, 1e-2
     generator = torch.Generator().manual_seed(0)
     weights, grads = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
     tensors = [weights.clone(), grads.clone(), torch.zeros(n), torch.zeros(n)]
     copy = torch.zeros(n, dtype=torch.bfloat16)
-    state = calibrate_runtime.HostUpdateState(tensors, copy)
+    state = runtime.HostUpdateState(tensors, copy)
     pieces = [piece for *_, piece, _ in state.host_update_pieces()]
     assert pieces == [slice(0, 1000), slice(1000, 2000), slice(2000, 2500)]
     optim = OptimizerConfig()
@@ -208,7 +208,7 @@ def test_the_host_adamw_rate_is_its_elements_over_the_update_s_time():
     """A small update (3 chunks of 64 Ki), on the threads of a rank of this process's (one,
     tests/conftest.py), with no weight copy on a CPU (a float32 run keeps none)."""
     sizes = dataclasses.replace(calibrate.QUICK, adamw_elements=3 << 16, repeats=2)
-    measured = calibrate_runtime.measure_host_adamw(CPU, sizes)
+    measured = runtime.measure_host_adamw(CPU, sizes)
     assert measured["elements"] == 3 << 16 and measured["threads"] == torch.get_num_threads()
     assert measured["weight_copy"] is None
     assert measured["elements_per_s"] == pytest.approx(measured["elements"] / measured["seconds"])
@@ -228,7 +228,7 @@ def test_free_memory_is_what_the_host_has_available_not_its_installed_pages():
     measurement by hand here. Other workers on the machine may allocate in the microseconds
     between the reads: 1% of the installed memory (hundreds of MiB) allows for that."""
     before = _meminfo_bytes("MemAvailable")
-    measured = calibrate_kernels.measure_free_memory(CPU, calibrate.QUICK)
+    measured = kernels.measure_free_memory(CPU, calibrate.QUICK)
     after = _meminfo_bytes("MemAvailable")
     installed = _meminfo_bytes("MemTotal")
     available = measured["host_gib"] * GiB
@@ -259,7 +259,7 @@ def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_
         "host_adamw": {"elements_per_s": 3.5e8},
     }
     measured["matmul"]["shapes"][0]["tflops"] = 2 * 8**3 / 1e-3 / 1e12
-    assert calibrate_runtime.measure_host_link(CPU, calibrate.QUICK) == {}
+    assert runtime.measure_host_link(CPU, calibrate.QUICK) == {}
     fields = calibrate.spec_fields(measured, CPU)
     assert (fields["memory_gb"], fields["host_memory_gb"]) == (70.5, 100.25)
     assert fields["host_adamw_elements_per_s"] == 3.5e8
@@ -298,16 +298,16 @@ def test_spec_fields_take_each_attention_kernel_s_timing_and_the_fastest_s_rate(
     for case, ran in zip(cases, timed, strict=True):
         case.update({"seconds": ran[0], "tflops": ran[1]} if ran else {"error": "RuntimeError"})
     measured = {"cases": cases}
-    assert calibrate_attention.kernel_timings(measured) == [
+    assert attention.kernel_timings(measured) == [
         ["flash", *shape, "bfloat16", 0.0, 2e-3],
         ["cudnn", *shape, "bfloat16", 0.0, 1.5e-3],
         ["flash", *shape, "bfloat16", 0.1, 1e-3],
         ["flash", 1, 32, 2048, 128, "bfloat16", 0.0, 1e-3],
     ]
-    assert calibrate_attention.fastest_tflops(measured, shape) == 300.0
-    assert calibrate_attention.fastest_tflops(measured, [2, 2, 2, 2]) is None
+    assert attention.fastest_tflops(measured, shape) == 300.0
+    assert attention.fastest_tflops(measured, [2, 2, 2, 2]) is None
     # Two matmuls of 2 x 4 x 4 x 2 FLOPs forward, 2.5 times that backward, half of it causal.
-    assert calibrate_attention.causal_attention_flops((1, 1, 4, 2)) == (128 + 320) // 2
+    assert attention.causal_attention_flops((1, 1, 4, 2)) == (128 + 320) // 2
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="a GPU's host link")
@@ -316,7 +316,7 @@ def test_the_host_link_is_timed_on_registered_pages_each_way_alone_and_both_at_o
     twice the bytes in their time, and no direction runs faster beside the other than alone
     by more than timing noise (10%)."""
     sizes = dataclasses.replace(calibrate.QUICK, link_bytes=64 * 2**20, repeats=5)
-    link = calibrate_runtime.measure_host_link(torch.device("cuda", 0), sizes)
+    link = runtime.measure_host_link(torch.device("cuda", 0), sizes)
     assert link["both_gb_per_s"] == pytest.approx(2 * link["h2d_gb_per_s"])
     assert link["h2d_gb_per_s"] <= 1.1 * link["h2d_alone_gb_per_s"]
     assert link["d2h_gb_per_s"] <= 1.1 * link["d2h_alone_gb_per_s"]

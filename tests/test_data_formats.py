@@ -170,8 +170,9 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, capsys, name
         run_script(write_main, [*args, "--workers", "1"])
     assert stop.value.code == 2
     stderr = capsys.readouterr().err
-    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: " + message.format(f=path)), stderr
+    errors = [line for line in stderr.splitlines() if ": error: " in line]
+    said = "write_into_tfrecord.py: error: " + message.format(f=path)
+    assert len(errors) == 1 and errors[0].startswith(said), stderr
     assert not out.exists()
 
 
@@ -181,7 +182,8 @@ def test_window_flags_do_not_go_with_token_output(tmp_path, capsys):
     with pytest.raises(SystemExit) as stop:
         run_script(write_main, [*args, "--output-format", "tokens", "--seq-length", "8"])
     assert stop.value.code == 2
-    assert "error: --seq-length cut TFRecord windows; token files hold the whole stream" in (
-        capsys.readouterr().err
+    assert (
+        "write_into_tfrecord.py: error: --seq-length cut TFRecord windows; token files hold the whole stream"
+        in (capsys.readouterr().err)
     )
     assert not (tmp_path / "o").exists()

@@ -123,5 +123,7 @@ def test_index_tool_rebuilds_the_index_and_reports_truncation(tmp_path):
         index_file(str(path))
     result = run_data_script("index_tfrecord.py", path)
     assert result.returncode == 2
-    assert result.stderr.startswith("error: ") and "Traceback" not in result.stderr
+    assert (
+        result.stderr.startswith("index_tfrecord.py: error: ") and "Traceback" not in result.stderr
+    )
     assert len(result.stderr.strip().splitlines()) == 1

@@ -199,8 +199,9 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, capsys, setup, args, mes
         run_script(write_main, args)
     assert exit_info.value.code == 2
     stderr = capsys.readouterr().err
-    assert stderr.strip().splitlines()[-1] == "error: " + message.replace("{tmp}", str(tmp_path))
-    assert sum(line.startswith("error:") for line in stderr.splitlines()) == 1
+    said = "write_into_tfrecord.py: error: " + message.replace("{tmp}", str(tmp_path))
+    assert stderr.strip().splitlines()[-1] == said
+    assert sum(": error: " in line for line in stderr.splitlines()) == 1
     if setup == "bytes":  # windows were written before the bad line: nothing may be left behind
         assert not (tmp_path / "out").exists()
     if setup == "shard":  # the refused folder keeps what it held
@@ -218,7 +219,7 @@ def test_script_error_is_one_line_without_traceback(tmp_path):
     assert result.returncode == 2
     assert (
         result.stderr
-        == f"error: input {tmp_path}/none.txt does not exist (check --input-file-path)\n"
+        == f"write_into_tfrecord.py: error: input {tmp_path}/none.txt does not exist (check --input-file-path)\n"
     )
 
 

@@ -51,7 +51,7 @@ class Command:
 
     where: str  # file:line
     text: str
-    script: str  # "run_pretraining.py", "benchmarks/bench_step.py", "utils.plot", ...
+    script: str  # "run_pretraining.py", "benchmarks.bench_step", "utils.plot", ...
     argv: tuple[str, ...]
     error: str | None = None  # the error line the document shows after it
 
@@ -216,11 +216,18 @@ def test_the_documents_show_commands_of_every_kind():
     scripts = {c.script for c in COMMANDS}
     assert len([c for c in COMMANDS if c.script == "run_pretraining.py"]) >= 25
     assert {"run_generation.py", "convert_checkpoint.py", "utils.plot"} <= scripts
-    assert {"benchmarks/bench_step.py", "data/write_into_tfrecord.py"} <= scripts
+    assert {"benchmarks.bench_step", "data/write_into_tfrecord.py"} <= scripts
     assert len([c for c in COMMANDS if is_cheap(c)]) >= 3
     assert len([c for c in COMMANDS if c.error]) >= 2
     torchrun = [c for c in COMMANDS if c.text.startswith("torchrun")]
     assert torchrun and all(c.script in ENTRY_POINTS for c in torchrun)
+
+
+def test_every_benchmark_shown_runs_as_a_module():
+    """``python benchmarks/NAME.py`` would put benchmarks/ first on the path, not the checkout,
+    and the library would not import: a benchmark is shown as ``python -m benchmarks.NAME``."""
+    as_files = [f"{c.where}: {c.text}" for c in COMMANDS if c.script.startswith("benchmarks/")]
+    assert not as_files, "shown as a file: " + "; ".join(as_files)
 
 
 @pytest.mark.parametrize("command", [c for c in COMMANDS if not c.error], ids=lambda c: c.where)

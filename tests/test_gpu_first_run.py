@@ -13,20 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import (
+    bench_step,
+    child_process,
+    estimate_rows,
+    first_run_stages,
+    gpu_check,
+    gpu_first_run,
+    gpu_table,
+    stage_prices,
+)
 from execution.planning.device_specs import SPECS, read_spec_file
 from tests.entry_points import assert_refused, run_script
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_step  # noqa: E402
-import child_process  # noqa: E402
-import estimate_rows  # noqa: E402
-import first_run_stages  # noqa: E402
-import gpu_check  # noqa: E402
-import gpu_first_run  # noqa: E402
-import gpu_table  # noqa: E402
-import stage_prices  # noqa: E402
 
 CPU_CHECKS = [
     "remote vs resident (bf16)",
@@ -122,7 +122,7 @@ def test_estimates_price_the_plans_the_rows_ran_and_the_table_renders(quick_firs
 def _quick_cpu_run(out: Path, *flags: str) -> dict:
     """gpu_first_run.py --device cpu --quick with ``flags``: exit 0, and its results."""
     command = ("--device", "cpu", "--quick", "--json", str(out), *flags)
-    result = run_script("benchmarks/gpu_first_run.py", *command, timeout=180)
+    result = run_script("-m", "benchmarks.gpu_first_run", *command, timeout=180)
     assert result.returncode == 0, result.stderr
     return json.loads(out.read_text())
 
@@ -169,11 +169,15 @@ def test_the_table_leaves_out_parity_and_names_a_days_later_runs(tmp_path):
 def test_a_crashing_stage_leaves_the_others_results(tmp_path, monkeypatch, capsys):
     """The calibration's process dies of a segmentation fault; the row after it still runs,
     and the results file says what happened to each."""
-    scripts = tmp_path / "scripts"
-    scripts.mkdir()
     crash = "import os, signal\nprint('calibrating', flush=True)\nos.kill(os.getpid(), 11)\n"
-    (scripts / "calibrate.py").write_text(crash)
-    monkeypatch.setattr(gpu_first_run, "HERE", scripts)
+    run_child = gpu_first_run.run_child
+
+    def crashing_calibration(command, *args, **kwargs):
+        if command[1:3] == ["-m", "benchmarks.calibrate"]:
+            command = [sys.executable, "-c", crash]
+        return run_child(command, *args, **kwargs)
+
+    monkeypatch.setattr(gpu_first_run, "run_child", crashing_calibration)
     every = {s.name: s for s in gpu_first_run.stages("cpu", quick=True)}
     plan = [every[name] for name in ("probe", "calibration", "parity:ours")]
     monkeypatch.setattr(gpu_first_run, "stages", lambda device, quick: plan)
@@ -214,8 +218,10 @@ def test_a_child_killed_at_its_limit_keeps_what_it_printed():
 
 def test_a_missing_results_folder_is_refused_before_any_work(tmp_path):
     missing = tmp_path / "nowhere" / "first.json"
-    result = run_script("benchmarks/gpu_first_run.py", "--json", str(missing), timeout=60)
-    assert_refused(result, "gpu_first_run.py", f"its folder {missing.parent} does not exist")
+    result = run_script("-m", "benchmarks.gpu_first_run", "--json", str(missing), timeout=60)
+    assert_refused(
+        result, "benchmarks.gpu_first_run", f"its folder {missing.parent} does not exist"
+    )
     assert not missing.parent.exists()
 
 
@@ -227,7 +233,7 @@ def test_without_a_gpu_the_probe_says_so_in_one_line_and_leaves_its_output(tmp_p
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
     out = tmp_path / "first.json"
-    result = run_script("benchmarks/gpu_first_run.py", "--json", str(out), timeout=120)
+    result = run_script("-m", "benchmarks.gpu_first_run", "--json", str(out), timeout=120)
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and "the cuda device cannot be used" in lines[0]
@@ -238,18 +244,18 @@ def test_without_a_gpu_the_probe_says_so_in_one_line_and_leaves_its_output(tmp_p
 @pytest.mark.parametrize(
     "argv",
     [
-        ("benchmarks/gpu_first_run.py", "--budget_s", "-1"),
-        ("benchmarks/gpu_first_run.py", "--stages", "calibrate"),  # it is "calibration"
-        ("benchmarks/estimate_rows.py", "/nonexistent/first.json"),
-        ("benchmarks/estimate_rows.py",),  # neither a results file nor --plan
-        ("benchmarks/estimate_rows.py", "--plan", "first.json"),  # --plan prices no results
-        ("benchmarks/estimate_rows.py", "--plan", "--budget_s", "0"),
-        ("benchmarks/gpu_table.py", "--results", "/nonexistent"),
-        ("benchmarks/gpu_check.py", "--steps", "0"),
+        ("benchmarks.gpu_first_run", "--budget_s", "-1"),
+        ("benchmarks.gpu_first_run", "--stages", "calibrate"),  # it is "calibration"
+        ("benchmarks.estimate_rows", "/nonexistent/first.json"),
+        ("benchmarks.estimate_rows",),  # neither a results file nor --plan
+        ("benchmarks.estimate_rows", "--plan", "first.json"),  # --plan prices no results
+        ("benchmarks.estimate_rows", "--plan", "--budget_s", "0"),
+        ("benchmarks.gpu_table", "--results", "/nonexistent"),
+        ("benchmarks.gpu_check", "--steps", "0"),
     ],
 )
 def test_the_first_runs_scripts_refuse_bad_input_in_one_line(argv):
-    assert_refused(run_script(*argv, timeout=60), Path(argv[0]).name)
+    assert_refused(run_script("-m", *argv, timeout=60), argv[0])
 
 
 # ---------------------------------------------------------------------------- the next run

@@ -5,22 +5,23 @@ Each figure against a hand computation; nothing here times anything."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import shlex
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
+from benchmarks import host_time
 from config.loading import parse_config
 from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.selective import _RecomputedCore
 from execution.engine.plan import MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
+from execution.planning.calibration import host_phases
 from execution.planning.device_specs import SPECS
 from execution.planning.dry_run_report import host_line
 from execution.planning.measure import Window
@@ -31,11 +32,6 @@ from execution.planning.run_shape import RunShape
 from execution.planning.time_model import COST_INDEX, PHASE_COSTS, estimate_step, phase_costs
 from modelling.layers import Attention
 from modelling.parallel import LOCAL
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import itertools
-
-import host_time
 
 LAYOUT = ParallelLayout.shapes_only(1, 1, 1)
 # A layer forward measured at 300 us a phase and 200 us a micro-batch, whose phase ran 2
@@ -155,9 +151,9 @@ def test_the_planner_counts_each_phase_s_host_time_per_pass_and_micro_batch():
 
 
 def test_the_fit_is_a_line_through_the_medians_and_never_below_zero():
-    assert host_time._fit({2: [7.0, 5.0, 6.0], 8: [9.0]}) == pytest.approx((5.0, 0.5))
+    assert host_phases._fit({2: [7.0, 5.0, 6.0], 8: [9.0]}) == pytest.approx((5.0, 0.5))
     # A negative intercept puts it all on the slope, through the origin.
-    assert host_time._fit({2: [1.0], 8: [7.0]}) == pytest.approx((0.0, 58 / 68))
+    assert host_phases._fit({2: [1.0], 8: [7.0]}) == pytest.approx((0.0, 58 / 68))
 
 
 def test_a_template_bound_once_computes_as_functional_call_and_holds_nothing_after():

@@ -4,23 +4,20 @@ engine's phases labelled in a real profiled CPU step, and its phase clock."""
 from __future__ import annotations
 
 import shlex
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import idle_gaps
+from config.loading import parse_config
+from execution.engine.engine import PhasedEngine, StepHooks
+from execution.parallel.mesh import ParallelLayout
+from execution.planning.planner import plan_for_process
+from execution.planning.run_shape import RunShape
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import idle_gaps  # noqa: E402
-
-from config.loading import parse_config  # noqa: E402
-from execution.engine.engine import PhasedEngine, StepHooks  # noqa: E402
-from execution.parallel.mesh import ParallelLayout  # noqa: E402
-from execution.planning.planner import plan_for_process  # noqa: E402
-from execution.planning.run_shape import RunShape  # noqa: E402
 
 
 def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:
@@ -134,7 +131,7 @@ def test_phase_clock_and_the_estimates_by_kind():
     assert all(t["host_s"] > 0 and t["device_s"] is None for t in seconds.values())
     assert sum(t["host_s"] for t in seconds.values()) <= wall
 
-    import estimate_rows
+    from benchmarks import estimate_rows
 
     clock = {"layer_forward": {"host_s": 1.5, "device_s": 2.0}, "after phases": {"host_s": 0.1}}
     lines = estimate_rows.by_kind_lines(clock, {"layer_forward": 1.75, "optimizer": 0.05})
@@ -175,7 +172,7 @@ def test_the_waits_for_the_update_behind_a_step_row_by_row():
     ]
     assert lines[-1] == "loads waited 0.336 s in all; the update wrote its last row at 0.170 s"
 
-    import estimate_rows
+    from benchmarks import estimate_rows
 
     assert estimate_rows.update_behind_line(rows) == (
         "loads waited 0.336 s for the host update behind the step (longest 0.250 s, head 0); "

@@ -1,4 +1,4 @@
-"""benchmarks/sample_clock.py: a timing subtracts what the scheduler took from its own thread,
+"""utils/sample_clock.py: a timing subtracts what the scheduler took from its own thread,
 keeps samples a worker's wait spoiled apart, and a calibration says when other processes'
 load leaves its timings untrusted."""
 
@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from utils import sample_clock
+from utils.sample_clock import Sample, doubtful_timings, load_warning, summarise
 
-import sample_clock  # noqa: E402
-from sample_clock import Sample, doubtful_timings, load_warning, summarise  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
 
@@ -27,7 +26,7 @@ SHARED_CORE = """
 import json, os, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from sample_clock import take_sample
+from utils.sample_clock import take_sample
 core = min(os.sched_getaffinity(0))
 os.sched_setaffinity(0, {core})
 busy = subprocess.Popen([sys.executable, "-c", "while True: pass"],
@@ -51,7 +50,7 @@ print(json.dumps({"wall": sample.wall_s, "own": sample.own_wait_s, "cpu": loop.c
 @pytest.mark.skipif(not HAS_SCHEDSTAT, reason="needs Linux's per-thread schedstat")
 def test_a_sample_subtracts_the_time_its_thread_waited_for_a_shared_core():
     done = subprocess.run(
-        [sys.executable, "-c", SHARED_CORE, str(ROOT / "benchmarks")],
+        [sys.executable, "-c", SHARED_CORE, str(ROOT)],
         capture_output=True,
         text=True,
         check=True,
@@ -139,7 +138,7 @@ def test_a_calibration_raises_its_priority_where_it_may_and_lowers_it_after():
     """In a session of its own: inside, the thread's nice value and its session's group's are
     HIGH_PRIORITY where permitted (root here); afterwards both are as before."""
     code = (
-        "import os, sample_clock\n"
+        "import os\nfrom utils import sample_clock\n"
         "def now():\n"
         "    return os.getpriority(os.PRIO_PROCESS, 0), sample_clock._autogroup_nice()\n"
         "before = now()\n"
@@ -147,10 +146,9 @@ def test_a_calibration_raises_its_priority_where_it_may_and_lowers_it_after():
         "    inside = now()\n"
         "print(raised, *before, *inside, *now())\n"
     )
-    folder = Path(__file__).resolve().parents[1] / "benchmarks"
     done = subprocess.run(
         [sys.executable, "-c", code],
-        cwd=folder,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,

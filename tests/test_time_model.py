@@ -119,11 +119,7 @@ def test_a_pipeline_dry_run_gives_every_rank_the_pipeline_s_step(tmp_path):
 
 def test_the_ranking_check_holds_on_the_measured_order_or_a_fastest_within_5_percent():
     """benchmarks/time_model_check.py's verdict on --plan_for 2's order, by hand."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from time_model_check import ranking_verdict
+    from benchmarks.time_model_check import ranking_verdict
 
     def rows(*measured):  # listed in the search's order
         return [{"layout": f"l{i}", "measured_s": m} for i, m in enumerate(measured)]

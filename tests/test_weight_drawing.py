@@ -7,27 +7,20 @@ of threads nor the order in which they finish may change a single bit.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
+from benchmarks import baselines
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
 from execution.engine.plan import MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard
+from execution.planning.run_shape import RunShape
 from modelling.gpt import LAYERS, PARTS, GPTShapes, init_full_part
 from modelling.host_threads import one_core_pool, openmp_team_setter
 from modelling.tiles import INIT_TILE
 from tests.reference import small_config, unpadded
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-
-import baselines
-
-from execution.planning.run_shape import RunShape
 
 SEED, STD = 11, 0.02
 WORKERS = 3  # more threads than this machine's cores: finishing order is up to the OS

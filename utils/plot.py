@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
+
+from config.command_line import exit_for_bad_input
 
 matplotlib.use("Agg")  # files only, no display needed
 import matplotlib.pyplot as plt
@@ -125,11 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         print(f"wrote {plot_run(args.run_dir, args.output)}")
     except ValueError as err:
-        print(f"utils.plot: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        exit_for_bad_input("utils.plot", err)
     except OSError as err:  # an output folder that does not exist or cannot be written
-        print(f"utils.plot: error: cannot write {err.filename}: {err.strerror}", file=sys.stderr)
-        sys.exit(2)
+        exit_for_bad_input("utils.plot", f"cannot write {err.filename}: {err.strerror}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,7 @@ class DeviceSpec:
             refreshed on a GPU); 0: not measured, the update's bytes at
             ``host_memory_gb_per_s`` instead.
         host_phase_us: The host's own time per kind of phase, measured on the host calibrated
-            with kernels that cost nothing (``benchmarks/host_time.py``): rows of
+            with kernels that cost nothing (``execution/planning/calibration/host_phases.py``): rows of
             :data:`HOST_PHASE_COLUMNS`, eager and compiled, per recompute mode, with dropout
             and without. A unit is a micro-batch, or a row of the update (``optimizer``);
             the kernels are those the dry run counts for the phase measured. Empty: not

@@ -11,8 +11,8 @@ import signal
 import sys
 from collections.abc import Callable
 
-from config.loading import ConfigError
-from data.errors import DataError
+from config.command_line import exit_for_bad_input
+from config.errors import BadInput, ConfigError
 from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import read_launch_environment
 from execution.training.loop import Interrupted, LastSaveFailed, raised_by_a_stop
@@ -65,14 +65,12 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
             main(job=job)
         finally:
             run_over = True
-    except (ConfigError, DataError) as err:  # the user's input, not a bug: one line, exit 2
+    except BadInput as err:  # the user's input, not a bug: one line, exit 2
         # Before the ranks join (flags, world size) every rank finds the same error: rank 0
         # says it. After, an error may be one rank's own: it says which rank it is.
         rank = launcher_rank()
-        if rank == 0 or job.joined:
-            where = f"rank {rank}: " if rank else ""
-            print(f"{program}: error: {where}{err}", file=sys.stderr)
-        sys.exit(2)
+        where = f"rank {rank}: " if rank else ""
+        exit_for_bad_input(program, f"{where}{err}", say=rank == 0 or job.joined)
     except LastSaveFailed as err:  # every rank counted the same failed saves
         if launcher_rank() == 0:
             print(f"{program}: error: {err}", file=sys.stderr)

@@ -3,7 +3,7 @@
 On CUDA ``scaled_dot_product_attention`` has three fused kernels: FlashAttention-2 (``flash``),
 cuDNN's (``cudnn``) and the memory-efficient kernel (``efficient``). Which is fastest depends
 on the GPU, the shape, the dtype and dropout, and torch's order of preference is no
-measurement of them. The calibration (``benchmarks/calibrate_attention.py``) times each one's
+measurement of them. The calibration (``execution/planning/calibration/attention.py``) times each one's
 forward and backward on the device; the plan carries the kernels ranked by that time at the
 run's shape, dtype and dropout (:meth:`DeviceSpec.attention_ranking
 <execution.planning.device_specs.DeviceSpec.attention_ranking>`, ``EnginePlan.attention_kernels``)

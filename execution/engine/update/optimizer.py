@@ -160,7 +160,7 @@ class AdamWDriver:
     def _host_thread(self) -> ThreadPoolExecutor:
         """The rank's host update thread, made once and kept: the scheduler's waits of it and
         of its OpenMP team, which a step spends, stay visible to whoever times the step
-        (benchmarks/sample_clock.py reads every thread of the process). It goes with the
+        (utils/sample_clock.py reads every thread of the process). It goes with the
         driver."""
         if self._host is None:
             self._host = team_thread("host-adamw", self.host_threads)

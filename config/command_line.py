@@ -1,6 +1,6 @@
-"""The benchmark scripts' command lines: bad input is one line and exit status 2, as for the
-entry points (execution/training/entry.py), and a file they write at the end is checked before
-their minutes of measuring."""
+"""Every entry point's command line: the user's bad input (a ``BadInput``: a ConfigError or a
+DataError) is one line, ``{program}: error: {message}``, and exit status 2, never a traceback;
+and a file a command writes at its end is checked before its minutes of work."""
 
 from __future__ import annotations
 
@@ -8,20 +8,28 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from config.errors import ConfigError
-from data.errors import DataError
+from config.errors import BadInput, ConfigError
+
+BAD_INPUT_EXIT = 2  # argparse's status for a usage error
 
 
-def exit_on_bad_input(main: Callable[[], Any], program: str) -> None:
-    """Runs ``main()``; the user's bad input (a ConfigError or DataError) is one line on stderr
-    and exit status 2 instead of a traceback."""
+def exit_for_bad_input(program: str, message: object, say: bool = True) -> NoReturn:
+    """Ends the process as bad input does: ``{program}: error: {message}`` on stderr (unless
+    not ``say``: a rank of a job whose rank 0 says it) and exit status 2."""
+    if say:
+        print(f"{program}: error: {message}", file=sys.stderr)
+    sys.exit(BAD_INPUT_EXIT)
+
+
+def exit_on_bad_input(main: Callable[[], Any], program: str) -> Any:
+    """``main()``'s result; the user's bad input it raises ends the process as
+    :func:`exit_for_bad_input` does."""
     try:
-        main()
-    except (ConfigError, DataError) as err:
-        print(f"{program}: error: {err}", file=sys.stderr)
-        sys.exit(2)
+        return main()
+    except BadInput as err:
+        exit_for_bad_input(program, err)
 
 
 def check_output_file(flag: str, path: str | Path) -> None:

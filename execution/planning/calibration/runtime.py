@@ -1,34 +1,21 @@
-"""calibrate.py's measurements of the runtime around the kernels, as the engine runs it: host
-link copies on the engine's own host memory, the engine's host AdamW, collectives between two
-local ranks, and what waiting for a collective costs inside a step (see calibrate.py's
-docstring; the engine's own host time per phase is host_time.py's)."""
+"""The calibration's measurements of the runtime around the kernels, as the engine runs it:
+host link copies on the engine's own host memory, the engine's host AdamW, collectives between
+two local ranks, and what waiting for a collective costs inside a step (see ``calibrate.py``'s
+docstring; the engine's own host time per phase is ``host_phases.py``'s)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 import shlex
-import sys
 import tempfile
 from collections import defaultdict
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from sample_clock import (
-    Sample,
-    combined,
-    summarise_together,
-    synchronize,
-    take_sample,
-    timed,
-)
 
 from config.loading import parse_config
 from config.schema import OptimizerConfig
@@ -43,6 +30,14 @@ from execution.planning.measure import meta_step
 from execution.planning.planner import planned_engine
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import estimate_step, phase_costs
+from utils.sample_clock import (
+    Sample,
+    combined,
+    summarise_together,
+    synchronize,
+    take_sample,
+    timed,
+)
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "send")
 # The engine's own calls (execution/parallel/mesh.py): torch 2.13's names, else the older ones.
@@ -153,7 +148,7 @@ class HostUpdateState:
 def host_update_threads(device: torch.device) -> int:
     """The threads one rank's host AdamW gets (the engine: the node's cores over its local
     ranks). A GPU machine starts a rank per GPU; a CPU spec describes one rank of the threads
-    ``calibrate.py --threads`` gives it."""
+    ``python -m benchmarks.calibrate --threads`` gives it."""
     if device.type == "cuda":
         return max(1, usable_cores() // max(torch.cuda.device_count(), 1))
     return max(1, min(torch.get_num_threads(), usable_cores()))

@@ -1,8 +1,8 @@
-"""The device's own rates, for calibrate.py: matmuls by shape, attention, a large copy, host
-memory, launches, fresh memory's first touch, and the memory free to use. Each takes the
-device and calibrate.py's ``Sizes`` and returns plain numbers (its module docstring says what
-each is for); the runtime's measurements (the host link, the host AdamW, collectives, the
-engine's own time) are calibrate_runtime.py's.
+"""The device's own rates, for the calibration (``calibrate.py``): matmuls by shape, attention,
+a large copy, host memory, launches, fresh memory's first touch, and the memory free to use.
+Each takes the device and the calibration's ``Sizes`` and returns plain numbers (its module
+docstring says what each is for); the runtime's measurements (the host link, the host AdamW,
+collectives, the engine's own time) are ``runtime.py``'s.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import itertools
 import os
 
 import torch
-from sample_clock import Sample, summarise, take_sample, timed
 from torch.nn.attention import sdpa_kernel
 
 from execution.engine.phases.recompute import SDPA_BACKENDS, attention_kernel
 from execution.engine.plan import GiB
 from execution.planning.memory import _host_memory_available
+from utils.sample_clock import Sample, summarise, take_sample, timed
 
 
 def matmul_shapes(sizes) -> list[tuple[str, int, int, int]]:
@@ -48,7 +48,7 @@ def measure_matmul(device: torch.device, sizes) -> dict:
     """Each shape's median time, timed in rounds that take every shape once: a shared
     machine's speed drifts over seconds, and shapes timed one after another had put a slow
     stretch on a block of them (two calibrations' rates differed 18% on ``tiny``'s step).
-    Shapes that another process's load spoiled (sample_clock.py) get more rounds."""
+    Shapes that another process's load spoiled (utils/sample_clock.py) get more rounds."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     shapes = matmul_shapes(sizes)
     samples: list[list[Sample]] = [[] for _ in shapes]
