@@ -35,8 +35,8 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   (``execution/engine/phases/recompute.py``), and a compiled graph's saved tensors are counted
   once per storage (``execution/planning/compiled_costs.py``), on the dry run's meta and fake
   tensors as on real ones. The public ``untyped_storage().data_ptr()`` is 0 for every meta or
-  fake storage (an empty real one too), and each call makes a new storage object, so ``is``
-  cannot compare them.
+  fake storage (an empty real one too); ``id(untyped_storage())`` names a storage only while
+  torch keeps one Python object alive with each storage, no more a promise than ``_cdata``.
 - ``cuda_sleep`` (``torch.cuda._sleep``): a GPU spin of a given number of cycles, queued on a
   side stream before its copy, so tests of the engine's stream order see late copies.
 - Inductor's front and middle (``torch._dynamo.backends.common.aot_autograd``,
