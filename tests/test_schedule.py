@@ -1,4 +1,5 @@
-"""The one schedule, drawn as a reader would draw it, and an engine built from a plan alone."""
+"""The one schedule, drawn as a reader would draw it, and an engine built from a plan alone,
+keeping each fact of its rank in one place (its PhaseContext)."""
 
 from __future__ import annotations
 
