@@ -1,9 +1,12 @@
 """docs/design.md's map of the code names every module of the library where it lives: each
 Python file outside tests/ (by git, so the tree as committed) is in its folder's row of the
-"Layout of the code" table, so a new file without its line there fails here."""
+"Layout of the code" table, so a new file without its line there fails here. And the library
+keeps two rules of its shape: no class over 300 lines, and torch's private storage identity
+(``_cdata``) used only through ``utils/torch_private.py``, where every private torch API is."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -71,3 +74,25 @@ def test_the_known_folders_hold_every_committed_library_file():
         pytest.skip("needs the git checkout")
     missing = {f for f in committed if not f.startswith("tests/")} - set(known_python_files())
     assert not missing, "tests/library_files.py's KNOWN_FOLDERS miss: " + ", ".join(sorted(missing))
+
+
+MOST_CLASS_LINES = 300
+
+
+def test_no_class_of_the_library_is_over_300_lines():
+    """From its ``class`` line to its last, docstring and blank lines counted."""
+    long = []
+    for module in library_files():
+        for node in ast.walk(ast.parse((ROOT / module).read_text())):
+            if isinstance(node, ast.ClassDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MOST_CLASS_LINES:
+                    long.append(f"{module}: {node.name} ({lines} lines)")
+    assert not long, "classes over 300 lines: " + ", ".join(long)
+
+
+def test_private_storage_identity_is_used_only_through_torch_private():
+    home = "utils/torch_private.py"
+    assert "_cdata" in (ROOT / home).read_text()  # the check looks for the right name
+    users = [m for m in library_files() if m != home and "_cdata" in (ROOT / m).read_text()]
+    assert not users, f"_cdata outside {home} (use its storage_id): " + ", ".join(users)

@@ -1,4 +1,5 @@
-"""The one schedule, drawn as a reader would draw it, and an engine built from a plan alone."""
+"""The one schedule, drawn as a reader would draw it, and an engine built from a plan alone,
+keeping each fact of its rank in one place (its PhaseContext)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import torch
 from config.schema import OptimizerConfig, PretrainingConfig
 from execution.engine.engine import PhasedEngine
 from execution.engine.phases import schedule
+from execution.engine.phases.phase_context import PhaseContext
 from execution.engine.phases.schedule import Stage, evaluation_phases, training_phases
 from execution.engine.plan import EnginePlan, MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from execution.planning.run_shape import RunShape
 from modelling.gpt import GPTShapes
-from tests.distributed import CPU, engine_batch, global_batches
+from tests.distributed import CPU, engine_batch, global_batches, planned_engine
 from tests.reference import small_config
 
 NAMES = {
@@ -162,3 +164,16 @@ def test_an_engine_built_from_a_plan_alone_runs_the_config_s_step():
         assert torch.equal(a, b)
     held = [v for e in engines for v in vars(e).values()]
     assert not any(isinstance(v, PretrainingConfig) for v in held)
+
+
+def test_each_fact_of_the_rank_has_one_home_its_phase_context():
+    """The engine keeps its PhaseContext and none of the context's fields beside it: what the
+    engine and its callers read by the engine's name (``engine.state``, ``engine.plan``) is the
+    context's own object, so no fact can be changed in one place and read stale in another."""
+    engine = planned_engine(small_config("--layers", "1"), ParallelLayout.single(CPU))
+    fields = {field.name for field in dataclasses.fields(PhaseContext)}
+    assert not fields & set(vars(engine)), "held by the engine and its context both"
+    read = fields & set(dir(engine))
+    assert {"plan", "state", "shapes", "templates", "stage", "specs", "rts"} <= read
+    for name in read:
+        assert getattr(engine, name) is getattr(engine.context, name), name

@@ -29,6 +29,14 @@ Checked on torch 2.13.0 (this project's CPU wheel: the suite runs every one of t
   it checks, whose graphs would otherwise stay in the code object's cache, all of them counted
   against the recompile limit (eight), past which a ``fullgraph`` compile fails; the public
   ``torch.compiler.reset`` would drop every other compiled part of the process too.
+- ``storage_id`` (``untyped_storage()._cdata``, the address of the storage's C++ object): which
+  storage a tensor views, so that what a layer keeps for its backward is counted once per
+  storage and known apart from the weights and the x buffer it views
+  (``execution/engine/phases/recompute.py``), and a compiled graph's saved tensors are counted
+  once per storage (``execution/planning/compiled_costs.py``), on the dry run's meta and fake
+  tensors as on real ones. The public ``untyped_storage().data_ptr()`` is 0 for every meta or
+  fake storage (an empty real one too); ``id(untyped_storage())`` names a storage only while
+  torch keeps one Python object alive with each storage, no more a promise than ``_cdata``.
 - ``cuda_sleep`` (``torch.cuda._sleep``): a GPU spin of a given number of cycles, queued on a
   side stream before its copy, so tests of the engine's stream order see late copies.
 - Inductor's front and middle (``torch._dynamo.backends.common.aot_autograd``,
@@ -74,6 +82,7 @@ __all__ = [
     "sdpa_backward_ops",
     "sdpa_kernel_ops",
     "sdpa_math_op",
+    "storage_id",
 ]
 
 
@@ -131,6 +140,12 @@ def forget_compiled(function: Callable) -> None:
     """Drops what Dynamo compiled of ``function``'s code: its cache and recompile limit are
     the code object's, which every call of the function that made it shares."""
     torch._C._dynamo.eval_frame.reset_code(function.__code__)
+
+
+def storage_id(tensor: torch.Tensor) -> int:
+    """The storage ``tensor`` views, as a number: the same for every view of one storage,
+    different for each storage alive beside it, on meta and fake tensors too."""
+    return tensor.untyped_storage()._cdata
 
 
 def cuda_sleep(cycles: int) -> None:

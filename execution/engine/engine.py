@@ -11,13 +11,15 @@ Four concerns, four places:
   rank through the :class:`~execution.engine.phases.phase_context.PhaseContext` the engine builds once;
 - the update: :class:`~execution.engine.update.optimizer.AdamWDriver`.
 
-The engine holds what lives as long as the rank does (buffers, templates, the pipeline link)
-and drives a step: it runs the schedule's phases, reduces the norm, clips and updates.
+What lives as long as the rank does (buffers, templates, the pipeline link, its stage and
+shapes) has one home: the engine builds it into the rank's ``PhaseContext`` and keeps that; it
+holds itself only what no body uses (the layout, the attention kernel, the update). It drives a
+step: it runs the schedule's phases (:mod:`execution.engine.phases.runner`), reduces the norm,
+clips and updates.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -30,23 +32,22 @@ import torch
 from execution.engine.phases import pipeline, schedule
 from execution.engine.phases.attention_kernels import engine_attention
 from execution.engine.phases.binding import WeightSlots
-from execution.engine.phases.bodies import BODIES
 from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
 from execution.engine.phases.recompute import KeptLayers, prepare_block
-from execution.engine.phases.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
+from execution.engine.phases.runner import run_phases
+from execution.engine.phases.schedule import Phase, Stage
 from execution.engine.phases.step import Batch, Step
-from execution.engine.plan import PLACED_STATES, EnginePlan
+from execution.engine.plan import PLACED_STATES, EnginePlan, MemoryPlan
 from execution.engine.storage.buffers import DTYPES, ActivationLayout, Place, flat_specs
 from execution.engine.storage.state import StateStore
 from execution.engine.update.optimizer import AdamWDriver, clip_coefficient
 from execution.engine.update.rigl import RigL
-from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
-from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
-from utils.torch_private import eager_where_compiling_fails
+from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
+from utils.torch_private import storage_id
 
 
 @dataclass
@@ -75,6 +76,12 @@ class StepHooks:
     before_update: list[Callable[[], None]] = field(default_factory=list)
 
 
+def _in_context(name: str) -> property:
+    """An engine attribute that reads a field of its :class:`PhaseContext`, the one place a
+    fact of the rank lives (a checkpoint, the planner and the loop read it by the engine)."""
+    return property(lambda engine: getattr(engine.context, name))
+
+
 class PhasedEngine:
     """Owns the buffers of one rank and runs training and evaluation steps phase by phase.
 
@@ -83,165 +90,118 @@ class PhasedEngine:
             (:meth:`~execution.planning.run_shape.RunShape.engine_plan`); the
             engine reads nothing else.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
+
+    Attributes:
+        context: What the rank's phase bodies use, built once (its plan, shapes, buffers,
+            templates, stage, ...): the engine's attributes of the same names read it there.
+        attention: The attention kernel pinned in the layer template.
+        optimizer: The update (its steps, its host update behind the next step).
+        rigl: The sparse connectivity's updates, or None for a dense run.
     """
 
+    plan = _in_context("plan")
+    shapes = _in_context("shapes")
+    state = _in_context("state")
+    templates = _in_context("templates")
+    kept = _in_context("kept")
+    stage = _in_context("stage")
+    dtype = _in_context("dtype")
+    device = _in_context("device")
+    specs = _in_context("specs")
+    rts = _in_context("rts")
+    compiled = _in_context("compiled")
+
     def __init__(self, plan: EnginePlan, layout: ParallelLayout):
-        self.plan = plan
-        self.memory = plan.memory
         self.layout = layout
-        self.device = layout.device
-        self.shapes = dataclasses.replace(plan.model, tp1=layout.tp1.size, tp2=layout.tp2.size)
-        self.dtype = DTYPES[plan.precision]
-        with torch.device("meta"):  # one block serves every layer
-            template = GPT(
-                dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2, layout.cp
-            )
-        # Stateless templates: each phase binds its weights to them (phases/binding.py).
-        self.templates = {
-            EMBEDDING: template.embedding,
-            LAYERS: template.layers[0],
-            HEAD: template.head,
-        }
-        self.rts = rts_axes(layout)
-        self.specs = flat_specs(self.shapes, {kind: axis.size for kind, axis in self.rts.items()})
+        shapes = dataclasses.replace(plan.model, tp1=layout.tp1.size, tp2=layout.tp2.size)
+        dtype = DTYPES[plan.precision]
+        templates = _templates(shapes, layout)
+        rts = rts_axes(layout)
+        specs = flat_specs(shapes, {kind: axis.size for kind, axis in rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
-        self.stage = Stage.of(
-            plan.stage_layers,
-            layout.pp.rank,
-            plan.model.task_head is not None,
-            plan.model.tied_head,
+        model = plan.model
+        stage = Stage.of(
+            plan.stage_layers, layout.pp.rank, model.task_head is not None, model.tied_head
         )
         # How long the set-up's two large costs took (the first GPU run prints them): the
         # buffers (on a GPU, registering every host page) and drawing the weights into them.
         started = time.perf_counter()
-        self.state = self._buffers()
+        state = _buffers(plan, layout, shapes, specs, rts, stage, dtype)
         self.setup_seconds = {"buffers": time.perf_counter() - started, "weights": 0.0}
-        self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
-        self.compiled = self._compiles()
+        link = pipeline.Link(layout.pp, stage, state.activations.layout, layout.device)
+        compiled = _compiles(plan, layout)
         # The fastest attention kernel timed that passes its check here, pinned.
-        self.attention = engine_attention(plan, self.templates[LAYERS], layout, self.dtype)
-        self.attention.pin(self.templates[LAYERS])
+        self.attention = engine_attention(plan, templates[LAYERS], layout, dtype)
+        self.attention.pin(templates[LAYERS])
         # What the layers keep for their backward (None: they recompute it in full).
-        self.kept: KeptLayers | None = None
-        if self.memory.recompute != "full":
-            block = self.templates[LAYERS]
-            prepare_block(block, self.memory.recompute)
-            acts = self.state.activations
-            self.kept = KeptLayers(
+        kept = None
+        if plan.memory.recompute != "full":
+            block = templates[LAYERS]
+            prepare_block(block, plan.memory.recompute)
+            acts = state.activations
+            kept = KeptLayers(
                 block,
-                self.specs[LAYERS],
+                specs[LAYERS],
                 acts.kept,
                 acts.store_kept,
                 acts.load_kept,
-                exact_strides=self.compiled,
+                exact_strides=compiled,
                 in_place=acts.keeps_in_place,
-                buffers=frozenset({acts.x.untyped_storage()._cdata}),
+                buffers=frozenset({storage_id(acts.x)}),
             )
-        if self.compiled:  # after prepare_block: a selective core compiles with its block
-            reason = compile_parts(self.templates, self.device, self.dtype)
+        if compiled:  # after prepare_block: a selective core compiles with its block
+            reason = compile_parts(templates, layout.device, dtype)
             if reason is not None and layout.is_main:
                 print(f"--compile: attention's dropout runs between graphs ({reason})")
-        self.compile_watch = CompileWatch()
-        host_threads = usable_cores() // max(layout.local_world_size, 1)
-        # A host update behind a step writes the rows in the order that step first loads them.
-        order = self.stage.load_order(plan.gradient_accumulation, self.memory.passes)
-        overlap = self.overlaps_update
-        self.optimizer = AdamWDriver(self.state, plan.optimizer, host_threads, overlap, order)
-        self.rigl: RigL | None = None
-        if plan.sparsity is not None:
-            first = self.stage.first_layer
-            self.rigl = RigL(plan.sparsity, self.state, self.shapes, layout, first)
         self.context = PhaseContext(
             plan=plan,
-            shapes=self.shapes,
-            state=self.state,
-            templates=MappingProxyType(self.templates),
-            slots=MappingProxyType({part: WeightSlots(t) for part, t in self.templates.items()}),
-            kept=self.kept,
-            link=self.link,
-            stage=self.stage,
-            dtype=self.dtype,
-            device=self.device,
-            specs=MappingProxyType(self.specs),
-            rts=MappingProxyType(self.rts),
+            shapes=shapes,
+            state=state,
+            templates=MappingProxyType(templates),
+            slots=MappingProxyType({part: WeightSlots(t) for part, t in templates.items()}),
+            kept=kept,
+            link=link,
+            stage=stage,
+            dtype=dtype,
+            device=layout.device,
+            specs=MappingProxyType(specs),
+            rts=MappingProxyType(rts),
             dp=layout.dp,
             cp=layout.cp,
             dp_cp=layout.dp_cp,
-            tied_across_stages=self.tied_across_stages,
-            compiled=self.compiled,
+            tied_across_stages=layout.embedding.size > 1 and model.ties_word_embedding,
+            compiled=compiled,
         )
-        if self.device.type != "meta":  # a dry run draws no weights
+        self.compile_watch = CompileWatch()
+        host_threads = usable_cores() // max(layout.local_world_size, 1)
+        # A host update behind a step writes the rows in the order that step first loads them.
+        order = stage.load_order(plan.gradient_accumulation, plan.memory.passes)
+        overlap = self.overlaps_update
+        self.optimizer = AdamWDriver(state, plan.optimizer, host_threads, overlap, order)
+        self.rigl: RigL | None = None
+        if plan.sparsity is not None:
+            self.rigl = RigL(plan.sparsity, state, shapes, layout, stage.first_layer)
+        if layout.device.type != "meta":  # a dry run draws no weights
             started = time.perf_counter()
-            self._initialise_weights(max(1, host_threads))
-            if self.device.type == "cuda":  # the last copies to the device landed
-                torch.cuda.synchronize(self.device)
+            _initialise_weights(state, shapes, plan, layout, max(1, host_threads))
+            if layout.device.type == "cuda":  # the last copies to the device landed
+                torch.cuda.synchronize(layout.device)
             self.setup_seconds["weights"] = time.perf_counter() - started
             if self.rigl is not None:
                 self.rigl.initialise(plan.seed)
 
-    def _buffers(self) -> StateStore:
-        """This rank's buffers, placed by the plan, sized for its stage."""
-        plan, memory = self.plan, self.memory
-        places = {s: Place.of(getattr(memory.placement, s), self.device) for s in PLACED_STATES}
-        activations = ActivationLayout.of(
-            dataclasses.replace(self.shapes, layers=self.stage.layers),
-            memory.micro_batches_per_pass,
-            plan.micro_batch_size,
-            plan.sequence_length // self.layout.cp.size,  # this rank's piece
-            self.dtype,
-            kept=memory.kept,
-            in_flight=self.stage.in_flight(memory.passes),
-        )
-        return StateStore(
-            specs=self.specs,
-            layers=self.stage.layers,
-            rts=self.rts,
-            layout=self.layout,
-            places=places,
-            activations=activations,
-            rows={part: self.stage.rows(part) for part in PARTS},
-            first_layer=self.stage.first_layer,
-            sparse=plan.sparsity is not None,
-        )
-
-    def _initialise_weights(self, workers: int) -> None:
-        """Draws only this rank's tensor-parallel shard of each part, keeps its RTS slice.
-
-        The shard holds the same numbers as a slice of the full part (per-tile seeds), so every
-        layout starts identically while no rank draws or holds a whole part. ``workers``
-        threads draw the tiles (the same numbers as one thread would).
-        """
-        i, j = self.layout.tp1.rank, self.layout.tp2.rank
-        seed, std = self.plan.seed, self.plan.init_std
-        for part, row in self.state.part_rows():
-            layer = self.state.logical_row(part, row)
-            local = init_part_shard(self.shapes, part, layer, seed, std, i, j, workers)
-            self.state.write_shard(part, row, "weights", local)
-
     @property
-    def tied_across_stages(self) -> bool:
-        """The word embedding's gradient is summed over the first and last pipeline stage
-        (the language model's head is tied to it, unless untied; a task's head ties nothing)."""
-        return self.layout.embedding.size > 1 and self.plan.model.ties_word_embedding
-
-    def _compiles(self) -> bool:
-        """Whether the parts run compiled (``--compile``; auto: on a GPU). Where inductor
-        cannot run, the main rank says why in one line and the parts run eager. A dry run's
-        meta engine runs eager: the planner prices the compiled graphs apart."""
-        if not self.plan.compiles_on(self.device.type) or self.device.type == "meta":
-            return False
-        reason = compile_unavailable(self.device.type)
-        if reason is not None and self.layout.is_main:
-            print(f"--compile: torch.compile cannot run here ({reason}); running eager", flush=True)
-        return reason is None
+    def memory(self) -> MemoryPlan:
+        """Where the rank's state lives and what its layers recompute (the plan's)."""
+        return self.context.plan.memory
 
     @property
     def overlaps_update(self) -> bool:
         """Whether the host update of a step runs behind the next (``--overlap_update``; auto:
         on a GPU, whose host cores are idle while it computes, not on a CPU, where they are the
         device's)."""
-        choice = self.plan.overlap_update
-        return choice == "true" or (choice == "auto" and self.device.type == "cuda")
+        choice = self.context.plan.overlap_update
+        return choice == "true" or (choice == "auto" and self.context.device.type == "cuda")
 
     def finish_update(self) -> None:
         """Waits for the host update running behind the step, if any: before anything reads
@@ -272,28 +232,27 @@ class PhasedEngine:
             hooks: What the caller runs inside the step (:class:`StepHooks`).
         """
         hooks = hooks or StepHooks()
-        plan = self.plan
+        ctx = self.context
+        plan, stage = ctx.plan, ctx.stage
         row = plan.sequence_length + plan.model.label_columns
         expected = (plan.gradient_accumulation, plan.micro_batch_size, row)
         assert tuple(tokens.shape) == expected, f"batch {tuple(tokens.shape)} != {expected}"
-        if self.kept is not None:
-            self.kept.drop()  # none left by a step that raised half-way
-        tokens = tokens.to(self.device, non_blocking=True)
-        run = Step(self.context, Batch.of(tokens, step, self.layout.cp, plan.model.task_head))
-        phases = schedule.training_phases(
-            self.stage, plan.gradient_accumulation, self.memory.passes
-        )
+        if ctx.kept is not None:
+            ctx.kept.drop()  # none left by a step that raised half-way
+        tokens = tokens.to(ctx.device, non_blocking=True)
+        run = Step(ctx, Batch.of(tokens, step, self.layout.cp, plan.model.task_head))
+        phases = schedule.training_phases(stage, plan.gradient_accumulation, plan.memory.passes)
         self._run_phases(phases, run, hooks.on_phase)
-        self.state.grads.settle()  # every gradient is where it lives before anything reads it
-        if self.tied_across_stages:
-            tied = pipeline.sum_tied_gradient(self.state, self.layout.embedding)
-            if self.stage.is_first:  # counted once, by the first stage
+        ctx.state.grads.settle()  # every gradient is where it lives before anything reads it
+        if ctx.tied_across_stages:
+            tied = pipeline.sum_tied_gradient(ctx.state, self.layout.embedding)
+            if stage.is_first:  # counted once, by the first stage
                 run.count_in_norm(tied)
 
         scale = plan.loss_scaling
         grad_norm = math.sqrt(_read(self.layout.world.all_reduce_(run.grad_sumsq))) / scale
         losses = run.batch.losses  # the last stage's (the head's)
-        total = torch.stack(losses).float().sum() if losses else torch.zeros((), device=self.device)
+        total = torch.stack(losses).float().sum() if losses else torch.zeros((), device=ctx.device)
         loss = self._mean_over_replicas(total, len(losses))
         compiled = self.compile_watch.since_last()  # the update compiles nothing
         if not math.isfinite(grad_norm):
@@ -303,7 +262,7 @@ class PhasedEngine:
             wait()
         self.optimizer.update(lr, grad_scale=clip / scale)
         rigl = None
-        if self.rigl is not None and self.device.type != "meta":
+        if self.rigl is not None and ctx.device.type != "meta":
             if self.rigl.schedule.updates_at(self.optimizer.steps):
                 self.finish_update()  # a connectivity update reads and writes every row
             rigl = self.rigl.update(self.optimizer.steps, scale)
@@ -318,13 +277,12 @@ class PhasedEngine:
         with the fewest, since each phase's weight all-gather needs every replica.
         """
         self.finish_update()
+        device = self.context.device
         batches = list(batches)
-        count_tensor = torch.tensor(len(batches), device=self.device)
+        count_tensor = torch.tensor(len(batches), device=device)
         batches = batches[: int(self.layout.dp.all_reduce_(count_tensor, op="min"))]
         losses = [loss for batch in self._forward_chunks(batches) for loss in batch.losses]
-        total = (
-            torch.stack(losses).double().sum() if losses else torch.zeros((), device=self.device)
-        )
+        total = torch.stack(losses).double().sum() if losses else torch.zeros((), device=device)
         return self._mean_over_replicas(total, len(losses))
 
     @torch.no_grad()
@@ -337,28 +295,29 @@ class PhasedEngine:
         pipeline group, to which the other stages add zeros, hands them on.
         """
         self.finish_update()
-        head = self.plan.model.task_head
+        plan = self.context.plan
+        head = plan.model.task_head
         assert head, "predict needs a task's head"
         outputs = [out for batch in self._forward_chunks(batches, True) for out in batch.outputs]
         if self.layout.pp.size == 1 or not batches:
             return outputs
         if not outputs:  # a stage before the last
-            micro = batches[0].shape[0]
-            shape = head.output_shape(micro, self.plan.sequence_length)
-            outputs = [torch.zeros(shape, device=self.device) for _ in batches]
+            shape = head.output_shape(batches[0].shape[0], plan.sequence_length)
+            outputs = [torch.zeros(shape, device=self.context.device) for _ in batches]
         return list(self.layout.pp.all_reduce_(torch.stack(outputs)))
 
     def _forward_chunks(self, batches: list[torch.Tensor], keep_outputs: bool = False):
         """Runs the forward phases and the head over as many micro-batches at a time as one
         pass holds; returns each chunk's :class:`Batch` with what its head emitted."""
-        per_pass = self.memory.micro_batches_per_pass
+        ctx = self.context
+        per_pass = ctx.plan.memory.micro_batches_per_pass
         done = []
         for index, start in enumerate(range(0, len(batches), per_pass)):
-            tokens = torch.stack(batches[start : start + per_pass]).to(self.device)
-            batch = Batch.of(tokens, None, self.layout.cp, self.plan.model.task_head)
+            tokens = torch.stack(batches[start : start + per_pass]).to(ctx.device)
+            batch = Batch.of(tokens, None, self.layout.cp, ctx.plan.model.task_head)
             batch.keep_outputs = keep_outputs
-            phases = schedule.evaluation_phases(self.stage, range(len(tokens)), index)
-            self._run_phases(phases, Step(self.context, batch))
+            phases = schedule.evaluation_phases(ctx.stage, range(len(tokens)), index)
+            self._run_phases(phases, Step(ctx, batch))
             done.append(batch)
         self.compile_watch.since_last()  # an evaluation's own graphs are no step's
         return done
@@ -369,58 +328,19 @@ class PhasedEngine:
         run: Step,
         on_phase: Callable[[Phase | None], None] | None = None,
     ) -> None:
-        """Runs each phase's body; with ``--prefetch`` or ``--overlap_communication``, first
-        starts loading the next phase's weights, so that their copy (and with overlap, their
-        all-gather) runs behind this phase's compute."""
-        plan = self.plan
-        overlap = plan.overlap_communication
-        self.state.drop_prefetched()  # none left by a step that raised half-way
-        self.link.start(phases)
-        # The next phase that loads weights (a pipeline's moves load none).
-        loading = [n for n, phase in enumerate(phases) if schedule.weights_loaded(phase)]
-        following = dict(zip(loading, [*loading[1:], None], strict=True))
-        current = "the phases"
-        # A compiled part whose graph fails to compile runs eagerly, and the run goes on.
-        compiling = eager_where_compiling_fails() if self.compiled else contextlib.nullcontext()
-        self.compile_watch.failed_since_last()  # none left by a step that raised half-way
-        try:
-            with compiling:
-                for n, phase in enumerate(phases):
-                    current = _phase_name(phase)
-                    if on_phase is not None:
-                        on_phase(phase)
-                    ahead = following.get(n, loading[0] if n < loading[0] else None)
-                    later = []  # prefetches that would wait for the update: after this phase
-                    if (plan.prefetch or overlap) and ahead is not None and n < ahead:
-                        loads = schedule.weights_loaded(phases[ahead])
-                        later = self.state.prefetch_unless_waiting(loads, self.dtype, overlap)
-                    BODIES[phase.kind](run, phase)
-                    for part, row in later:
-                        self.state.prefetch_weights(part, row, self.dtype, gather=overlap)
-            current = "the last transfers of the phases"
-            run.in_flight.finish()  # the norm and the optimizer read every gradient
-            self.link.finish()  # every boundary activation sent has arrived
-        except CollectiveError as err:
-            err.during(current)
-            raise
-        if on_phase is not None:
-            on_phase(None)
-        failed = self.compile_watch.failed_since_last() if self.compiled else 0
+        """Runs the phases (:func:`~execution.engine.phases.runner.run_phases`); where graphs
+        of the compiled parts could not compile, says so and goes on."""
+        failed = run_phases(run, phases, self.compile_watch, on_phase)
         if failed:  # a rank's own parts (a pipeline stage's): each rank says so
             rank = f"rank {self.layout.rank}: " if self.layout.world.size > 1 else ""
             reason = "Dynamo's warning says why"
             print(f"--compile: {rank}{failed} graph(s) could not compile ({reason}); going on")
-        # Every prefetch is used by the phase it was issued for; none may outlive the schedule
-        # (the optimizer is about to change the weights it copied).
-        unused = self.state.drop_prefetched()
-        assert unused == 0, f"{unused} prefetched part(s) never loaded"
 
     def _mean_over_replicas(self, total: torch.Tensor, count: int) -> float:
         """Mean of per-micro-batch losses over data replicas and sequence pieces (all pieces
         have the same number of tokens, so the mean of their means is the whole mean)."""
-        both = torch.stack(
-            [total.double(), torch.tensor(float(count), device=self.device).double()]
-        )
+        count_tensor = torch.tensor(float(count), device=self.context.device)
+        both = torch.stack([total.double(), count_tensor.double()])
         both = self.layout.dp_cp.all_reduce_(both)
         both = self.layout.pp.all_reduce_(both)  # from the last stage (others add zeros)
         total_all, count_all = _read(both[0]), _read(both[1])
@@ -429,13 +349,68 @@ class PhasedEngine:
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of host or device buffers held by this rank: weights, optimizer, grads,
         activations."""
-        return self.state.nbytes()
+        return self.context.state.nbytes()
 
 
-def _phase_name(phase: Phase) -> str:
-    """How a one-line error names a phase: "layer_forward phase of layer 2"."""
-    layer = f" of layer {phase.layer}" if phase.kind in (LAYER_FORWARD, LAYER_BACKWARD) else ""
-    return f"{phase.kind} phase{layer}"
+def _templates(shapes: GPTShapes, layout: ParallelLayout) -> dict[str, torch.nn.Module]:
+    """Stateless templates of the parts, on meta: each phase binds its weights to them
+    (phases/binding.py), and one block serves every layer."""
+    with torch.device("meta"):
+        model = GPT(dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2, layout.cp)
+    return {EMBEDDING: model.embedding, LAYERS: model.layers[0], HEAD: model.head}
+
+
+def _buffers(plan, layout, shapes, specs, rts, stage: Stage, dtype) -> StateStore:
+    """This rank's buffers, placed by the plan, sized for its stage."""
+    memory = plan.memory
+    places = {s: Place.of(getattr(memory.placement, s), layout.device) for s in PLACED_STATES}
+    activations = ActivationLayout.of(
+        dataclasses.replace(shapes, layers=stage.layers),
+        memory.micro_batches_per_pass,
+        plan.micro_batch_size,
+        plan.sequence_length // layout.cp.size,  # this rank's piece
+        dtype,
+        kept=memory.kept,
+        in_flight=stage.in_flight(memory.passes),
+    )
+    return StateStore(
+        specs=specs,
+        layers=stage.layers,
+        rts=rts,
+        layout=layout,
+        places=places,
+        activations=activations,
+        rows={part: stage.rows(part) for part in PARTS},
+        first_layer=stage.first_layer,
+        sparse=plan.sparsity is not None,
+    )
+
+
+def _compiles(plan: EnginePlan, layout: ParallelLayout) -> bool:
+    """Whether the parts run compiled (``--compile``; auto: on a GPU). Where inductor
+    cannot run, the main rank says why in one line and the parts run eager. A dry run's
+    meta engine runs eager: the planner prices the compiled graphs apart."""
+    device = layout.device.type
+    if not plan.compiles_on(device) or device == "meta":
+        return False
+    reason = compile_unavailable(device)
+    if reason is not None and layout.is_main:
+        print(f"--compile: torch.compile cannot run here ({reason}); running eager", flush=True)
+    return reason is None
+
+
+def _initialise_weights(state, shapes, plan, layout, workers: int) -> None:
+    """Draws only this rank's tensor-parallel shard of each part, keeps its RTS slice.
+
+    The shard holds the same numbers as a slice of the full part (per-tile seeds), so every
+    layout starts identically while no rank draws or holds a whole part. ``workers``
+    threads draw the tiles (the same numbers as one thread would).
+    """
+    i, j = layout.tp1.rank, layout.tp2.rank
+    for part, row in state.part_rows():
+        layer = state.logical_row(part, row)
+        local = init_part_shard(shapes, part, layer, plan.seed, plan.init_std, i, j, workers)
+        state.write_shard(part, row, "weights", local)
 
 
 def _read(scalar: torch.Tensor) -> float:

@@ -53,7 +53,7 @@ from execution.planning.op_costs import OpCosts
 from execution.planning.step_meter import ATTENTION_KERNELS, StepMeter
 from modelling.dropout import BlockSeeds
 from modelling.gpt import EMBEDDING, HEAD, LAYERS, GPTShapes
-from utils.torch_private import fake_tensors
+from utils.torch_private import fake_tensors, storage_id
 
 META = torch.device("meta")
 _MATMUL_OPS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.")
@@ -186,10 +186,9 @@ def compiled_kept_in_place(
         value = nodes[name].meta.get("val")
         if nodes[name].op == "placeholder" or not isinstance(value, torch.Tensor):
             continue
-        storage = value.untyped_storage()
-        if storage._cdata not in storages:  # views of one storage keep it once
-            storages.add(storage._cdata)
-            held += storage.nbytes()
+        if storage_id(value) not in storages:  # views of one storage keep it once
+            storages.add(storage_id(value))
+            held += value.untyped_storage().nbytes()
     return held
 
 

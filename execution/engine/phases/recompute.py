@@ -45,7 +45,7 @@ from execution.parallel.sharding import SHARD_KINDS
 from modelling.dropout import BlockSeeds
 from modelling.gpt import GPT, LAYERS, GPTShapes
 from modelling.layers import Attention
-from utils.torch_private import is_fake, sdpa_kernel_ops
+from utils.torch_private import is_fake, sdpa_kernel_ops, storage_id
 
 MODES = ("full", "selective", "none")
 # Each kept tensor starts on this many bytes, so any dtype can view its region.
@@ -179,7 +179,7 @@ class _Packer:
         self.in_place, self.buffers, self.on_keep = in_place, buffers, on_keep
         self._held: set[int] = set()
         self.device = next(iter(flats.values())).device if flats else None
-        self.weights = {flat.untyped_storage()._cdata: kind for kind, flat in flats.items()}
+        self.weights = {storage_id(flat): kind for kind, flat in flats.items()}
         self.offsets = {kind: flat.storage_offset() for kind, flat in flats.items()}
         self.used = self.copied = self.overflow = self.held = 0
         self._seen: dict[tuple, tuple] = {}
@@ -188,7 +188,7 @@ class _Packer:
         self._alive: list[torch.Tensor] = []
 
     def pack(self, t: torch.Tensor) -> tuple:
-        storage = t.untyped_storage()._cdata
+        storage = storage_id(t)
         kind = self.weights.get(storage)
         if kind is not None:
             return ("weight", kind, t.size(), t.stride(), t.storage_offset() - self.offsets[kind])
@@ -267,7 +267,8 @@ class KeptLayers:
             with, not the region's dense ones (a compiled block's backward needs them).
         in_place: Keep the saved tensors themselves, not copies in ``entries`` (activations
             on the device), but those lying in ``buffers``' storages.
-        buffers: Storages (``untyped_storage()._cdata``) a layer's input is a view of.
+        buffers: Storages (:func:`~utils.torch_private.storage_id`) a layer's input is a
+            view of.
 
     Attributes:
         on_keep: Told of each tensor kept in place (a dry run's meter counts them as the
@@ -410,7 +411,7 @@ def kept_layer_on_meta(
     x = torch.empty(micro_batch, sequence, shapes.hidden // shapes.tp2, dtype=dtype, device=META)
     seeds = BlockSeeds(1, 2, 3) if shapes.dropout_prob else None
     # The engine's input is a view of the x buffer, unless tp1 gathered it anew.
-    buffers = frozenset({x.untyped_storage()._cdata}) if shapes.tp1 == 1 else frozenset()
+    buffers = frozenset({storage_id(x)}) if shapes.tp1 == 1 else frozenset()
     packer = _Packer(None, None, flats, buffers=buffers)
     loaded = 0
 

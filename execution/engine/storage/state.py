@@ -61,6 +61,15 @@ from modelling.gpt import LAYERS, PARTS
 from modelling.parallel import Axis
 
 
+def _traffic(direction: str) -> property:
+    """Bytes copied over the host link one way, counted in the store's :class:`Traffic`
+    (read and reset by the dry run and the tests)."""
+    return property(
+        lambda store: getattr(store.traffic, direction),
+        lambda store, nbytes: setattr(store.traffic, direction, nbytes),
+    )
+
+
 class StateStore:
     """Buffers of one rank and the loads and stores between them and the compute device.
 
@@ -72,6 +81,9 @@ class StateStore:
         places: Place of ``weights`` (with the AdamW moments), ``grads`` and ``activations``.
         activations: Sizes of the activation buffers (their dtype is the compute dtype).
     """
+
+    host_to_device = _traffic("host_to_device")
+    device_to_host = _traffic("device_to_host")
 
     def __init__(
         self,
@@ -136,22 +148,6 @@ class StateStore:
             yield from self.grads.staging
             if self.masks is not None:
                 yield self.masks.rows
-
-    @property
-    def host_to_device(self) -> int:
-        return self.traffic.host_to_device
-
-    @host_to_device.setter
-    def host_to_device(self, nbytes: int) -> None:
-        self.traffic.host_to_device = nbytes
-
-    @property
-    def device_to_host(self) -> int:
-        return self.traffic.device_to_host
-
-    @device_to_host.setter
-    def device_to_host(self, nbytes: int) -> None:
-        self.traffic.device_to_host = nbytes
 
     # ------------------------------------------------------------------ weights
 
@@ -316,8 +312,6 @@ class StateStore:
             for kind, copy in buffers.weight_copies.items():
                 copy.copy_(buffers.weights[kind])
         self.drop_prefetched()
-
-    # ------------------------------------------------------------------ gradients
 
     # ------------------------------------------------------------------ optimizer state
 
