@@ -1,12 +1,21 @@
-"""bench_step.py's peak-memory probes and the table its rows print as.
+"""bench_step.py's peak-memory probes, the table its rows print as, and its line on the host
+AdamW's rate.
 
 Kept apart from the runs themselves (bench_step.py) so that the variants and the measuring loop
-read on their own; nothing here depends on the engine.
+read on their own; of the engine, only its AdamW is used here.
 """
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
+
 import torch
+
+from config.schema import PretrainingConfig
+from execution.engine.update.optimizer import adamw_
+from modelling.host_threads import team_thread
 
 # ---------------------------------------------------------------------------- memory
 
@@ -84,3 +93,30 @@ def format_table(rows: list[dict]) -> str:
         figures = (f"{v:>{w}}" for v, w in zip(c[1:], widths[1:], strict=True))
         lines.append("  ".join([first, *figures]))
     return "\n".join(lines)
+
+
+def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) -> str:
+    """Median time of one host AdamW update (torch's fused AdamW, as the engine runs it) of
+    ``elements`` floats on one core and on a team of every core."""
+    g = torch.Generator().manual_seed(0)
+    weight, grad = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
+    exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
+    hyper = dict(
+        step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True, grad_scale=0.5
+    )
+    hyper["scratch"] = torch.empty(elements)  # kept from update to update, as the engine does
+    cores = os.cpu_count() or 1
+    timed = {}
+    for team in sorted({1, cores}):
+        with team_thread("host-adamw", team) as host:
+            seconds = []
+            for _ in range(repeats + 1):  # the first sizes the team
+                started = time.perf_counter()
+                host.submit(adamw_, weight, grad, exp_avg, exp_avg_sq, **hyper).result()
+                seconds.append(time.perf_counter() - started)
+            timed[team] = statistics.median(seconds[1:])
+    parts = [
+        f"{team} core{'s' * (team > 1)} {t * 1e3:.1f} ms ({elements / t / 1e6:.0f} M elements/s)"
+        for team, t in timed.items()
+    ]
+    return f"host AdamW on {elements:,} float32: torch's fused AdamW on " + ", on ".join(parts)

@@ -56,7 +56,13 @@ from benchmarks.baselines import (
     pytorch_loop,
 )
 from benchmarks.bench_profile import gpu_activity, profile_step, synchronize
-from benchmarks.bench_report import format_table, peak_memory, proc_status_bytes, reset_peak_memory
+from benchmarks.bench_report import (
+    format_table,
+    host_adamw_line,
+    peak_memory,
+    proc_status_bytes,
+    reset_peak_memory,
+)
 from benchmarks.child_process import append_json_line, read_json_lines, run_child
 from benchmarks.idle_gaps import (
     PhaseClock,
@@ -70,7 +76,6 @@ from config.loading import OneLineParser, parse_config
 from config.schema import PretrainingConfig
 from data.loader import training_loader
 from execution.engine.engine import PhasedEngine, StepHooks
-from execution.engine.update.optimizer import adamw_
 from execution.parallel.launch import select_device
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.memory import cap_device_memory
@@ -78,7 +83,6 @@ from execution.planning.planner import plan_for_process
 from execution.planning.run_shape import RunShape
 from execution.training.lr_schedule import learning_rate
 from modelling.gpt import GPTShapes
-from modelling.host_threads import team_thread
 from utils.metrics import (
     attention_flops_per_token,
     device_peak_tflops,
@@ -431,33 +435,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.adamw_elements > 0:
         print(host_adamw_line(args.adamw_elements, base))
     return rows
-
-
-def host_adamw_line(elements: int, config: PretrainingConfig, repeats: int = 3) -> str:
-    """Median time of one host AdamW update (torch's fused AdamW, as the engine runs it) of
-    ``elements`` floats on one core and on a team of every core."""
-    g = torch.Generator().manual_seed(0)
-    weight, grad = torch.randn(elements, generator=g), torch.randn(elements, generator=g)
-    exp_avg, exp_avg_sq = torch.zeros(elements), torch.zeros(elements)
-    hyper = dict(
-        step=1, lr=1e-4, optim=config.training.optimizer, weight_decay=True, grad_scale=0.5
-    )
-    hyper["scratch"] = torch.empty(elements)  # kept from update to update, as the engine does
-    cores = os.cpu_count() or 1
-    timed = {}
-    for team in sorted({1, cores}):
-        with team_thread("host-adamw", team) as host:
-            seconds = []
-            for _ in range(repeats + 1):  # the first sizes the team
-                started = time.perf_counter()
-                host.submit(adamw_, weight, grad, exp_avg, exp_avg_sq, **hyper).result()
-                seconds.append(time.perf_counter() - started)
-            timed[team] = statistics.median(seconds[1:])
-    parts = [
-        f"{team} core{'s' * (team > 1)} {t * 1e3:.1f} ms ({elements / t / 1e6:.0f} M elements/s)"
-        for team, t in timed.items()
-    ]
-    return f"host AdamW on {elements:,} float32: torch's fused AdamW on " + ", on ".join(parts)
 
 
 if __name__ == "__main__":
