@@ -176,7 +176,9 @@ class Choice:
 
     plan: MemoryPlan
     fits: bool
-    others: Iterator[MemoryPlan] = dataclasses.field(default_factory=lambda: iter(()))
+    others: Iterator[MemoryPlan] = dataclasses.field(
+        default_factory=lambda: iter(()), compare=False, repr=False
+    )
 
 
 def choose(
