@@ -109,7 +109,7 @@ def test_checkpoint_bytes_of_every_rank_add_up_to_the_logical_state_once(layout)
     and two moments) per logical parameter: no padding, nothing twice."""
     config = distributed_config(*layout_flags(*layout))
     run = RunShape.of(config)
-    plan = next(iter(candidate_plans(run, "cuda", measured=False)))
+    plan = next(iter(candidate_plans(run, "cuda")))
     written = [
         checkpoint_figures(run, plan, run.spec, rank)["bytes_written"]
         for rank in range(run.world_size)
@@ -228,7 +228,7 @@ def test_extrapolated_step_equals_a_full_dry_run_step():
         "--grads_placement device"
     )
     run = RunShape.of(distributed_config(*layout_flags(2, 2, 1), *run))
-    plan = candidate_plans(run, "cuda", measured=False)[0]
+    plan = candidate_plans(run, "cuda")[0]
     metered_adamw_once()
     flops, comm, _, _, phases = extrapolated_step(run, plan, run.spec)
     with fake_job(0, run.world_size):
@@ -266,7 +266,7 @@ def test_a_step_measured_from_probes_equals_the_whole_step(layout, flags):
     sizes = ["--layers", "3", "--micro_batch_size", "1", *shlex.split(flags)]
     run = RunShape.of(distributed_config(*layout_flags(*layout), *sizes))
     spec = run.spec
-    plan = candidate_plans(run, "cuda", measured=False)[0]
+    plan = candidate_plans(run, "cuda")[0]
     probes, _ = _step_probes(run.engine_plan(plan), run.mesh.pp)
     assert sum(m for _, m in probes) < run.gradient_accumulation  # the probes are taken
     metered_adamw_once()
@@ -300,7 +300,7 @@ def test_a_step_of_many_layers_is_measured_on_three_and_four():
     stand for the step, and give exactly what stepping all six gives (the working set too:
     from three layers on, each further layer repeats the middle one's)."""
     run = RunShape.of(small_config("--layers", "6", "--placement", "remote"))
-    plan = candidate_plans(run, "cuda", measured=False)[0]
+    plan = candidate_plans(run, "cuda")[0]
     told: list[str] = []
     metered_adamw_once()
     with fake_job(0, run.world_size):
@@ -323,7 +323,7 @@ def _estimate(config, **spec):
     run = RunShape.of(config)
     run = dataclasses.replace(run, spec=dataclasses.replace(run.spec, **spec))
     with fake_job(0, run.world_size):
-        plan = candidate_plans(run, "cuda", measured=False)[0]
+        plan = candidate_plans(run, "cuda")[0]
         measured = measure_planned_step(run, plan, run.spec)
     return estimate(run, measured, run.spec)
 

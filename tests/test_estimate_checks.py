@@ -84,7 +84,7 @@ def test_the_link_floor_is_at_most_what_the_engine_copies():
         states = zip(("weights", "grads", "activations"), where, strict=True)
         places = " ".join(f"--{state}_placement {place}" for state, place in states)
         run = RunShape.of(small_config(*shlex.split(f"{flags} --passes 3 {places}")))
-        plan = candidate_plans(run, "cuda", measured=False)[0]
+        plan = candidate_plans(run, "cuda")[0]
         itemsize = DTYPES[run.precision].itemsize
         x_bytes = 2 * run.sequence_length * run.model.hidden * itemsize
         floor = placement_link_floor(plan, itemsize, run.gradient_accumulation, 4, x_bytes)

@@ -86,7 +86,7 @@ def _offered(run: RunShape, measurements: Measurements) -> dict[str, list]:
     """Per recompute mode the layout allows, the placements the planner offers ``run``,
     fastest first: those that fit its device (by the planner's quick working set), or, where
     none does, the one a dry run with ``--recompute`` of that mode shows (least device memory)."""
-    plans = candidate_plans(run, "cuda", measurements=measurements, measured=False)
+    plans = candidate_plans(run, "cuda", measurements=measurements)
     budget = spec_budget(run, run.spec)
     offered = {}
     for mode in dict.fromkeys(plan.recompute for plan in plans):
@@ -105,7 +105,7 @@ def sweep_preset(preset: str) -> list[tuple[str, dict, int, int]]:
     rows = []
     for index, (flags, full, run) in enumerate(_runs(preset)):
         plans = {}  # the shrunk run's fastest plan of each placement and mode
-        for plan in candidate_plans(run, "cuda", measurements=measurements, measured=False):
+        for plan in candidate_plans(run, "cuda", measurements=measurements):
             plans.setdefault((plan.placement, plan.recompute), plan)
         shipped = index == 0  # every placement offered; the other runs, each mode's first
         for mode, placements in _offered(full, measurements).items():

@@ -21,12 +21,7 @@ from execution.planning.memory import (
     spec_budget,
 )
 from execution.planning.plan_ranking import step_seconds
-from execution.planning.planner import (
-    advisory_plans,
-    candidate_plans,
-    choose_or_least,
-    choose_plan,
-)
+from execution.planning.planner import advisory_plans, choose, measured_plans
 from execution.planning.run_shape import RunShape
 
 MiB = 1 << 20
@@ -93,7 +88,7 @@ def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     device memory) are refused by both the dry run and a real run, and both choose the same
     plan."""
     run = _h100()
-    plans = candidate_plans(run, "cuda")  # with the working sets measured
+    plans = measured_plans(run, "cuda")
     dry = spec_budget(run, run.spec)
     real = _real_run_budget(monkeypatch, run, 79, 8 * 128, 8)
     whole = MemoryBudget(79 * GiB, 128 * GiB)  # the spec's memory with no headroom
@@ -107,7 +102,7 @@ def test_the_dry_run_and_a_real_run_accept_the_same_plans(monkeypatch):
     assert everything[-1].passes == 2
     assert round(everything[-1].bytes_on("device")["total"] / GiB, 1) == 77.1
     assert [dry.fits(p) for p in plans] == [real.fits(p) for p in plans]
-    assert choose_or_least(run, dry)[0] == choose_plan(run, "cuda", real)
+    assert choose(run, dry, on_miss="least").plan == choose(run, real).plan
 
 
 def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
@@ -121,7 +116,8 @@ def test_gpt3_1_3b_keeps_its_weights_on_an_h100():
     activations instead (selective recompute)."""
     run = _h100()
     budget = spec_budget(run, run.spec)
-    plan, fits = choose_or_least(run, budget)
+    choice = choose(run, budget, on_miss="least")
+    plan, fits = choice.plan, choice.fits
     assert fits and plan.placement == Placement("device", "device", "device")
     assert plan.traffic == 0 and plan.bytes_on("device")["total"] <= budget.device
 
@@ -182,12 +178,14 @@ def test_a_device_memory_cap_changes_the_plan():
     24 x 0.9 GiB less the workspaces; the planner moves state to the host and the plan fits
     the cap."""
     free = _h200()
-    plan, fits = choose_or_least(free, spec_budget(free, free.spec))
+    chosen = choose(free, spec_budget(free, free.spec), on_miss="least")
+    plan, fits = chosen.plan, chosen.fits
     assert fits and plan.placement == Placement("device", "device", "device")
     capped = _h200("--device_memory_cap_gb", "24")
     budget = spec_budget(capped, capped.spec)
     assert budget.device == int(0.9 * 24 * GiB) - RESERVE
-    small, fits = choose_or_least(capped, budget)
+    chosen = choose(capped, budget, on_miss="least")
+    small, fits = chosen.plan, chosen.fits
     assert fits and "host" in dataclasses.astuple(small.placement)
     assert small.bytes_on("device")["total"] <= budget.device < plan.bytes_on("device")["total"]
 

@@ -19,7 +19,7 @@ from execution.planning.memory import MemoryBudget
 from execution.planning.micro_batch_limits import divisors_of
 from execution.planning.plan_search import layouts, search, spans_nodes, tensor_parallel_floor
 from execution.planning.plan_table import layout_rows, print_layouts
-from execution.planning.planner import candidate_plans, plans_fitting_every_stage
+from execution.planning.planner import candidate_plans, choose, measured_plans
 from execution.planning.run_shape import RunShape
 from tests.distributed import layout_flags
 from tests.distributed import small_config as distributed_config
@@ -32,7 +32,7 @@ def _measured(config, monkeypatch, replay: bool):
     if not replay:
         monkeypatch.setattr(measurements.meta_results, "key", lambda *args: None)
     run = RunShape.of(config)
-    plan = candidate_plans(run, "cuda", measured=False)[0]
+    plan = candidate_plans(run, "cuda")[0]
     with fake_job(0, run.world_size):
         return measure_planned_step(run, plan, run.spec, measurements), measurements
 
@@ -88,7 +88,7 @@ def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans()
     set, and finds the same fitting plans, with the same bytes, as measuring every mode."""
     run = "--layers 12 --global_batch_size 16 --micro_batch_size 8 --passes 1 --placement resident"
     run = RunShape.of(distributed_config(*layout_flags(2, 2, 1), *shlex.split(run)))
-    plans, _ = plans_fitting_every_stage(run, "cuda", MemoryBudget(None, 1 << 50), 0)
+    plans = measured_plans(run, "cuda")
     assert {p.recompute for p in plans} == {"full", "selective", "none"}
     full = min(p.bytes_on("device")["total"] for p in plans if p.recompute == "full")
     none = min(
@@ -96,14 +96,11 @@ def test_working_sets_measured_only_where_a_plan_may_fit_choose_the_same_plans()
     )
     assert full < none
     budget = MemoryBudget((full + none) // 2, 1 << 50)
-    _, everywhere = plans_fitting_every_stage(run, "cuda", budget, 0)
     measured = Measurements()
-    _, searched = plans_fitting_every_stage(
-        run, "cuda", budget, 0, fitting_only=True, measurements=measured
-    )
+    searched = choose(run, budget, on_miss="nearest", measurements=measured)
+    assert searched.fits
+    assert [searched.plan, *searched.others] == [p for p in plans if budget.fits(p)]
     assert measured.working_sets and "none" not in {key[-1] for key in measured.working_sets}
-    fitting = [p for p in everywhere if budget.fits(p)]
-    assert fitting and [p for p in searched if budget.fits(p)] == fitting
 
 
 @pytest.mark.slow

@@ -12,14 +12,9 @@ from execution.engine.plan import GiB, Placement
 from execution.planning.measure import Measurements
 from execution.planning.memory import MemoryBudget, RankShape, state_bytes
 from execution.planning.micro_batch_limits import check_micro_batches, pass_counts
+from execution.planning.pipeline_figures import deciding_stages
 from execution.planning.plan_ranking import step_seconds
-from execution.planning.planner import (
-    candidate_plans,
-    choose_plan,
-    fastest_fitting,
-    first_fitting_every_stage,
-    plans_fitting_every_stage,
-)
+from execution.planning.planner import candidate_plans, choose, measured_plans, shortfall
 from execution.planning.run_shape import RunShape
 from tests.reference import LLAMA_VARIANTS, small_config
 
@@ -33,7 +28,7 @@ def preset(name: str, *flags: str):
 
 
 def test_everything_on_the_device_in_one_pass_when_it_fits():
-    plan = choose_plan(RunShape.of(small_config()), "cpu", UNLIMITED)
+    plan = choose(RunShape.of(small_config()), UNLIMITED, device_type="cpu").plan
     assert plan.passes == 1
     assert plan.placement == Placement("device", "device", "device")
     assert plan.traffic == 0
@@ -51,14 +46,14 @@ def test_tighter_device_memory_moves_state_off_the_device():
         rank, rank.gradient_accumulation, Placement("device", "device", "device")
     )
     everything = sum(one_pass.values())
-    roomy = choose_plan(run, "cuda", MemoryBudget(int(everything * 1.2), 1 << 45))
+    roomy = choose(run, MemoryBudget(int(everything * 1.2), 1 << 45)).plan
     assert (roomy.passes, roomy.placement) == (1, Placement("device", "device", "device"))
     chosen, kernel = [], attention_kernel("cuda", run.model.dropout_prob, rank.dtype)
     for device_gib in (80, 40, 20, 12):
         budget = MemoryBudget(device_gib * GiB, 512 * GiB)
-        plan = choose_plan(run, "cuda", budget)
+        plan = choose(run, budget).plan
         assert budget.fits(plan) and plan.bytes_on("device")["total"] <= device_gib * GiB
-        fitting = [p for p in candidate_plans(run, "cuda") if budget.fits(p)]
+        fitting = [p for p in measured_plans(run, "cuda") if budget.fits(p)]
         time = {id(p): step_seconds(run, rank, kernel, p) for p in [plan, *fitting]}
         assert not any(time[id(p)] < time[id(plan)] for p in fitting)
         ties = [p for p in fitting if time[id(p)] == time[id(plan)]]
@@ -78,41 +73,70 @@ def test_tighter_device_memory_moves_state_off_the_device():
     ],
 )
 def test_the_lazy_walk_chooses_what_measuring_every_mode_chooses(flags):
-    """first_fitting_every_stage measures a recompute mode's working set only when the walk
-    reaches one of its plans. At device budgets from below what the smallest plan needs to
-    above what the largest needs (so the fastest modes stop fitting one by one), on every stage, it
-    chooses the plan that measuring every mode first chooses; with memory to spare it
-    measures one mode."""
+    """choose measures a recompute mode's working set only when the walk reaches one of its
+    plans that may fit. At device budgets from below what the smallest plan needs to above
+    what the largest needs (so the fastest modes stop fitting one by one), on every stage, it
+    chooses what measuring every mode first chooses: the plans whose passes, placement and
+    recompute fit on every stage that decides, in the first stage's order (its choice, then
+    the others it draws); on a miss, the plan that needs the least device memory. With memory
+    to spare it measures one mode."""
     run = RunShape.of(small_config(*shlex.split(flags)))
     stages = range(run.mesh.pp)
+    deciding = {0, *deciding_stages(run.stage_layers)} if run.mesh.pp > 1 else set()
     known = Measurements()  # what both ways measure, measured once
-    eager = {
-        s: plans_fitting_every_stage(run, "cuda", UNLIMITED, s, measurements=known)[0]
-        for s in stages
-    }
+    eager = {s: measured_plans(run, "cuda", s, known) for s in stages}
     needs = sorted({p.bytes_on("device")["total"] for plans in eager.values() for p in plans})
     assert len(needs) > 4
     chosen = set()
     for device in [needs[0] - 1, *needs[::3], needs[-1], needs[-1] + 1]:
         budget = MemoryBudget(device, 1 << 50)
+        fitting = {
+            s: {(p.passes, p.placement, p.recompute): p for p in eager[s] if budget.fits(p)}
+            for s in stages
+        }
         for stage in stages:
-            _, everywhere = plans_fitting_every_stage(
-                run, "cuda", budget, stage, measurements=known
-            )
-            want = fastest_fitting(everywhere, budget)
-            got = first_fitting_every_stage(run, "cuda", budget, stage, known)
-            assert got == want, (device, stage)
-            chosen.add(None if got is None else got.recompute)
+            first = eager[0 if deciding else stage]  # the first stage's order
+            everywhere = [
+                fitting[stage][c]
+                for c in ((p.passes, p.placement, p.recompute) for p in first)
+                if all(c in fitting[s] for s in {stage, *deciding})
+            ]
+            got = choose(run, budget, stage, on_miss="least", measurements=known)
+            if everywhere:
+                assert got.fits and [got.plan, *got.others] == everywhere, (device, stage)
+            else:
+                least = min(eager[stage], key=lambda p: (p.bytes_on("device")["total"], p.traffic))
+                assert not got.fits and got.plan == least, (device, stage)
+            chosen.add(got.plan.recompute if got.fits else None)
     assert {None, "none", "full"} <= chosen  # the walk went past unfitting modes
     measured = Measurements()
-    first_fitting_every_stage(run, "cuda", UNLIMITED, 0, measured)
+    choose(run, UNLIMITED, 0, measurements=measured)
     assert len(measured.working_sets) == 1
+
+
+def test_a_miss_gives_what_on_miss_names():
+    """Below what any plan needs before its working set: ``raise`` is one line, ``least`` the
+    plan of least device memory with every mode measured, and ``nearest`` the plan of least
+    shortfall with no mode measured (none could fit: its quick working sets stand)."""
+    run = RunShape.of(small_config())
+    budget = MemoryBudget(1 << 10, 1 << 10)
+    with pytest.raises(ConfigError, match="this run needs at least"):
+        choose(run, budget)
+    quick, measured = candidate_plans(run, "cuda"), measured_plans(run, "cuda")
+    assert quick != measured  # the formula's working sets are not the measured ones
+    least = choose(run, budget, on_miss="least")
+    assert not least.fits
+    assert least.plan == min(measured, key=lambda p: (p.bytes_on("device")["total"], p.traffic))
+    nothing = Measurements()
+    nearest = choose(run, budget, on_miss="nearest", measurements=nothing)
+    assert not nearest.fits and not nothing.working_sets
+    assert nearest.plan == min(quick, key=lambda p: shortfall(p, budget))
 
 
 def test_passes_shrink_activations_to_fit_a_cpu():
     """gpt3_350M (paper global batch 256, micro-batch 8) on 24 GiB: more than one pass."""
     run = RunShape.of(preset("gpt3_350M"))
-    plan = choose_plan(run, "cpu", MemoryBudget(None, int(24 * GiB * 0.9)))
+    plan = choose(run, MemoryBudget(None, int(24 * GiB * 0.9)), device_type="cpu").plan
     assert plan.passes > 1
     assert plan.placement == Placement("device", "device", "device")
     rank = RankShape.of(run)
@@ -122,21 +146,21 @@ def test_passes_shrink_activations_to_fit_a_cpu():
 
 def test_flags_fix_what_the_planner_may_choose():
     config = small_config("--placement", "remote", "--passes", "2")
-    plans = candidate_plans(RunShape.of(config), "cuda", measured=False)
+    plans = candidate_plans(RunShape.of(config), "cuda")
     assert {(p.passes, p.placement) for p in plans} == {(2, Placement("host", "host", "host"))}
     mixed = small_config("--placement", "remote", "--grads_placement", "device")
-    assert {p.placement for p in candidate_plans(RunShape.of(mixed), "cuda", measured=False)} == {
+    assert {p.placement for p in candidate_plans(RunShape.of(mixed), "cuda")} == {
         Placement("host", "device", "host")
     }
     resident = small_config("--placement", "resident")
-    assert {p.placement for p in candidate_plans(RunShape.of(resident), "cpu", measured=False)} == {
+    assert {p.placement for p in candidate_plans(RunShape.of(resident), "cpu")} == {
         Placement("device", "device", "device")
     }
 
 
 def test_host_traffic_grows_with_passes_only_when_weights_stream():
     config = small_config("--global_batch_size", "16", "--micro_batch_size", "1")
-    plans = candidate_plans(RunShape.of(config), "cuda", measured=False)
+    plans = candidate_plans(RunShape.of(config), "cuda")
     by = {
         (p.placement.weights, p.placement.grads, p.placement.activations, p.passes): p.traffic
         for p in plans
@@ -149,7 +173,7 @@ def test_host_traffic_grows_with_passes_only_when_weights_stream():
 def test_a_misfit_names_the_least_memory_and_the_flags_that_fit():
     config = preset("gpt3_6.7B")
     with pytest.raises(ConfigError) as err:
-        choose_plan(RunShape.of(config), "cpu", MemoryBudget(None, 20 * GiB))
+        choose(RunShape.of(config), MemoryBudget(None, 20 * GiB), device_type="cpu")
     message = str(err.value)
     assert "\n" not in message
     assert "needs at least" in message and "20.0 GiB of host memory" in message
@@ -157,7 +181,7 @@ def test_a_misfit_names_the_least_memory_and_the_flags_that_fit():
 
 
 def test_plan_description_lists_every_state():
-    plan = choose_plan(RunShape.of(small_config()), "cpu", UNLIMITED)
+    plan = choose(RunShape.of(small_config()), UNLIMITED, device_type="cpu").plan
     text = plan.describe()
     for key in ("plan: 1 pass(es)", "weights", "optimizer", "grads", "activations", "working_set"):
         assert key in text
@@ -176,9 +200,9 @@ def test_a_misfit_first_suggests_letting_the_planner_choose_what_the_flags_fixed
     would, so that is the first suggestion (before any extra processes)."""
     budget = MemoryBudget(None, 21 * GiB)
     with pytest.raises(ConfigError) as err:
-        choose_plan(RunShape.of(preset("gpt3_350M", "--passes", "1")), "cpu", budget)
+        choose(RunShape.of(preset("gpt3_350M", "--passes", "1")), budget, device_type="cpu")
     assert "it would fit without --passes 1 or with --" in str(err.value)
-    assert choose_plan(RunShape.of(preset("gpt3_350M")), "cpu", budget).passes > 1
+    assert choose(RunShape.of(preset("gpt3_350M")), budget, device_type="cpu").plan.passes > 1
 
 
 @pytest.mark.slow
@@ -205,7 +229,7 @@ def test_host_traffic_is_what_the_engine_copies(passes, head):
             placement += [f"--{state}_placement", place]
         config = small_config(*run, *placement, *head)
         shape_of_run = RunShape.of(config)
-        plan = candidate_plans(shape_of_run, "cuda", measured=False)[0]  # traffic: no working set
+        plan = candidate_plans(shape_of_run, "cuda")[0]  # traffic: no working set
         engine = PhasedEngine(shape_of_run.engine_plan(plan), ParallelLayout.shapes_only(1, 2, 1))
         shape = (3, 2, config.model.sequence_length + 1)
         tokens = torch.zeros(shape, dtype=torch.long, device="meta")
@@ -279,7 +303,7 @@ def test_a_step_of_too_many_micro_batches_is_refused_in_one_line():
     and 16,384 x 4 = 65,536 sequences the most the planner takes (65,540 is refused)."""
     config = preset("tiny", "--global_batch_size", "1000000000")
     with pytest.raises(ConfigError) as err:
-        candidate_plans(RunShape.of(config), "cuda", measured=False)
+        candidate_plans(RunShape.of(config), "cuda")
     message = str(err.value)
     assert "\n" not in message
     assert "is 250,000,000 micro-batches per replica per step" in message

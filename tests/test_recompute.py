@@ -23,7 +23,7 @@ from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import recompute_flops
 from execution.planning.memory import MemoryBudget, RankShape, host_traffic
 from execution.planning.plan_ranking import step_seconds
-from execution.planning.planner import candidate_plans, choose_plan
+from execution.planning.planner import choose, measured_plans
 from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
 from modelling.dropout import BlockSeeds
@@ -121,14 +121,15 @@ def test_auto_weighs_recompute_against_memory_and_the_host_link():
     costs less than its activations' copies); and what it picks is the fastest plan that
     fits by the planner's own estimate."""
     roomy = MemoryBudget(device=None, host=1 << 50)
-    assert choose_plan(RunShape.of(small_config(*FLAGS)), "cpu", roomy).recompute == "none"
+    small = RunShape.of(small_config(*FLAGS))
+    assert choose(small, roomy, device_type="cpu").plan.recompute == "none"
     hosted = RunShape.of(small_config(*FLAGS, "--activations_placement", "host"))
     gpu = MemoryBudget(device=1 << 40, host=1 << 40)
-    plan = choose_plan(hosted, "cuda", gpu)
+    plan = choose(hosted, gpu).plan
     assert plan.recompute == "full"
     rank = RankShape.of(hosted)
     kernel = attention_kernel("cuda", 0.1, rank.dtype)
-    plans = candidate_plans(hosted, "cuda")
+    plans = measured_plans(hosted, "cuda")
     assert {p.recompute for p in plans} == set(MODES)
     assert step_seconds(hosted, rank, kernel, plan) == min(
         step_seconds(hosted, rank, kernel, p) for p in plans
@@ -136,7 +137,7 @@ def test_auto_weighs_recompute_against_memory_and_the_host_link():
     # Only the device memory to hold full recompute's activations: auto must still fit.
     full = next(p for p in plans if p.recompute == "full" and p.passes == 2)
     tight = MemoryBudget(device=full.bytes_on("device")["total"], host=1 << 40)
-    assert tight.fits(choose_plan(hosted, "cuda", tight))
+    assert tight.fits(choose(hosted, tight).plan)
 
 
 def test_the_attention_kernel_follows_the_device_and_the_precision():

@@ -40,7 +40,7 @@ from execution.planning.estimate_checks import check_mfu, check_rank
 from execution.planning.measure import Measurements, meta_step
 from execution.planning.memory import spec_budget
 from execution.planning.pipeline_figures import bubble_fraction
-from execution.planning.planner import choose_or_least
+from execution.planning.planner import choose
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import (
     COST_INDEX,
@@ -337,7 +337,8 @@ def measure_rank(
     budget = spec_budget(run, spec)  # the rule a real run plans by
     stage = run.mesh.coords(rank)["p"]
     progress("planning")
-    plan, planned_fit = choose_or_least(run, budget, stage, measurements)
+    choice = choose(run, budget, stage, on_miss="least", measurements=measurements)
+    plan, planned_fit = choice.plan, choice.fits
     with fake_job(rank, run.world_size):
         m = measure_planned_step(run, plan, spec, measurements, progress=progress)
     m.plan = dataclasses.replace(plan, working_set=m.working_set)  # the full step's, measured

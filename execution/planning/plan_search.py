@@ -60,11 +60,7 @@ from execution.planning.micro_batch_limits import (
     check_plan_for_batch,
     divisors_of,
 )
-from execution.planning.planner import (
-    fastest_fitting,
-    plans_fitting_every_stage,
-    shortfall,
-)
+from execution.planning.planner import choose, shortfall
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import COST_INDEX, PHASE_COSTS, waited_call_seconds
 from modelling.gpt import SWIGLU
@@ -357,17 +353,16 @@ def _search_group(
     budget = spec_budget(candidates[0], spec)  # the rule a real run plans by
     for candidate in candidates:
         sibling = _sibling(candidate) if candidate.mesh.pp > 1 else None
-        plans, everywhere = plans_fitting_every_stage(
-            candidate, "cuda", budget, 0, sibling, fitting_only=True, measurements=measurements
+        choice = choose(
+            candidate, budget, on_miss="nearest", measurements=measurements, measure_as=sibling
         )
-        plan = fastest_fitting(everywhere, budget)
-        if plan is None:
-            misfits.append(_misfit(candidate, plans, budget))
+        if not choice.fits:
+            misfits.append(_misfit(candidate, [choice.plan], budget))
             continue
-        options = [plan]
+        options = [choice.plan]
         if sibling is not None:
-            fitting = [p for p in everywhere if budget.fits(p)]
-            keys = list(dict.fromkeys((p.placement, p.recompute) for p in fitting))[:1]
+            fitting = [choice.plan, *choice.others]
+            keys = [(choice.plan.placement, choice.plan.recompute)]
             keys.append((Placement("device", "device", "device"), "full"))
             options = [p for p in fitting if (p.placement, p.recompute) in keys]
         best, probes = None, {}

@@ -6,15 +6,17 @@ Every plan the flags allow is costed by :mod:`execution.planning.memory` (buffer
 traffic) and :mod:`execution.planning.measure` (the working set, measured). Plans are ranked by
 their estimated step time (:func:`step_seconds`, which weighs each phase's host copies against
 its own compute), then by the bytes they move between host and device, then by fewest passes;
-the first that fits this process's memory is taken. A run that fits under no plan gets one line naming the
-least memory it needs and the single flag changes that would make it fit.
+:func:`choose` takes the first that fits this process's memory. A run's start, the dry run
+and ``--plan_for`` all choose through it, differing only in what a miss gives: a run that
+fits under no plan gets one line naming the least memory it needs and the single flag changes
+that would make it fit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from config.loading import ConfigError
 from config.schema import plannable_recompute
@@ -55,33 +57,30 @@ def candidate_plans(
     run: RunShape,
     device_type: str,
     stage: int = 0,
-    measure_as: RunShape | None = None,
-    budget: MemoryBudget | None = None,
     measurements: Measurements | None = None,
-    measured: bool = True,
 ) -> list[MemoryPlan]:
     """Every plan the flags allow for a rank of pipeline stage ``stage``, fastest first
     (:func:`step_seconds`; then least host traffic, fewest states on the host, fewest passes,
-    least kept), each with its working set measured on the real step (``measured``; else the
-    quick formula's: the order does not depend on it).
-
-    ``measure_as``: the run whose step measures the working set (``--plan_for`` shares one
-    across pipeline sizes). ``budget``: measure a recompute mode's working set only if one of
-    its plans fits ``budget`` before any working set (a plan that does not fit without one
-    fits with none); the others get the quick formula's, so only whether they fit is exact.
-    ``measurements``: what this planning measured before.
-    """
-
-    def working_set(mode: str, plans: list[MemoryPlan]) -> int | None:
-        if not measured or (budget is not None and not any(budget.fits(p) for p in plans)):
-            return None
-        return measured_working_set(measure_as or run, device_type, mode, measurements)
-
+    least kept), each with the quick formula's working set: the order does not depend on it,
+    and :func:`choose` measures the working sets it needs (``measurements``: what this
+    planning measured before)."""
     check_micro_batches(run)
     layers = measurements.layers if measurements is not None else None
     rank = RankShape.of(run, stage, layer_memo=layers)
-    passes = pass_counts(rank.gradient_accumulation)
-    return _plans(run, device_type, rank, passes, working_set)
+    return _plans(run, device_type, rank, pass_counts(rank.gradient_accumulation))
+
+
+def measured_plans(
+    run: RunShape,
+    device_type: str,
+    stage: int = 0,
+    measurements: Measurements | None = None,
+) -> list[MemoryPlan]:
+    """:func:`candidate_plans` with each recompute mode's working set measured (a step on meta
+    tensors each): every plan's exact bytes."""
+    measurements = measurements or Measurements()
+    plans = candidate_plans(run, device_type, stage, measurements)
+    return _measured(plans, _working_sets(run, device_type, measurements))
 
 
 def advisory_plans(
@@ -92,7 +91,7 @@ def advisory_plans(
     measured step for each would take minutes). ``layer_memo``: layer measurements shared by
     the suggestions' runs (:attr:`RankShape.layer_memo`)."""
     rank = RankShape.of(run, layer_memo=layer_memo)
-    return _plans(run, device_type, rank, [rank.gradient_accumulation], lambda *_: None)
+    return _plans(run, device_type, rank, [rank.gradient_accumulation])
 
 
 def _plans(
@@ -100,11 +99,9 @@ def _plans(
     device_type: str,
     rank: RankShape,
     pass_options: list[int],
-    working_set: Callable[[str, list[MemoryPlan]], int | None],
 ) -> list[MemoryPlan]:
     """The plans of every placement and recompute mode the flags allow, at ``pass_options``
-    passes (``--passes`` where given), fastest first; ``working_set(mode, plans)`` gives a
-    mode's measured working set, or None for the quick formula's."""
+    passes (``--passes`` where given), fastest first, with the quick formula's working sets."""
     request = run.request
     fixed = request.fixed_places()
     ga = rank.gradient_accumulation
@@ -122,153 +119,117 @@ def _plans(
     def hosted(plan: MemoryPlan) -> int:
         return sum(getattr(plan.placement, s) == "host" for s in PLACED_STATES)
 
+    quick: dict[Placement, int] = {}  # the formula depends on the placement alone
+
+    def working_set(placement: Placement) -> int:
+        if placement not in quick:
+            quick[placement] = working_set_bytes(
+                rank, placement, kernel != "math", run.prefetch, run.overlap_communication
+            )
+        return quick[placement]
+
     seconds = step_timer(run, rank, kernel)
     ranked = []
     for mode in modes:
         kept = rank.kept(mode, kernel, compiles(run.compile, device_type))
-        mode_plans, mode_copies = [], []
         for where, passes in itertools.product(itertools.product(*places), pass_options):
             placement, entries = Placement(*where), micro_batches_per_pass(ga, passes)
             copies = None
             if not shared:  # by phase once: the ranking weighs each phase's copies too
                 copies = host_traffic_by_phase(rank, placement, passes, entries, kept)
             entry = kept.bytes_for(placement.activations)
-            state = state_bytes(rank, entries, placement, entry, passes)
-            mode_plans.append(
-                MemoryPlan(
-                    passes=passes,
-                    micro_batches_per_pass=entries,
-                    placement=placement,
-                    state_bytes=state,
-                    working_set=0,
-                    traffic=sum(copies.values()) if copies else 0,
-                    shared_memory=shared,
-                    recompute=mode,
-                    kept=entry,
-                )
+            plan = MemoryPlan(
+                passes=passes,
+                micro_batches_per_pass=entries,
+                placement=placement,
+                state_bytes=state_bytes(rank, entries, placement, entry, passes),
+                working_set=working_set(placement),
+                traffic=sum(copies.values()) if copies else 0,
+                shared_memory=shared,
+                recompute=mode,
+                kept=entry,
             )
-            mode_copies.append(copies)
-        measured = working_set(mode, mode_plans)
-        quick: dict[Placement, int] = {}  # the formula depends on the placement alone
-        for plan, copies in zip(mode_plans, mode_copies, strict=True):
-            working = measured
-            if working is None:
-                if plan.placement not in quick:
-                    quick[plan.placement] = working_set_bytes(
-                        rank,
-                        plan.placement,
-                        kernel != "math",
-                        run.prefetch,
-                        run.overlap_communication,
-                    )
-                working = quick[plan.placement]
-            plan = dataclasses.replace(plan, working_set=working)
             key = (seconds(plan, copies), plan.traffic, hosted(plan), plan.passes)
             ranked.append((*key, MODES.index(mode), plan))
     ranked.sort(key=lambda entry: entry[:-1])
     return [entry[-1] for entry in ranked]
 
 
-def fastest_fitting(plans: list[MemoryPlan], budget: MemoryBudget) -> MemoryPlan | None:
-    """The first plan of ``plans`` (ranked fastest first) that fits ``budget``."""
-    return next((plan for plan in plans if budget.fits(plan)), None)
+# What :func:`choose` gives when no plan fits: raise a one-line ConfigError (a run's start);
+# the plan that needs the least device memory, every working set measured (a dry run shows
+# what it would take); or the plan nearest to fitting, measuring only the working sets that
+# may fit (a ``--plan_for`` layout that does not fit, among hundreds).
+ON_MISS = ("raise", "least", "nearest")
 
 
-def _same_choice(plan: MemoryPlan) -> tuple:
-    """What every stage of a pipeline must choose alike: passes, placement, recompute."""
-    return plan.passes, plan.placement, plan.recompute
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What the planner chose for a rank.
+
+    Attributes:
+        plan: The fastest plan whose choices fit on every stage, with its measured working
+            set; when none does, the plan :data:`ON_MISS` names.
+        fits: Whether ``plan`` is the planner's choice (False: nothing fits).
+        others: The further plans whose choices fit on every stage, fastest first, found as
+            they are drawn (each recompute mode measured when first reached); empty on a miss.
+    """
+
+    plan: MemoryPlan
+    fits: bool
+    others: Iterator[MemoryPlan] = dataclasses.field(
+        default_factory=lambda: iter(()), compare=False, repr=False
+    )
 
 
-def plans_fitting_every_stage(
+def choose(
     run: RunShape,
-    device_type: str,
-    budget: MemoryBudget,
-    stage: int,
-    measure_as: RunShape | None = None,
-    fitting_only: bool = False,
-    measurements: Measurements | None = None,
-) -> tuple[list[MemoryPlan], list[MemoryPlan]]:
-    """Stage ``stage``'s plans, fastest first, and those of them whose choices fit on every
-    stage, in the first stage's order: every stage then picks the same passes, placement and
-    recompute (their steps must match), with its own bytes. ``fitting_only`` (``--plan_for``,
-    where plans that do not fit are of no interest): measure the working sets of only the
-    recompute modes that may fit (the ``budget`` of :func:`candidate_plans`)."""
-    plan_options = {
-        "measure_as": measure_as,
-        "budget": budget if fitting_only else None,
-        "measurements": measurements or Measurements(),  # the stages share what they measure
-    }
-    plans = candidate_plans(run, device_type, stage=stage, **plan_options)
-    if run.mesh.pp == 1:
-        return plans, plans
-    deciding = deciding_stages(run.stage_layers)
-    by_stage = {
-        s: plans if s == stage else candidate_plans(run, device_type, stage=s, **plan_options)
-        for s in {0, *deciding}
-    }
-    fitting = [{_same_choice(p) for p in ps if budget.fits(p)} for ps in by_stage.values()]
-    mine = {_same_choice(p): p for p in plans}
-    order = [_same_choice(p) for p in by_stage[0]]
-    everywhere = [mine[c] for c in order if all(c in f for f in fitting)]
-    return plans, everywhere
-
-
-def first_fitting_every_stage(
-    run: RunShape,
-    device_type: str,
     budget: MemoryBudget,
     stage: int = 0,
+    on_miss: str = "raise",
+    *,
+    device_type: str = "cuda",
     measurements: Measurements | None = None,
-) -> MemoryPlan | None:
-    """What ``fastest_fitting(plans_fitting_every_stage(...)[1], budget)`` chooses, measuring
-    only the working sets it needs to get there.
+    measure_as: RunShape | None = None,
+) -> Choice:
+    """The planner's one choice: the fastest plan that fits ``budget``, for a rank of pipeline
+    stage ``stage``; ``on_miss`` (:data:`ON_MISS`) says what comes back when none does.
 
-    The ranking does not depend on the working sets, and a recompute mode's working set is the
-    same on every stage (:func:`measured_working_set`), so the choices are walked fastest
-    first and a mode is measured when a choice of it comes up: a run with memory to spare
-    measures one mode instead of every one (a step on meta tensors each)."""
+    With a pipeline, the stages hold different layers and passes in flight but must run the
+    same passes: the plan is the fastest whose passes, placement and recompute fit on every
+    stage that decides (in the first stage's order), with stage ``stage``'s bytes. The ranking
+    does not depend on the working sets, and a recompute mode's working set is the same on
+    every stage (:func:`measured_working_set`), so the choices are walked fastest first and a
+    mode is measured when a choice of it that fits before any working set comes up: a run with
+    memory to spare measures one mode (a step on meta tensors each), not three.
+
+    ``measure_as``: the run whose step measures the working sets (``--plan_for`` measures a
+    pipeline stage as its sibling without the pipeline). ``measurements``: what this planning
+    measured before, kept for the rest of it.
+
+    Raises:
+        ConfigError: nothing fits and ``on_miss`` is ``raise`` (one line with the least memory
+            needed and the single flag changes that would make it fit).
+    """
+    if on_miss not in ON_MISS:
+        raise ValueError(f"on_miss must be one of {ON_MISS}, not {on_miss!r}")
     measurements = measurements or Measurements()
+    working_set = _working_sets(measure_as or run, device_type, measurements)
     stages = {stage}
     if run.mesh.pp > 1:
         stages |= {0, *deciding_stages(run.stage_layers)}
-    unmeasured = {
-        s: candidate_plans(run, device_type, s, measurements=measurements, measured=False)
-        for s in stages
-    }
-    by_stage = {s: {_same_choice(p): p for p in plans} for s, plans in unmeasured.items()}
-    order = unmeasured[0 if len(stages) > 1 else stage]
-    working_sets: dict[str, int] = {}
-    for choice in map(_same_choice, order):
-        mode = choice[2]
-        if mode not in working_sets:
-            working_sets[mode] = measured_working_set(run, device_type, mode, measurements)
-        measured = {
-            s: dataclasses.replace(plans[choice], working_set=working_sets[mode])
-            for s, plans in by_stage.items()
-            if choice in plans
-        }
-        if len(measured) == len(by_stage) and all(map(budget.fits, measured.values())):
-            return measured[stage]
-    return None
-
-
-def choose_plan(
-    run: RunShape,
-    device_type: str,
-    budget: MemoryBudget,
-    stage: int = 0,
-    measurements: Measurements | None = None,
-) -> MemoryPlan:
-    """The fastest plan that fits ``budget``; a one-line ConfigError when none does.
-
-    With a pipeline, the stages hold different layers and passes in flight but must run the
-    same passes: the plan is the fastest whose choices fit on every stage (stage ``stage``'s
-    bytes are returned)."""
-    measurements = measurements or Measurements()
-    plan = first_fitting_every_stage(run, device_type, budget, stage, measurements)
+    by_stage = {s: candidate_plans(run, device_type, s, measurements) for s in stages}
+    walk = _fitting_every_stage(by_stage, stage, budget, working_set)
+    plan = next(walk, None)
     if plan is not None:
-        return plan
-    plans, _ = plans_fitting_every_stage(run, device_type, budget, stage, measurements=measurements)
+        return Choice(plan, True, walk)
+    plans = by_stage[stage]
+    if on_miss == "nearest":
+        may_fit = {p.recompute for p in plans if budget.fits(_unmeasured(p))}
+        plans = _measured(plans, working_set, may_fit)
+        return Choice(min(plans, key=lambda p: shortfall(p, budget)), False)
+    plans = _measured(plans, working_set)
+    if on_miss == "least":
+        return Choice(min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False)
     least = min(plans, key=lambda p: shortfall(p, budget))
     need = least.bytes_on("device")["total"], least.bytes_on("host")["total"]
     if budget.device is None:
@@ -280,6 +241,62 @@ def choose_plan(
         f"{least.placement.describe()}), but it may use {budget.describe()}; "
         f"{_suggestions(run, device_type, budget)}"
     )
+
+
+def _fitting_every_stage(
+    by_stage: dict[int, list[MemoryPlan]],
+    stage: int,
+    budget: MemoryBudget,
+    working_set: Callable[[str], int],
+) -> Iterator[MemoryPlan]:
+    """Stage ``stage``'s plans whose passes, placement and recompute fit ``budget`` on every
+    stage of ``by_stage`` (each stage's plans, unmeasured), in the first stage's order, each
+    with its mode's measured working set."""
+    choices = {s: {_same_choice(p): p for p in plans} for s, plans in by_stage.items()}
+    order = by_stage[0] if 0 in by_stage else by_stage[stage]
+    for choice in map(_same_choice, order):
+        plans = {s: found.get(choice) for s, found in choices.items()}
+        if any(p is None or not budget.fits(_unmeasured(p)) for p in plans.values()):
+            continue  # a plan that does not fit without a working set fits with none
+        working = working_set(choice[2])
+        measured = {s: dataclasses.replace(p, working_set=working) for s, p in plans.items()}
+        if all(map(budget.fits, measured.values())):
+            yield measured[stage]
+
+
+def _same_choice(plan: MemoryPlan) -> tuple:
+    """What every stage of a pipeline must choose alike: passes, placement, recompute."""
+    return plan.passes, plan.placement, plan.recompute
+
+
+def _unmeasured(plan: MemoryPlan) -> MemoryPlan:
+    """``plan`` before any working set: what fits with one fits without."""
+    return dataclasses.replace(plan, working_set=0)
+
+
+def _working_sets(run: RunShape, device_type: str, measurements: Measurements):
+    """Each recompute mode's working set as ``run``'s step measures it, once per mode."""
+    known: dict[str, int] = {}
+
+    def working_set(mode: str) -> int:
+        if mode not in known:
+            known[mode] = measured_working_set(run, device_type, mode, measurements)
+        return known[mode]
+
+    return working_set
+
+
+def _measured(
+    plans: list[MemoryPlan], working_set: Callable[[str], int], modes: set[str] | None = None
+) -> list[MemoryPlan]:
+    """``plans`` with the measured working sets of ``modes`` (None: every mode's); the others
+    keep the quick formula's."""
+    return [
+        dataclasses.replace(p, working_set=working_set(p.recompute))
+        if modes is None or p.recompute in modes
+        else p
+        for p in plans
+    ]
 
 
 def plan_for_process(
@@ -298,8 +315,8 @@ def plan_for_process(
     device_type = layout.device.type
     if compiles(run.compile, device_type) and compile_unavailable(device_type):
         run = dataclasses.replace(run, compile="false")  # the engine will run eager: plan that
-    plan = choose_plan(run, device_type, budget, layout.pp.rank, measurements)
-    return plan, budget
+    choice = choose(run, budget, layout.pp.rank, device_type=device_type, measurements=measurements)
+    return choice.plan, budget
 
 
 def planned_engine(
@@ -310,23 +327,6 @@ def planned_engine(
     """This rank's engine under the plan :func:`plan_for_process` chooses."""
     plan, _ = plan_for_process(run, layout, measurements)
     return PhasedEngine(run.engine_plan(plan), layout)
-
-
-def choose_or_least(
-    run: RunShape,
-    budget: MemoryBudget,
-    stage: int = 0,
-    measurements: Measurements | None = None,
-) -> tuple[MemoryPlan, bool]:
-    """The planner's choice for a GPU of ``budget`` and True, or, when nothing fits, the plan
-    that needs the least device memory and False (so a dry run can show what it would take);
-    for a rank of pipeline stage ``stage``."""
-    measurements = measurements or Measurements()
-    plan = first_fitting_every_stage(run, "cuda", budget, stage, measurements)
-    if plan is not None:
-        return plan, True
-    plans, _ = plans_fitting_every_stage(run, "cuda", budget, stage, measurements=measurements)
-    return min(plans, key=lambda p: (p.bytes_on("device")["total"], p.traffic)), False
 
 
 def shortfall(plan: MemoryPlan, budget: MemoryBudget) -> float:
