@@ -96,3 +96,11 @@ def test_private_storage_identity_is_used_only_through_torch_private():
     assert "_cdata" in (ROOT / home).read_text()  # the check looks for the right name
     users = [m for m in library_files() if m != home and "_cdata" in (ROOT / m).read_text()]
     assert not users, f"_cdata outside {home} (use its storage_id): " + ", ".join(users)
+
+
+def test_every_committed_python_file_is_under_450_lines():
+    """The house rule (files stay under 450 lines): a file that grows past it is split where
+    its parts have homes of their own, not let through."""
+    longest = {f: len((ROOT / f).read_text().splitlines()) for f in committed_python_files()}
+    over = sorted(f"{f} ({n})" for f, n in longest.items() if n >= 450)
+    assert not over, "over 450 lines: " + ", ".join(over)

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from execution.parallel.fake_job import fake_job
+from execution.planning.checkpoint_cost import checkpoint_figures
 from execution.planning.dry_run import (
     _step_probes,
-    checkpoint_figures,
     estimate,
     measure_planned_step,
     measure_rank,

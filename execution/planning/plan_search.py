@@ -47,10 +47,10 @@ from execution.engine.storage.buffers import DTYPES
 from execution.parallel.fake_job import fake_job
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import MeshShape, ParallelLayout
+from execution.planning.checkpoint_cost import checkpoint_figures
 from execution.planning.device_specs import DeviceSpec
 from execution.planning.dry_run import (
     RankMeasurement,
-    checkpoint_figures,
     estimate,
     measure_engine_step,
 )
