@@ -28,13 +28,19 @@ from types import MappingProxyType
 import torch
 
 from execution.engine.phases import pipeline, schedule
-from execution.engine.phases.attention_kernels import engine_attention
+from execution.engine.phases.attention_kernels import AttentionKernel, engine_attention
 from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.bodies import BODIES
-from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
+from execution.engine.phases.compiled import (
+    CompileWatch,
+    compile_parts,
+    compile_unavailable,
+    compiled_attention,
+)
 from execution.engine.phases.phase_context import PhaseContext
-from execution.engine.phases.recompute import KeptLayers, prepare_block
+from execution.engine.phases.recompute import KeptLayers
 from execution.engine.phases.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
+from execution.engine.phases.selective import attention_for
 from execution.engine.phases.step import Batch, Step
 from execution.engine.plan import PLACED_STATES, EnginePlan
 from execution.engine.storage.buffers import DTYPES, ActivationLayout, Place, flat_specs
@@ -46,6 +52,7 @@ from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
+from modelling.parts import ModelParts
 from utils.torch_private import eager_where_compiling_fails
 
 
@@ -83,19 +90,33 @@ class PhasedEngine:
             (:meth:`~execution.planning.run_shape.RunShape.engine_plan`); the
             engine reads nothing else.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
+        attention: The kernel attention runs (None: chosen here, :func:`engine_attention`;
+            planning gives a meta engine its device's, :meth:`AttentionKernel.on_meta`).
     """
 
-    def __init__(self, plan: EnginePlan, layout: ParallelLayout):
+    def __init__(
+        self, plan: EnginePlan, layout: ParallelLayout, attention: AttentionKernel | None = None
+    ):
         self.plan = plan
         self.memory = plan.memory
         self.layout = layout
         self.device = layout.device
         self.shapes = dataclasses.replace(plan.model, tp1=layout.tp1.size, tp2=layout.tp2.size)
         self.dtype = DTYPES[plan.precision]
-        with torch.device("meta"):  # one block serves every layer
-            template = GPT(
-                dataclasses.replace(self.shapes, layers=1), layout.tp1, layout.tp2, layout.cp
+        self.compiled = self._compiles()
+        # The fastest attention kernel timed that passes its check here, pinned; the blocks
+        # are built with it, and with what --recompute recomputes of attention.
+        self.attention = attention or engine_attention(plan, self.shapes, layout, self.dtype)
+        if self.compiled:
+            self.attention, reason = compiled_attention(
+                self.attention, self.shapes, self.device, self.dtype
             )
+            if reason is not None and layout.is_main:
+                print(f"--compile: attention's dropout runs between graphs ({reason})")
+        parts = ModelParts.of(self.shapes, self.attention, attention_for(self.memory.recompute))
+        with torch.device("meta"):  # one block serves every layer
+            model = dataclasses.replace(self.shapes, layers=1)
+            template = GPT(model, layout.tp1, layout.tp2, layout.cp, parts)
         # Stateless templates: each phase binds its weights to them (phases/binding.py).
         self.templates = {
             EMBEDDING: template.embedding,
@@ -117,18 +138,12 @@ class PhasedEngine:
         self.state = self._buffers()
         self.setup_seconds = {"buffers": time.perf_counter() - started, "weights": 0.0}
         self.link = pipeline.Link(layout.pp, self.stage, self.state.activations.layout, self.device)
-        self.compiled = self._compiles()
-        # The fastest attention kernel timed that passes its check here, pinned.
-        self.attention = engine_attention(plan, self.templates[LAYERS], layout, self.dtype)
-        self.attention.pin(self.templates[LAYERS])
         # What the layers keep for their backward (None: they recompute it in full).
         self.kept: KeptLayers | None = None
         if self.memory.recompute != "full":
-            block = self.templates[LAYERS]
-            prepare_block(block, self.memory.recompute)
             acts = self.state.activations
             self.kept = KeptLayers(
-                block,
+                self.templates[LAYERS],
                 self.specs[LAYERS],
                 acts.kept,
                 acts.store_kept,
@@ -137,10 +152,8 @@ class PhasedEngine:
                 in_place=acts.keeps_in_place,
                 buffers=frozenset({acts.x.untyped_storage()._cdata}),
             )
-        if self.compiled:  # after prepare_block: a selective core compiles with its block
-            reason = compile_parts(self.templates, self.device, self.dtype)
-            if reason is not None and layout.is_main:
-                print(f"--compile: attention's dropout runs between graphs ({reason})")
+        if self.compiled:
+            compile_parts(self.templates)
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)
         # A host update behind a step writes the rows in the order that step first loads them.
