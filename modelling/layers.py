@@ -252,7 +252,7 @@ class FeedForward(nn.Module):
     """h -> ffn -> h with tanh-GELU (ffn = 4h for GPT-3); the ffn hidden layer is sharded
     over tp1."""
 
-    # Rows of the first matrix per intermediate feature (SwiGLU's: a gate's and an up's).
+    # Rows of the first matrix per intermediate feature (a gated MLP has two: gate and up).
     ROWS_PER_FEATURE = 1
 
     def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis, bias: bool = True):
