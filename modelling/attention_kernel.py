@@ -4,8 +4,8 @@
 Which fused kernel runs, and how, is the device's business, not the model's: whoever builds
 the model chooses it once (the engine: :class:`execution.engine.phases.attention_kernels.
 AttentionKernel`, the calibration's fastest that passes its check, pinned; on meta tensors the
-op that kernel runs, so that planning measures it). Any object with the two methods of
-:class:`SDPAKernel` will do; without one, attention runs :class:`TorchSDPA`, torch's own choice.
+op that kernel runs, so that planning measures it). Any object with the call of
+:class:`SDPAKernel`'s call will do; without one, attention runs :class:`TorchSDPA`, torch's own choice.
 ``--dropout_parity`` wraps whichever kernel in :class:`HeadByHeadDropout`.
 """
 
@@ -25,19 +25,15 @@ from modelling.dropout import Seed, seeded_attention
 
 class SDPAKernel(Protocol):
     """Causal scaled-dot-product attention over ``(B, heads, S, d)`` q, k and v (k and v with
-    as many heads as q)."""
+    as many heads as q): without dropout where ``p`` is 0; else with dropout ``p`` on the
+    probabilities of heads ``first, ...`` (their global indices), drawn from the layer's
+    attention ``seed``, the same masks wherever these heads are recomputed
+    (:func:`modelling.dropout.seeded_attention`). One call for both, so that one code
+    object runs attention with dropout and without (Dynamo takes each on once)."""
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Without dropout."""
-        ...
-
-    def attend_with_dropout(
+    def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: Seed, first: int
-    ) -> torch.Tensor:
-        """With dropout ``p`` on the probabilities of heads ``first, ...`` (their global
-        indices), drawn from the layer's attention ``seed``: the same masks wherever these
-        heads are recomputed (:func:`modelling.dropout.seeded_attention`)."""
-        ...
+    ) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -49,15 +45,14 @@ class TorchSDPA:
     backend: SDPBackend | None = None
     sdpa: Callable[..., torch.Tensor] = field(default=F.scaled_dot_product_attention, compare=False)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: Seed, first: int
+    ) -> torch.Tensor:
+        if p:  # outside any context (see modelling.dropout.seeded_attention)
+            return seeded_attention(q, k, v, p, seed, first, False, self.sdpa, self.backend)
         pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
         with pinned:
             return self.sdpa(q, k, v, is_causal=True)
-
-    def attend_with_dropout(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: Seed, first: int
-    ) -> torch.Tensor:
-        return seeded_attention(q, k, v, p, seed, first, False, self.sdpa, self.backend)
 
 
 @dataclass(frozen=True)
@@ -68,10 +63,9 @@ class HeadByHeadDropout:
 
     kernel: SDPAKernel
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.kernel.attend(q, k, v)
-
-    def attend_with_dropout(
+    def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: Seed, first: int
     ) -> torch.Tensor:
+        if not p:
+            return self.kernel(q, k, v, p, seed, first)
         return seeded_attention(q, k, v, p, seed, first, True, F.scaled_dot_product_attention)

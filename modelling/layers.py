@@ -231,11 +231,10 @@ class Attention(nn.Module):
         come with their KV heads and are repeated here, one for each query head.
         """
         k, v = self.repeat_kv(k), self.repeat_kv(v)
-        if seeds is None or not self.dropout_prob:
-            return self.kernel.attend(q, k, v)
+        p, seed = (self.dropout_prob, seeds.attention) if seeds is not None else (0.0, None)
         # This tp1 shard's first head, then this cp group's: the global index of head 0.
         first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
-        return self.kernel.attend_with_dropout(q, k, v, self.dropout_prob, seeds.attention, first)
+        return self.kernel(q, k, v, p, seed, first)
 
 
 def _unrepeated(kv: torch.Tensor) -> torch.Tensor:

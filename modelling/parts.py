@@ -6,7 +6,7 @@ This is the one place that picks a part by a variant's name (:data:`NORMS`, :dat
 :data:`POSITIONS`); :class:`modelling.gpt.GPT`, :func:`modelling.gpt.part_inits` and
 generation ask the parts, never the name. Each part declares its parameters' unsharded shapes
 and initialisation (its ``inits``), so a new variant is a class and an entry here
-(docs/design.md, "Where a new variant goes").
+(docs/design.md, "Layout of the code": where a new variant goes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """No code outside modelling/ sets an attribute on a model's module: what a module runs (its
-attention kernel, its recompute) is given when it is built (docs/design.md, "Attention's
-kernel"). Checked twice: on the source, for every assignment to an attribute a modelling
+attention kernel, its recompute) is given when it is built (docs/design.md, "Layout of the code":
+attention's kernel). Checked twice: on the source, for every assignment to an attribute a modelling
 module has, and at run time, for every attribute set on a modelling module while an engine is
 built and steps and while planning measures a layer."""
 

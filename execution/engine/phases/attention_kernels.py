@@ -80,24 +80,23 @@ class AttentionKernel:
         alone: not another model, not ``F.scaled_dot_product_attention`` for every thread."""
         return cls(kernel, sdpa=kernel_attention(kernel))
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Causal attention without dropout, on this kernel alone. The pin sets process-wide
-        flags while it runs: one thread at a time runs a step's attention."""
-        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
-        with pinned:
-            return (self.sdpa or F.scaled_dot_product_attention)(q, k, v, is_causal=True)
-
-    def attend_with_dropout(
+    def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: Seed, first: int
     ) -> torch.Tensor:
-        """Causal attention with dropout drawn from ``seed`` for heads ``first, ...``: one op
+        """Causal attention on this kernel alone (an :class:`~modelling.attention_kernel.
+        SDPAKernel`): with dropout ``p`` drawn from ``seed`` for heads ``first, ...``, one op
         of a compiled block's graph where it has one, else the seeded eager call (outside any
-        context: where a compiled block's graph breaks there, Dynamo cannot break one inside
-        a context, it would break the caller's instead)."""
-        if self.dropout_op is not None and self.sdpa is None and isinstance(seed, torch.Tensor):
-            return self.dropout_op(q, k, v, p, seed, first)
+        context: where a compiled block's graph breaks there, Dynamo cannot break one inside a
+        context, it would break the caller's instead). The pin sets process-wide flags while
+        it runs: one thread at a time runs a step's attention."""
         sdpa = self.sdpa or F.scaled_dot_product_attention
-        return seeded_attention(q, k, v, p, seed, first, False, sdpa, self.backend)
+        if p:
+            if self.dropout_op is not None and self.sdpa is None and isinstance(seed, torch.Tensor):
+                return self.dropout_op(q, k, v, p, seed, first)
+            return seeded_attention(q, k, v, p, seed, first, False, sdpa, self.backend)
+        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
+        with pinned:
+            return sdpa(q, k, v, is_causal=True)
 
     def record(self) -> dict:
         """What a results file keeps of it."""
