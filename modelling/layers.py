@@ -108,6 +108,8 @@ class Attention(nn.Module):
     local_kv_heads`` consecutive q heads. The cp exchange splits the KV heads too where cp
     divides them; where it does not, each KV head is repeated for its q heads before the
     exchange. ``rotary`` rotates q and k once the sequence is whole (positions are global).
+    ``kernel`` runs the core (:mod:`modelling.attention_kernel`; torch's choice without one),
+    given here and never changed after.
     """
 
     def __init__(

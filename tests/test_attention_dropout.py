@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.engine.phases import compiled
+from execution.engine.phases import attention_kernels, compiled
 from execution.engine.phases.attention_kernels import AttentionKernel
 from execution.engine.phases.compiled import attention_op_mismatch
 from execution.engine.phases.seeded_attention import seeded_attention_op
@@ -222,7 +222,9 @@ def test_an_attention_op_unlike_eagers_breaks_the_graph_instead_and_says_so(monk
     if compiled.compile_unavailable("cpu"):
         pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
     monkeypatch.setattr(
-        compiled, "attention_op_mismatch", lambda *args, **kwargs: "its output is not eager's"
+        attention_kernels,
+        "attention_op_mismatch",
+        lambda *args, **kwargs: "its output is not eager's",
     )
     config = small_config("--dropout_prob", "0.1", "--compile", "true", "--dropout_parity", "false")
     engine = planned_engine(config, ParallelLayout.single(CPU))

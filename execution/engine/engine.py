@@ -31,12 +31,7 @@ from execution.engine.phases import pipeline, schedule
 from execution.engine.phases.attention_kernels import AttentionKernel, engine_attention
 from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.bodies import BODIES
-from execution.engine.phases.compiled import (
-    CompileWatch,
-    compile_parts,
-    compile_unavailable,
-    compiled_attention,
-)
+from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
 from execution.engine.phases.recompute import KeptLayers
 from execution.engine.phases.schedule import LAYER_BACKWARD, LAYER_FORWARD, Phase, Stage
@@ -104,15 +99,10 @@ class PhasedEngine:
         self.shapes = dataclasses.replace(plan.model, tp1=layout.tp1.size, tp2=layout.tp2.size)
         self.dtype = DTYPES[plan.precision]
         self.compiled = self._compiles()
-        # The fastest attention kernel timed that passes its check here, pinned; the blocks
-        # are built with it, and with what --recompute recomputes of attention.
-        self.attention = attention or engine_attention(plan, self.shapes, layout, self.dtype)
-        if self.compiled:
-            self.attention, reason = compiled_attention(
-                self.attention, self.shapes, self.device, self.dtype
-            )
-            if reason is not None and layout.is_main:
-                print(f"--compile: attention's dropout runs between graphs ({reason})")
+        # The fastest attention kernel timed that passes its check here, pinned (compiled: its
+        # dropout one op of the graph): the blocks are built with it, and with --recompute's.
+        chosen = attention or engine_attention(plan, self.shapes, layout, self.dtype, self.compiled)
+        self.attention = chosen
         parts = ModelParts.of(self.shapes, self.attention, attention_for(self.memory.recompute))
         with torch.device("meta"):  # one block serves every layer
             model = dataclasses.replace(self.shapes, layers=1)

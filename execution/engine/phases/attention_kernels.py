@@ -26,13 +26,14 @@ memory-efficient kernel's); docs/measuring_speed.md has the rest.
 :class:`AttentionKernel` is the one object the choice is: the engine builds its attention
 modules with it (a :class:`modelling.attention_kernel.SDPAKernel`), and nothing changes them
 after. It runs its kernel pinned, as one op of a compiled block's graph with dropout where that
-op is eager's (``dropout_op``, :func:`~.compiled.compiled_attention`), and on meta tensors as
+op is eager's (``dropout_op``, :func:`compiled_attention`), and on meta tensors as
 that kernel runs (``sdpa``: planning's, :meth:`AttentionKernel.on_meta`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from execution.engine.phases.compiled import attention_op_mismatch
 from execution.engine.phases.recompute import SDPA_BACKENDS, attention_kernel, kernel_attention
+from execution.engine.phases.seeded_attention import dropout_kernel, seeded_attention_op
 from modelling.dropout import Seed, seeded_attention, seeded_default_generator
 
 CUDA_KERNELS = tuple(SDPA_BACKENDS)  # flash, efficient, cudnn
@@ -132,12 +135,13 @@ def choose_attention(
     return AttentionKernel(default, SDPA_BACKENDS[default], False, tuple(passed_over))
 
 
-def engine_attention(plan, shapes, layout, dtype: torch.dtype) -> AttentionKernel:
+def engine_attention(plan, shapes, layout, dtype: torch.dtype, compiled: bool) -> AttentionKernel:
     """The kernel an engine's attention runs (:func:`choose_attention`), from its plan's
     ranking; checked at one call of its own: a micro-batch's whole sequences over this rank's
     heads of the model's ``shapes`` (a tensor-parallel shard's; a context-parallel rank's
     share of them). ``layout``'s main rank says what it passed over and, where timings chose,
-    what runs."""
+    what runs; ``compiled`` (blocks compiled), why attention's dropout runs between graphs
+    where it does (:func:`compiled_attention`)."""
     device = layout.device
     heads = max(1, shapes.heads // shapes.tp1 // layout.cp.size)
     dropout = plan.model.dropout_prob
@@ -155,7 +159,32 @@ def engine_attention(plan, shapes, layout, dtype: torch.dtype) -> AttentionKerne
     chosen = choose_attention(device.type, dtype, dropout, ranked, check, say)
     if ranked and device.type == "cuda":
         say(f"attention: {chosen.describe()}")
+    if compiled:
+        chosen, reason = compiled_attention(chosen, shapes, device, dtype)
+        if reason is not None:
+            say(f"--compile: attention's dropout runs between graphs ({reason})")
     return chosen
+
+
+def compiled_attention(
+    attention: AttentionKernel, shapes, device: torch.device, dtype: torch.dtype
+) -> tuple[AttentionKernel, str | None]:
+    """``attention`` for compiled blocks of ``shapes`` (this rank's shard): with dropout, run
+    as one op of the block's graph where that op gives eager's numbers on ``device`` in
+    ``dtype``; where it does not, its call breaks the graph as before, and the reason is
+    returned (else None). Chosen before the blocks are built, which take it."""
+    if not shapes.dropout_prob or shapes.dropout_parity:
+        return attention, None
+    heads = shapes.heads // shapes.tp1
+    kernel = dropout_kernel(device.type, attention.backend, shapes.head_dim)
+    if kernel is None:
+        return attention, None
+    on_gpu = device.type == "cuda"  # the CPU's compiled op is the tests'
+    reason = attention_op_mismatch(device, dtype, heads, shapes.head_dim, kernel, compiled=on_gpu)
+    if reason is not None:
+        return attention, reason
+    op = functools.partial(seeded_attention_op, kernel=kernel)
+    return dataclasses.replace(attention, dropout_op=op), None
 
 
 # A kernel's output and gradients may be at most this many times as far from float64's as

@@ -37,7 +37,6 @@ and the training loop says so in one line.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import io
 
@@ -45,11 +44,10 @@ import torch
 from torch import nn
 from torch.nn.attention import sdpa_kernel
 
-from execution.engine.phases.attention_kernels import AttentionKernel
 from execution.engine.phases.recompute import SDPA_BACKENDS
-from execution.engine.phases.seeded_attention import dropout_kernel, seeded_attention_op
+from execution.engine.phases.seeded_attention import seeded_attention_op
 from modelling.dropout import fused_attention_with_dropout, mix_seed
-from modelling.gpt import HEAD, LAYERS, GPTShapes
+from modelling.gpt import HEAD, LAYERS
 from utils.torch_private import dynamo_counters, forget_compiled
 
 # Options of the inductor compile of every part: random ops keep eager's generator.
@@ -78,27 +76,6 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 
 
 COMPILED_PARTS = (LAYERS, HEAD)  # not the embedding (module docstring)
-
-
-def compiled_attention(
-    attention: AttentionKernel, shapes: GPTShapes, device: torch.device, dtype: torch.dtype
-) -> tuple[AttentionKernel, str | None]:
-    """``attention`` for compiled blocks of ``shapes`` (this rank's shard): with dropout, run
-    as one op of the block's graph where that op gives eager's numbers on ``device`` in
-    ``dtype``; where it does not, its call breaks the graph as before, and the reason is
-    returned (else None). Chosen before the blocks are built, which take it."""
-    if not shapes.dropout_prob or shapes.dropout_parity:
-        return attention, None
-    heads = shapes.heads // shapes.tp1
-    kernel = dropout_kernel(device.type, attention.backend, shapes.head_dim)
-    if kernel is None:
-        return attention, None
-    on_gpu = device.type == "cuda"  # the CPU's compiled op is the tests'
-    reason = attention_op_mismatch(device, dtype, heads, shapes.head_dim, kernel, compiled=on_gpu)
-    if reason is not None:
-        return attention, reason
-    op = functools.partial(seeded_attention_op, kernel=kernel)
-    return dataclasses.replace(attention, dropout_op=op), None
 
 
 def compile_parts(templates: dict[str, nn.Module]) -> None:
