@@ -1,7 +1,8 @@
 """docs/design.md's touch lists against the code: "Where a new parallel axis goes" names every
 file of the library that names the context axis, and "Where a new variant goes" every file
 that names today's gated MLP, so that whoever adds an axis or an MLP finds every place the
-last one took; and each file a list names exists."""
+last one took; and each file a list names exists. No file but the parts (and the flags'
+checks and the HuggingFace maps) picks by a variant's name."""
 
 from __future__ import annotations
 
@@ -70,3 +71,26 @@ def test_a_file_left_out_of_a_list_is_found():
         path = "execution/parallel/sharding.py"  # names both the context axis and gate_up
         assert path in listed_files(design, title)
         assert unlisted(design.replace(f"`{path}`", "`sharding`"), title, sources) == [path]
+
+
+# A comparison with a variant's field or name: what picking a part by its name looks like.
+VARIANT_BRANCH = re.compile(
+    r"\b(position_embedding|normalization|mlp_activation)\s*[!=]=|"
+    r"[!=]=\s*(\"(learned|rotary|layer_norm|rms_norm|gelu|swiglu)\"|"
+    r"\b(LEARNED|ROTARY|LAYER_NORM|RMS_NORM|GELU|SWIGLU)\b)"
+)
+
+
+def test_only_the_parts_pick_by_a_variant_s_name():
+    """The model, its initialisation, generation, the engine and planning ask the parts
+    (modelling/parts.py), never the name. The flags' checks (config/) and the HuggingFace maps,
+    which say whether a model is one of HuggingFace's classes, read the names."""
+    readers = ("config/", "modelling/hf_", "modelling/parts.py")
+    found = [
+        path
+        for path, text in _library_sources().items()
+        if not path.startswith(readers) and VARIANT_BRANCH.search(text)
+    ]
+    assert found == []
+    assert VARIANT_BRANCH.search("if s.mlp_activation == SWIGLU else FeedForward")
+    assert VARIANT_BRANCH.search("model.shapes.position_embedding == LEARNED")
