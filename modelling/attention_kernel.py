@@ -4,8 +4,8 @@
 Which fused kernel runs, and how, is the device's business, not the model's: whoever builds
 the model chooses it once (the engine: :class:`execution.engine.phases.attention_kernels.
 AttentionKernel`, the calibration's fastest that passes its check, pinned; on meta tensors the
-op that kernel runs, so that planning measures it). Any object with the call of
-:class:`SDPAKernel`'s call will do; without one, attention runs :class:`TorchSDPA`, torch's own choice.
+op that kernel runs, so that planning measures it). Any object with :class:`SDPAKernel`'s
+call will do; without one, attention runs :class:`TorchSDPA`, torch's own choice.
 ``--dropout_parity`` wraps whichever kernel in :class:`HeadByHeadDropout`.
 """
 

@@ -1,5 +1,5 @@
 """The GPT-3 model: an embedding, an indexable stack of identical decoder blocks and a tied head;
-or, with the Llama family's variants in :class:`GPTShapes`, a Llama model on the same parts.
+or, with the Llama family's variants in :class:`GPTShapes`, a Llama model on the same frame.
 
 The three named parts (``embedding``, ``layers``, ``head``) are the units the phase engine
 streams; the model never knows it is phased. :func:`init_full_part` creates the *unsharded*
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from modelling.components import GELU, LAYER_NORM, LEARNED, Components
 from modelling.layers import BlockSeeds, DecoderBlock
 from modelling.lm_heads import LMHead, UntiedLMHead
 from modelling.parallel import LOCAL, Axis
-from modelling.parts import GELU, LAYER_NORM, LEARNED, ModelParts
 from modelling.task_heads import TaskHead
 from modelling.tiles import (
     NORMAL,
@@ -113,10 +113,10 @@ class GPTShapes:
         )
 
     @property
-    def parts(self) -> ModelParts:
-        """The parts its architecture fields name (:mod:`modelling.parts`), attention run by
-        torch's choice of kernel."""
-        return ModelParts.of(self)
+    def components(self) -> Components:
+        """The components its architecture fields name (:mod:`modelling.components`),
+        attention run by torch's choice of kernel."""
+        return Components.of(self)
 
     @property
     def label_columns(self) -> int:
@@ -188,20 +188,22 @@ class GPT(nn.Module):
         tp1: Axis = LOCAL,
         tp2: Axis = LOCAL,
         cp: Axis = LOCAL,
-        parts: ModelParts | None = None,
+        components: Components | None = None,
     ):
         super().__init__()
         assert (tp1.size, tp2.size) == (shapes.tp1, shapes.tp2), "axes do not match the shapes"
         s = shapes
-        parts = parts or s.parts
+        components = components or s.components
         local_hidden = s.hidden // s.tp2
         self.shapes = s
-        norm = functools.partial(parts.norm, local_hidden, tp2, s.layer_norm_eps)
-        self.embedding = parts.positions.embedding.of(s, tp1, tp2, cp)
+        norm = functools.partial(components.norm, local_hidden, tp2, s.layer_norm_eps)
+        self.embedding = components.positions.embedding.of(s, tp1, tp2, cp)
         self.layers = nn.ModuleList(
             DecoderBlock(
-                parts.attention.of(s, tp1, tp2, cp, parts.positions.rotary(s), parts.kernel),
-                parts.mlp(local_hidden, s.ffn // s.tp1, tp1, tp2, bias=s.linear_bias),
+                components.attention.of(
+                    s, tp1, tp2, cp, components.positions.rotary(s), components.kernel
+                ),
+                components.mlp(local_hidden, s.ffn // s.tp1, tp1, tp2, bias=s.linear_bias),
                 norm,
                 s.dropout_prob,
                 tp2,
@@ -263,9 +265,9 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
     drop what they lack (the position table with rotary positions, norm biases with RMSNorm,
     every bias without linear biases) and an untied head adds ``output.weight``.
     """
-    h, parts = shapes.hidden, shapes.parts
+    h, components = shapes.hidden, shapes.components
     if part == EMBEDDING:
-        return parts.positions.embedding.inits(shapes, init_std)
+        return components.positions.embedding.inits(shapes, init_std)
     if part == HEAD:
         # A task's projection after ln_f: weights like other linear layers, biases zero.
         task = {
@@ -274,13 +276,13 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
         }
         if shapes.task_head is None and not shapes.tied_head:
             task["output.weight"] = ParamInit((shapes.vocab, h), NORMAL, init_std)
-        return {**prefixed("ln_f", parts.norm.inits(h)), **task}
+        return {**prefixed("ln_f", components.norm.inits(h)), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)
     inits = {
-        **prefixed("ln_1", parts.norm.inits(h)),
-        **prefixed("attn", parts.attention.inits(shapes, init_std, residual_std)),
-        **prefixed("ln_2", parts.norm.inits(h)),
-        **prefixed("mlp", parts.mlp.inits(h, shapes.ffn, init_std, residual_std)),
+        **prefixed("ln_1", components.norm.inits(h)),
+        **prefixed("attn", components.attention.inits(shapes, init_std, residual_std)),
+        **prefixed("ln_2", components.norm.inits(h)),
+        **prefixed("mlp", components.mlp.inits(h, shapes.ffn, init_std, residual_std)),
     }
     if shapes.linear_bias:
         return inits

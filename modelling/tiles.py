@@ -22,7 +22,8 @@ NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
 
 @dataclass(frozen=True)
 class ParamInit:
-    """How one unsharded parameter starts: its shape, and ``normal`` (with ``std``) or a constant."""
+    """How one unsharded parameter starts: its shape, and ``normal`` (with ``std``) or a
+    constant."""
 
     shape: tuple[int, ...]
     fill: str

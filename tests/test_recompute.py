@@ -24,9 +24,9 @@ from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import candidate_plans, choose_plan
 from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
+from modelling.components import Components
 from modelling.dropout import BlockSeeds
 from modelling.gpt import GPT, GPTShapes
-from modelling.parts import ModelParts
 from tests.distributed import (
     CPU,
     assert_states_close,
@@ -196,9 +196,9 @@ def test_pinned_attention_runs_only_its_kernel():
     q = torch.zeros(1, 4, 16, 8)
     for kernel in ("efficient", "cudnn", "flash"):
         chosen = AttentionKernel(kernel, SDPA_BACKENDS[kernel], sdpa=sdpa)
-        parts = ModelParts.of(shapes, chosen)
+        components = Components.of(shapes, chosen)
         with torch.device("meta"):
-            block = GPT(shapes, parts=parts).layers[0]
+            block = GPT(shapes, components=components).layers[0]
         assert block.attn.kernel is chosen
         for seeds in (None, BlockSeeds(1, 2, 3)):
             block.attn.core(q, q, q, seeds)

@@ -1,7 +1,7 @@
 """docs/design.md's touch lists against the code: "Where a new parallel axis goes" names every
 file of the library that names the context axis, and "Where a new variant goes" every file
 that names today's gated MLP, so that whoever adds an axis or an MLP finds every place the
-last one took; and each file a list names exists. No file but the parts (and the flags'
+last one took; and each file a list names exists. No file but the components (and the flags'
 checks and the HuggingFace maps) picks by a variant's name."""
 
 from __future__ import annotations
@@ -81,11 +81,12 @@ VARIANT_BRANCH = re.compile(
 )
 
 
-def test_only_the_parts_pick_by_a_variant_s_name():
-    """The model, its initialisation, generation, the engine and planning ask the parts
-    (modelling/parts.py), never the name. The flags' checks (config/) and the HuggingFace maps,
-    which say whether a model is one of HuggingFace's classes, read the names."""
-    readers = ("config/", "modelling/hf_", "modelling/parts.py")
+def test_only_the_components_pick_by_a_variant_s_name():
+    """The model, its initialisation, generation, the engine and planning ask the components
+    (modelling/components.py), never the name. The flags' checks (config/) and the
+    HuggingFace maps, which say whether a model is one of HuggingFace's classes, read the
+    names."""
+    readers = ("config/", "modelling/hf_", "modelling/components.py")
     found = [
         path
         for path, text in _library_sources().items()

@@ -46,8 +46,8 @@ from execution.parallel.collective_errors import CollectiveError
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
+from modelling.components import Components
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS
-from modelling.parts import ModelParts
 from utils.torch_private import eager_where_compiling_fails
 
 
@@ -103,10 +103,12 @@ class PhasedEngine:
         # dropout one op of the graph): the blocks are built with it, and with --recompute's.
         chosen = attention or engine_attention(plan, self.shapes, layout, self.dtype, self.compiled)
         self.attention = chosen
-        parts = ModelParts.of(self.shapes, self.attention, attention_for(self.memory.recompute))
+        components = Components.of(
+            self.shapes, self.attention, attention_for(self.memory.recompute)
+        )
         with torch.device("meta"):  # one block serves every layer
             model = dataclasses.replace(self.shapes, layers=1)
-            template = GPT(model, layout.tp1, layout.tp2, layout.cp, parts)
+            template = GPT(model, layout.tp1, layout.tp2, layout.cp, components)
         # Stateless templates: each phase binds its weights to them (phases/binding.py).
         self.templates = {
             EMBEDDING: template.embedding,

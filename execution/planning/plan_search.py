@@ -318,7 +318,7 @@ def tensor_parallel_floor(run: RunShape, spec: DeviceSpec) -> float:
     h, tp1, tp2 = m.hidden, mesh.tp1, mesh.tp2
     attention = m.attention_width  # h, unless an explicit head width makes it another
     qkv = attention + 2 * m.key_value_heads * m.head_dim
-    ffn_in = m.parts.mlp.ROWS_PER_FEATURE * m.ffn
+    ffn_in = m.components.mlp.ROWS_PER_FEATURE * m.ffn
     layout = ParallelLayout.shapes_only(mesh.dp, tp1, tp2, cp=mesh.cp, pp=mesh.pp)
     tokens = run.micro_batch_size * run.sequence_length // mesh.cp
     itemsize = DTYPES[run.precision].itemsize

@@ -42,9 +42,9 @@ from execution.engine.storage.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
 from modelling.attention_kernel import TorchSDPA
+from modelling.components import Components
 from modelling.dropout import BlockSeeds
 from modelling.gpt import GPT, LAYERS, GPTShapes
-from modelling.parts import ModelParts
 from utils.torch_private import is_fake, sdpa_kernel_ops
 
 MODES = ("full", "selective", "none")
@@ -337,9 +337,11 @@ def meta_block(shapes: GPTShapes, kernel: str = "math", mode: str = "full") -> t
     recomputing what ``mode`` recomputes (:func:`~.selective.attention_for`)."""
     layout = ParallelLayout.shapes_only(1, shapes.tp1, shapes.tp2)
     sdpa = kernel_attention(kernel) or F.scaled_dot_product_attention
-    parts = ModelParts.of(shapes, TorchSDPA(sdpa=sdpa), attention_for(mode))
+    components = Components.of(shapes, TorchSDPA(sdpa=sdpa), attention_for(mode))
     with torch.device(META):
-        model = GPT(dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2, parts=parts)
+        model = GPT(
+            dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2, components=components
+        )
     return model.layers[0]
 
 

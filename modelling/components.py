@@ -1,11 +1,12 @@
-"""The parts a model is built from, each chosen once from the shapes' architecture fields, as
-torchtitan's model args pick its modules: the normalization, the MLP, where positions enter,
-and attention with the kernel that runs its core.
+"""The components a model is built from (not its streamed parts, the embedding, layers and
+head), each chosen once from the shapes' architecture fields, as torchtitan's model args pick
+its modules: the normalization, the MLP, where positions enter, and attention with the kernel
+that runs its core.
 
-This is the one place that picks a part by a variant's name (:data:`NORMS`, :data:`MLPS`,
-:data:`POSITIONS`); :class:`modelling.gpt.GPT`, :func:`modelling.gpt.part_inits` and
-generation ask the parts, never the name. Each part declares its parameters' unsharded shapes
-and initialisation (its ``inits``), so a new variant is a class and an entry here
+This is the one place that picks a component by a variant's name (:data:`NORMS`,
+:data:`MLPS`, :data:`POSITIONS`); :class:`modelling.gpt.GPT`, :func:`modelling.gpt.part_inits`
+and generation ask the components, never the name. Each declares its parameters' unsharded
+shapes and initialisation (its ``inits``), so a new variant is a class and an entry here
 (docs/design.md, "Layout of the code": where a new variant goes).
 """
 
@@ -51,7 +52,7 @@ POSITIONS: dict[str, type] = {LEARNED: LearnedPositions, ROTARY: RotaryPositions
 
 
 @dataclass(frozen=True)
-class ModelParts:
+class Components:
     """What a :class:`modelling.gpt.GPT` is built from.
 
     Attributes:
@@ -74,8 +75,8 @@ class ModelParts:
     @classmethod
     def of(
         cls, shapes, kernel: SDPAKernel | None = None, attention: type[Attention] = Attention
-    ) -> ModelParts:
-        """The parts ``shapes`` (:class:`modelling.gpt.GPTShapes`) name, attention run by
+    ) -> Components:
+        """The components ``shapes`` (:class:`modelling.gpt.GPTShapes`) name, attention run by
         ``kernel`` as ``attention``."""
         return cls(
             NORMS[shapes.normalization],
