@@ -9,7 +9,7 @@ A compiled block (``--compile``) is given its seeds as 0-d int64 tensors, not in
 Dynamo would specialise its graph on each integer and compile it again for every layer and
 micro-batch. A tensor seed draws its mask through one custom op (``phased::keep_mask``) that
 the graph keeps whole, the same draw as :func:`keep_mask`; attention's seeded kernel is one
-op of the graph too where the engine gives its module that op
+op of the graph too where the kernel the block was built with has that op
 (:mod:`execution.engine.phases.seeded_attention`), and elsewhere runs outside the graph
 (:func:`seeded_attention`, a graph break), as eager runs it. So a compiled block draws exactly
 eager's masks, without inductor's own random numbers.

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from modelling.gpt import GPT, LEARNED, GPTShapes
+from modelling.gpt import GPT, GPTShapes
 from modelling.layers import DecoderBlock
 
 
@@ -94,10 +94,7 @@ def forward_logits(model: GPT, ids: torch.Tensor, cache: KVCache | None = None) 
     """
     start = 0 if cache is None else cache.length
     emb = model.embedding
-    x = F.embedding(ids, emb.word.weight)
-    if model.shapes.position_embedding == LEARNED:  # else rotary, in attention
-        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
-        x = x + F.embedding(positions, emb.position.weight)
+    x = emb.whole(ids, start)  # with learned positions; rotary ones are attention's
     for n, block in enumerate(model.layers):
         x = x + _attention(block, block.ln_1(x), cache, n)
         x = x + block.mlp(block.ln_2(x))

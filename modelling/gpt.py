@@ -1,5 +1,5 @@
 """The GPT-3 model: an embedding, an indexable stack of identical decoder blocks and a tied head;
-or, with the Llama family's variants in :class:`GPTShapes`, a Llama model on the same parts.
+or, with the Llama family's variants in :class:`GPTShapes`, a Llama model on the same frame.
 
 The three named parts (``embedding``, ``layers``, ``head``) are the units the phase engine
 streams; the model never knows it is phased. :func:`init_full_part` creates the *unsharded*
@@ -19,20 +19,23 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from modelling.layers import (
-    Attention,
-    BlockSeeds,
-    DecoderBlock,
-    Embedding,
-    FeedForward,
-    LayerNorm,
-    WordEmbedding,
-)
+from modelling.components import GELU, LAYER_NORM, LEARNED, Components
+from modelling.layers import BlockSeeds, DecoderBlock
 from modelling.lm_heads import LMHead, UntiedLMHead
 from modelling.parallel import LOCAL, Axis
 from modelling.task_heads import TaskHead
-from modelling.tiles import draw_into, outer, run_all, tile_groups
-from modelling.variants import Llama3Scaling, RMSNorm, Rotary, SwiGLU
+from modelling.tiles import (
+    NORMAL,
+    ONES,
+    ZEROS,
+    ParamInit,
+    draw_into,
+    outer,
+    prefixed,
+    run_all,
+    tile_groups,
+)
+from modelling.variants import Llama3Scaling
 
 # Rows of a tp1 vocabulary shard are a multiple of this (as in the reference) so that the
 # shards of the padded table are equal and matmul-friendly.
@@ -40,11 +43,6 @@ VOCAB_SHARD_MULTIPLE = 16
 
 EMBEDDING, LAYERS, HEAD = "embedding", "layers", "head"
 PARTS = (EMBEDDING, LAYERS, HEAD)
-
-# The architecture choices (GPTShapes): GPT-3's first, then the Llama family's.
-LEARNED, ROTARY = "learned", "rotary"
-LAYER_NORM, RMS_NORM = "layer_norm", "rms_norm"
-GELU, SWIGLU = "gelu", "swiglu"
 
 
 def padded_vocab_size(vocab_size: int, tp1: int) -> int:
@@ -115,6 +113,12 @@ class GPTShapes:
         )
 
     @property
+    def components(self) -> Components:
+        """The components its architecture fields name (:mod:`modelling.components`),
+        attention run by torch's choice of kernel."""
+        return Components.of(self)
+
+    @property
     def label_columns(self) -> int:
         """Columns a batch row carries past its ids: 1 for the language model (the row is
         ``seq + 1`` tokens, labels shifted by one), a task's targets otherwise."""
@@ -178,32 +182,28 @@ class GPT(nn.Module):
     (:mod:`modelling.variants`, :class:`modelling.lm_heads.UntiedLMHead`).
     """
 
-    def __init__(self, shapes: GPTShapes, tp1: Axis = LOCAL, tp2: Axis = LOCAL, cp: Axis = LOCAL):
+    def __init__(
+        self,
+        shapes: GPTShapes,
+        tp1: Axis = LOCAL,
+        tp2: Axis = LOCAL,
+        cp: Axis = LOCAL,
+        components: Components | None = None,
+    ):
         super().__init__()
         assert (tp1.size, tp2.size) == (shapes.tp1, shapes.tp2), "axes do not match the shapes"
         s = shapes
+        components = components or s.components
         local_hidden = s.hidden // s.tp2
         self.shapes = s
-        norm_class = RMSNorm if s.normalization == RMS_NORM else LayerNorm
-        norm = functools.partial(norm_class, local_hidden, tp2, s.layer_norm_eps)
-        if s.position_embedding == ROTARY:
-            self.embedding = WordEmbedding(
-                s.vocab_padded // s.tp1, local_hidden, s.dropout_prob, tp1, tp2, cp
-            )
-        else:
-            self.embedding = Embedding(
-                s.vocab_padded // s.tp1,
-                s.positions_padded // s.tp1,
-                local_hidden,
-                s.dropout_prob,
-                tp1,
-                tp2,
-                cp,
-            )
+        norm = functools.partial(components.norm, local_hidden, tp2, s.layer_norm_eps)
+        self.embedding = components.positions.embedding.of(s, tp1, tp2, cp)
         self.layers = nn.ModuleList(
             DecoderBlock(
-                self._attention(s, tp1, tp2, cp),
-                self._mlp(s, tp1, tp2),
+                components.attention.of(
+                    s, tp1, tp2, cp, components.positions.rotary(s), components.kernel
+                ),
+                components.mlp(local_hidden, s.ffn // s.tp1, tp1, tp2, bias=s.linear_bias),
                 norm,
                 s.dropout_prob,
                 tp2,
@@ -232,30 +232,6 @@ class GPT(nn.Module):
     def _untied_head_inputs(self, labels: torch.Tensor) -> tuple:
         return (labels, self.shapes.vocab)
 
-    @staticmethod
-    def _attention(s: GPTShapes, tp1: Axis, tp2: Axis, cp: Axis) -> Attention:
-        rotary = None
-        if s.position_embedding == ROTARY:
-            rotary = Rotary(s.head_dim, s.rope_theta, s.rope_scaling)
-        return Attention(
-            s.hidden // s.tp2,
-            s.heads // s.tp1,
-            s.head_dim,
-            s.dropout_prob,
-            tp1,
-            tp2,
-            cp,
-            dropout_parity=s.dropout_parity,
-            local_kv_heads=s.key_value_heads // s.tp1,
-            rotary=rotary,
-            bias=s.linear_bias,
-        )
-
-    @staticmethod
-    def _mlp(s: GPTShapes, tp1: Axis, tp2: Axis) -> nn.Module:
-        mlp = SwiGLU if s.mlp_activation == SWIGLU else FeedForward
-        return mlp(s.hidden // s.tp2, s.ffn // s.tp1, tp1, tp2, bias=s.linear_bias)
-
     def forward(
         self,
         ids: torch.Tensor,
@@ -279,17 +255,6 @@ class GPT(nn.Module):
 # can draw just the tiles its shard touches and still hold exactly the numbers every other
 # layout holds.
 
-NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
-
-
-@dataclass(frozen=True)
-class ParamInit:
-    """How one unsharded parameter starts: its shape, and ``normal`` (with ``std``) or a constant."""
-
-    shape: tuple[int, ...]
-    fill: str
-    std: float = 0.0
-
 
 def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str, ParamInit]:
     """Unpadded shape and initialisation of every parameter of a part, named as in :class:`GPT`.
@@ -300,12 +265,9 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
     drop what they lack (the position table with rotary positions, norm biases with RMSNorm,
     every bias without linear biases) and an untied head adds ``output.weight``.
     """
-    h = shapes.hidden
+    h, components = shapes.hidden, shapes.components
     if part == EMBEDDING:
-        word = {"word.weight": ParamInit((shapes.vocab, h), NORMAL, init_std)}
-        if shapes.position_embedding == ROTARY:
-            return word
-        return {**word, "position.weight": ParamInit((shapes.positions, h), NORMAL, init_std)}
+        return components.positions.embedding.inits(shapes, init_std)
     if part == HEAD:
         # A task's projection after ln_f: weights like other linear layers, biases zero.
         task = {
@@ -314,40 +276,19 @@ def part_inits(shapes: GPTShapes, part: str, init_std: float = 1.0) -> dict[str,
         }
         if shapes.task_head is None and not shapes.tied_head:
             task["output.weight"] = ParamInit((shapes.vocab, h), NORMAL, init_std)
-        return {**_norm_inits(shapes, "ln_f", h), **task}
+        return {**prefixed("ln_f", components.norm.inits(h)), **task}
     residual_std = init_std / math.sqrt(2 * shapes.layers)
-    width = shapes.attention_width  # of q and of attention's output
-    qkv_rows = width + 2 * shapes.key_value_heads * shapes.head_dim
-    ffn = shapes.ffn
-    if shapes.mlp_activation == SWIGLU:
-        mlp_in, mlp_out, mlp_rows = "mlp.gate_up", "mlp.down", 2 * ffn
-    else:
-        mlp_in, mlp_out, mlp_rows = "mlp.fc", "mlp.proj", ffn
     inits = {
-        **_norm_inits(shapes, "ln_1", h),
-        "attn.qkv.weight": ParamInit((qkv_rows, h), NORMAL, init_std),
-        "attn.qkv.bias": ParamInit((qkv_rows,), ZEROS),
-        "attn.out.weight": ParamInit((h, width), NORMAL, residual_std),
-        "attn.out.bias": ParamInit((h,), ZEROS),
-        **_norm_inits(shapes, "ln_2", h),
-        f"{mlp_in}.weight": ParamInit((mlp_rows, h), NORMAL, init_std),
-        f"{mlp_in}.bias": ParamInit((mlp_rows,), ZEROS),
-        f"{mlp_out}.weight": ParamInit((h, ffn), NORMAL, residual_std),
-        f"{mlp_out}.bias": ParamInit((h,), ZEROS),
+        **prefixed("ln_1", components.norm.inits(h)),
+        **prefixed("attn", components.attention.inits(shapes, init_std, residual_std)),
+        **prefixed("ln_2", components.norm.inits(h)),
+        **prefixed("mlp", components.mlp.inits(h, shapes.ffn, init_std, residual_std)),
     }
     if shapes.linear_bias:
         return inits
     return {
         name: init for name, init in inits.items() if name.startswith("ln_") or len(init.shape) == 2
     }
-
-
-def _norm_inits(shapes: GPTShapes, name: str, h: int) -> dict[str, ParamInit]:
-    """A norm's gain (ones) and, for a layer norm, its bias (zeros)."""
-    gain = {f"{name}.weight": ParamInit((h,), ONES)}
-    if shapes.normalization == RMS_NORM:
-        return gain
-    return {**gain, f"{name}.bias": ParamInit((h,), ZEROS)}
 
 
 def qualified_name(part: str, row: int, name: str) -> str:

@@ -26,16 +26,15 @@ or a cp head group draws exactly the single process's masks: for the layout-pari
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from modelling.dropout import BlockSeeds, dropout, seeded_attention
+from modelling.attention_kernel import HeadByHeadDropout, SDPAKernel, TorchSDPA
+from modelling.dropout import BlockSeeds, dropout
 from modelling.parallel import (
     LOCAL,
     Axis,
@@ -45,6 +44,7 @@ from modelling.parallel import (
     reduce_from,
     sequence_to_heads,
 )
+from modelling.tiles import NORMAL, ONES, ZEROS, ParamInit
 
 
 class LayerNorm(nn.Module):
@@ -60,6 +60,11 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(local_hidden))
         self.tp2 = tp2
         self.eps = eps
+
+    @staticmethod
+    def inits(hidden: int) -> dict[str, ParamInit]:
+        """Its unsharded gain (ones) and bias (zeros)."""
+        return {"weight": ParamInit((hidden,), ONES), "bias": ParamInit((hidden,), ZEROS)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp2.size == 1:
@@ -103,6 +108,8 @@ class Attention(nn.Module):
     local_kv_heads`` consecutive q heads. The cp exchange splits the KV heads too where cp
     divides them; where it does not, each KV head is repeated for its q heads before the
     exchange. ``rotary`` rotates q and k once the sequence is whole (positions are global).
+    ``kernel`` runs the core (:mod:`modelling.attention_kernel`; torch's choice without one),
+    given here and never changed after.
     """
 
     def __init__(
@@ -118,6 +125,7 @@ class Attention(nn.Module):
         local_kv_heads: int | None = None,
         rotary: nn.Module | None = None,
         bias: bool = True,
+        kernel: SDPAKernel | None = None,
     ):
         super().__init__()
         kv_heads = local_kv_heads or local_heads
@@ -127,7 +135,6 @@ class Attention(nn.Module):
         self.out = ParallelLinear(width, local_hidden, reduce_axis=tp1, bias=bias)
         self.local_heads, self.head_dim = local_heads, head_dim
         self.dropout_prob = dropout_prob
-        self.dropout_parity = dropout_parity
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
         # Rotary positions (modelling.variants.Rotary), or none where the embedding adds them.
         self.position = rotary if rotary is not None else _unrotated
@@ -142,20 +149,43 @@ class Attention(nn.Module):
             self.repeat_kv = functools.partial(
                 torch.repeat_interleave, repeats=group // before, dim=1
             )
-        # What runs SDPA (None: F.scaled_dot_product_attention). Planning gives this module the
-        # op a device's kernel runs on meta tensors, where SDPA itself would take the math path
-        # (execution/engine/phases/recompute.py: attention_on_meta), and no other module sees it.
-        self.sdpa: Callable[..., torch.Tensor] | None = None
-        # The one SDPA backend attention may run (None: torch chooses). Whoever builds the
-        # model pins the kernel it chose (execution/engine/phases/attention_kernels.py:
-        # AttentionKernel.pin), so torch cannot pick another behind the plan. The pin sets
-        # process-wide flags while it runs: one thread at a time runs a step's attention.
-        self.backend: SDPBackend | None = None
-        # With dropout, what a compiled block (tensor seeds) calls as one op of its graph in
-        # place of the seeded eager call, q, k, v, p, seed, first head -> attention
-        # (execution/engine/phases/seeded_attention.py). None: the graph breaks at the eager
-        # call. The engine gives it where the op gives eager's numbers on its device.
-        self.dropout_op: Callable[..., torch.Tensor] | None = None
+        # What runs softmax(q k^T) v, chosen by whoever builds the model (modelling/
+        # attention_kernel.py): the engine's fused kernel, pinned, or torch's own choice.
+        kernel = kernel if kernel is not None else TorchSDPA()
+        self.kernel: SDPAKernel = HeadByHeadDropout(kernel) if dropout_parity else kernel
+
+    @classmethod
+    def of(
+        cls, s, tp1: Axis, tp2: Axis, cp: Axis, rotary: nn.Module | None, kernel: SDPAKernel | None
+    ) -> Attention:
+        """This shard's, for the model's shapes ``s`` (:class:`modelling.gpt.GPTShapes`)."""
+        return cls(
+            s.hidden // s.tp2,
+            s.heads // s.tp1,
+            s.head_dim,
+            s.dropout_prob,
+            tp1,
+            tp2,
+            cp,
+            dropout_parity=s.dropout_parity,
+            local_kv_heads=s.key_value_heads // s.tp1,
+            rotary=rotary,
+            bias=s.linear_bias,
+            kernel=kernel,
+        )
+
+    @staticmethod
+    def inits(s, std: float, residual_std: float) -> dict[str, ParamInit]:
+        """Its unsharded parameters: the output projection (to the residual stream) drawn
+        with ``residual_std``, q, k and v with ``std``, biases zero."""
+        h, width = s.hidden, s.attention_width  # of q and of attention's output
+        rows = width + 2 * s.key_value_heads * s.head_dim
+        return {
+            "qkv.weight": ParamInit((rows, h), NORMAL, std),
+            "qkv.bias": ParamInit((rows,), ZEROS),
+            "out.weight": ParamInit((h, width), NORMAL, residual_std),
+            "out.bias": ParamInit((h,), ZEROS),
+        }
 
     def forward(self, x: torch.Tensor, seeds: BlockSeeds | None) -> torch.Tensor:
         B, S, _ = x.shape
@@ -203,20 +233,10 @@ class Attention(nn.Module):
         come with their KV heads and are repeated here, one for each query head.
         """
         k, v = self.repeat_kv(k), self.repeat_kv(v)
-        p = self.dropout_prob if seeds is not None else 0.0
-        sdpa = self.sdpa or F.scaled_dot_product_attention
-        if p:  # outside any context: where a compiled block's graph breaks here (no op),
-            # Dynamo cannot break one inside a context (it would break the caller's instead).
-            # This tp1 shard's first head, then this cp group's: the global index of head 0.
-            first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
-            parity, backend, seed = self.dropout_parity, self.backend, seeds.attention
-            one_op = self.dropout_op is not None and self.sdpa is None and not parity
-            if one_op and isinstance(seed, torch.Tensor):  # a compiled block's, unbroken
-                return self.dropout_op(q, k, v, p, seed, first)
-            return seeded_attention(q, k, v, p, seed, first, parity, sdpa, backend)
-        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
-        with pinned:
-            return sdpa(q, k, v, is_causal=True)
+        p, seed = (self.dropout_prob, seeds.attention) if seeds is not None else (0.0, None)
+        # This tp1 shard's first head, then this cp group's: the global index of head 0.
+        first = self.tp1.rank * self.local_heads + self.cp.rank * q.shape[1]
+        return self.kernel(q, k, v, p, seed, first)
 
 
 def _unrepeated(kv: torch.Tensor) -> torch.Tensor:
@@ -233,11 +253,25 @@ class FeedForward(nn.Module):
     """h -> ffn -> h with tanh-GELU (ffn = 4h for GPT-3); the ffn hidden layer is sharded
     over tp1."""
 
+    # Rows of the first matrix per intermediate feature (a gated MLP has two: gate and up).
+    ROWS_PER_FEATURE = 1
+
     def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis, bias: bool = True):
         super().__init__()
         self.fc = ParallelLinear(local_hidden, local_ffn, reduce_axis=tp2, bias=bias)
         self.proj = ParallelLinear(local_ffn, local_hidden, reduce_axis=tp1, bias=bias)
         self.tp1, self.tp2 = tp1, tp2
+
+    @staticmethod
+    def inits(hidden: int, ffn: int, std: float, residual_std: float) -> dict[str, ParamInit]:
+        """Its unsharded parameters: the projection back to the residual stream (``proj``)
+        drawn with ``residual_std``, the other matrix with ``std``, biases zero."""
+        return {
+            "fc.weight": ParamInit((ffn, hidden), NORMAL, std),
+            "fc.bias": ParamInit((ffn,), ZEROS),
+            "proj.weight": ParamInit((hidden, ffn), NORMAL, residual_std),
+            "proj.bias": ParamInit((hidden,), ZEROS),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.fc(copy_to(x, self.tp1))  # (B, S, 4h / tp1)
@@ -297,6 +331,21 @@ class WordEmbedding(nn.Module):
         self.dropout_prob = dropout_prob
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
 
+    @classmethod
+    def of(cls, s, tp1: Axis, tp2: Axis, cp: Axis) -> WordEmbedding:
+        """This shard's, for the model's shapes ``s`` (:class:`modelling.gpt.GPTShapes`)."""
+        return cls(s.vocab_padded // s.tp1, s.hidden // s.tp2, s.dropout_prob, tp1, tp2, cp)
+
+    @staticmethod
+    def inits(s, std: float) -> dict[str, ParamInit]:
+        """Its unsharded table, unpadded."""
+        return {"word.weight": ParamInit((s.vocab, s.hidden), NORMAL, std)}
+
+    def whole(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        """The embedding of a whole model's ``ids`` (B, S) at positions from ``start``,
+        without dropout (generation's)."""
+        return F.embedding(ids, self.word.weight)
+
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1), self.tp1)
         return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
@@ -322,6 +371,23 @@ class Embedding(WordEmbedding):
     ):
         super().__init__(local_vocab, local_hidden, dropout_prob, tp1, tp2, cp)
         self.position = nn.Embedding(local_positions, local_hidden)
+
+    @classmethod
+    def of(cls, s, tp1: Axis, tp2: Axis, cp: Axis) -> Embedding:
+        local_positions = s.positions_padded // s.tp1
+        local_hidden = s.hidden // s.tp2
+        return cls(
+            s.vocab_padded // s.tp1, local_positions, local_hidden, s.dropout_prob, tp1, tp2, cp
+        )
+
+    @staticmethod
+    def inits(s, std: float) -> dict[str, ParamInit]:
+        position = ParamInit((s.positions, s.hidden), NORMAL, std)
+        return {**WordEmbedding.inits(s, std), "position.weight": position}
+
+    def whole(self, ids: torch.Tensor, start: int) -> torch.Tensor:
+        positions = torch.arange(start, start + ids.shape[1], device=ids.device)
+        return super().whole(ids, start) + F.embedding(positions, self.position.weight)
 
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,6 +16,23 @@ from torch import nn
 from modelling.host_threads import one_core_pool
 
 INIT_TILE = 256
+
+NORMAL, ZEROS, ONES = "normal", "zeros", "ones"
+
+
+@dataclass(frozen=True)
+class ParamInit:
+    """How one unsharded parameter starts: its shape, and ``normal`` (with ``std``) or a
+    constant."""
+
+    shape: tuple[int, ...]
+    fill: str
+    std: float = 0.0
+
+
+def prefixed(prefix: str, inits: dict[str, ParamInit]) -> dict[str, ParamInit]:
+    """A part's parameters named within its owner (``ln_1.weight`` for ``weight``)."""
+    return {f"{prefix}.{name}": init for name, init in inits.items()}
 
 
 def draw_into(

@@ -28,6 +28,7 @@ from torch import nn
 
 from modelling.layers import ParallelLinear
 from modelling.parallel import Axis, all_reduce_sum, copy_to
+from modelling.tiles import NORMAL, ONES, ZEROS, ParamInit
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +43,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(local_hidden))
         self.tp2 = tp2
         self.eps = eps
+
+    @staticmethod
+    def inits(hidden: int) -> dict[str, ParamInit]:
+        """Its unsharded gain (ones)."""
+        return {"weight": ParamInit((hidden,), ONES)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -166,11 +172,23 @@ class SwiGLU(nn.Module):
     ``down`` takes the intermediate features over tp1 and gives the hidden size over tp2.
     """
 
+    ROWS_PER_FEATURE = 2  # a gate's and an up's
+
     def __init__(self, local_hidden: int, local_ffn: int, tp1: Axis, tp2: Axis, bias: bool):
         super().__init__()
         self.gate_up = ParallelLinear(local_hidden, 2 * local_ffn, reduce_axis=tp2, bias=bias)
         self.down = ParallelLinear(local_ffn, local_hidden, reduce_axis=tp1, bias=bias)
         self.tp1, self.tp2 = tp1, tp2
+
+    @staticmethod
+    def inits(hidden: int, ffn: int, std: float, residual_std: float) -> dict[str, ParamInit]:
+        """Its unsharded parameters (as :meth:`modelling.layers.FeedForward.inits`)."""
+        return {
+            "gate_up.weight": ParamInit((2 * ffn, hidden), NORMAL, std),
+            "gate_up.bias": ParamInit((2 * ffn,), ZEROS),
+            "down.weight": ParamInit((hidden, ffn), NORMAL, residual_std),
+            "down.bias": ParamInit((hidden,), ZEROS),
+        }
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(copy_to(x, self.tp1)).chunk(2, dim=-1)

@@ -17,14 +17,15 @@ import torch.nn.functional as F
 
 from execution.checkpoint.logical import full_state
 from execution.engine.engine import PhasedEngine
-from execution.engine.phases import compiled
+from execution.engine.phases import attention_kernels, compiled
+from execution.engine.phases.attention_kernels import AttentionKernel
 from execution.engine.phases.compiled import attention_op_mismatch
-from execution.engine.phases.recompute import attention_on_meta
 from execution.engine.phases.seeded_attention import seeded_attention_op
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.device_specs import SPECS
 from execution.planning.op_costs import device_seconds
 from execution.planning.step_meter import StepMeter
+from modelling.attention_kernel import HeadByHeadDropout, TorchSDPA
 from modelling.dropout import (
     BlockSeeds,
     _attention_with_head_masks,
@@ -110,15 +111,16 @@ def test_the_time_model_prices_fused_attention_at_its_own_rate():
     them at the spec's attention rate: on an H100, 25% of the peak against 70% for matmuls."""
     b, h, s, d = 2, 4, 256, 64
     with torch.device("meta"):
-        attention, other = (Attention(h * d, h, d, P, LOCAL, LOCAL) for _ in "ab")
+        attention = Attention(h * d, h, d, P, LOCAL, LOCAL, kernel=AttentionKernel.on_meta("flash"))
+        other = Attention(h * d, h, d, P, LOCAL, LOCAL)
     q, k, v = (torch.empty(b, h, s, d, device="meta", requires_grad=True) for _ in "qkv")
     sdpa = F.scaled_dot_product_attention
-    with attention_on_meta("flash", attention), StepMeter() as meter:
-        # Only the module given is patched: no other module, and not F, the whole process's.
-        assert other.sdpa is None and F.scaled_dot_product_attention is sdpa
+    with StepMeter() as meter:
         out = attention.core(q, k, v, BlockSeeds(1, 2, 3))
         torch.autograd.grad(out.sum(), (q, k, v))
-    assert attention.sdpa is None
+    # Only the module built with it runs the kernel's op: no other module, and not F, the
+    # whole process's.
+    assert other.kernel == TorchSDPA() and F.scaled_dot_product_attention is sdpa
     # Forward 2 matmuls of b h s s d multiply-adds; backward 2.5 times that (torch's formulas
     # for the whole square), halved for the causal mask.
     forward = 2 * (2 * b * h * s * s * d)
@@ -158,7 +160,7 @@ def test_recompute_modes_draw_the_fused_masks_alike():
     for mode in ("full", "selective", "none"):
         engine, losses, state = _train("--dropout_prob", "0.1", "--recompute", mode)
         assert engine.memory.recompute == mode
-        assert not engine.templates[LAYERS].attn.dropout_parity
+        assert not isinstance(engine.templates[LAYERS].attn.kernel, HeadByHeadDropout)
         runs[mode] = losses, state
     full_losses, full_state_ = runs["full"]
     for mode in ("selective", "none"):
@@ -177,7 +179,9 @@ def test_dropout_parity_is_a_flag_that_reaches_the_attention():
         config = small_config(*flags, *given)
         assert config.model.dropout_parity is want
         engine = planned_engine(config, ParallelLayout.single(CPU))
-        assert engine.templates[LAYERS].attn.dropout_parity is want
+        kernel = engine.templates[LAYERS].attn.kernel
+        assert isinstance(kernel, HeadByHeadDropout) is want
+        assert (kernel.kernel if want else kernel) == engine.attention
 
 
 def test_attention_with_dropout_as_one_op_is_eagers_call():
@@ -218,12 +222,14 @@ def test_an_attention_op_unlike_eagers_breaks_the_graph_instead_and_says_so(monk
     if compiled.compile_unavailable("cpu"):
         pytest.skip(f"torch.compile cannot run here: {compiled.compile_unavailable('cpu')}")
     monkeypatch.setattr(
-        compiled, "attention_op_mismatch", lambda *args, **kwargs: "its output is not eager's"
+        attention_kernels,
+        "attention_op_mismatch",
+        lambda *args, **kwargs: "its output is not eager's",
     )
     config = small_config("--dropout_prob", "0.1", "--compile", "true", "--dropout_parity", "false")
     engine = planned_engine(config, ParallelLayout.single(CPU))
     attention = [m for m in engine.templates[LAYERS].modules() if isinstance(m, Attention)]
-    assert engine.compiled and [m.dropout_op for m in attention] == [None]
+    assert engine.compiled and [m.kernel.dropout_op for m in attention] == [None]
     assert capsys.readouterr().out.strip().splitlines() == [
         "--compile: attention's dropout runs between graphs (its output is not eager's)"
     ]

@@ -17,7 +17,7 @@ from torch import nn
 
 from execution.engine.engine import PhasedEngine
 from execution.engine.phases import schedule
-from execution.engine.phases.recompute import attention_kernel, attention_on_meta, meta_block
+from execution.engine.phases.recompute import attention_kernel, meta_block
 from execution.engine.plan import MemoryPlan, Placement
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.compiled_costs import (
@@ -71,11 +71,11 @@ def test_a_dropout_free_block_is_priced_eager_as_the_eager_step_runs_it():
     sequence = 512
     flags = ("--sequence_length", str(sequence), "--max_positional_length", str(sequence))
     config = small_config(*flags, "--dropout_prob", "0", "--dropout_parity", "false")
-    block = meta_block(RunShape.of(config).shards()).to(torch.bfloat16)
+    block = meta_block(RunShape.of(config).shards(), "flash").to(torch.bfloat16)
     x = torch.empty(2, sequence, block.attn.qkv.weight.shape[1], dtype=torch.bfloat16)
     x = x.to("meta").requires_grad_()
     change = _PartPricer("flash", "cuda", torch.bfloat16, axes=())(block, x, None)
-    with attention_on_meta("flash", block), StepMeter() as meter:
+    with StepMeter() as meter:
         y = block(x, None)
         forward = meter.costs.copy()
         torch.autograd.backward(y, torch.empty_like(y))

@@ -7,7 +7,6 @@ import shlex
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend
 
 from execution.checkpoint.logical import full_state
 from execution.engine.phases.attention_kernels import AttentionKernel
@@ -17,7 +16,6 @@ from execution.engine.phases.recompute import (
     _Packer,
     attention_kernel,
     kept_bytes,
-    meta_block,
 )
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.measure import recompute_flops
@@ -26,8 +24,9 @@ from execution.planning.plan_ranking import step_seconds
 from execution.planning.planner import choose, measured_plans
 from execution.planning.run_shape import RunShape
 from execution.planning.step_meter import StepMeter
+from modelling.components import Components
 from modelling.dropout import BlockSeeds
-from modelling.gpt import GPTShapes
+from modelling.gpt import GPT, GPTShapes
 from tests.distributed import (
     CPU,
     assert_states_close,
@@ -181,13 +180,12 @@ def test_a_layer_keeps_what_the_fused_kernel_saves(dropout):
 
 
 def test_pinned_attention_runs_only_its_kernel():
-    """On CUDA the engine pins the kernel it chose, so torch cannot take another (cuDNN's on
-    Hopper, the math path where the kernel cannot run): inside the module's SDPA call only
-    that backend is enabled, with dropout or without, and every backend is again afterwards.
-    A CPU kernel pins nothing."""
-    block = meta_block(GPTShapes(2, 32, 4, 64, 16, 0.1, 1e-5))
-    AttentionKernel("cpu_flash").pin(block)
-    assert block.attn.backend is None
+    """On CUDA the engine builds its blocks with the kernel it chose, pinned, so torch cannot
+    take another (cuDNN's on Hopper, the math path where the kernel cannot run): inside the
+    module's SDPA call only that backend is enabled, with dropout or without, and every
+    backend is again afterwards. A CPU kernel pins nothing."""
+    shapes = GPTShapes(2, 32, 4, 64, 16, 0.1, 1e-5)
+    assert AttentionKernel("cpu_flash").backend is None
     enabled = []
 
     def sdpa(q, k, v, dropout_p=0.0, is_causal=False):
@@ -196,13 +194,15 @@ def test_pinned_attention_runs_only_its_kernel():
         enabled.append((*flags, cuda.cudnn_sdp_enabled(), cuda.math_sdp_enabled()))
         return q
 
-    block.attn.sdpa = sdpa
     q = torch.zeros(1, 4, 16, 8)
     for kernel in ("efficient", "cudnn", "flash"):
-        AttentionKernel(kernel, SDPA_BACKENDS[kernel]).pin(block)
+        chosen = AttentionKernel(kernel, SDPA_BACKENDS[kernel], sdpa=sdpa)
+        components = Components.of(shapes, chosen)
+        with torch.device("meta"):
+            block = GPT(shapes, components=components).layers[0]
+        assert block.attn.kernel is chosen
         for seeds in (None, BlockSeeds(1, 2, 3)):
             block.attn.core(q, q, q, seeds)
-    assert block.attn.backend == SDPBackend.FLASH_ATTENTION
     only = {"flash": (True, False, False), "efficient": (False, True, False)}
     only["cudnn"] = (False, False, True)
     wanted = [(*only[kernel], False) for kernel in ("efficient", "cudnn", "flash") for _ in "ab"]

@@ -30,13 +30,14 @@ from types import MappingProxyType
 import torch
 
 from execution.engine.phases import pipeline, schedule
-from execution.engine.phases.attention_kernels import engine_attention
+from execution.engine.phases.attention_kernels import AttentionKernel, engine_attention
 from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
 from execution.engine.phases.phase_context import PhaseContext
-from execution.engine.phases.recompute import KeptLayers, prepare_block
+from execution.engine.phases.recompute import KeptLayers
 from execution.engine.phases.runner import run_phases
 from execution.engine.phases.schedule import Phase, Stage
+from execution.engine.phases.selective import attention_for
 from execution.engine.phases.step import Batch, Step
 from execution.engine.plan import PLACED_STATES, EnginePlan, MemoryPlan
 from execution.engine.storage.buffers import DTYPES, ActivationLayout, Place, flat_specs
@@ -46,6 +47,7 @@ from execution.engine.update.rigl import RigL
 from execution.parallel.launch import usable_cores
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import init_part_shard, rts_axes
+from modelling.components import Components
 from modelling.gpt import EMBEDDING, GPT, HEAD, LAYERS, PARTS, GPTShapes
 from utils.torch_private import storage_id
 
@@ -90,11 +92,13 @@ class PhasedEngine:
             (:meth:`~execution.planning.run_shape.RunShape.engine_plan`); the
             engine reads nothing else.
         layout: This rank's parallel geometry (``ParallelLayout.single`` for one process).
+        attention: The kernel attention runs (None: chosen here, :func:`engine_attention`;
+            planning gives a meta engine its device's, :meth:`AttentionKernel.on_meta`).
 
     Attributes:
         context: What the rank's phase bodies use, built once (its plan, shapes, buffers,
             templates, stage, ...): the engine's attributes of the same names read it there.
-        attention: The attention kernel pinned in the layer template.
+        attention: The kernel the layers' attention runs.
         optimizer: The update (its steps, its host update behind the next step).
         rigl: The sparse connectivity's updates, or None for a dense run.
     """
@@ -111,11 +115,18 @@ class PhasedEngine:
     rts = _in_context("rts")
     compiled = _in_context("compiled")
 
-    def __init__(self, plan: EnginePlan, layout: ParallelLayout):
+    def __init__(
+        self, plan: EnginePlan, layout: ParallelLayout, attention: AttentionKernel | None = None
+    ):
         self.layout = layout
         shapes = dataclasses.replace(plan.model, tp1=layout.tp1.size, tp2=layout.tp2.size)
         dtype = DTYPES[plan.precision]
-        templates = _templates(shapes, layout)
+        compiled = _compiles(plan, layout)
+        # The fastest attention kernel timed that passes its check here, pinned (compiled: its
+        # dropout one op of the graph): the blocks are built with it, and with --recompute's.
+        self.attention = attention or engine_attention(plan, shapes, layout, dtype, compiled)
+        recomputed = attention_for(plan.memory.recompute)
+        templates = _templates(shapes, layout, Components.of(shapes, self.attention, recomputed))
         rts = rts_axes(layout)
         specs = flat_specs(shapes, {kind: axis.size for kind, axis in rts.items()})
         # This rank's pipeline stage: its layers, and the passes it holds at once.
@@ -129,18 +140,12 @@ class PhasedEngine:
         state = _buffers(plan, layout, shapes, specs, rts, stage, dtype)
         self.setup_seconds = {"buffers": time.perf_counter() - started, "weights": 0.0}
         link = pipeline.Link(layout.pp, stage, state.activations.layout, layout.device)
-        compiled = _compiles(plan, layout)
-        # The fastest attention kernel timed that passes its check here, pinned.
-        self.attention = engine_attention(plan, templates[LAYERS], layout, dtype)
-        self.attention.pin(templates[LAYERS])
         # What the layers keep for their backward (None: they recompute it in full).
         kept = None
         if plan.memory.recompute != "full":
-            block = templates[LAYERS]
-            prepare_block(block, plan.memory.recompute)
             acts = state.activations
             kept = KeptLayers(
-                block,
+                templates[LAYERS],
                 specs[LAYERS],
                 acts.kept,
                 acts.store_kept,
@@ -149,10 +154,8 @@ class PhasedEngine:
                 in_place=acts.keeps_in_place,
                 buffers=frozenset({storage_id(acts.x)}),
             )
-        if compiled:  # after prepare_block: a selective core compiles with its block
-            reason = compile_parts(templates, layout.device, dtype)
-            if reason is not None and layout.is_main:
-                print(f"--compile: attention's dropout runs between graphs ({reason})")
+        if compiled:
+            compile_parts(templates)
         self.context = PhaseContext(
             plan=plan,
             shapes=shapes,
@@ -352,11 +355,14 @@ class PhasedEngine:
         return self.context.state.nbytes()
 
 
-def _templates(shapes: GPTShapes, layout: ParallelLayout) -> dict[str, torch.nn.Module]:
-    """Stateless templates of the parts, on meta: each phase binds its weights to them
-    (phases/binding.py), and one block serves every layer."""
+def _templates(
+    shapes: GPTShapes, layout: ParallelLayout, components: Components
+) -> dict[str, torch.nn.Module]:
+    """Stateless templates of the parts, on meta, built from ``components``: each phase binds
+    its weights to them (phases/binding.py), and one block serves every layer."""
     with torch.device("meta"):
-        model = GPT(dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2, layout.cp)
+        one_layer = dataclasses.replace(shapes, layers=1)
+        model = GPT(one_layer, layout.tp1, layout.tp2, layout.cp, components)
     return {EMBEDDING: model.embedding, LAYERS: model.layers[0], HEAD: model.head}
 
 

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from execution.engine.phases import schedule
 from execution.engine.phases.compiled import COMPILED_PARTS
-from execution.engine.phases.recompute import attention_on_meta, kernel_attention, meta_block
+from execution.engine.phases.recompute import kernel_attention, meta_block
 from execution.planning.estimate_checks import EstimateError
 from execution.planning.fused_bytes import Region, capture_regions, fused_cost, graph_on_device
 from execution.planning.op_costs import OpCosts
@@ -161,11 +161,11 @@ def compiled_kept_in_place(
     """
     if shapes.dropout_prob or shapes.tp1 > 1 or shapes.tp2 > 1:  # known to break: no capture
         return None
-    block = meta_block(dataclasses.replace(shapes, layers=1))
+    block = meta_block(dataclasses.replace(shapes, layers=1), kernel)
     x = torch.empty(1, sequence, shapes.hidden, dtype=dtype, device=META)
     module = _bound_copy(block, dtype, True)
     try:
-        with attention_on_meta(kernel, module), torch.enable_grad():
+        with torch.enable_grad():
             regions, _ = capture_regions(_call, module, _wanting_grad(x, True), None)
     except Exception:  # a capture that fails plans what eager keeps (more), never stops a run
         return None
@@ -222,7 +222,7 @@ class _PartPricer:
         module = _bound_copy(template, self.dtype, grad, self.axes)
         # The capture makes each meta input a fake CPU tensor with its requires_grad.
         args = [_wanting_grad(value, grad) for value in inputs]
-        with attention_on_meta(self.kernel, module), torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad):
             regions, _ = capture_regions(_call, module, *args)
         before, after = CostChange(), CostChange()
         for region in regions:

@@ -19,9 +19,9 @@ import torch
 
 from config.schema import OptimizerConfig
 from execution.engine.engine import PhasedEngine, StepHooks
+from execution.engine.phases.attention_kernels import AttentionKernel
 from execution.engine.phases.recompute import (
     attention_kernel,
-    attention_on_meta,
     kept_layer_on_meta,
     meta_block,
 )
@@ -214,17 +214,14 @@ def meta_step(
     """
     measurements = measurements or Measurements()
     replayed = measurements.meta_results
-    engine = PhasedEngine(plan, layout)
+    engine = PhasedEngine(plan, layout, AttentionKernel.on_meta(kernel))
     row = plan.sequence_length + plan.model.label_columns
     shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
     # Metered once per process, on meta tensors of its own, and before this step's meter
     # starts: inside it, that first metering would count as the step's ops.
     _adamw_bytes_per_element()
-    with (
-        attention_on_meta(kernel, *engine.templates.values()),
-        StepMeter(replayed, engine.state.host_buffers()) as meter,
-    ):
+    with StepMeter(replayed, engine.state.host_buffers()) as meter:
         recorder = PhaseRecorder(meter, engine, compiled_on is not None)
         if engine.kept is not None:  # kept in place: the activations' figure, not working set
             engine.kept.on_keep = meter.disown
@@ -344,7 +341,7 @@ def _layer_recompute_flops(s, micro_batch, sequence, dtype, recompute, kernel) -
         return flops[0] - flops[1]
     x = torch.empty(micro_batch, sequence, s.hidden // s.tp2, dtype=dtype, device="meta")
     seeds = BlockSeeds(1, 2, 3) if s.dropout_prob else None
-    block = meta_block(s)
-    with attention_on_meta(kernel, block), StepMeter() as meter, torch.no_grad():
+    block = meta_block(s, kernel)
+    with StepMeter() as meter, torch.no_grad():
         block(x, seeds)
     return meter.flops

@@ -63,7 +63,6 @@ from execution.planning.micro_batch_limits import (
 from execution.planning.planner import choose, shortfall
 from execution.planning.run_shape import RunShape
 from execution.planning.time_model import COST_INDEX, PHASE_COSTS, waited_call_seconds
-from modelling.gpt import SWIGLU
 
 # (layers, micro-batches, passes) of the shrunk steps; the rows [1, L, P, PL, M, ML] are
 # linearly independent.
@@ -315,7 +314,7 @@ def tensor_parallel_floor(run: RunShape, spec: DeviceSpec) -> float:
     h, tp1, tp2 = m.hidden, mesh.tp1, mesh.tp2
     attention = m.attention_width  # h, unless an explicit head width makes it another
     qkv = attention + 2 * m.key_value_heads * m.head_dim
-    ffn_in = 2 * m.ffn if m.mlp_activation == SWIGLU else m.ffn
+    ffn_in = m.components.mlp.ROWS_PER_FEATURE * m.ffn
     layout = ParallelLayout.shapes_only(mesh.dp, tp1, tp2, cp=mesh.cp, pp=mesh.pp)
     tokens = run.micro_batch_size * run.sequence_length // mesh.cp
     itemsize = DTYPES[run.precision].itemsize

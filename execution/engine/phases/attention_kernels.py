@@ -23,24 +23,29 @@ cannot draw dropout in steps finer than 1/16 (GPT-3's 0.1 is not one), and a com
 runs it between graphs where there is dropout (the seeded one-op form is flash's and the
 memory-efficient kernel's); docs/measuring_speed.md has the rest.
 
-:class:`AttentionKernel` is the one object the choice is: whoever builds the attention modules
-pins it on them (today the engine, on its templates).
+:class:`AttentionKernel` is the one object the choice is: the engine builds its attention
+modules with it (a :class:`modelling.attention_kernel.SDPAKernel`), and nothing changes them
+after. It runs its kernel pinned, as one op of a compiled block's graph with dropout where that
+op is eager's (``dropout_op``, :func:`compiled_attention`), and on meta tensors as
+that kernel runs (``sdpa``: planning's, :meth:`AttentionKernel.on_meta`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from execution.engine.phases.recompute import SDPA_BACKENDS, attention_kernel
-from modelling.dropout import seeded_default_generator
-from modelling.layers import Attention
+from execution.engine.phases.compiled import attention_op_mismatch
+from execution.engine.phases.recompute import SDPA_BACKENDS, attention_kernel, kernel_attention
+from execution.engine.phases.seeded_attention import dropout_kernel, seeded_attention_op
+from modelling.dropout import Seed, seeded_attention, seeded_default_generator
 
 CUDA_KERNELS = tuple(SDPA_BACKENDS)  # flash, efficient, cudnn
 
@@ -55,20 +60,46 @@ class AttentionKernel:
         backend: The SDPA backend pinned (None: torch chooses, on a CPU).
         measured: Chosen by the calibration's timings (False: by the device and dtype).
         passed_over: (kernel, why) of each faster kernel whose check failed.
+        sdpa: What runs SDPA in its place (None: ``F.scaled_dot_product_attention``):
+            planning's op of the kernel on meta tensors (:meth:`on_meta`).
+        dropout_op: With dropout, what a compiled block (tensor seeds) calls as one op of its
+            graph in place of the seeded eager call, ``q, k, v, p, seed, first head ->
+            attention`` (:mod:`~execution.engine.phases.seeded_attention`); None: the graph
+            breaks at the eager call.
     """
 
     kernel: str
     backend: SDPBackend | None = None
     measured: bool = False
     passed_over: tuple[tuple[str, str], ...] = ()
+    sdpa: Callable[..., torch.Tensor] | None = field(default=None, compare=False)
+    dropout_op: Callable[..., torch.Tensor] | None = field(default=None, compare=False)
 
-    def pin(self, *modules: torch.nn.Module) -> None:
-        """Makes every :class:`~modelling.layers.Attention` among ``modules`` run this kernel
-        and no other."""
-        for module in modules:
-            for m in module.modules():
-                if isinstance(m, Attention):
-                    m.backend = self.backend
+    @classmethod
+    def on_meta(cls, kernel: str) -> AttentionKernel:
+        """``kernel`` as it runs on meta and fake tensors (where SDPA itself would take the
+        math path): its own op, whose outputs, saved tensors, FLOPs and bytes are the device
+        kernel's (:func:`~.recompute.kernel_attention`), given to this model's attention
+        alone: not another model, not ``F.scaled_dot_product_attention`` for every thread."""
+        return cls(kernel, sdpa=kernel_attention(kernel))
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, seed: Seed, first: int
+    ) -> torch.Tensor:
+        """Causal attention on this kernel alone (an :class:`~modelling.attention_kernel.
+        SDPAKernel`): with dropout ``p`` drawn from ``seed`` for heads ``first, ...``, one op
+        of a compiled block's graph where it has one, else the seeded eager call (outside any
+        context: where a compiled block's graph breaks there, Dynamo cannot break one inside a
+        context, it would break the caller's instead). The pin sets process-wide flags while
+        it runs: one thread at a time runs a step's attention."""
+        sdpa = self.sdpa or F.scaled_dot_product_attention
+        if p:
+            if self.dropout_op is not None and self.sdpa is None and isinstance(seed, torch.Tensor):
+                return self.dropout_op(q, k, v, p, seed, first)
+            return seeded_attention(q, k, v, p, seed, first, False, sdpa, self.backend)
+        pinned = contextlib.nullcontext() if self.backend is None else sdpa_kernel(self.backend)
+        with pinned:
+            return sdpa(q, k, v, is_causal=True)
 
     def record(self) -> dict:
         """What a results file keeps of it."""
@@ -104,20 +135,22 @@ def choose_attention(
     return AttentionKernel(default, SDPA_BACKENDS[default], False, tuple(passed_over))
 
 
-def engine_attention(plan, block, layout, dtype: torch.dtype) -> AttentionKernel:
+def engine_attention(plan, shapes, layout, dtype: torch.dtype, compiled: bool) -> AttentionKernel:
     """The kernel an engine's attention runs (:func:`choose_attention`), from its plan's
     ranking; checked at one call of its own: a micro-batch's whole sequences over this rank's
-    heads of ``block`` (a context-parallel rank's share of them). ``layout``'s main rank
-    says what it passed over and, where timings chose, what runs."""
-    attention, device = block.attn, layout.device
-    heads = max(1, attention.local_heads // layout.cp.size)
+    heads of the model's ``shapes`` (a tensor-parallel shard's; a context-parallel rank's
+    share of them). ``layout``'s main rank says what it passed over and, where timings chose,
+    what runs; ``compiled`` (blocks compiled), why attention's dropout runs between graphs
+    where it does (:func:`compiled_attention`)."""
+    device = layout.device
+    heads = max(1, shapes.heads // shapes.tp1 // layout.cp.size)
     dropout = plan.model.dropout_prob
     check = functools.partial(
         kernel_mismatch,
         device,
         dtype,
         heads,
-        attention.head_dim,
+        shapes.head_dim,
         plan.sequence_length,
         dropout=dropout,
     )
@@ -126,7 +159,32 @@ def engine_attention(plan, block, layout, dtype: torch.dtype) -> AttentionKernel
     chosen = choose_attention(device.type, dtype, dropout, ranked, check, say)
     if ranked and device.type == "cuda":
         say(f"attention: {chosen.describe()}")
+    if compiled:
+        chosen, reason = compiled_attention(chosen, shapes, device, dtype)
+        if reason is not None:
+            say(f"--compile: attention's dropout runs between graphs ({reason})")
     return chosen
+
+
+def compiled_attention(
+    attention: AttentionKernel, shapes, device: torch.device, dtype: torch.dtype
+) -> tuple[AttentionKernel, str | None]:
+    """``attention`` for compiled blocks of ``shapes`` (this rank's shard): with dropout, run
+    as one op of the block's graph where that op gives eager's numbers on ``device`` in
+    ``dtype``; where it does not, its call breaks the graph as before, and the reason is
+    returned (else None). Chosen before the blocks are built, which take it."""
+    if not shapes.dropout_prob or shapes.dropout_parity:
+        return attention, None
+    heads = shapes.heads // shapes.tp1
+    kernel = dropout_kernel(device.type, attention.backend, shapes.head_dim)
+    if kernel is None:
+        return attention, None
+    on_gpu = device.type == "cuda"  # the CPU's compiled op is the tests'
+    reason = attention_op_mismatch(device, dtype, heads, shapes.head_dim, kernel, compiled=on_gpu)
+    if reason is not None:
+        return attention, reason
+    op = functools.partial(seeded_attention_op, kernel=kernel)
+    return dataclasses.replace(attention, dropout_op=op), None
 
 
 # A kernel's output and gradients may be at most this many times as far from float64's as

@@ -45,10 +45,9 @@ from torch import nn
 from torch.nn.attention import sdpa_kernel
 
 from execution.engine.phases.recompute import SDPA_BACKENDS
-from execution.engine.phases.seeded_attention import dropout_kernel, seeded_attention_op
+from execution.engine.phases.seeded_attention import seeded_attention_op
 from modelling.dropout import fused_attention_with_dropout, mix_seed
 from modelling.gpt import HEAD, LAYERS
-from modelling.layers import Attention
 from utils.torch_private import dynamo_counters, forget_compiled
 
 # Options of the inductor compile of every part: random ops keep eager's generator.
@@ -79,27 +78,11 @@ def _probe(x: torch.Tensor) -> torch.Tensor:
 COMPILED_PARTS = (LAYERS, HEAD)  # not the embedding (module docstring)
 
 
-def compile_parts(
-    templates: dict[str, nn.Module], device: torch.device, dtype: torch.dtype
-) -> str | None:
+def compile_parts(templates: dict[str, nn.Module]) -> None:
     """Compiles the templates of :data:`COMPILED_PARTS` in place: calls (and
-    ``functional_call``) run their graphs. Attention with dropout runs as one op of the
-    block's graph where that op gives eager's numbers on ``device`` in ``dtype``; where it
-    does not, its call breaks the graph as before, and the reason is returned (else None)."""
-    reason = None
-    for m in templates[LAYERS].modules():
-        if isinstance(m, Attention) and m.dropout_prob and not m.dropout_parity:
-            kernel = dropout_kernel(device.type, m.backend, m.head_dim)
-            if kernel is not None:
-                on_gpu = device.type == "cuda"  # the CPU's compiled op is the tests'
-                reason = attention_op_mismatch(
-                    device, dtype, m.local_heads, m.head_dim, kernel, compiled=on_gpu
-                )
-            if kernel is not None and reason is None:
-                m.dropout_op = functools.partial(seeded_attention_op, kernel=kernel)
+    ``functional_call``) run their graphs."""
     for part in COMPILED_PARTS:
         templates[part].compile(options=INDUCTOR_OPTIONS)
-    return reason
 
 
 # The seeded attention op against eager's call: its output must be eager's bit for bit (the

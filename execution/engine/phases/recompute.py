@@ -28,23 +28,23 @@ and the planner plans with it.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
 from execution.engine.phases.binding import WeightSlots
-from execution.engine.phases.selective import prepare_block
+from execution.engine.phases.selective import attention_for
 from execution.engine.storage.buffers import FlatSpec, flat_specs
 from execution.parallel.mesh import ParallelLayout
 from execution.parallel.sharding import SHARD_KINDS
+from modelling.attention_kernel import TorchSDPA
+from modelling.components import Components
 from modelling.dropout import BlockSeeds
 from modelling.gpt import GPT, LAYERS, GPTShapes
-from modelling.layers import Attention
 from utils.torch_private import is_fake, sdpa_kernel_ops, storage_id
 
 MODES = ("full", "selective", "none")
@@ -99,32 +99,6 @@ def kernel_attention(kernel: str) -> Callable[..., torch.Tensor] | None:
         return op(q, k, v, dropout_p, is_causal)[0]
 
     return attention
-
-
-@contextlib.contextmanager
-def attention_on_meta(kernel: str, *modules: torch.nn.Module) -> Iterator[None]:
-    """Runs the attention of ``modules`` on meta tensors as ``kernel`` would
-    (:func:`kernel_attention`).
-
-    Each :class:`~modelling.layers.Attention` among them is given the kernel's op for the
-    block (its ``sdpa``), so nothing else in the process sees it: not another model, and not
-    ``F.scaled_dot_product_attention`` (which a patch would change for every thread). Being
-    the module's, it holds on the threads autograd runs a meta backward, and a selective
-    recompute inside it, on.
-    """
-    attention = kernel_attention(kernel)
-    attentions = [m for module in modules for m in module.modules() if isinstance(m, Attention)]
-    if attention is None:
-        yield
-        return
-    before = [m.sdpa for m in attentions]
-    for m in attentions:
-        m.sdpa = attention
-    try:
-        yield
-    finally:
-        for m, sdpa in zip(attentions, before, strict=True):
-            m.sdpa = sdpa
 
 
 class _Bind(torch.autograd.Function):
@@ -258,7 +232,8 @@ class KeptLayers:
     ``selective``).
 
     Args:
-        block: The stateless decoder-block template (prepared by :func:`prepare_block`).
+        block: The stateless decoder-block template (built for the mode,
+            :func:`~.selective.attention_for`).
         specs: How each kind's weights pack into a layer's gathered vectors.
         entries: ``kept`` activation buffer, ``[layers, entries, bytes]`` of uint8.
         store: Copies a tensor into a region of ``entries`` (counting host-link bytes).
@@ -357,12 +332,18 @@ class KeptLayers:
         self._graphs.clear()
 
 
-def meta_block(shapes: GPTShapes) -> torch.nn.Module:
+def meta_block(shapes: GPTShapes, kernel: str = "math", mode: str = "full") -> torch.nn.Module:
     """A decoder block of this shard's shapes on meta tensors, its collectives only shaping
-    their outputs."""
+    their outputs, its attention running as ``kernel`` would (:func:`kernel_attention`) and
+    recomputing what ``mode`` recomputes (:func:`~.selective.attention_for`)."""
     layout = ParallelLayout.shapes_only(1, shapes.tp1, shapes.tp2)
+    sdpa = kernel_attention(kernel) or F.scaled_dot_product_attention
+    components = Components.of(shapes, TorchSDPA(sdpa=sdpa), attention_for(mode))
     with torch.device(META):
-        return GPT(dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2).layers[0]
+        model = GPT(
+            dataclasses.replace(shapes, layers=1), layout.tp1, layout.tp2, components=components
+        )
+    return model.layers[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -404,8 +385,7 @@ def kept_layer_on_meta(
     through the engine's packing, and its backward, on meta tensors with attention running
     as ``kernel`` (:func:`attention_kernel`); returns the bytes kept, stored, loaded and held
     in place."""
-    block = meta_block(shapes)
-    prepare_block(block, mode)
+    block = meta_block(shapes, kernel, mode)
     specs = flat_specs(shapes, dict.fromkeys(SHARD_KINDS, 1))[LAYERS]
     flats = {k: torch.empty(s.padded, dtype=dtype, device=META) for k, s in specs.items()}
     x = torch.empty(micro_batch, sequence, shapes.hidden // shapes.tp2, dtype=dtype, device=META)
@@ -424,8 +404,7 @@ def kept_layer_on_meta(
         return packed[1]
 
     sinks = collections.defaultdict(lambda: lambda grad: None)
-    with attention_on_meta(kernel, block):
-        views = {n: v for k, flat in flats.items() for n, v in specs[k].views(flat).items()}
-        _, handle = _bound_forward(WeightSlots(block), views, x, seeds, packer, unpack, sinks)
-        torch.autograd.backward(handle, torch.empty_like(x))
+    views = {n: v for k, flat in flats.items() for n, v in specs[k].views(flat).items()}
+    _, handle = _bound_forward(WeightSlots(block), views, x, seeds, packer, unpack, sinks)
+    torch.autograd.backward(handle, torch.empty_like(x))
     return KeptBytes(packer.used, packer.copied, loaded, packer.held)

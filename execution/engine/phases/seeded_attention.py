@@ -17,10 +17,11 @@ the backward; the math path's backward is written out from the dropped probabili
 forward returned and the probabilities recomputed. So the output is eager's bit for bit, and
 the gradients are eager's up to the rounding of the written-out backward.
 
-The engine hands each attention module this op (its ``dropout_op``) when it compiles, once
-:func:`~execution.engine.phases.compiled.attention_op_mismatch` found it gives eager's numbers
-on the device: which kernel runs, and whether the op is eager's there, is the device's
-business, not the model's. Where SDPA would choose the kernel itself (CUDA without a pin)
+The engine gives its attention kernel this op (``AttentionKernel.dropout_op``) before it
+builds compiled blocks with it, once
+:func:`~execution.engine.phases.compiled.attention_op_mismatch` found it gives eager's
+numbers on the device: which kernel runs, and whether the op is eager's there, is the
+device's business, not the model's. Where SDPA would choose the kernel itself (CUDA without a pin)
 there is no op (:func:`dropout_kernel` is None), and the graph breaks as before.
 """
 

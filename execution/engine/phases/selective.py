@@ -7,12 +7,15 @@ backward runs the core again under autograd on them and backpropagates through t
 (Korthikanti et al. 2022). The core seeds its own dropout, so the second run draws the first
 run's masks. :class:`_RecomputedCore` does what ``torch.utils.checkpoint`` did here, without
 its machinery on the host (a frame, hooks and tree walks for each call: two thirds of a layer
-backward's host time at a small width).
+backward's host time at a small width). The block is built with :class:`RecomputedAttention`
+(:func:`attention_for`), the same parameters under the same names: nothing is patched after.
 """
 
 from __future__ import annotations
 
 import torch
+
+from modelling.layers import Attention
 
 
 class _RecomputedCore(torch.autograd.Function):
@@ -39,19 +42,20 @@ class _RecomputedCore(torch.autograd.Function):
         return None, None, *(next(grads) if t.requires_grad else None for t in inputs)
 
 
-def prepare_block(block: torch.nn.Module, mode: str) -> None:
-    """Makes a decoder block's attention core recompute in its backward (``selective``); only
-    where autograd records, so a forward without grad runs it plainly."""
-    if mode != "selective":
-        return
-    core = block.attn.core
+class RecomputedAttention(Attention):
+    """Attention whose core recomputes in its backward (``selective``); only where autograd
+    records, so a forward without grad runs it plainly. Built as the block's attention
+    (:func:`attention_for`), the same parameters under the same names."""
 
     # Outside a compiled block's graph (--compile): inductor would save and restore the
     # generator's state around the recompute itself, on tensors the kept entry packs.
     @torch.compiler.disable(reason="selective recompute runs attention's core eagerly")
-    def recomputed(q, k, v, seeds):
+    def core(self, q, k, v, seeds):
         if not torch.is_grad_enabled():
-            return core(q, k, v, seeds)
-        return _RecomputedCore.apply(core, seeds, q, k, v)
+            return super().core(q, k, v, seeds)
+        return _RecomputedCore.apply(super().core, seeds, q, k, v)
 
-    block.attn.core = recomputed
+
+def attention_for(mode: str) -> type[Attention]:
+    """The attention a decoder block is built with under ``--recompute mode``."""
+    return RecomputedAttention if mode == "selective" else Attention
