@@ -413,11 +413,12 @@ def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_pa
     rest, _ = run.communicate(timeout=120)
     assert run.returncode == 128 + stop, rest
     # By the line's start: the test's own folder (test_an_interrupted_...) is in other lines.
-    (last,) = [line for line in rest.splitlines() if line.startswith("run_pretraining.py: ")]
+    said = [line for line in rest.splitlines() if line.startswith("run_pretraining.py: ")]
+    assert len(said) == 1, rest  # on a miss, what the run printed instead
     match = re.fullmatch(
         r"run_pretraining.py: interrupted at step (\d+); the last complete checkpoint is step "
         r"(\d+) \((.*)\); resume with the same flags and --load (.*)",
-        last,
+        said[0],
     )
     assert match, rest
     assert "Traceback" not in rest
