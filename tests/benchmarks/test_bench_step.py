@@ -15,7 +15,7 @@ import torch
 from benchmarks import bench_step
 from tests.entry_points import assert_refused, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 SMALL = shlex.split(
     "--hidden_size 32 --sequence_length 32 --max_positional_length 32 "
@@ -37,7 +37,7 @@ NOTHING_RECORDED = {
 def test_compare_on_cpu_has_every_row_and_the_baseline_agrees_with_us(tmp_path):
     out = tmp_path / "rows.json"
     # In one process, to keep the test short; test_an_out_of_memory_row_is_its_result and
-    # tests/test_gpu_first_run.py run rows in processes of their own.
+    # tests/benchmarks/test_gpu_first_run.py run rows in processes of their own.
     run = "--config tiny --warmup 1 --steps 1 --compare --in_process --adamw_elements 300000"
     command = [sys.executable, "-m", "benchmarks.bench_step", *shlex.split(run), "--json", str(out)]
     result = subprocess.run(

@@ -26,7 +26,7 @@ from benchmarks import (
 from execution.planning.device_specs import SPECS, read_spec_file
 from tests.entry_points import assert_refused, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 CPU_CHECKS = [
     "remote vs resident (bf16)",

@@ -17,7 +17,7 @@ from execution.parallel.mesh import ParallelLayout
 from execution.planning.planner import plan_for_process
 from execution.planning.run_shape import RunShape
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _x(cat: str, name: str, ts: float, dur: float, tid: int = 1, **args) -> dict:

@@ -35,7 +35,7 @@ from tests.distributed import (
 )
 from tests.entry_points import run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # A small model on the shipped sample data (GPT-2 vocabulary), with dropout.
 RUN_FLAGS = shlex.split(
     "--config tiny --layers 1 --hidden_size 32 --heads 2 --sequence_length 16 "

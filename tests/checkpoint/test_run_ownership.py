@@ -31,8 +31,8 @@ from execution.checkpoint.files import resolve, verify
 from execution.checkpoint.ownership import claim_folder, claim_new_folder, new_run_id
 from execution.training.entry import run_entry_point
 from execution.training.loop import raised_by_a_stop
+from tests.checkpoint.test_checkpoint import RUN_FLAGS, entry_point
 from tests.entry_points import ROOT, assert_refused, run_script
-from tests.test_checkpoint import RUN_FLAGS, entry_point
 
 
 def _snapshot(folder: Path) -> dict[str, str]:

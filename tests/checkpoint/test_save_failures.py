@@ -32,6 +32,7 @@ from execution.checkpoint.load import load_checkpoint
 from execution.checkpoint.logical import full_state
 from execution.checkpoint.save import Checkpointer
 from execution.parallel.mesh import ParallelLayout
+from tests.checkpoint.test_checkpoint import RUN_FLAGS, entry_point, losses
 from tests.distributed import (
     CPU,
     engine_batch,
@@ -42,7 +43,6 @@ from tests.distributed import (
     small_config,
     world_layout,
 )
-from tests.test_checkpoint import RUN_FLAGS, entry_point, losses
 
 STEPS = 5
 STATES = ("weights", "exp_avg", "exp_avg_sq")

@@ -17,7 +17,7 @@ from data.errors import DataError
 from execution.training import entry
 from tests.library_files import library_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Ending a process with status 2 by hand: what only config/command_line.py may do.
 EXIT_2 = re.compile(r"\bexit\(2\)|SystemExit\(2\)|^\s*return 2$", re.M)
 
@@ -74,7 +74,7 @@ def test_a_rank_that_leaves_the_line_to_rank_0_says_nothing(capsys):
 def test_a_benchmark_runs_as_a_module_from_the_checkout_and_not_as_a_file():
     """``python -m benchmarks.NAME`` finds the library; ``python benchmarks/NAME.py`` would
     put benchmarks/ first on the path instead, where the library is not: the docs show the
-    first (tests/test_docs_commands.py)."""
+    first (tests/house/test_docs_commands.py)."""
     module = [sys.executable, "-m", "benchmarks.gpu_table", "--results", "/nonexistent"]
     done = subprocess.run(module, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr

@@ -11,7 +11,7 @@ import numpy as np
 
 from data.tfrecord_io import TFRecordWriter
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def numbered_record(number: int, record_length: int) -> np.ndarray:

@@ -15,7 +15,7 @@ from config.loading import parse_config
 from data.blend import BlendedDataLoader, Interleave, parse_blend
 from data.loader import DataError, PretrainingDataLoader, validation_source
 from data.tfrecord_io import TFRecordWriter
-from tests.data_sets import numbered_record, write_numbered_shards
+from tests.data.data_sets import numbered_record, write_numbered_shards
 
 SEQ = 4
 LENGTH = SEQ + 1

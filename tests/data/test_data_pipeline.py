@@ -14,7 +14,7 @@ import pytest
 
 from data.loader import PretrainingDataLoader
 from data.tfrecord_io import index_path_for
-from tests.data_sets import run_data_script
+from tests.data.data_sets import run_data_script
 from tests.entry_points import run_script
 
 # (title, wikitext, the clean text wikipedia_preprocess.py must produce from it)

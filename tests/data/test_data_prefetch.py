@@ -17,7 +17,7 @@ import torch
 from data.errors import DataError
 from data.loader import SAMPLE_DATA_GLOB, PretrainingDataLoader
 from data.prefetch import PrefetchingLoader
-from tests.data_sets import REPO_ROOT, write_numbered_shards
+from tests.data.data_sets import REPO_ROOT, write_numbered_shards
 
 SEQ = 8
 LENGTH = 2 * SEQ + 1  # two windows per record

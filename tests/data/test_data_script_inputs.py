@@ -14,7 +14,7 @@ import pytest
 
 from tests.entry_points import run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "data" / "sample"
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from data.write_into_tfrecord import main as write_main
-from tests.corpus_files import DOCUMENTS, write_every_format, write_megatron
+from tests.data.corpus_files import DOCUMENTS, write_every_format, write_megatron
 from tests.entry_points import run_script
 
 SEQ = 16

@@ -18,9 +18,9 @@ from data.tfrecord_io import (
     read_record,
     scan_records,
 )
-from tests.data_sets import run_data_script
+from tests.data.data_sets import run_data_script
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 # The ids in tests/fixtures/tiny.tfrecord, written by the independent `tfrecord` package.
 FIXTURE_RECORDS = [
     [15496, 995, 50256, 0, 1, 127, 128, 16383, 16384, 2097151],

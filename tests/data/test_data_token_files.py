@@ -17,7 +17,7 @@ import torch
 from data.loader import DataError, PretrainingDataLoader, validation_batches
 from data.tfrecord_io import TFRecordWriter
 from data.write_into_tfrecord import main as write_main
-from tests.corpus_files import write_every_format, write_megatron
+from tests.data.corpus_files import write_every_format, write_megatron
 
 SEQ, GBS, MBS, VOCAB = 8, 12, 1, 50257
 # Documents of uneven lengths; ids numbered through the stream so each window is unique.

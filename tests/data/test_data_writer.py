@@ -18,7 +18,7 @@ from data.tfrecord_io import decode_example, index_path_for, read_record, scan_r
 from data.tokenizer import TokenizerSpec, load_tokenizer
 from data.write_into_tfrecord import WindowCutter
 from data.write_into_tfrecord import main as write_main
-from tests.data_sets import run_data_script
+from tests.data.data_sets import run_data_script
 
 DOCUMENTS = [
     "Hello world",
@@ -229,7 +229,7 @@ def test_lengthened_records_continue_the_same_token_stream(tmp_path):
     the long-context presets) hold that stream's first tokens, in order."""
     from data.lengthen_records import lengthen, token_stream
 
-    sample = Path(__file__).resolve().parents[1] / "data" / "sample"
+    sample = Path(__file__).resolve().parents[2] / "data" / "sample"
     assert lengthen(sample, tmp_path / "same", 2048, num_shards=4) == 67
     for i in range(4):
         name = f"data_{i:04d}.tfrecord"

@@ -1,5 +1,5 @@
-"""A plain single-process RigL, the reference the engine's RigL is held to (tests/test_rigl.py,
-tests/test_llama_variants.py).
+"""A plain single-process RigL, the reference the engine's RigL is held to (tests/engine/test_rigl.py,
+tests/modelling/test_llama_variants.py).
 
 It runs on the dense autograd GPT of ``tests.reference`` with ``torch.optim.AdamW``: masks as
 bool tensors beside the parameters, the gradient masked before clipping and the update, the

@@ -1,5 +1,5 @@
 """RigL: the engine's masks and weights against a plain single-process RigL
-(``tests.rigl_reference``), at 1 process and on layouts, with the Llama variants' matrices,
+(``tests.engine.rigl_reference``), at 1 process and on layouts, with the Llama variants' matrices,
 plus the pieces underneath (ERK, the collective selection, the flags).
 """
 
@@ -42,9 +42,7 @@ from tests.distributed import (
     train_steps,
     world_layout,
 )
-from tests.entry_points import run_script
-from tests.reference import LLAMA_VARIANTS
-from tests.rigl_reference import (
+from tests.engine.rigl_reference import (
     RIGL,
     STEPS,
     assert_matches,
@@ -52,9 +50,11 @@ from tests.rigl_reference import (
     expected,
     reference_rigl_masks_at_start,
 )
+from tests.entry_points import run_script
+from tests.reference import LLAMA_VARIANTS
 from utils.plot import plot_losses
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # ------------------------------------------------------------------ engine against reference
 
 

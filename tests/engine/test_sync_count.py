@@ -1,4 +1,4 @@
-"""Host-device syncs per training step, counted by the GPU's rules (tests/sync_count.py): none
+"""Host-device syncs per training step, counted by the GPU's rules (tests/engine/sync_count.py): none
 inside the phase loop, and as many per step whatever the micro-batches and passes."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from execution.engine.engine import StepHooks
 from execution.engine.phases.bodies import BODIES
 from execution.parallel.mesh import ParallelLayout
 from tests.distributed import CPU, global_batches, planned_engine, replica_batch
+from tests.engine.sync_count import SyncCounter
 from tests.reference import small_config
-from tests.sync_count import SyncCounter
 
 PLACEMENTS = {
     "resident": ["--placement", "resident"],

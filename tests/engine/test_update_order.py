@@ -5,7 +5,7 @@ The reference for the order is the engine itself: the (part, row) of each weight
 step makes (``StateStore.load_weight_vectors``, which every load and prefetched load goes
 through), in the order of each one's first load. A pipeline's last stage loads its layers
 before the head and the word embedding tied to it; a Llama head is a part of its own. The
-numbers of the overlapped update against the serial one are tests/test_overlapped_update.py's.
+numbers of the overlapped update against the serial one are tests/engine/test_overlapped_update.py's.
 """
 
 from __future__ import annotations

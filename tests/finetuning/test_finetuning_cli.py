@@ -14,7 +14,7 @@ from data.errors import DataError
 from tasks.specs import SQUAD, evaluation_files, parse_finetuning_config, training_files
 from tests.entry_points import assert_refused, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = shlex.split(
     "--config tiny --layers 1 --hidden_size 32 --heads 2 --global_batch_size 4 "
     "--micro_batch_size 2 --steps 1 --device cpu"

@@ -16,7 +16,7 @@ from data.squad import SquadAnswer, SquadExample, no_answer_index, read_squad, s
 from data.squad_answers import best_answers, normalize_answer, squad_scores
 from data.tokenizer import GPT2_EOT_ID, TokenizerSpec, load_tokenizer
 
-SAMPLES = Path(__file__).resolve().parents[1] / "data" / "sample"
+SAMPLES = Path(__file__).resolve().parents[2] / "data" / "sample"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from modelling.variants import RMSNorm
 from tasks.specs import TASKS, parse_finetuning_config
 from tests.library_files import library_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_the_task_choices_are_the_specs():

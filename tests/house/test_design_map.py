@@ -14,7 +14,7 @@ import pytest
 
 from tests.library_files import committed_python_files, known_python_files, library_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _layout_rows() -> dict[str, str]:

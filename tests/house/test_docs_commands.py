@@ -35,7 +35,7 @@ from config.errors import ConfigError
 from config.loading import parse_config
 from tasks.specs import parse_finetuning_config
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Programs whose commands are not ours to check (installers, launchers' set-up, shell scripts).
 FOREIGN = ("pip", "export", "data/wikipedia_download.sh", "data/wikipedia_extract.sh")

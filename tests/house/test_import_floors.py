@@ -12,7 +12,7 @@ import pytest
 
 from tests.library_files import library_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _floors() -> list[list[str]]:

@@ -21,7 +21,7 @@ from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.library_files import library_files
 from tests.reference import small_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MODELLING = ROOT / "modelling"
 OWN = ("self", "cls", "ctx")  # what code sets on its own objects
 # The plain PyTorch loop a step is compared against: it checkpoints its layers the way

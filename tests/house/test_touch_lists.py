@@ -13,7 +13,7 @@ import pytest
 
 from tests.library_files import library_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "design.md"
 
 # The section of design.md, and what a file names when it takes part in it (a word of its

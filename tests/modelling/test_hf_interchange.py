@@ -23,7 +23,7 @@ from tests.entry_points import run_script
 from tests.reference import relative_error
 
 transformers = pytest.importorskip("transformers")
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 
 

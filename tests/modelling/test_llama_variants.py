@@ -1,5 +1,5 @@
 """The Llama family's variants on the GPT-3 engine: their parameters, their shards and the
-presets (issue 40 item 1). Numerics against HuggingFace are tests/test_hf_llama.py's."""
+presets (issue 40 item 1). Numerics against HuggingFace are tests/modelling/test_hf_llama.py's."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from tests.entry_points import run_script
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = ["--data_parallel", "2", "--tensor_parallel_1", "1", "--tensor_parallel_2", "2"]
 
 # The (rank, world size, local rank) variables each launcher sets (README, "Running on several

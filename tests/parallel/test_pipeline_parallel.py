@@ -33,7 +33,7 @@ from tests.distributed import (
     with_execution,
     world_layout,
 )
-from tests.nccl_order import OrderError, P2POp, check_pairing, recording
+from tests.parallel.nccl_order import OrderError, P2POp, check_pairing, recording
 
 pytestmark = pytest.mark.distributed
 

@@ -24,7 +24,7 @@ from execution.planning.run_shape import RunShape
 from tests.entry_points import run_script
 from utils.sample_clock import timed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

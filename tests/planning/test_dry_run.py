@@ -40,7 +40,7 @@ from tests.distributed import small_config as distributed_config
 from tests.entry_points import run_script
 from tests.reference import LLAMA_VARIANTS, small_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def entry_point(*flags: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -76,7 +76,7 @@ def test_the_mfu_ceiling_is_the_faster_of_matmuls_and_attention_on_the_models_co
 def test_the_link_floor_is_at_most_what_the_engine_copies():
     """For every placement the floor (weights once a pass in 16 bits, gradients once, x once
     per micro-batch and layer boundary) stays at or below the planner's exact count of what the
-    engine copies (``plan.traffic``, which tests/test_planner.py holds to the engine's own
+    engine copies (``plan.traffic``, which tests/planning/test_planner.py holds to the engine's own
     counters), and is 0 only with every state on the device."""
     flags = "--global_batch_size 6 --micro_batch_size 2 --layers 3 --precision bfloat16"
     floors = {}

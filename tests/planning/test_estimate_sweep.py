@@ -24,7 +24,7 @@ Against hand bounds, independent of the checks in the code: no figure below 0; t
 least its compute; MFU at most 0.7 (the H100 data sheet's matmul efficiency, above its
 attention kernel's 0.25 of the peak, 0.5 on MFU's count of the whole [S, S] square); and the
 host link carrying exactly what the planner counts for the placement (``plan.traffic``, which
-tests/test_planner.py holds to the engine's counters).
+tests/planning/test_planner.py holds to the engine's counters).
 
 Before issue 50's fix the dropout-free compiled runs priced attention as its unfused math
 composite and came out at MFU up to 723% (gpt3_6.7B_32k) with negative memory-bound seconds.

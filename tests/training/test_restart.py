@@ -27,14 +27,14 @@ import pytest
 
 import run_pretraining
 from execution.training.entry import run_entry_point
+from tests.checkpoint.test_checkpoint import RUN_FLAGS
 from tests.distributed import HOST, host_store, published_port, run_ranks
 from tests.entry_points import run_script
 from tests.rank_faults import Fault, install
-from tests.test_checkpoint import RUN_FLAGS
 
 pytestmark = pytest.mark.distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TWO_RANKS = [*RUN_FLAGS, "--data_parallel", "2"]
 
 

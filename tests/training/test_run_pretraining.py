@@ -11,7 +11,7 @@ import pytest
 
 from tests.entry_points import run_script
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 METRIC_KEYS = {
     "step",
     "loss",

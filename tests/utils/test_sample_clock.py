@@ -16,7 +16,7 @@ import pytest
 from utils import sample_clock
 from utils.sample_clock import Sample, doubtful_timings, load_warning, summarise
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 HAS_SCHEDSTAT = Path("/proc/thread-self/schedstat").exists()
 
