@@ -2,7 +2,7 @@
 
 Both train the single-device :class:`modelling.gpt.GPT` from our engine's initial weights, on
 the same batches, with the same AdamW hyper-parameters, weight-decay groups, clipping and
-learning-rate schedule, so their losses can be compared with ours (tests/test_bench_step.py).
+learning-rate schedule, so their losses can be compared with ours (tests/benchmarks/test_bench_step.py).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ whole layer, that row is measured at the largest hidden size that fits and says 
 instead times drawing a preset's whole model for one device (``init_full_part`` of the
 embedding, the first ``--model_layers`` decoder layers and the head, each dropped before the
 next) with each number of tile-drawing threads, and extrapolates to every layer. Every worker
-count draws the same numbers (tests/test_weight_drawing.py); "peak extra" minus "largest part"
+count draws the same numbers (tests/modelling/test_weight_drawing.py); "peak extra" minus "largest part"
 is what the drawing held beyond its result: about one tile per worker.
 """
 

@@ -1,7 +1,7 @@
 """Which model flags saved weights fix, and which are free to change when a run starts from them.
 
 Every field of :class:`~config.schema_model.ModelConfig` is classified once, in
-:data:`MODEL_FIELDS`; tests/test_starting_weights.py fails on a field that is not. A field is
+:data:`MODEL_FIELDS`; tests/training/test_starting_weights.py fails on a field that is not. A field is
 *fixed* when the same weights give another model under another value: other tensor shapes
 (``hidden_size``), or the same shapes read another way (``heads`` cuts the same q, k and v rows
 into other heads; ``rope_theta`` rotates them at other frequencies). A fixed field given another

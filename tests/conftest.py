@@ -50,22 +50,25 @@ def one_torch_thread():
 # The modules whose tolerances rest on float32 arithmetic against an independent reference:
 # CI runs their fast tests again under other CPU kernels (ATEN_CPU_CAPABILITY,
 # MKL_ENABLE_INSTRUCTIONS), so a tolerance that holds on one instruction set only fails there.
+# Each by its path under tests/ (its wing's folder and its name).
 NUMERICS = frozenset(
     {
-        "test_attention_dropout.py",
-        "test_finetuning_parity.py",
-        "test_hf_llama31.py",
-        "test_hf_parity.py",
-        "test_host_adamw_threads.py",
-        "test_initialisation.py",
-        "test_late_streams.py",
-        "test_optimizer_and_metrics.py",
-        "test_optimizer_threaded.py",
-        "test_overlap.py",
-        "test_passes_and_placement.py",
-        "test_phased_equivalence.py",
-        "test_recompute.py",
-        "test_weight_drawing.py",
+        "engine/test_attention_dropout.py",
+        "engine/test_host_adamw_threads.py",
+        "engine/test_late_streams.py",
+        "engine/test_optimizer_and_metrics.py",
+        "engine/test_optimizer_threaded.py",
+        "engine/test_passes_and_placement.py",
+        "engine/test_phased_equivalence.py",
+        "engine/test_phases.py",
+        "engine/test_recompute.py",
+        "engine/test_update.py",
+        "finetuning/test_finetuning_parity.py",
+        "modelling/test_hf_llama31.py",
+        "modelling/test_hf_parity.py",
+        "modelling/test_initialisation.py",
+        "modelling/test_weight_drawing.py",
+        "parallel/test_overlap.py",
     }
 )
 
@@ -75,7 +78,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.slow)
-        if item.path.name in NUMERICS:
+        if "/".join(item.path.parts[-2:]) in NUMERICS:
             item.add_marker(pytest.mark.numerics)
 
 
@@ -84,8 +87,9 @@ def quick_first_run(tmp_path_factory) -> tuple[object, dict, Path]:
     """``benchmarks/gpu_first_run.py --device cpu --quick`` run once, as a new process with
     the packages the lent GPU machines lack blocked (``tests/fixtures/blocked_imports`` first
     on its PYTHONPATH, which its stages inherit): its result, its report and its calibration's
-    spec file, which is ``calibrate.py --quick``'s output (``tests/test_gpu_first_run.py``
-    checks the run, ``tests/test_calibrate.py`` the calibration and estimates on it)."""
+    spec file, which is ``calibrate.py --quick``'s output
+    (``tests/benchmarks/test_gpu_first_run.py`` checks the run,
+    ``tests/planning/test_calibrate.py`` the calibration and estimates on it)."""
     import subprocess
     import sys
 

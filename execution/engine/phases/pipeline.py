@@ -35,7 +35,7 @@ class Link:
     that pass's send. NCCL ignores tags and pairs a group's ops between two ranks in issue
     order, so x and dx travel on a group each (:class:`GroupAxis` ``upward_group`` and
     ``downward_group``): per group and pair of stages, one sends and the other receives, pass
-    after pass in the same order (``tests/nccl_order.py`` checks every pipeline test by that
+    after pass in the same order (``tests/parallel/nccl_order.py`` checks every pipeline test by that
     rule).
     """
 

@@ -195,7 +195,7 @@ def update_stream(device: torch.device):
 @contextlib.contextmanager
 def late_side_streams(late: bool = True) -> Iterator[None]:
     """Engines built inside (on this thread) get late side streams where ``late``: the checks
-    of the engine's stream order (tests/test_late_streams.py, benchmarks/gpu_check.py); never
+    of the engine's stream order (tests/engine/test_late_streams.py, benchmarks/gpu_check.py); never
     training."""
     token = _LATE.set(late)
     try:
