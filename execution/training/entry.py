@@ -6,6 +6,7 @@ rank is one line from each rank (its own view of it) and exit 1; a run whose las
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -83,7 +84,12 @@ def run_entry_point(main: Callable[..., None], program: str) -> None:
             raise
         if launcher_rank() == 0:  # every rank of a job gets the signal
             line = str(err) if isinstance(err, Interrupted) else ""
-            print(f"{program}: {line or 'interrupted'}", file=sys.stderr)
+            # On a line of its own: the stop can land inside a print, between its text and
+            # the newline (a run's output once read "...saving step 4 to <folder>run_..."),
+            # and a terminal has echoed "^C" with none.
+            with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing to show
+                sys.stdout.flush()
+            print(f"\n{program}: {line or 'interrupted'}", file=sys.stderr, flush=True)
         sys.exit(128 + stopped_by.get("signal", signal.SIGINT))
     finally:
         # Hands back the handlers from before the run (a stop at exit then ends the process

@@ -20,6 +20,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -374,7 +375,35 @@ def test_an_error_raised_over_a_stop_still_ends_as_the_stop():
         for stop, handler in before.items():
             signal.signal(stop, handler)
     assert end.value.code == 128 + signal.SIGTERM
-    assert said.getvalue() == "run_pretraining.py: interrupted\n"
+    assert said.getvalue() == "\nrun_pretraining.py: interrupted\n"
+
+
+def test_a_stop_inside_a_print_still_says_its_line_on_a_line_of_its_own():
+    """A stop can land between a print's text and its newline (a run under load once printed
+    "checkpoint: saving step 4 to <folder>run_pretraining.py: interrupted at step 4; ..."): the
+    stop's line starts a line of its own, after what the run had printed."""
+
+    def main(job) -> None:
+        sys.stdout.write("checkpoint: saving step 4 to ckpt/step_4")  # the newline never comes
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    before = {stop: signal.getsignal(stop) for stop in (signal.SIGTERM, signal.SIGINT)}
+    output = io.StringIO()  # stdout and stderr into one stream, as a log or a terminal has them
+    try:
+        with (
+            contextlib.redirect_stdout(output),
+            contextlib.redirect_stderr(output),
+            pytest.raises(SystemExit),
+        ):
+            run_entry_point(main, "run_pretraining.py")
+    finally:
+        for stop, handler in before.items():
+            signal.signal(stop, handler)
+    assert output.getvalue().splitlines() == [
+        "checkpoint: saving step 4 to ckpt/step_4",
+        "run_pretraining.py: interrupted",
+    ]
 
 
 def test_only_a_stop_or_what_was_raised_over_it_counts_as_one():
