@@ -73,13 +73,21 @@ NUMERICS = frozenset(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups off the marks
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Multi-process tests belong to the slow lane; :data:`NUMERICS` modules are marked."""
+    """Multi-process tests belong to the slow lane; :data:`NUMERICS` modules are marked.
+
+    Under pytest-xdist (``-n 2 --dist loadgroup``, the README's command) each module's tests
+    run in one worker, so a module's fixtures are made once; the tests of the session's quick
+    first run (two modules) share a worker, which runs it once (46 s)."""
     for item in items:
         if item.get_closest_marker("distributed") is not None:
             item.add_marker(pytest.mark.slow)
-        if "/".join(item.path.parts[-2:]) in NUMERICS:
+        module = "/".join(item.path.parts[-2:])  # wing/test_x.py
+        if module in NUMERICS:
             item.add_marker(pytest.mark.numerics)
+        shared = "quick_first_run" in getattr(item, "fixturenames", ())
+        item.add_marker(pytest.mark.xdist_group("quick_first_run" if shared else module))
 
 
 @pytest.fixture(scope="session")
