@@ -10,7 +10,8 @@ its first synchronisation (the norm's read), the host running ahead by as much a
 launch queue holds (:func:`queued_phases`). Host
 copies and asynchronous collectives (the next phase's all-gathers, the previous phase's
 reductions) run behind that where the device has engines of its own for them
-(``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU).
+(``DeviceSpec.copies_overlap``: a GPU) and add to it where the same cores do both (a CPU),
+each at the pair's own time for it (a pipeline's sends and receives as waited-for calls).
 Collectives waited for where they are issued (tensor-parallel ones, and every one without
 ``--overlap_communication``) are on the critical path, call by call
 (:func:`waited_call_seconds`). A pipeline stage's phases take
@@ -42,6 +43,9 @@ RING_FACTOR = {
     "send": lambda n: 1.0,
     "receive": lambda n: 0.0,
 }
+
+# A pipeline's point-to-point ops (mesh.py counts them asynchronous).
+POINT_TO_POINT = frozenset({"send", "receive"})
 
 # What phase_costs gives per kind of phase, in order: FLOPs, then seconds by what spends them.
 PHASE_COSTS = (
@@ -89,18 +93,26 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             # Waited for: each call's own time, latency and all, is on the critical path. In
             # the background: a call's latency is waiting, hidden; what its bytes take is
             # priced at the rate of the window's total of that op. Where the cores that would
-            # carry it compute (a CPU, gloo's thread), a call started in the background is
-            # waited for a phase later as if it were waited for where issued, call by call.
+            # carry it compute (a CPU, gloo's thread), a call started in the background takes
+            # the pair's own time for it, waited for a phase later, call by call: both ranks
+            # issue it at the same point of the same phases, so the peer's lateness at a call
+            # waited for where it is issued (waited_collective_us, fitted on tensor-parallel
+            # steps) is not paid at each. A pipeline's receive waits for the other stage to
+            # reach its send: it is priced as a waited call.
             in_background = Counter()
             for (op, nbytes, asynchronous), count in window.calls[name].items():
-                if not asynchronous:
-                    critical += count * waited_call_seconds(axis, op, nbytes, spec)
+                if not asynchronous or (not spec.copies_overlap and op in POINT_TO_POINT):
+                    seconds = count * waited_call_seconds(axis, op, nbytes, spec)
+                    if asynchronous:
+                        reductions += seconds
+                    else:
+                        critical += seconds
                 elif spec.copies_overlap:
                     in_background[op] += nbytes * count
                 elif op == "all_gather":
-                    gathers += count * waited_call_seconds(axis, op, nbytes, spec)
+                    gathers += count * collective_seconds(axis, op, nbytes, spec)
                 else:
-                    reductions += count * waited_call_seconds(axis, op, nbytes, spec)
+                    reductions += count * collective_seconds(axis, op, nbytes, spec)
             for op, nbytes in in_background.items():
                 if op == "all_gather":
                     gathers += collective_seconds(axis, op, nbytes, spec)

@@ -178,10 +178,13 @@ def test_every_rank_issues_collectives_in_the_same_order(tmp_path):
 # ----------------------------------------------------------------- host AdamW
 
 
-def test_host_weights_are_updated_on_the_host_by_the_host_update_thread(monkeypatch):
+@pytest.mark.parametrize("own_thread", [False, True])
+def test_host_weights_are_updated_on_the_host_by_the_host_update_thread(monkeypatch, own_thread):
     """Weights (with their moments) on the host, gradients on the device: every row is
-    updated on the host update's thread, the optimizer copies nothing to the device and only
-    the gradients to the host, and the steps are bitwise those of an all-device run."""
+    updated on the host, the optimizer copies nothing to the device and only the gradients to
+    the host, and the steps are bitwise those of an all-device run. Waited for, the update
+    runs on the calling thread where its team would be the caller's (a second OpenMP team
+    stops the first one's threads spinning), else on the host update's thread."""
     import threading
 
     from execution.engine.update import optimizer
@@ -199,10 +202,13 @@ def test_host_weights_are_updated_on_the_host_by_the_host_update_thread(monkeypa
     engine = planned_engine(host, ParallelLayout.single(CPU))
     batch = replica_batch(host, global_batches(host, 1)[0], 0)
     calls.clear()  # the planner's measured step (meta tensors) ran the same code
+    # The rank's share of the cores: the calling thread's team, or one more than it.
+    engine.optimizer.host_threads = torch.get_num_threads() + own_thread
     engine.train_step(batch, 0, 2e-3)
     rows = sum(len(engine.specs[part]) for part, _ in engine.state.part_rows())
     assert engine.optimizer_steps == 1 and len(calls) == rows
-    assert all(device.type == "cpu" and name.startswith("host-adamw") for device, name in calls)
+    where = "host-adamw" if own_thread else threading.current_thread().name
+    assert all(device.type == "cpu" and name.startswith(where) for device, name in calls)
     engine.state.host_to_device = engine.state.device_to_host = 0
     engine.optimizer.update(1e-3, 1.0)
     grads = sum(t.numel() * 4 for b in engine.state.parts.values() for t in b.grads.values())
