@@ -103,9 +103,9 @@ class AdamWDriver:
     kept on the device do. The host's update runs on a thread of its own whose OpenMP team is
     this rank's share of the node's cores (:func:`~modelling.host_threads.team_thread`), or,
     waited for on a team as large as the calling thread's, on the calling thread
-    (:meth:`_on_calling_thread`). With ``overlap`` that thread goes on behind the next step: :meth:`update` returns once the
-    update is started, the rows are updated in ``order``, the order the next step first loads
-    them, and a load of a row waits for that row alone
+    (:meth:`_on_calling_thread`). With ``overlap`` that thread goes on behind the next step:
+    :meth:`update` returns once the update is started, the rows are updated in ``order``, the
+    order the next step first loads them, and a load of a row waits for that row alone
     (:mod:`execution.engine.storage.row_updates`).
     The numbers are the same either way: each row's update reads and writes what it would
     have, before the next step reads or writes that row.
