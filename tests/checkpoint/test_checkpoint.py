@@ -61,6 +61,12 @@ def losses(output_dir: Path) -> dict[int, tuple[float, float]]:
     return {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "loss" in r}
 
 
+def logged_steps(output_dir: Path) -> list[int]:
+    """The steps a run logged, in the order logged, a step logged twice twice."""
+    rows = (json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines())
+    return [row["step"] for row in rows if "loss" in row]
+
+
 @pytest.mark.slow
 def test_a_killed_run_resumes_bitwise_and_a_killed_write_leaves_the_last_checkpoint(tmp_path):
     # Trains 6 steps straight, saving after step 3 and at the end (step 6). A test fault holds

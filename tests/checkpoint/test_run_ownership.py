@@ -25,7 +25,7 @@ import pytest
 
 from execution.checkpoint.files import resolve, verify
 from execution.checkpoint.ownership import claim_folder, claim_new_folder, new_run_id
-from tests.checkpoint.test_checkpoint import RUN_FLAGS, entry_point
+from tests.checkpoint.test_checkpoint import RUN_FLAGS, entry_point, logged_steps
 from tests.entry_points import ROOT, assert_refused, run_script
 
 
@@ -37,11 +37,6 @@ def _snapshot(folder: Path) -> dict[str, str]:
         else "dir"
         for p in sorted(folder.rglob("*"))
     }
-
-
-def _steps(output_dir: Path) -> list[int]:
-    rows = (json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines())
-    return [row["step"] for row in rows if "loss" in row]
 
 
 def _refused(result, message: str, program: str = "run_pretraining.py") -> None:
@@ -116,7 +111,7 @@ def test_folders_inside_another_runs_checkpoints_or_its_folders_are_refused(run_
     # The owner resumes, appending to its metrics, and its checkpoints generate.
     resumed = entry_point(*_resume(run_copy, "--steps", "7"))
     assert resumed.returncode == 0, resumed.stderr
-    assert _steps(out) == [1, 2, 3, 4, 5, 6, 7]
+    assert logged_steps(out) == [1, 2, 3, 4, 5, 6, 7]
     prompt = ["--prompt", "The", "--max_new_tokens", "2", "--device", "cpu"]
     generated = run_script("run_generation.py", "--load", str(ckpt / "step_2"), *prompt)
     assert generated.returncode == 0, generated.stderr
@@ -147,7 +142,7 @@ def test_two_new_runs_started_at_once_into_one_output_dir_run_once(tmp_path):
     # Refused by the lock while the other holds the folder, or by its run.json once written.
     _refused(loser, str(out))
     assert re.search(r"is in use by process \d+|already holds the metrics.jsonl", loser.stderr)
-    assert _steps(out) == [1, 2]
+    assert logged_steps(out) == [1, 2]
 
 
 @pytest.mark.slow
@@ -165,7 +160,7 @@ def test_the_same_resume_started_twice_runs_once_and_damages_nothing(run_copy):
     assert re.search(r"is in use by process \d+|nothing to train", loser.stderr), loser.stderr
     assert {step: _snapshot(ckpt / step) for step in committed} == committed
     assert resolve(ckpt) == ckpt / "step_8" and verify(ckpt / "step_8") is None
-    assert _steps(run_copy / "out") == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert logged_steps(run_copy / "out") == [1, 2, 3, 4, 5, 6, 7, 8]
 
 
 def test_a_folder_another_process_holds_is_refused(tmp_path):
@@ -201,7 +196,7 @@ def test_a_rollback_keeps_the_step_resumed_from_and_logs_each_step_once(run_copy
     assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_2", "step_3"]
     assert (ckpt / "latest").read_text() == "step_3\n"
     new = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
-    assert _steps(out) == [1, 2, 3]
+    assert logged_steps(out) == [1, 2, 3]
     assert new[:2] == old[:2]
     assert json.loads(new[2])["loss"] == json.loads(old[2])["loss"]
 

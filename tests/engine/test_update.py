@@ -14,8 +14,8 @@ reference): each of AdamW's ~10 float32 operations per element rounds once on ei
 and every one is well conditioned (the moments are convex combinations, the update a
 quotient of them), so each step moves an element's weight and moments apart by at most ~16
 units of 2**-24 of the tensor's scale: ``STEPS * 16 * 2**-24`` (2.9e-6) after ``STEPS``.
-(Measured: 2.8e-7.) A row updated twice, not at all, with another's moments or the wrong decay is off by the
-update's own size, a share of ``lr`` that is orders of magnitude above it.
+(Measured: 2.8e-7.) A row updated twice, not at all, with another's moments or the wrong
+decay is off by the update's own size, a share of ``lr`` that is orders of magnitude above it.
 """
 
 from __future__ import annotations
@@ -82,13 +82,13 @@ def write_gradients(engine, seed: int, scale: float = 1.0) -> dict[tuple, torch.
 
 
 def assert_states_agree(engine, params, adamw) -> None:
-    moments = {"exp_avg": "exp_avg", "exp_avg_sq": "exp_avg_sq"}
+    moments = ("exp_avg", "exp_avg_sq")  # the driver's buffers and torch's state alike
     ours = {s: named_rows(engine, s) for s in ("weights", *moments)}
     for key, param in params.items():
         error = relative_error(ours["weights"][key], param.detach())
         assert error <= TOLERANCE, f"{key} weights: relative error {error:.2e}"
-        for state, name in moments.items():
-            error = relative_error(ours[state][key], adamw.state[param][name])
+        for state in moments:
+            error = relative_error(ours[state][key], adamw.state[param][state])
             assert error <= TOLERANCE, f"{key} {state}: relative error {error:.2e}"
 
 

@@ -8,25 +8,18 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
 import re
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 from config.loading import ConfigError
 from execution.training.entry import run_entry_point
 from execution.training.loop import raised_by_a_stop
-from tests.checkpoint.test_checkpoint import RUN_FLAGS, entry_point
-
-
-def _steps(output_dir: Path) -> list[int]:
-    rows = (json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines())
-    return [row["step"] for row in rows if "loss" in row]
+from tests.checkpoint.test_checkpoint import RUN_FLAGS, entry_point, logged_steps
 
 
 @pytest.mark.parametrize("ending", ["returns", "fails"])
@@ -164,4 +157,4 @@ def test_an_interrupted_run_says_where_it_stopped_in_one_line_and_resumes(tmp_pa
     assert saved >= 2 and done >= saved and match[3] == str(ckpt / f"step_{saved}")
     resumed = entry_point(*flags, "--load", match[4], "--steps", str(saved + 1))
     assert resumed.returncode == 0, resumed.stderr
-    assert _steps(out) == list(range(1, saved + 2))  # the steps logged after it went
+    assert logged_steps(out) == list(range(1, saved + 2))  # the steps logged after it went
