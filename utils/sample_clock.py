@@ -245,6 +245,17 @@ def _machine_busy_s() -> float | None:
     return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
+def stolen_s() -> float:
+    """CPU seconds the hypervisor has kept this machine's cores from running so far
+    (``/proc/stat``'s steal; 0 where there is no such file). A thread's own waits do not
+    show it: the machine's whole clock runs slower meanwhile."""
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def _own_busy_s() -> float:
     """CPU seconds of this process and of its children that have ended (two-rank measurements
     fork their ranks and join them)."""

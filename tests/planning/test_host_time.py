@@ -156,6 +156,43 @@ def test_the_fit_is_a_line_through_the_medians_and_never_below_zero():
     assert host_phases._fit({2: [1.0], 8: [7.0]}) == pytest.approx((0.0, 58 / 68))
 
 
+def _pass(per_unit_us: float) -> dict:
+    """One pass of a way: a layer forward of 100 us a phase and ``per_unit_us`` a
+    micro-batch (its total 100 + 8 x per_unit_us)."""
+    fields = dict.fromkeys(("kernel_us_per_phase", "kernel_us_per_unit", "samples"), 0.0)
+    fields |= {"kernels_per_phase": 1.0, "kernels_per_unit": 2.0}
+    m = fields | {"per_phase_us": 100.0, "per_unit_us": per_unit_us, "trusted": True}
+    return {"layer_forward": m}
+
+
+def test_each_way_is_measured_in_passes_apart_until_two_agree(monkeypatch):
+    """Way A's passes agree at once (totals 900 and 980: 8.9% apart); way B's first pass ran
+    slow (1700, against 900 and 950: 89% and 5.6%), so a third is taken and the two that
+    agree are used; way C never agrees (totals 500, 1000, 2000, 4000): the closest two,
+    marked not to be trusted."""
+    scripted = {"A": [100, 110], "B": [200, 100, 106.25], "C": [50, 112.5, 237.5, 487.5]}
+    calls = []
+
+    def measure(flags, device, steps, compiled, recompute, spec):
+        way = recompute
+        calls.append(way)
+        return _pass(scripted[way][calls.count(way) - 1])
+
+    monkeypatch.setattr(host_phases, "measure", measure)
+    ways = [(False, name, 0.0) for name in "ABC"]
+    result = host_phases.host_phase_rows(torch.device("cpu"), 2, ways, SPEC)
+    # Every way's first pass before any second, and only the unsettled go on.
+    assert calls == ["A", "B", "C", "A", "B", "C", "B", "C", "C"]
+    rows = {row[1]: row for row in result["rows"]}
+    assert rows["A"][4:8] == pytest.approx([100.0, 105.0, 1.0, 2.0])
+    assert rows["B"][5] == pytest.approx((100 + 106.25) / 2)
+    assert rows["C"][5] == pytest.approx((50 + 112.5) / 2)  # 500 and 1000: 100% apart
+    timing = {run["recompute"]: run["timing"] for run in result["runs"]}
+    assert timing["A"] == {"trusted": True, "spread": pytest.approx(80 / 900)}
+    assert timing["B"] == {"trusted": True, "spread": pytest.approx(50 / 900)}
+    assert timing["C"] == {"trusted": False, "spread": pytest.approx(1.0)}
+
+
 def test_a_template_bound_once_computes_as_functional_call_and_holds_nothing_after():
     block = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.GELU(), torch.nn.Linear(3, 2))
     weights = {name: torch.randn_like(p) for name, p in block.named_parameters()}
