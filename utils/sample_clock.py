@@ -233,15 +233,24 @@ def _set_autogroup_nice(nice: int) -> bool:
     return True
 
 
+def _machine_ticks() -> list[int] | None:
+    """``/proc/stat``'s clock ticks of all the machine's cores by kind (user, nice, system,
+    idle, iowait, irq, softirq, steal, ...), or None where there is no such file."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
 def _machine_busy_s() -> float | None:
     """CPU seconds every process has used so far (``/proc/stat``: user, nice and system time;
     not the hypervisor's steal, nor interrupts, which a process's own network traffic
     raises), or None where there is no such file."""
-    try:
-        with open("/proc/stat") as f:
-            user, nice, system = (int(v) for v in f.readline().split()[1:4])
-    except (OSError, ValueError):
+    ticks = _machine_ticks()
+    if ticks is None or len(ticks) < 3:
         return None
+    user, nice, system = ticks[0:3]
     return (user + nice + system) / os.sysconf("SC_CLK_TCK")
 
 
@@ -249,11 +258,10 @@ def stolen_s() -> float:
     """CPU seconds the hypervisor has kept this machine's cores from running so far
     (``/proc/stat``'s steal; 0 where there is no such file). A thread's own waits do not
     show it: the machine's whole clock runs slower meanwhile."""
-    try:
-        with open("/proc/stat") as f:
-            return int(f.readline().split()[8]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+    ticks = _machine_ticks()
+    if ticks is None or len(ticks) < 8:  # a kernel without the field
         return 0.0
+    return ticks[7] / os.sysconf("SC_CLK_TCK")
 
 
 def _own_busy_s() -> float:

@@ -101,14 +101,12 @@ def phase_costs(windows, layout: ParallelLayout, spec: DeviceSpec) -> dict[str, 
             # reach its send: it is priced as a waited call.
             in_background = Counter()
             for (op, nbytes, asynchronous), count in window.calls[name].items():
-                if not asynchronous or (not spec.copies_overlap and op in POINT_TO_POINT):
-                    seconds = count * waited_call_seconds(axis, op, nbytes, spec)
-                    if asynchronous:
-                        reductions += seconds
-                    else:
-                        critical += seconds
+                if not asynchronous:
+                    critical += count * waited_call_seconds(axis, op, nbytes, spec)
                 elif spec.copies_overlap:
                     in_background[op] += nbytes * count
+                elif op in POINT_TO_POINT:  # waits for the other stage to reach its send
+                    reductions += count * waited_call_seconds(axis, op, nbytes, spec)
                 elif op == "all_gather":
                     gathers += count * collective_seconds(axis, op, nbytes, spec)
                 else:
