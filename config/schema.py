@@ -221,6 +221,15 @@ class ExecutionConfig:
             "each collective where it is issued."
         ),
     )
+    fixed_weight_buffers: bool = field(
+        default=False,
+        metadata=_doc(
+            "Load every decoder layer's weights into one of two fixed device buffers, taken "
+            "in turn, so that each layer phase computes at the same addresses, as a captured "
+            "CUDA graph replays them. Costs a device copy of each layer's weights per layer "
+            "phase; the numbers are the same either way."
+        ),
+    )
     overlap_update: str = field(
         default="auto",
         metadata=_doc(

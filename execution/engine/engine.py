@@ -389,6 +389,7 @@ def _buffers(plan, layout, shapes, specs, rts, stage: Stage, dtype) -> StateStor
         rows={part: stage.rows(part) for part in PARTS},
         first_layer=stage.first_layer,
         sparse=plan.sparsity is not None,
+        fixed_layer_buffers=plan.fixed_weight_buffers,
     )
 
 

@@ -128,6 +128,8 @@ class EnginePlan:
         prefetch: Load the next phase's weights while this phase computes.
         overlap_communication: Also start the next phase's all-gather and finish this phase's
             gradient reduction behind the next phase's compute.
+        fixed_weight_buffers: Load the decoder layers' weights into two fixed device buffers
+            in turn (:mod:`~execution.engine.storage.fixed_buffers`).
         seed: Seeds the weights and dropout.
         init_std: Std of the weight initialisation.
         loss_scaling: Factor the loss is multiplied by before the backward.
@@ -161,6 +163,7 @@ class EnginePlan:
     overlap_update: str = "auto"
     compile: str = "auto"
     attention_kernels: tuple[str, ...] = ()
+    fixed_weight_buffers: bool = False
 
     def compiles_on(self, device_type: str) -> bool:
         """Whether the parts run compiled on a device of ``device_type`` (:func:`compiles`)."""

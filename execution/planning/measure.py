@@ -289,7 +289,8 @@ def measured_working_set(
         gradient_accumulation=2,
         stage=None,  # one stage of a pipeline runs a subset of the whole model's phases
     )
-    key = (rank, kernel, run.prefetch, run.overlap_communication, recompute)
+    flags = (run.prefetch, run.overlap_communication, run.fixed_weight_buffers)
+    key = (rank, kernel, *flags, recompute)
     if key not in known:
         host = Placement("host", "host", "host")
         kept = rank.kept(recompute, kernel).entry

@@ -293,7 +293,12 @@ def state_bytes(
 
 
 def working_set_bytes(
-    rank: RankShape, placement: Placement, flash_attention: bool, prefetch: bool, overlap: bool
+    rank: RankShape,
+    placement: Placement,
+    flash_attention: bool,
+    prefetch: bool,
+    overlap: bool,
+    fixed_buffers: bool = False,
 ) -> int:
     """A quick estimate of the transient device bytes of the largest phase.
 
@@ -301,6 +306,8 @@ def working_set_bytes(
     layout would take minutes); plans are chosen with :func:`measured_working_set`. With
     ``overlap`` a phase also holds the next phase's gathered weights and the last phase's
     gradients; otherwise, with ``prefetch`` and host weights, the next phase's weight shards.
+    ``fixed_buffers`` (``--fixed_weight_buffers``) adds two layers' gathered weights held for
+    the run, less the copy a phase of host weights would have held itself.
     """
     s, b = rank.shapes, rank.dtype.itemsize
     specs = rank.specs
@@ -330,7 +337,10 @@ def working_set_bytes(
         ahead = b * max(local("layers"), local("head") + local("embedding")) + 4 * local("layers")
     elif prefetch and placement.weights == "host":
         ahead = b * max(shard("layers"), shard("head") + shard("embedding"))
-    return max(layer + ahead, head + ahead, optimizer)
+    held = 0
+    if fixed_buffers:
+        held = b * local("layers") * (1 if placement.weights == "host" else 2)
+    return max(layer + ahead, head + ahead, optimizer) + held
 
 
 def host_traffic(

@@ -124,7 +124,12 @@ def _plans(
     def working_set(placement: Placement) -> int:
         if placement not in quick:
             quick[placement] = working_set_bytes(
-                rank, placement, kernel != "math", run.prefetch, run.overlap_communication
+                rank,
+                placement,
+                kernel != "math",
+                run.prefetch,
+                run.overlap_communication,
+                run.fixed_weight_buffers,
             )
         return quick[placement]
 

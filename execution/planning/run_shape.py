@@ -100,6 +100,7 @@ class RunShape:
     prefetch: bool
     overlap_communication: bool
     overlap_update: str
+    fixed_weight_buffers: bool
     compile: str
     device_memory_gb: float
     host_memory_gb: float
@@ -132,6 +133,7 @@ class RunShape:
             prefetch=ex.prefetch,
             overlap_communication=ex.overlap_communication,
             overlap_update=ex.overlap_update,
+            fixed_weight_buffers=ex.fixed_weight_buffers,
             compile=ex.compile,
             device_memory_gb=ex.device_memory_gb,
             host_memory_gb=ex.host_memory_gb,
@@ -232,6 +234,7 @@ class RunShape:
             precision=self.precision,
             prefetch=self.prefetch,
             overlap_communication=self.overlap_communication,
+            fixed_weight_buffers=self.fixed_weight_buffers,
             seed=self.engine.seed,
             init_std=self.engine.init_std,
             loss_scaling=self.engine.loss_scaling,

@@ -51,6 +51,7 @@ from execution.engine.storage.buffers import (
     rows_of,
     weight_copy_dtype,
 )
+from execution.engine.storage.fixed_buffers import FixedLayerBuffers
 from execution.engine.storage.gradient_store import GradientStore
 from execution.engine.storage.masks import SPARSE_KIND, SPARSE_PART, SparseMasks
 from execution.engine.storage.moves import ActivationStore, Mover, Traffic
@@ -96,10 +97,13 @@ class StateStore:
         rows: dict[str, int] | None = None,
         first_layer: int = 0,
         sparse: bool = False,
+        fixed_layer_buffers: bool = False,
     ):
         """``rows``: buffer rows of each part (default: every part, ``layers`` decoder layers);
         a pipeline stage holds some parts only. ``first_layer``: the global index of its first
-        decoder layer. ``sparse``: keep RigL's masks of the decoder layers' matrices (:attr:`masks`)."""
+        decoder layer. ``sparse``: keep RigL's masks of the decoder layers' matrices (:attr:`masks`).
+        ``fixed_layer_buffers``: load the decoder layers' weights into two fixed device
+        buffers in turn (:mod:`~execution.engine.storage.fixed_buffers`)."""
         self.specs = specs
         self.first_layer = first_layer
         self.rts = rts
@@ -128,6 +132,7 @@ class StateStore:
         self.grads = GradientStore(self.parts, specs, places, self.mover, self.stores, staging)
         # The host update of the last step, where it runs behind this one (row_updates.py).
         self.updating: RowUpdates | None = None
+        self.fixed = FixedLayerBuffers(self.device) if fixed_layer_buffers else None
         self.masks: SparseMasks | None = None
         if sparse:
             spec = specs[SPARSE_PART][SPARSE_KIND]
@@ -246,6 +251,8 @@ class StateStore:
                 if full is not shards[kind]:  # made on the copy stream
                     self.loads.wait(None, [full])
             vectors[kind] = full
+        if part == LAYERS and self.fixed is not None:
+            return self.fixed.hold(vectors)
         return vectors
 
     def prefetch_would_wait(self, part: str, row: int, gather: bool) -> bool:
