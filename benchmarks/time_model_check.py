@@ -135,6 +135,42 @@ RUNS = {
         2,
         f"{HOST} --pipeline_parallel 2 --passes 8 --placement resident --recompute full",
     ),
+    # Sizes picked after the model was last changed, as a reviewer would pick them: other
+    # widths, sequences, micro-batches and passes, each axis at 2.
+    "other p2 L6 h96 s32 remote selective": (
+        1,
+        "--config tiny --layers 6 --hidden_size 96 --heads 3 --sequence_length 32 "
+        "--max_positional_length 32 --micro_batch_size 2 --global_batch_size 16 --passes 2 "
+        "--placement remote --recompute selective",
+    ),
+    "other test L6 mb4 remote full": (
+        1,
+        "--config test --layers 6 --global_batch_size 8 --micro_batch_size 4 --passes 1 "
+        "--placement remote --recompute full",
+    ),
+    "other dp 2 L3 h192 p2 remote": (
+        2,
+        "--config tiny --layers 3 --hidden_size 192 --heads 6 --data_parallel 2 "
+        "--micro_batch_size 2 --global_batch_size 8 --passes 2 --placement remote",
+    ),
+    "other tp2 2 L4 h256 s64": (
+        2,
+        "--config tiny --layers 4 --hidden_size 256 --heads 8 --sequence_length 64 "
+        "--max_positional_length 64 --tensor_parallel_2 2 --global_batch_size 8 "
+        "--micro_batch_size 4 --placement resident --passes 1",
+    ),
+    "other cp 2 s256 mb2": (
+        2,
+        "--config tiny --layers 2 --sequence_length 256 --max_positional_length 256 "
+        "--context_parallel 2 --micro_batch_size 2 --global_batch_size 4 --placement resident "
+        "--passes 1",
+    ),
+    "other tp1 2 L3 h192 s64": (
+        2,
+        "--config tiny --layers 3 --hidden_size 192 --heads 6 --sequence_length 64 "
+        "--max_positional_length 64 --tensor_parallel_1 2 --micro_batch_size 4 "
+        "--global_batch_size 8 --placement resident --passes 1",
+    ),
 }
 # The layout axes --plan_for weighs, by flag.
 AXES = {
