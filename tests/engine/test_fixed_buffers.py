@@ -5,8 +5,9 @@ captured with), and the run's numbers do not change.
 The reference is the same run without the buffers: a load there hands a phase the buffer row
 itself (weights kept on the device) or a fresh copy (weights on the host), at another address
 for each layer. The copy into a fixed buffer moves the same float32 values, so losses and
-every weight after the steps are equal to the bit. The memory the buffers hold is two
-layers' gathered weights, counted by hand from the layer's packed shapes.
+every weight after the steps are equal to the bit. The planned working set grows by one
+layer's gathered weights (the two buffers, less the copy a phase held without them), counted
+by hand from the layer's packed shapes.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def test_layers_compute_from_two_buffers_in_turn_with_the_same_numbers(recompute
     loads, losses, engine = _run(True, recompute, placement)
     # Forward 0, 1, 2 and backward 2, 1, 0 in each of two passes, each step.
     assert [row for row, _ in loads] == [0, 1, 2, 2, 1, 0] * 2 * STEPS
-    buffers = [{k: t.data_ptr() for k, t in slot.items()} for slot in engine.state.fixed.slots]
+    buffers = engine.state.fixed.addresses()
     assert buffers[0] != buffers[1]
     assert [addresses for _, addresses in loads] == [buffers[n % 2] for n in range(len(loads))]
 
