@@ -17,6 +17,7 @@ from execution.engine.update.optimizer import AdamWDriver
 from execution.planning.calibration import attention, calibrate, kernels, runtime
 from execution.planning.device_specs import SPECS, read_spec_file
 from tests.entry_points import run_script
+from utils.sample_clock import doubtful_timings, load_warning
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,11 +71,18 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     flops = sum(2 * s["m"] * s["n"] * s["k"] for s in gpt)
     rate = flops / sum(s["seconds"] for s in gpt) / 1e12
     assert spec.compute_efficiency == pytest.approx(rate / spec.peak_tflops)
-    # No link on a CPU: host memory stands in for it; copies move 2 bytes per byte copied.
+    # No link on a CPU: host memory stands in for it; copies move 2 bytes per byte copied,
+    # the median of three passes apart in time.
     memory = measured["memory"]
     assert spec.device_memory_gb_per_s == pytest.approx(
         2 * memory["bytes"] / memory["seconds"] / 1e9
     )
+    for name, field in (
+        ("memory", "device_memory_gb_per_s"),
+        ("host_memory", "host_memory_gb_per_s"),
+    ):
+        rates = measured[name]["passes_gb_per_s"]
+        assert len(rates) == 3 and getattr(spec, field) == sorted(rates)[1] > 0
     assert set(measured["host_link"]) == {"others_share"}  # nothing measured, only the load
     assert spec.h2d_gb_per_s == spec.host_link_gb_per_s == spec.host_memory_gb_per_s > 0
     # Memory free to use and the host AdamW's rate, as measured (their own tests below).
@@ -170,6 +178,34 @@ def _meminfo_bytes(key: str) -> int:
 
 
 @pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc/meminfo")
+def test_a_memory_rate_is_its_middle_pass_and_passes_apart_are_counted_in_the_load_warning():
+    """median_pass on passes made up by hand: the middle rate whichever order the passes
+    came in; passes 60% apart (two cores of this VM, minutes apart) make the rate doubtful,
+    and the calibration's load warning names it; passes within 15% do not."""
+
+    def one(rate: float, trusted: bool = True) -> dict:
+        timing = {"samples": 9, "spoiled": 0, "spread": 0.01, "trusted": trusted, "together": False}
+        return {"bytes": 10**9, "seconds": 2 / rate, "gb_per_s": rate, "timing": timing}
+
+    apart = kernels.median_pass([one(67.8), one(42.4), one(43.0)])
+    assert apart["gb_per_s"] == 43.0 and apart["seconds"] == 2 / 43.0
+    assert apart["passes_gb_per_s"] == [67.8, 42.4, 43.0]
+    assert apart["timing"]["spread"] == pytest.approx(67.8 / 42.4 - 1)
+    close = kernels.median_pass([one(33.0), one(35.0), one(34.0)])
+    assert close["gb_per_s"] == 34.0 and close["timing"]["trusted"]
+    assert not apart["timing"]["trusted"]
+    # A pass whose own samples were spoiled spoils the rate, however close the passes.
+    assert not kernels.median_pass([one(33.0), one(35.0, trusted=False), one(34.0)])["timing"][
+        "trusted"
+    ]
+    for memory, warned in ((apart, True), (close, False)):
+        doubtful = doubtful_timings({"memory": memory | {"others_share": 0.0}})
+        result = {"doubtful_timings": doubtful, "measurements": {"memory": memory}}
+        warning = load_warning(result)
+        assert (warning is not None) == warned
+        assert not warned or "1 of 1 timings of memory" in warning
+
+
 def test_free_memory_is_what_the_host_has_available_not_its_installed_pages():
     """On a CPU the device is the host, one pool: MemAvailable, read before and after the
     measurement by hand here. Other workers on the machine may allocate in the microseconds

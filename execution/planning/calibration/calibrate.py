@@ -9,7 +9,8 @@ rates, say) is one more entry in both places.
 - matmul: TFLOPS of ``(m, k) @ (k, n)`` for square shapes and the GPT layer's own shapes (qkv,
   attention output, both MLP matmuls) at a few hidden sizes, in bfloat16 on a GPU and float32 on
   a CPU. ``compute_efficiency`` is the GPT shapes' FLOPs over their time, against the peak.
-- memory: device memory bandwidth from a large copy (bytes read + written per second).
+- memory: device memory bandwidth from a large copy (bytes read + written per second), the
+  median of three passes minutes apart (so host_memory too: ``kernels.median_pass``).
 - host_link (CUDA only): host-to-device and device-to-host copy rates on host memory allocated
   as the engine's buffers are (registered pages), each direction alone and both at once on two
   streams, as the engine's loads and stores run.
@@ -67,6 +68,7 @@ from execution.planning.calibration.kernels import (
     measure_launch,
     measure_matmul,
     measure_memory,
+    median_pass,
 )
 from execution.planning.calibration.runtime import (
     measure_collectives,
@@ -74,7 +76,7 @@ from execution.planning.calibration.runtime import (
     measure_host_link,
     measure_waited_collectives,
 )
-from execution.planning.device_specs import SPECS, spec_file_dict
+from execution.planning.device_specs import SPECS, DeviceSpec, spec_file_dict
 from utils.metrics import device_peak_tflops
 from utils.sample_clock import MachineShare, doubtful_timings
 
@@ -173,6 +175,7 @@ MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
     "host_adamw": measure_host_adamw,
     "collectives": measure_collectives,
 }
+MEMORY_RATES = ("memory", "host_memory")  # measured in passes apart in time
 
 
 def spec_fields(measured: dict, device: torch.device) -> dict:
@@ -238,22 +241,38 @@ def _timed(name: str, measure: Callable[..., dict], *args) -> dict:
     return result
 
 
-def calibrate(device: torch.device, sizes: Sizes, base: str, prioritised: bool = False) -> dict:
-    """Every measurement, and the device spec they give on top of ``base`` (``prioritised``:
-    this process runs at a raised priority, :func:`~utils.sample_clock.raised_priority`)."""
-    measured = {name: _timed(name, fn, device, sizes) for name, fn in MEASUREMENTS.items()}
+def _spec(base: str, measured: dict, device: torch.device) -> DeviceSpec:
     spec = dataclasses.replace(SPECS[base], **spec_fields(measured, device))
-    spec = dataclasses.replace(
+    return dataclasses.replace(
         spec,
         matmul_tflops=tuple(map(tuple, spec.matmul_tflops)),
         collective_gb_per_s=tuple(map(tuple, spec.collective_gb_per_s)),
     )
-    # The host's own time per phase, its kernels' (on a CPU) at the rates just measured.
+
+
+def calibrate(device: torch.device, sizes: Sizes, base: str, prioritised: bool = False) -> dict:
+    """Every measurement, and the device spec they give on top of ``base`` (``prioritised``:
+    this process runs at a raised priority, :func:`~utils.sample_clock.raised_priority`)."""
+    # The memory rates in three passes minutes apart (kernels.median_pass): before the
+    # rest, in their place among them, and after the host's time per phase.
+    passes = {name: [MEASUREMENTS[name](device, sizes)] for name in MEMORY_RATES}
+    measured = {name: _timed(name, fn, device, sizes) for name, fn in MEASUREMENTS.items()}
+    for name in MEMORY_RATES:
+        passes[name].append(measured[name])
+        measured[name] = median_pass(passes[name])
+    spec = _spec(base, measured, device)
+    # The host's own time per phase, its kernels' (on a CPU) at the rates measured so far:
+    # kernels a few elements wide, whose bytes are a few percent of their time at either rate.
     host = measured["host_phases"] = _timed(
         "host_phases", host_phase_rows, device, sizes.engine_steps, sizes.host_runs, spec
     )
+    for name in MEMORY_RATES:
+        passes[name].append(MEASUREMENTS[name](device, sizes))
+        measured[name] = median_pass(passes[name])
     spec = dataclasses.replace(
-        spec, phase_overhead_us=0.0, host_phase_us=tuple(map(tuple, host["rows"]))
+        _spec(base, measured, device),
+        phase_overhead_us=0.0,
+        host_phase_us=tuple(map(tuple, host["rows"])),
     )
     # Waiting for a collective inside a step, against the engine's time just measured.
     waited = _timed("waited_collectives", measure_waited_collectives, device, sizes, spec)
@@ -271,9 +290,11 @@ def calibrate(device: torch.device, sizes: Sizes, base: str, prioritised: bool =
 
 def summary(result: dict) -> str:
     s = result["device_spec"]
+    passes = result["measurements"]["memory"]["passes_gb_per_s"]
     return (
         f"{s['name']}: peak {s['peak_tflops']:.3g} TFLOPS, GPT matmuls at "
-        f"{s['compute_efficiency']:.0%} of it; memory {s['device_memory_gb_per_s']:.0f} GB/s; "
+        f"{s['compute_efficiency']:.0%} of it; memory {s['device_memory_gb_per_s']:.0f} GB/s "
+        f"(passes {min(passes):.0f}-{max(passes):.0f}); "
         f"H2D {s['h2d_gb_per_s']:.1f} GB/s, D2H {s['d2h_gb_per_s']:.1f} GB/s; launch "
         f"{s['launch_overhead_us']:.1f} us per op, host time of {len(s['host_phase_us'])} "
         "phase kinds and ways; "

@@ -97,6 +97,30 @@ def measure_host_memory(device: torch.device, sizes) -> dict:
     return measure_memory(torch.device("cpu"), sizes)
 
 
+# Passes of a memory rate taken apart in time agree when they differ by at most this share of
+# the slowest (one-thread passes of an idle calibration: 33-35 GB/s).
+RATE_AGREEMENT = 0.15
+
+
+def median_pass(passes: list[dict]) -> dict:
+    """One memory rate from passes of :func:`measure_memory` taken apart in time: the median
+    pass's fields, every pass's rate, and a timing that is trusted where they agree
+    (:data:`RATE_AGREEMENT`) and each was. Two cores of a shared VM stream at 42 GB/s for
+    minutes and 68 GB/s for the next (their one-thread rate stays 33-35): one pass prices
+    every run on the one stretch it met (a calibration at 68 priced two memory-bound rows
+    0.73 and 0.77 of the runs that followed); the median of passes minutes apart takes the
+    rate most of the calibration saw, and a disagreement is counted in its load warning."""
+    ranked = sorted(passes, key=lambda p: p["gb_per_s"])
+    rates = [p["gb_per_s"] for p in ranked]
+    spread = (rates[-1] - rates[0]) / rates[0]
+    trusted = spread <= RATE_AGREEMENT and all(p["timing"]["trusted"] for p in passes)
+    timing = {"samples": len(passes), "spoiled": 0, "spread": spread, "trusted": trusted}
+    return ranked[(len(ranked) - 1) // 2] | {
+        "passes_gb_per_s": [p["gb_per_s"] for p in passes],
+        "timing": timing | {"together": False},
+    }
+
+
 def measure_attention(device: torch.device, sizes) -> dict:
     """Causal SDPA forward and backward, on the kernel a run of this device and dtype is
     pinned to (on Hopper torch would otherwise prefer cuDNN's): FLOPs as the step meter
