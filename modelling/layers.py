@@ -27,7 +27,7 @@ or a cp head group draws exactly the single process's masks: for the layout-pari
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from torch import nn
 
 from modelling.attention_kernel import HeadByHeadDropout, SDPAKernel, TorchSDPA
 from modelling.dropout import BlockSeeds, dropout
+from modelling.grad_sinks import NO_SINKS, GradSink, embedding, linear
 from modelling.parallel import (
     LOCAL,
     Axis,
@@ -91,8 +92,9 @@ class ParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(local_out)) if bias else None
         self.reduce_axis = reduce_axis
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from(F.linear(x, self.weight), self.reduce_axis)
+    def forward(self, x: torch.Tensor, grad_sink: GradSink | None = None) -> torch.Tensor:
+        """``grad_sink``: where the weight's gradient is summed (:mod:`modelling.grad_sinks`)."""
+        y = reduce_from(linear(x, self.weight, grad_sink), self.reduce_axis)
         return y if self.bias is None else y + self.bias
 
 
@@ -330,6 +332,8 @@ class WordEmbedding(nn.Module):
         self.word = nn.Embedding(local_vocab, local_hidden)
         self.dropout_prob = dropout_prob
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
+        # Where the table's gradient is summed, set by whoever differentiates it (a phase).
+        self.grad_sinks: Mapping[str, GradSink] = NO_SINKS
 
     @classmethod
     def of(cls, s, tp1: Axis, tp2: Axis, cp: Axis) -> WordEmbedding:
@@ -347,7 +351,8 @@ class WordEmbedding(nn.Module):
         return F.embedding(ids, self.word.weight)
 
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
-        x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1), self.tp1)
+        sink = self.grad_sinks.get("word.weight")
+        x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1, sink), self.tp1)
         return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
 
 
@@ -392,17 +397,21 @@ class Embedding(WordEmbedding):
     def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]
         positions = torch.arange(start, start + ids.shape[-1], device=ids.device).expand_as(ids)
-        x = lookup_rows(self.word.weight, ids, self.tp1) + lookup_rows(
+        sink = self.grad_sinks.get("word.weight")
+        x = lookup_rows(self.word.weight, ids, self.tp1, sink) + lookup_rows(
             self.position.weight, positions, self.tp1
         )
         return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp, self.tp2)
 
 
-def lookup_rows(table: torch.Tensor, ids: torch.Tensor, tp1: Axis) -> torch.Tensor:
-    """Embedding lookup of the rows this tp1 shard owns; ids owned elsewhere give zeros."""
+def lookup_rows(
+    table: torch.Tensor, ids: torch.Tensor, tp1: Axis, grad_sink: GradSink | None = None
+) -> torch.Tensor:
+    """Embedding lookup of the rows this tp1 shard owns; ids owned elsewhere give zeros.
+    ``grad_sink``: where the table's gradient is summed (:mod:`modelling.grad_sinks`)."""
     if tp1.size == 1:
-        return F.embedding(ids, table)
+        return embedding(ids, table, grad_sink)
     local = ids - tp1.rank * table.shape[0]
     owned = (local >= 0) & (local < table.shape[0])
-    rows = F.embedding(local.clamp(0, table.shape[0] - 1), table)
+    rows = embedding(local.clamp(0, table.shape[0] - 1), table, grad_sink)
     return rows * owned.unsqueeze(-1).to(rows.dtype)

@@ -12,10 +12,12 @@ each chunk's forward and backward before the next's, and never holds all the log
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from modelling.grad_sinks import NO_SINKS, GradSink, linear
 from modelling.layers import ParallelLinear
 from modelling.parallel import Axis, copy_to, reduce_from
 
@@ -37,8 +39,9 @@ def logits_chunks(tokens: int, vocab: int, local_vocab: int, local_hidden: int) 
     shard (``local_vocab`` x ``local_hidden``), or :data:`LOGITS_CHUNK_FLOOR` where that is
     more; a smaller vocabulary runs whole.
 
-    Why half the weight: a chunk's backward makes a gradient of the whole weight shard beside
-    the gradient of the chunk's logits, and the cross-entropy holds two float32 tensors of the
+    Why half the weight: a compiled chunk's backward makes a gradient of the whole weight shard
+    beside the gradient of the chunk's logits (an eager one sums it in place:
+    :mod:`modelling.grad_sinks`), and the cross-entropy holds two float32 tensors of the
     logits' size at once (the logits and their shifted copy). At half the weight's elements
     those take what the weight's own float32 gradient does: the head's working set is a few of
     the weight's size, however long the micro-batch. Smaller chunks would hold little less.
@@ -67,6 +70,8 @@ class LMHead(nn.Module):
         super().__init__()
         self.ln_f = norm
         self.tp1, self.tp2 = tp1, tp2
+        # Where the word embedding's gradient is summed, set by whoever differentiates it.
+        self.grad_sinks: Mapping[str, GradSink] = NO_SINKS
 
     def forward(
         self, x: torch.Tensor, word_embedding: torch.Tensor, labels: torch.Tensor, vocab_size: int
@@ -80,7 +85,8 @@ class LMHead(nn.Module):
             vocab_size: Real vocabulary size; padded columns never receive probability.
         """
         z = copy_to(self.ln_f(x), self.tp1)
-        logits = reduce_from(F.linear(z, word_embedding), self.tp2)  # (B, S, V_pad / tp1)
+        projected = linear(z, word_embedding, self.grad_sinks.get("word.weight"))
+        logits = reduce_from(projected, self.tp2)  # (B, S, V_pad / tp1)
         return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
 
 
@@ -145,10 +151,13 @@ class UntiedLMHead(nn.Module):
         self.ln_f = norm
         self.output = ParallelLinear(local_hidden, local_vocab, reduce_axis=tp2, bias=False)
         self.tp1 = tp1
+        # Where the projection's gradient is summed, set by whoever differentiates it.
+        self.grad_sinks: Mapping[str, GradSink] = NO_SINKS
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """Mean next-token cross-entropy of the final residual stream ``x`` (B, S, h/tp2)."""
-        logits = self.output(copy_to(self.ln_f(x), self.tp1))  # (B, S, V_pad / tp1)
+        sink = self.grad_sinks.get("output.weight")
+        logits = self.output(copy_to(self.ln_f(x), self.tp1), sink)  # (B, S, V_pad / tp1)
         return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
 
 

@@ -177,11 +177,11 @@ def _meminfo_bytes(key: str) -> int:
     raise KeyError(key)
 
 
-@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc/meminfo")
 def test_a_memory_rate_is_its_middle_pass_and_passes_apart_are_counted_in_the_load_warning():
     """median_pass on passes made up by hand: the middle rate whichever order the passes
     came in; passes 60% apart (two cores of this VM, minutes apart) make the rate doubtful,
-    and the calibration's load warning names it; passes within 15% do not."""
+    and the calibration's load warning names it; passes within 25% (an idle
+    calibration's differ by up to 16%) do not."""
 
     def one(rate: float, trusted: bool = True) -> dict:
         timing = {"samples": 9, "spoiled": 0, "spread": 0.01, "trusted": trusted, "together": False}
@@ -206,6 +206,7 @@ def test_a_memory_rate_is_its_middle_pass_and_passes_apart_are_counted_in_the_lo
         assert not warned or "1 of 1 timings of memory" in warning
 
 
+@pytest.mark.skipif(not Path("/proc/meminfo").exists(), reason="Linux's /proc/meminfo")
 def test_free_memory_is_what_the_host_has_available_not_its_installed_pages():
     """On a CPU the device is the host, one pool: MemAvailable, read before and after the
     measurement by hand here. Other workers on the machine may allocate in the microseconds

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from execution.engine.phases import pipeline, schedule
+from execution.engine.phases.binding import sinking
 from execution.engine.phases.head import head
 from execution.engine.phases.schedule import Phase
 from execution.engine.phases.step import Step
@@ -92,7 +93,9 @@ def embedding_backward(step: Step, phase: Phase) -> None:
     weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
     acc = step.accumulators(EMBEDDING)
     inputs, embedding = list(weights.values()), context.templates[EMBEDDING]
-    with context.slots[EMBEDDING].bound(weights):
+    # The word table's gradient: its rows added as they are made (modelling.grad_sinks).
+    sinks = {"word.weight": acc.sink("word.weight")}
+    with context.slots[EMBEDDING].bound(weights), sinking(embedding, sinks):
         for m, e in step.entries(phase):
             with torch.enable_grad():
                 y = embedding(batch.ids[m], step.embedding_seed(m))

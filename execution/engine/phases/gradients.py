@@ -21,6 +21,7 @@ import torch
 from execution.engine.storage.buffers import FlatSpec
 from execution.parallel.mesh import GroupAxis, Pending
 from modelling.gpt import LAYERS
+from modelling.grad_sinks import GradSink
 from modelling.parallel import Axis
 
 
@@ -65,12 +66,22 @@ class Accumulators:
             self.views.update(spec.views(flats[kind]))
             flats[kind][spec.numel :].zero_()  # the padding is summed and reduced too
         self._filled: set[str] = set()
+        self._sinks: dict[str, GradSink] = {}
+
+    def sink(self, name: str) -> GradSink:
+        """A sink into ``name``'s view, where the model sums its micro-batches' gradients as
+        it makes them (:mod:`modelling.grad_sinks`); what autograd returns for it is dropped."""
+        self._sinks[name] = GradSink(self.views[name])
+        return self._sinks[name]
 
     def add(self, names, grads) -> None:
         """Adds one micro-batch's gradients (the first of the phase is copied in): all of
         them in one op where they are all first or all not (one call on the host, and on a
         GPU a few launches, for a layer's dozen tensors; each element's sum is the same)."""
-        names, grads = list(names), list(grads)
+        kept = [(n, g) for n, g in zip(names, grads, strict=True) if n not in self._sinks]
+        names, grads = [n for n, _ in kept], [g for _, g in kept]
+        if not names:
+            return
         first = [name not in self._filled for name in names]
         if len(set(first)) != 1:
             for name, g in zip(names, grads, strict=True):
@@ -84,6 +95,8 @@ class Accumulators:
             torch._foreach_add_(views, grads)
 
     def add_one(self, name: str, g: torch.Tensor) -> None:
+        if name in self._sinks:
+            return
         if name in self._filled:
             self.views[name].add_(g)
         else:
@@ -93,7 +106,8 @@ class Accumulators:
     def complete(self) -> None:
         """Zeroes what no micro-batch wrote (a view no gradient reached)."""
         for name, view in self.views.items():
-            if name not in self._filled:
+            sunk = name in self._sinks and self._sinks[name].filled
+            if name not in self._filled and not sunk:
                 view.zero_()
 
 

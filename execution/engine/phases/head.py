@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call
 
+from execution.engine.phases.binding import sinking
 from execution.engine.phases.schedule import HEAD_PHASE, Phase
 from execution.engine.phases.step import Step
 from modelling.gpt import EMBEDDING, HEAD
@@ -41,6 +42,7 @@ def head(step: Step, phase: Phase) -> None:
     # The tied word embedding, or none: it is the first of what the head is differentiated by.
     word = [state.load_weights(EMBEDDING, 0, context.dtype)["word.weight"]] if tied else []
     scale = add_grads = None
+    sinks = {}
     if backward:
         weights = {k: v.detach().requires_grad_() for k, v in weights.items()}
         word = [w.detach().requires_grad_() for w in word]
@@ -51,6 +53,13 @@ def head(step: Step, phase: Phase) -> None:
         pieces = batch.micro_batches * context.cp.size
         # Filled on the device: a tensor of host data would be a blocking copy (a sync).
         scale = torch.full((), context.plan.loss_scaling / pieces, device=context.device)
+        # The vocabulary-wide weight's gradient summed as it is made (modelling.grad_sinks);
+        # a compiled head keeps autograd's.
+        if not context.compiled:
+            if tied:
+                sinks["word.weight"] = tied_acc.sink("word.weight")
+            elif "output.weight" in weights:
+                sinks["output.weight"] = head_acc.sink("output.weight")
 
         def add_grads(grads: list[torch.Tensor]) -> None:
             if tied:
@@ -63,14 +72,15 @@ def head(step: Step, phase: Phase) -> None:
 
     params = [*word, *weights.values()]
     local_vocab, local_hidden = shapes.vocab_padded // shapes.tp1, shapes.hidden // shapes.tp2
-    for m, e in step.entries(phase):
-        x, labels = state.activations.fetch_x(last, e), batch.labels[m]
-        chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
-        loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
-        batch.losses.append(loss)
-        if backward:
-            state.activations.store_dx(last, e, dx)
-        del x, loss, dx
+    with sinking(context.templates[HEAD], sinks):
+        for m, e in step.entries(phase):
+            x, labels = state.activations.fetch_x(last, e), batch.labels[m]
+            chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
+            loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
+            batch.losses.append(loss)
+            if backward:
+                state.activations.store_dx(last, e, dx)
+            del x, loss, dx
     if backward:
         step.finish_grads(head_acc, 0, phase)
         if tied:
