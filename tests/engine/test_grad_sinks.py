@@ -33,9 +33,9 @@ class FreshTables(TorchDispatchMode):
             if hasattr(a, "untyped_storage")
         }
         for result in out if isinstance(out, (tuple, list)) else (out,):
-            if getattr(result, "shape", None) == self.shape:
-                if result.untyped_storage().data_ptr() not in inputs:
-                    self.made.append(str(func))
+            fresh = getattr(result, "shape", None) == self.shape
+            if fresh and result.untyped_storage().data_ptr() not in inputs:
+                self.made.append(str(func))
         return out
 
 
