@@ -174,6 +174,7 @@ class PhasedEngine:
             dp_cp=layout.dp_cp,
             tied_across_stages=layout.embedding.size > 1 and model.ties_word_embedding,
             compiled=compiled,
+            head_sinks=not compiled,
         )
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)

@@ -26,7 +26,7 @@ from execution.engine.phases.recompute import (
     meta_block,
 )
 from execution.engine.phases.schedule import Phase, weights_loaded
-from execution.engine.plan import EnginePlan, MemoryPlan, Placement
+from execution.engine.plan import EnginePlan, MemoryPlan, Placement, compiles
 from execution.engine.update.optimizer import adamw_
 from execution.parallel.mesh import ParallelLayout
 from execution.planning.compiled_costs import apply_changes, phase_changes
@@ -199,6 +199,7 @@ def meta_step(
     kernel: str = "flash",
     measurements: Measurements | None = None,
     compiled_on: str | None = None,
+    head_sinks: bool | None = None,
 ) -> StepMeasurement:
     """Builds the engine of ``plan`` on ``layout`` (meta) and measures one training step.
 
@@ -211,10 +212,15 @@ def meta_step(
         measurements: The planning's, whose meta results the step replays and adds to.
         compiled_on: The device type whose compiled parts (``--compile``) the step is priced
             with (:mod:`~execution.planning.compiled_costs`); None: eager.
+        head_sinks: Whether the head sums its weight's gradient where it makes it, as an
+            eager head does (``PhaseContext.head_sinks``); None: unless ``compiled_on``.
     """
     measurements = measurements or Measurements()
     replayed = measurements.meta_results
     engine = PhasedEngine(plan, layout, AttentionKernel.on_meta(kernel))
+    # Metered eager, but with the head's gradient as the run computes it.
+    sinks = compiled_on is None if head_sinks is None else head_sinks
+    engine.context = dataclasses.replace(engine.context, head_sinks=sinks)
     row = plan.sequence_length + plan.model.label_columns
     shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
     tokens = torch.zeros(shape, dtype=torch.long, device="meta")
@@ -290,7 +296,8 @@ def measured_working_set(
         stage=None,  # one stage of a pipeline runs a subset of the whole model's phases
     )
     flags = (run.prefetch, run.overlap_communication, run.fixed_weight_buffers)
-    key = (rank, kernel, *flags, recompute)
+    compiled = compiles(run.compile, device_type)
+    key = (rank, kernel, *flags, recompute, compiled)
     if key not in known:
         host = Placement("host", "host", "host")
         kept = rank.kept(recompute, kernel).entry
@@ -308,7 +315,8 @@ def measured_working_set(
         plan = run.engine_plan(memory).shrunk(layers, micro_batches=2, passes=2)
         mesh = run.mesh  # without its pipeline axis, as the rank's stage above
         layout = ParallelLayout.shapes_only(mesh.dp, mesh.tp1, mesh.tp2, cp=mesh.cp)
-        known[key] = meta_step(plan, layout, kernel, measurements).working_set
+        step = meta_step(plan, layout, kernel, measurements, head_sinks=not compiled)
+        known[key] = step.working_set
     return known[key]
 
 

@@ -51,6 +51,12 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
         return VIEW
     if func.namespace in _COLLECTIVES:  # priced as a collective (time_model), by its bytes
         return COLLECTIVE
+    if packet in _INDEXED_UPDATES:
+        # Only the elements its index selects: as many as the index or source has, read and
+        # written, besides the index and source themselves.
+        target, others = args[0], list(tensors((*args[1:], *kwargs.values())))
+        touched = max((t.numel() for t in others), default=0) * target.element_size()
+        return OpCost(kernel=True, nbytes=sum(map(_nbytes, others)) + 2 * touched)
     nbytes = sum(_nbytes(t) for t in tensors((*args, *kwargs.values())))
     if all(r.alias_info is None for r in schema.returns):  # a new tensor: written too
         results = out if isinstance(out, (tuple, list)) else (out,)
@@ -96,6 +102,14 @@ _OVERWRITES = frozenset(
         "bernoulli_",
         "random_",
     )
+    if hasattr(aten, name)
+)
+
+# In-place ops that update only the elements an index selects (a lookup's gradient rows
+# summed into a table, the cross-entropy's target logits), not the whole tensor.
+_INDEXED_UPDATES = frozenset(
+    getattr(aten, name)
+    for name in ("index_add_", "index_put_", "scatter_add_", "scatter_", "index_copy_")
     if hasattr(aten, name)
 )
 

@@ -79,3 +79,21 @@ def test_a_residual_dropout_on_meta_prices_the_draw_it_makes_on_a_device():
     with StepMeter() as meter:
         dropout(x, 0.1, seed=7)
     assert (meter.costs.kernels, meter.costs.memory_bytes) == (3, 12 * x.numel())
+
+
+def test_an_indexed_update_moves_the_rows_it_selects_not_the_whole_tensor():
+    """Summing a lookup's gradient rows into a 50,000 x 8 float32 table (``index_add_`` of 6
+    rows) reads the 6 ids and the 6 x 8 source floats and reads and writes 6 x 8 of the
+    table's: 48 + 192 + 2 x 192 bytes, not the table's 1.6 MB twice. The cross-entropy's
+    ``scatter_add_`` of one element per row of 4 x 1000 logits: the 4 ids, the 4 values, and
+    4 elements read and written."""
+    table = torch.empty(50_000, 8, device=META)
+    ids, rows = torch.zeros(6, dtype=torch.long, device=META), torch.empty(6, 8, device=META)
+    logits = torch.empty(4, 1000, device=META)
+    labels, ones = torch.zeros(4, 1, dtype=torch.long, device=META), torch.empty(4, 1, device=META)
+    with StepMeter() as meter:
+        table.index_add_(0, ids, rows)
+    assert (meter.costs.kernels, meter.costs.memory_bytes) == (1, 6 * 8 + 192 + 2 * 192)
+    with StepMeter() as meter:
+        logits.scatter_add_(-1, labels, ones)
+    assert meter.costs.memory_bytes == 4 * 8 + 4 * 4 + 2 * 4 * 4

@@ -55,7 +55,7 @@ def head(step: Step, phase: Phase) -> None:
         scale = torch.full((), context.plan.loss_scaling / pieces, device=context.device)
         # The vocabulary-wide weight's gradient summed as it is made (modelling.grad_sinks);
         # a compiled head keeps autograd's.
-        if not context.compiled:
+        if context.head_sinks:
             if tied:
                 sinks["word.weight"] = tied_acc.sink("word.weight")
             elif "output.weight" in weights:

@@ -49,6 +49,9 @@ class PhaseContext:
             pipeline stage (the language model's head is tied to it).
         compiled: The templates run compiled (``--compile``): dropout seeds go to them as
             tensors (:mod:`execution.engine.phases.compiled`).
+        head_sinks: The head sums its vocabulary-wide weight's gradient where it makes it
+            (:mod:`modelling.grad_sinks`): an eager head does; a compiled one keeps autograd's,
+            and a dry run that prices a compiled run meters its (eager) head so.
     """
 
     plan: EnginePlan
@@ -68,3 +71,4 @@ class PhaseContext:
     dp_cp: GroupAxis
     tied_across_stages: bool
     compiled: bool = False
+    head_sinks: bool = True
