@@ -332,8 +332,6 @@ class WordEmbedding(nn.Module):
         self.word = nn.Embedding(local_vocab, local_hidden)
         self.dropout_prob = dropout_prob
         self.tp1, self.tp2, self.cp = tp1, tp2, cp
-        # Where the table's gradient is summed, set by whoever differentiates it (a phase).
-        self.grad_sinks: Mapping[str, GradSink] = NO_SINKS
 
     @classmethod
     def of(cls, s, tp1: Axis, tp2: Axis, cp: Axis) -> WordEmbedding:
@@ -350,8 +348,15 @@ class WordEmbedding(nn.Module):
         without dropout (generation's)."""
         return F.embedding(ids, self.word.weight)
 
-    def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
-        sink = self.grad_sinks.get("word.weight")
+    def forward(
+        self,
+        ids: torch.Tensor,
+        seed: int | None = None,
+        grad_sinks: Mapping[str, GradSink] = NO_SINKS,
+    ) -> torch.Tensor:
+        """``grad_sinks``: where the table's gradient is summed, by parameter name
+        (:mod:`modelling.grad_sinks`; given by whoever differentiates it)."""
+        sink = grad_sinks.get("word.weight")
         x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1, sink), self.tp1)
         return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
 
@@ -394,10 +399,15 @@ class Embedding(WordEmbedding):
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         return super().whole(ids, start) + F.embedding(positions, self.position.weight)
 
-    def forward(self, ids: torch.Tensor, seed: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        ids: torch.Tensor,
+        seed: int | None = None,
+        grad_sinks: Mapping[str, GradSink] = NO_SINKS,
+    ) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]
         positions = torch.arange(start, start + ids.shape[-1], device=ids.device).expand_as(ids)
-        sink = self.grad_sinks.get("word.weight")
+        sink = grad_sinks.get("word.weight")
         x = lookup_rows(self.word.weight, ids, self.tp1, sink) + lookup_rows(
             self.position.weight, positions, self.tp1
         )

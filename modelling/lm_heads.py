@@ -70,11 +70,14 @@ class LMHead(nn.Module):
         super().__init__()
         self.ln_f = norm
         self.tp1, self.tp2 = tp1, tp2
-        # Where the word embedding's gradient is summed, set by whoever differentiates it.
-        self.grad_sinks: Mapping[str, GradSink] = NO_SINKS
 
     def forward(
-        self, x: torch.Tensor, word_embedding: torch.Tensor, labels: torch.Tensor, vocab_size: int
+        self,
+        x: torch.Tensor,
+        word_embedding: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        grad_sinks: Mapping[str, GradSink] = NO_SINKS,
     ) -> torch.Tensor:
         """Mean next-token cross-entropy over every token of the micro-batch.
 
@@ -83,9 +86,11 @@ class LMHead(nn.Module):
             word_embedding: This rank's shard of the tied word embedding (V_pad/tp1, h/tp2).
             labels: Next-token ids (B, S).
             vocab_size: Real vocabulary size; padded columns never receive probability.
+            grad_sinks: Where the word embedding's gradient is summed (``word.weight``:
+                :mod:`modelling.grad_sinks`; given by whoever differentiates it).
         """
         z = copy_to(self.ln_f(x), self.tp1)
-        projected = linear(z, word_embedding, self.grad_sinks.get("word.weight"))
+        projected = linear(z, word_embedding, grad_sinks.get("word.weight"))
         logits = reduce_from(projected, self.tp2)  # (B, S, V_pad / tp1)
         return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
 
@@ -151,12 +156,17 @@ class UntiedLMHead(nn.Module):
         self.ln_f = norm
         self.output = ParallelLinear(local_hidden, local_vocab, reduce_axis=tp2, bias=False)
         self.tp1 = tp1
-        # Where the projection's gradient is summed, set by whoever differentiates it.
-        self.grad_sinks: Mapping[str, GradSink] = NO_SINKS
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-        """Mean next-token cross-entropy of the final residual stream ``x`` (B, S, h/tp2)."""
-        sink = self.grad_sinks.get("output.weight")
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        grad_sinks: Mapping[str, GradSink] = NO_SINKS,
+    ) -> torch.Tensor:
+        """Mean next-token cross-entropy of the final residual stream ``x`` (B, S, h/tp2);
+        ``grad_sinks``: where the projection's gradient is summed (``output.weight``)."""
+        sink = grad_sinks.get("output.weight")
         logits = self.output(copy_to(self.ln_f(x), self.tp1), sink)  # (B, S, V_pad / tp1)
         return vocab_parallel_cross_entropy(logits, labels, self.tp1, vocab_size)
 

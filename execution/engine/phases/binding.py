@@ -17,8 +17,6 @@ from collections.abc import Iterator, Mapping
 import torch
 from torch import nn
 
-from modelling.grad_sinks import NO_SINKS, GradSink
-
 
 class WeightSlots:
     """Where each parameter of ``template`` is held: its module's parameter dictionary and key,
@@ -50,17 +48,3 @@ class WeightSlots:
         finally:
             for parameters, key, original in reversed(saved):
                 parameters[key] = original
-
-
-@contextlib.contextmanager
-def sinking(template: nn.Module, sinks: Mapping[str, GradSink]) -> Iterator[None]:
-    """The template sums the named weights' gradients into ``sinks`` inside (its
-    ``grad_sinks``: :mod:`modelling.grad_sinks`), and holds none of them after."""
-    if not sinks:
-        yield
-        return
-    template.grad_sinks = sinks
-    try:
-        yield
-    finally:
-        template.grad_sinks = NO_SINKS

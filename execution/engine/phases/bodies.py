@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from execution.engine.phases import pipeline, schedule
-from execution.engine.phases.binding import sinking
 from execution.engine.phases.head import head
 from execution.engine.phases.schedule import Phase
 from execution.engine.phases.step import Step
@@ -95,10 +94,10 @@ def embedding_backward(step: Step, phase: Phase) -> None:
     inputs, embedding = list(weights.values()), context.templates[EMBEDDING]
     # The word table's gradient: its rows added as they are made (modelling.grad_sinks).
     sinks = {"word.weight": acc.sink("word.weight")}
-    with context.slots[EMBEDDING].bound(weights), sinking(embedding, sinks):
+    with context.slots[EMBEDDING].bound(weights):
         for m, e in step.entries(phase):
             with torch.enable_grad():
-                y = embedding(batch.ids[m], step.embedding_seed(m))
+                y = embedding(batch.ids[m], step.embedding_seed(m), sinks)
             grads = torch.autograd.grad(y, inputs, context.state.activations.fetch_dx(0, e))
             acc.add(weights, grads)
             del y, grads

@@ -25,7 +25,6 @@ from collections.abc import Callable
 import torch
 from torch.func import functional_call
 
-from execution.engine.phases.binding import sinking
 from execution.engine.phases.schedule import HEAD_PHASE, Phase
 from execution.engine.phases.step import Step
 from modelling.gpt import EMBEDDING, HEAD
@@ -68,19 +67,19 @@ def head(step: Step, phase: Phase) -> None:
 
     def call(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         inputs = (x, *word, labels, shapes.vocab)
-        return functional_call(context.templates[HEAD], weights, inputs)
+        given = {"grad_sinks": sinks} if sinks else {}  # a compiled head's call as before
+        return functional_call(context.templates[HEAD], weights, inputs, given)
 
     params = [*word, *weights.values()]
     local_vocab, local_hidden = shapes.vocab_padded // shapes.tp1, shapes.hidden // shapes.tp2
-    with sinking(context.templates[HEAD], sinks):
-        for m, e in step.entries(phase):
-            x, labels = state.activations.fetch_x(last, e), batch.labels[m]
-            chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
-            loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
-            batch.losses.append(loss)
-            if backward:
-                state.activations.store_dx(last, e, dx)
-            del x, loss, dx
+    for m, e in step.entries(phase):
+        x, labels = state.activations.fetch_x(last, e), batch.labels[m]
+        chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
+        loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
+        batch.losses.append(loss)
+        if backward:
+            state.activations.store_dx(last, e, dx)
+        del x, loss, dx
     if backward:
         step.finish_grads(head_acc, 0, phase)
         if tied:
