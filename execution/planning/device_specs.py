@@ -21,8 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from config.loading import ConfigError
-from config.schema import ExecutionConfig
-from config.schema_run import PlanningConfig
 
 
 @dataclass(frozen=True)
@@ -81,6 +79,9 @@ class DeviceSpec:
             the kernels are those the dry run counts for the phase measured. Empty: not
             measured; a phase's host time is then its kernels x ``launch_overhead_us`` plus
             ``phase_overhead_us`` (:meth:`host_row`).
+        shared_memory_gb_per_s: A CPU's memory bandwidth with every core streaming at once
+            (the host's, whatever the threads of the rank calibrated); 0: not measured.
+        ranks_on_host: The run's ranks that share this host's memory (:meth:`memory_rate`).
         attention_kernel_seconds: ``(kernel, batch, heads, sequence, head_dim, dtype, dropout,
             seconds)`` of each fused attention kernel timed (forward and backward, causal; a
             kernel that could not run a case is left out of it): what the engine's choice of
@@ -114,6 +115,8 @@ class DeviceSpec:
     host_adamw_elements_per_s: float = 0.0
     host_phase_us: tuple[tuple, ...] = ()
     attention_kernel_seconds: tuple[tuple[str, int, int, int, int, str, float, float], ...] = ()
+    shared_memory_gb_per_s: float = 0.0
+    ranks_on_host: int = 1
 
     @property
     def queues_kernels(self) -> bool:
@@ -121,6 +124,16 @@ class DeviceSpec:
         host's time to launch them runs beside the kernels before them; on a CPU the same
         cores launch and run each op, one after the other."""
         return self.device_type == "cuda"
+
+    def memory_rate(self, rate: float) -> float:
+        """``rate`` (GB/s: device or host memory) as one rank streams it. On a CPU the ranks
+        on a host share its memory: each gets at most the host's rate with every core
+        streaming (``shared_memory_gb_per_s``) over them. Two one-thread ranks of this 2-core
+        VM copy at 39 GB/s alone and 43-46 GB/s together; priced at 39 each, every two-rank
+        row of the time model check came out under its step (0.80-1.00)."""
+        if self.device_type != "cpu" or not self.shared_memory_gb_per_s:
+            return rate
+        return min(rate, self.shared_memory_gb_per_s / max(self.ranks_on_host, 1))
 
     def host_row(self, compiled: bool, recompute: str, dropout: bool, kind: str) -> tuple | None:
         """The measured host time of a phase of ``kind`` (:data:`HOST_PHASE_COLUMNS`' row) run
@@ -351,6 +364,8 @@ FIELD_RULES = {
     "copies_overlap": (lambda v: isinstance(v, bool), "true or false"),
     "device_type": (lambda v: v in ("cuda", "cpu"), '"cuda" or "cpu"'),
     "fresh_memory_gb_per_s": UNMEASURED_OK,
+    "shared_memory_gb_per_s": UNMEASURED_OK,
+    "ranks_on_host": (_count, "an integer >= 1"),
     "fresh_memory_threshold": (lambda v: v == 0 or _count(v), "an integer >= 0"),
     "host_adamw_elements_per_s": UNMEASURED_OK,
     "host_phase_us": (
@@ -422,25 +437,3 @@ def spec_file_dict(spec: DeviceSpec) -> dict:
     fields["host_phase_us"] = [list(entry) for entry in spec.host_phase_us]
     fields["attention_kernel_seconds"] = [list(entry) for entry in spec.attention_kernel_seconds]
     return fields
-
-
-def resolve_spec(planning: PlanningConfig, execution: ExecutionConfig) -> DeviceSpec:
-    """The ``--device_spec`` entry, measured numbers of ``--device_spec_file`` on top, then every
-    non-zero override flag (of the planning section, and the execution section's memory and
-    peak)."""
-    p, ex = planning, execution
-    base = SPECS[p.device_spec]
-    if p.device_spec_file:
-        base = read_spec_file(p.device_spec_file, base)
-    overrides = {
-        "peak_tflops": ex.peak_tflops,
-        "memory_gb": ex.device_memory_gb,
-        "host_memory_gb": ex.host_memory_gb,
-        "host_link_gb_per_s": p.host_link_gb_per_s,
-        "intra_node_gb_per_s": p.intra_node_gb_per_s,
-        "inter_node_gb_per_s": p.inter_node_gb_per_s,
-        "devices_per_node": p.devices_per_node,
-        "compute_efficiency": p.compute_efficiency,
-        "storage_gb_per_s": p.storage_gb_per_s,
-    }
-    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v})

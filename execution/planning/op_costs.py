@@ -205,7 +205,7 @@ def device_seconds(costs: OpCosts, attention_flops: float, spec: DeviceSpec) -> 
     shape, or its bytes' time where that is longer), ``attention`` (fused kernels at the
     attention share of the peak, or their bytes' time), ``memory_bound``, ``launch`` and
     ``fresh_memory`` (first touch of large new blocks, where the allocator does not keep them)."""
-    bandwidth = spec.device_memory_gb_per_s * 1e9
+    bandwidth = spec.memory_rate(spec.device_memory_gb_per_s) * 1e9
     matmul = 0.0
     for (m, n, k, nbytes), count in costs.matmuls.items():
         flops_time = 2.0 * m * n * k / (spec.matmul_rate(m, n, k) * 1e12)

@@ -12,15 +12,17 @@ import dataclasses
 from dataclasses import dataclass
 
 from config.schema import (
+    ExecutionConfig,
     OptimizerConfig,
     PretrainingConfig,
     even_stage_layers,
     micro_batches_per_replica,
 )
 from config.schema_model import uneven_splits
+from config.schema_run import PlanningConfig
 from execution.engine.plan import EnginePlan, MemoryPlan
 from execution.parallel.mesh_shape import MeshShape
-from execution.planning.device_specs import DeviceSpec, resolve_spec
+from execution.planning.device_specs import SPECS, DeviceSpec, read_spec_file
 from modelling.gpt import GPTShapes
 from modelling.sparsity import SparsitySchedule
 from modelling.task_heads import reads_whole_sequences
@@ -138,7 +140,7 @@ class RunShape:
             device_memory_gb=ex.device_memory_gb,
             host_memory_gb=ex.host_memory_gb,
             device_memory_cap_gb=ex.device_memory_cap_gb,
-            spec=resolve_spec(config.planning, ex),
+            spec=sharing(resolve_spec(config.planning, ex), MeshShape.of(ex)),
             sparsity=SparsitySchedule.of(config.rigl, training.steps),
             engine=EngineSettings(
                 seed=training.seed,
@@ -212,7 +214,11 @@ class RunShape:
         if even_stages or mesh.pp != self.mesh.pp:
             stage_layers = even_stage_layers(self.model.layers, mesh.pp)
         moved = dataclasses.replace(
-            self, mesh=mesh, micro_batch_size=micro_batch_size, stage_layers=stage_layers
+            self,
+            mesh=mesh,
+            micro_batch_size=micro_batch_size,
+            stage_layers=stage_layers,
+            spec=sharing(self.spec, mesh),
         )
         if moved.request.passes > moved.gradient_accumulation:
             moved = moved.with_request(passes=0)
@@ -255,3 +261,31 @@ class RunShape:
         return self.spec.attention_ranking(
             self.precision, model.dropout_prob, batch_heads, self.sequence_length, model.head_dim
         )
+
+
+def resolve_spec(planning: PlanningConfig, execution: ExecutionConfig) -> DeviceSpec:
+    """The ``--device_spec`` entry, measured numbers of ``--device_spec_file`` on top, then every
+    non-zero override flag (of the planning section, and the execution section's memory and
+    peak)."""
+    p, ex = planning, execution
+    base = SPECS[p.device_spec]
+    if p.device_spec_file:
+        base = read_spec_file(p.device_spec_file, base)
+    overrides = {
+        "peak_tflops": ex.peak_tflops,
+        "memory_gb": ex.device_memory_gb,
+        "host_memory_gb": ex.host_memory_gb,
+        "host_link_gb_per_s": p.host_link_gb_per_s,
+        "intra_node_gb_per_s": p.intra_node_gb_per_s,
+        "inter_node_gb_per_s": p.inter_node_gb_per_s,
+        "devices_per_node": p.devices_per_node,
+        "compute_efficiency": p.compute_efficiency,
+        "storage_gb_per_s": p.storage_gb_per_s,
+    }
+    return dataclasses.replace(base, **{k: v for k, v in overrides.items() if v})
+
+
+def sharing(spec: DeviceSpec, mesh: MeshShape) -> DeviceSpec:
+    """``spec`` for a rank of ``mesh``: with the ranks that share a host's memory (as many as
+    a node holds, at most the run's: :meth:`DeviceSpec.memory_rate`)."""
+    return dataclasses.replace(spec, ranks_on_host=min(mesh.world_size, spec.devices_per_node))

@@ -215,7 +215,7 @@ def host_update_seconds(window, spec: DeviceSpec) -> float:
         return window.host_update_elements / spec.host_adamw_elements_per_s
     if not window.host_update_bytes:
         return 0.0
-    return window.host_update_bytes / (spec.host_memory_gb_per_s * 1e9)
+    return window.host_update_bytes / (spec.memory_rate(spec.host_memory_gb_per_s) * 1e9)
 
 
 def _copy_seconds(nbytes: int, spec: DeviceSpec) -> float:

@@ -77,10 +77,12 @@ def test_quick_cpu_calibration_writes_a_spec_the_dry_run_reads(quick_calibration
     assert spec.device_memory_gb_per_s == pytest.approx(
         2 * memory["bytes"] / memory["seconds"] / 1e9
     )
-    for name, field in (
+    fields = (
         ("memory", "device_memory_gb_per_s"),
         ("host_memory", "host_memory_gb_per_s"),
-    ):
+        ("shared_memory", "shared_memory_gb_per_s"),  # every core: what the ranks share
+    )
+    for name, field in fields:
         rates = measured[name]["passes_gb_per_s"]
         assert len(rates) == 3 and getattr(spec, field) == sorted(rates)[1] > 0
     assert set(measured["host_link"]) == {"others_share"}  # nothing measured, only the load
@@ -241,12 +243,14 @@ def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_
         "collectives": {"rates": []},
         "fresh_memory": {"gb_per_s": 0.0, "threshold": 0},
         "host_adamw": {"elements_per_s": 3.5e8},
+        "shared_memory": {"gb_per_s": 30.0},
     }
     measured["matmul"]["shapes"][0]["tflops"] = 2 * 8**3 / 1e-3 / 1e12
     assert runtime.measure_host_link(CPU, calibrate.QUICK) == {}
     fields = calibrate.spec_fields(measured, CPU)
     assert (fields["memory_gb"], fields["host_memory_gb"]) == (70.5, 100.25)
     assert fields["host_adamw_elements_per_s"] == 3.5e8
+    assert fields["shared_memory_gb_per_s"] == 30.0
     assert fields["h2d_gb_per_s"] == fields["d2h_gb_per_s"] == fields["host_link_gb_per_s"] == 12.0
 
     def link(both_seconds: float) -> dict:

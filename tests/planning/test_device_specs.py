@@ -157,3 +157,32 @@ def test_not_measured_may_be_zero_or_null(tmp_path):
     # Every shipped spec passes its own rules, as a calibration file of it.
     for sheet in SPECS.values():
         assert read_spec_file(write_spec(tmp_path, **spec_file_dict(sheet)), sheet) == sheet
+
+
+def test_ranks_on_one_host_share_its_memory(tmp_path):
+    """On a CPU each of a run's ranks on the host streams memory at most at the host's rate
+    with every core streaming over the ranks there (as many as the run's, at most a node's):
+    one thread alone 39 GB/s and the host 45 GB/s give 39 to one rank and 22.5 to each of
+    two; a GPU's spec, or one without the host's rate, keeps its own. The dry run's memory-
+    bound time follows: the same bytes at 22.5 where a lone rank had 39."""
+    cpu = dataclasses.replace(SPECS["h100_sxm"], device_type="cpu", device_memory_gb_per_s=39.0)
+    cpu = dataclasses.replace(cpu, host_memory_gb_per_s=39.0, shared_memory_gb_per_s=45.0)
+    assert cpu.memory_rate(39.0) == 39.0  # one rank on the host
+    pair = dataclasses.replace(cpu, ranks_on_host=2)
+    assert pair.memory_rate(39.0) == 22.5
+    assert dataclasses.replace(pair, shared_memory_gb_per_s=0.0).memory_rate(39.0) == 39.0
+    gpu = dataclasses.replace(pair, device_type="cuda")
+    assert gpu.memory_rate(3000.0) == 3000.0
+
+    path = write_spec(tmp_path, **{k: v for k, v in spec_file_dict(cpu).items() if k != "name"})
+    flags = [*TINY, "--device_spec_file", path, "--dry_run"]
+    alone = RunShape.of(parse_config(flags)[0])
+    two = RunShape.of(parse_config([*flags, "--data_parallel", "2"])[0])
+    assert (alone.spec.ranks_on_host, two.spec.ranks_on_host) == (1, 2)
+    # A layout the planner weighs counts its own ranks, at most a node's.
+    wide = dataclasses.replace(two.mesh, dp=16)
+    assert alone.with_layout(wide, 1).spec.ranks_on_host == cpu.devices_per_node == 8
+    costs = estimate(alone, measure_rank(alone, 0, alone.spec), alone.spec)
+    shared = dataclasses.replace(alone.spec, ranks_on_host=2)
+    costs_shared = estimate(alone, measure_rank(alone, 0, shared), shared)
+    assert costs_shared["memory_bound_s"] == pytest.approx(costs["memory_bound_s"] * 39 / 22.5)

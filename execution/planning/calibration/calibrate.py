@@ -16,6 +16,8 @@ rates, say) is one more entry in both places.
   streams, as the engine's loads and stores run.
 - launch: host time per small kernel, from a long run of tiny in-place adds.
 - host_memory: host memory bandwidth from a large host copy.
+- shared_memory (CPU only): the large copy on every core at once, what the ranks of a run on
+  the host share (``DeviceSpec.memory_rate``).
 - host_adamw: elements per second of the engine's host AdamW update itself (its thread pool,
   its chunks), what the time model prices a host update at.
 - free_memory: device and host memory free to use when the calibration starts.
@@ -68,6 +70,7 @@ from execution.planning.calibration.kernels import (
     measure_launch,
     measure_matmul,
     measure_memory,
+    measure_shared_memory,
     median_pass,
 )
 from execution.planning.calibration.runtime import (
@@ -169,13 +172,14 @@ MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
     "host_link": measure_host_link,
     "launch": measure_launch,
     "host_memory": measure_host_memory,
+    "shared_memory": measure_shared_memory,
     "attention": measure_attention,
     "attention_kernels": measure_attention_kernels,
     "fresh_memory": measure_fresh_memory,
     "host_adamw": measure_host_adamw,
     "collectives": measure_collectives,
 }
-MEMORY_RATES = ("memory", "host_memory")  # measured in passes apart in time
+MEMORY_RATES = ("memory", "host_memory", "shared_memory")  # measured in passes apart in time
 
 
 def spec_fields(measured: dict, device: torch.device) -> dict:
@@ -227,6 +231,7 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
         # A CPU's copies and gloo's collectives run on the cores that compute.
         "copies_overlap": device.type == "cuda",
         "fresh_memory_gb_per_s": measured["fresh_memory"]["gb_per_s"],
+        "shared_memory_gb_per_s": measured["shared_memory"]["gb_per_s"],
         "fresh_memory_threshold": measured["fresh_memory"]["threshold"],
         "host_adamw_elements_per_s": measured["host_adamw"]["elements_per_s"],
     }

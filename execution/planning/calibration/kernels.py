@@ -16,6 +16,7 @@ from torch.nn.attention import sdpa_kernel
 
 from execution.engine.phases.recompute import SDPA_BACKENDS, attention_kernel
 from execution.engine.plan import GiB
+from execution.parallel.launch import usable_cores
 from execution.planning.memory import _host_memory_available
 from utils.sample_clock import Sample, summarise, take_sample, timed
 
@@ -97,6 +98,20 @@ def measure_host_memory(device: torch.device, sizes) -> dict:
     return measure_memory(torch.device("cpu"), sizes)
 
 
+def measure_shared_memory(device: torch.device, sizes) -> dict:
+    """A CPU's memory bandwidth with every core streaming at once: the large copy on as many
+    threads as the host has cores, whatever this rank's are (a run's ranks share it:
+    ``DeviceSpec.memory_rate``); nothing on a GPU."""
+    if device.type != "cpu":
+        return {"gb_per_s": 0.0, "timing": {"spread": 0.0, "trusted": True, "together": False}}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        return measure_memory(device, sizes)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # Passes of a memory rate taken apart in time agree when they differ by at most this share of
 # the slowest: an idle calibration's passes differ by up to 16% on two threads (39-45 GB/s),
 # where the stretches this guards against differ by 60% (42 and 68).
@@ -113,7 +128,7 @@ def median_pass(passes: list[dict]) -> dict:
     rate most of the calibration saw, and a disagreement is counted in its load warning."""
     ranked = sorted(passes, key=lambda p: p["gb_per_s"])
     rates = [p["gb_per_s"] for p in ranked]
-    spread = (rates[-1] - rates[0]) / rates[0]
+    spread = (rates[-1] - rates[0]) / rates[0] if rates[0] else 0.0
     trusted = spread <= RATE_AGREEMENT and all(p["timing"]["trusted"] for p in passes)
     timing = {"samples": len(passes), "spoiled": 0, "spread": spread, "trusted": trusted}
     return ranked[(len(ranked) - 1) // 2] | {

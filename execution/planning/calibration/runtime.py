@@ -295,7 +295,9 @@ def _time_waited(rank: int, device: torch.device, shapes, steps, spec, out) -> N
         kernel = attention_kernel(device.type, 0.0, torch.float32)  # ENGINE_FLAGS' precision
         for (layers, micro_batches), (engine, _) in zip(shapes, runs, strict=True):
             windows = meta_step(engine.plan, shapes_only, kernel).windows
-            modelled = estimate_step(phase_costs(windows, shapes_only, spec), 1, 1, spec)
+            # The two ranks share the host's memory, as a run's do (RunShape's spec).
+            pair = dataclasses.replace(spec, ranks_on_host=2)
+            modelled = estimate_step(phase_costs(windows, shapes_only, pair), 1, 1, pair)
             waited = sum(
                 count
                 for w in windows
