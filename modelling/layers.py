@@ -356,9 +356,12 @@ class WordEmbedding(nn.Module):
     ) -> torch.Tensor:
         """``grad_sinks``: where the table's gradient is summed, by parameter name
         (:mod:`modelling.grad_sinks`; given by whoever differentiates it)."""
-        sink = grad_sinks.get("word.weight")
-        x = reduce_from(lookup_rows(self.word.weight, ids, self.tp1, sink), self.tp1)
+        x = reduce_from(self._word_rows(ids, grad_sinks), self.tp1)
         return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
+
+    def _word_rows(self, ids: torch.Tensor, grad_sinks: Mapping[str, GradSink]) -> torch.Tensor:
+        """This tp1 shard's word rows of ``ids``, the table's gradient into its sink."""
+        return lookup_rows(self.word.weight, ids, self.tp1, grad_sinks.get("word.weight"))
 
 
 class Embedding(WordEmbedding):
@@ -407,8 +410,7 @@ class Embedding(WordEmbedding):
     ) -> torch.Tensor:
         start = self.cp.rank * ids.shape[-1]
         positions = torch.arange(start, start + ids.shape[-1], device=ids.device).expand_as(ids)
-        sink = grad_sinks.get("word.weight")
-        x = lookup_rows(self.word.weight, ids, self.tp1, sink) + lookup_rows(
+        x = self._word_rows(ids, grad_sinks) + lookup_rows(
             self.position.weight, positions, self.tp1
         )
         return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp, self.tp2)
