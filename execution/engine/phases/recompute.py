@@ -27,7 +27,6 @@ and the planner plans with it.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -102,18 +101,37 @@ def kernel_attention(kernel: str) -> Callable[..., torch.Tensor] | None:
 
 
 class _Bind(torch.autograd.Function):
-    """Identity forward; backward hands the gradient to ``sinks[name]``, chosen at backward
-    time (the accumulator of the weight, or the dx of the layer's input)."""
+    """Identity on a layer's input and weights, one node for them all; its backward hands
+    their gradients to ``sink`` at once, chosen at backward time (the dx of the layer's input,
+    and the weights' accumulators, which add a layer's dozen tensors in one op). One node per
+    layer forward, not one per tensor: a node costs the host a few microseconds each way."""
 
     @staticmethod
-    def forward(ctx, value, anchor, sinks, name):
-        ctx.sinks, ctx.name = sinks, name
-        return value.view_as(value)
+    def forward(ctx, anchor, sink, names, x, *weights):
+        ctx.sink, ctx.names = sink, names
+        ctx.set_materialize_grads(False)
+        return (x.view_as(x), *(w.view_as(w) for w in weights))
 
     @staticmethod
-    def backward(ctx, grad):
-        ctx.sinks[ctx.name](grad)
-        return None, None, None, None
+    def backward(ctx, dx, *grads):
+        ctx.sink(dx, ctx.names, grads)
+        return (None,) * (4 + len(grads))
+
+
+class _Sink:
+    """Where a kept graph's :class:`_Bind` hands its gradients: the dx of the layer's input
+    (collected in ``dx``) and the weights' to ``grads``, set before each backward (no
+    gradient of a weight that took no part is added)."""
+
+    def __init__(self):
+        self.grads = None
+        self.dx: list[torch.Tensor] = []
+
+    def __call__(self, dx, names, grads) -> None:
+        self.dx.append(dx)
+        if self.grads is not None:
+            kept = [(n, g) for n, g in zip(names, grads, strict=True) if g is not None]
+            self.grads.add([n for n, _ in kept], [g for _, g in kept])
 
 
 class _Handle(torch.autograd.Function):
@@ -213,15 +231,16 @@ def _dense_strides(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def _bound_forward(slots, views, x, seeds, packer, unpack, sinks) -> tuple:
+def _bound_forward(slots, views, x, seeds, packer, unpack, sink) -> tuple:
     """One layer forward of the block ``slots`` holds (:class:`WeightSlots`) on the weights
     ``views`` (by name) under autograd, with its saved tensors packed by ``packer``; returns
     the output and its graph's handle."""
     anchor = torch.empty(0, device=x.device, requires_grad=True)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(packer.pack, unpack):
-        weights = {name: _Bind.apply(view, anchor, sinks, name) for name, view in views.items()}
-        with slots.bound(weights):
-            y = slots.module(_Bind.apply(x, anchor, sinks, "x"), seeds)
+        names = tuple(views)
+        x, *weights = _Bind.apply(anchor, sink, names, x, *views.values())
+        with slots.bound(dict(zip(names, weights, strict=True))):
+            y = slots.module(x, seeds)
         handle = _Handle.apply(y)
     packer.close()
     return y.detach(), handle
@@ -271,7 +290,7 @@ class KeptLayers:
         # storages held take)
         self.largest = 0
         self._graphs: dict[tuple[int, int], torch.Tensor] = {}
-        self._sinks: dict[str, Callable] = {}
+        self._sink = _Sink()
         self._flats: dict[str, torch.Tensor] = {}
 
     def _unpack(self, packed: tuple) -> torch.Tensor:
@@ -304,7 +323,7 @@ class KeptLayers:
         packer = _Packer(
             self.entries[layer, entry], self.store, flats, self.in_place, self.buffers, self.on_keep
         )
-        args = (self.slots, views, x, seeds, packer, self._unpack, self._sinks)
+        args = (self.slots, views, x, seeds, packer, self._unpack, self._sink)
         y, self._graphs[layer, entry] = _bound_forward(*args)
         self.overflow += packer.overflow
         self.largest = max(self.largest, packer.held if self.in_place else packer.used)
@@ -315,17 +334,15 @@ class KeptLayers:
         ``grads`` (:class:`~execution.engine.phases.gradients.Accumulators`) and returns the gradient
         of the layer's input."""
         handle = self._graphs.pop((layer, entry))
-        dx: list[torch.Tensor] = []
         self._flats = flats
-        self._sinks.clear()
-        self._sinks.update({name: functools.partial(grads.add_one, name) for name in grads.views})
-        self._sinks["x"] = dx.append
+        self._sink.grads = grads
         try:
             torch.autograd.backward(handle, dy)
-        finally:  # in place: every kept graph's _Bind nodes hold this very dict
+            return self._sink.dx.pop()
+        finally:  # every kept graph's _Bind node holds this very sink
             self._flats = {}
-            self._sinks.clear()
-        return dx[0]
+            self._sink.grads = None
+            self._sink.dx.clear()
 
     def drop(self) -> None:
         """Forgets graphs a step left behind (one that raised half-way)."""
@@ -403,8 +420,8 @@ def kept_layer_on_meta(
         loaded += packed[1].numel() * packed[1].element_size()
         return packed[1]
 
-    sinks = collections.defaultdict(lambda: lambda grad: None)
+    sink = _Sink()
     views = {n: v for k, flat in flats.items() for n, v in specs[k].views(flat).items()}
-    _, handle = _bound_forward(WeightSlots(block), views, x, seeds, packer, unpack, sinks)
+    _, handle = _bound_forward(WeightSlots(block), views, x, seeds, packer, unpack, sink)
     torch.autograd.backward(handle, torch.empty_like(x))
     return KeptBytes(packer.used, packer.copied, loaded, packer.held)
