@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.func import functional_call
 
 from execution.engine.phases.schedule import HEAD_PHASE, Phase
 from execution.engine.phases.step import Step
@@ -65,21 +64,23 @@ def head(step: Step, phase: Phase) -> None:
                 tied_acc.add_one("word.weight", grads.pop(0))
             head_acc.add(weights, grads)
 
+    template = context.templates[HEAD]
+    given = {"grad_sinks": sinks} if sinks else {}  # a compiled head's call as before
+
     def call(x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        inputs = (x, *word, labels, shapes.vocab)
-        given = {"grad_sinks": sinks} if sinks else {}  # a compiled head's call as before
-        return functional_call(context.templates[HEAD], weights, inputs, given)
+        return template(x, *word, labels, shapes.vocab, **given)
 
     params = [*word, *weights.values()]
     local_vocab, local_hidden = shapes.vocab_padded // shapes.tp1, shapes.hidden // shapes.tp2
-    for m, e in step.entries(phase):
-        x, labels = state.activations.fetch_x(last, e), batch.labels[m]
-        chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
-        loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
-        batch.losses.append(loss)
-        if backward:
-            state.activations.store_dx(last, e, dx)
-        del x, loss, dx
+    with context.slots[HEAD].bound(weights):  # once for the phase (phases/binding.py)
+        for m, e in step.entries(phase):
+            x, labels = state.activations.fetch_x(last, e), batch.labels[m]
+            chunks = logits_chunks(labels.numel(), shapes.vocab, local_vocab, local_hidden)
+            loss, dx = head_on_chunks(call, params, x, labels, chunks, scale, add_grads)
+            batch.losses.append(loss)
+            if backward:
+                state.activations.store_dx(last, e, dx)
+            del x, loss, dx
     if backward:
         step.finish_grads(head_acc, 0, phase)
         if tied:
