@@ -83,7 +83,8 @@ class ParallelLinear(nn.Module):
     """``y = g(x W^T) + b``: a matmul whose partial sums are summed over ``reduce_axis``.
 
     The input features are sharded over ``reduce_axis``; the bias is added after the reduction,
-    so it is added once, not once per shard.
+    so it is added once, not once per shard. Unsharded it goes into the matmul (one op, and no
+    add in the backward: a layer's four linears at a small width are host-bound).
     """
 
     def __init__(self, local_in: int, local_out: int, reduce_axis: Axis, bias: bool = True):
@@ -94,6 +95,8 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, grad_sink: GradSink | None = None) -> torch.Tensor:
         """``grad_sink``: where the weight's gradient is summed (:mod:`modelling.grad_sinks`)."""
+        if self.reduce_axis.size == 1 and grad_sink is None:
+            return F.linear(x, self.weight, self.bias)
         y = reduce_from(linear(x, self.weight, grad_sink), self.reduce_axis)
         return y if self.bias is None else y + self.bias
 

@@ -146,11 +146,14 @@ def test_compiling_changes_a_steps_memory_bound_work_not_its_flops(recompute):
 
 def test_a_block_split_over_tp1_with_dropout_is_priced_region_by_region():
     """Collectives and attention's seeded dropout break the block's graph: each region between
-    them is priced, and together they fuse what eager runs op by op."""
+    them is priced, and together they fuse what eager runs op by op: fewer bytes both ways,
+    fewer kernels forward, never more. (Backward, where a bias is its matmul's, the regions
+    between the collectives are left as many kernels as eager runs, of fewer bytes.)"""
     engine, kernel = _engine("--tensor_parallel_1", "2", "--dropout_prob", "0.1")
     changes = phase_changes(engine, kernel, "cpu")
     for kind in (schedule.LAYER_FORWARD, schedule.LAYER_BACKWARD):
-        assert changes[kind].memory_bytes < 0 and changes[kind].kernels < 0, changes[kind]
+        assert changes[kind].memory_bytes < 0 and changes[kind].kernels <= 0, changes[kind]
+    assert changes[schedule.LAYER_FORWARD].kernels < 0
 
 
 def test_a_changed_window_counts_its_micro_batches():
