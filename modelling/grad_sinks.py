@@ -99,4 +99,12 @@ def embedding(ids: torch.Tensor, table: torch.Tensor, sink: GradSink | None) -> 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, sink: GradSink | None) -> torch.Tensor:
     """``F.linear(x, weight)``, its weight's gradient into ``sink`` where there is one."""
-    return F.linear(x, weight) if sink is None else _SunkLinear.apply(x, weight, sink)
+    return F.linear(x, weight) if sink is None else _sunk_linear(x, weight, sink)
+
+
+# Outside a compiled head's graphs (--compile): the sink adds into its buffer in place, which
+# a graph would take as an input it mutates; the norm before and the cross-entropy after
+# compile as graphs of their own.
+@torch.compiler.disable(reason="a gradient sink adds into its buffer in place")
+def _sunk_linear(x: torch.Tensor, weight: torch.Tensor, sink: GradSink) -> torch.Tensor:
+    return _SunkLinear.apply(x, weight, sink)

@@ -39,12 +39,13 @@ def logits_chunks(tokens: int, vocab: int, local_vocab: int, local_hidden: int) 
     shard (``local_vocab`` x ``local_hidden``), or :data:`LOGITS_CHUNK_FLOOR` where that is
     more; a smaller vocabulary runs whole.
 
-    Why half the weight: a compiled chunk's backward makes a gradient of the whole weight shard
-    beside the gradient of the chunk's logits (an eager one sums it in place:
-    :mod:`modelling.grad_sinks`), and the cross-entropy holds two float32 tensors of the
-    logits' size at once (the logits and their shifted copy). At half the weight's elements
-    those take what the weight's own float32 gradient does: the head's working set is a few of
-    the weight's size, however long the micro-batch. Smaller chunks would hold little less.
+    Why half the weight: a chunk's backward makes a gradient of the whole weight shard beside
+    the gradient of the chunk's logits where the head is compiled in 16 bits (elsewhere it is
+    summed in place: :mod:`modelling.grad_sinks`), and the cross-entropy holds two float32
+    tensors of the logits' size at once (the logits and their shifted copy). At half the
+    weight's elements those take what the weight's own float32 gradient does: the head's
+    working set is a few of the weight's size, however long the micro-batch. Smaller chunks
+    would hold little less.
 
     Why by the vocabulary: each chunk passes over the whole weight three or four times (its
     matmuls read it; its gradient is written and accumulated), which costs the same share of

@@ -33,7 +33,7 @@ from execution.engine.phases import pipeline, schedule
 from execution.engine.phases.attention_kernels import AttentionKernel, engine_attention
 from execution.engine.phases.binding import WeightSlots
 from execution.engine.phases.compiled import CompileWatch, compile_parts, compile_unavailable
-from execution.engine.phases.phase_context import PhaseContext
+from execution.engine.phases.phase_context import PhaseContext, sinks_in_head
 from execution.engine.phases.recompute import KeptLayers
 from execution.engine.phases.runner import run_phases
 from execution.engine.phases.schedule import Phase, Stage
@@ -174,7 +174,7 @@ class PhasedEngine:
             dp_cp=layout.dp_cp,
             tied_across_stages=layout.embedding.size > 1 and model.ties_word_embedding,
             compiled=compiled,
-            head_sinks=not compiled,
+            head_sinks=sinks_in_head(compiled, dtype),
         )
         self.compile_watch = CompileWatch()
         host_threads = usable_cores() // max(layout.local_world_size, 1)

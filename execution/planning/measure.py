@@ -20,6 +20,7 @@ import torch
 from config.schema import OptimizerConfig
 from execution.engine.engine import PhasedEngine, StepHooks
 from execution.engine.phases.attention_kernels import AttentionKernel
+from execution.engine.phases.phase_context import sinks_in_head
 from execution.engine.phases.recompute import (
     attention_kernel,
     kept_layer_on_meta,
@@ -212,14 +213,15 @@ def meta_step(
         measurements: The planning's, whose meta results the step replays and adds to.
         compiled_on: The device type whose compiled parts (``--compile``) the step is priced
             with (:mod:`~execution.planning.compiled_costs`); None: eager.
-        head_sinks: Whether the head sums its weight's gradient where it makes it, as an
-            eager head does (``PhaseContext.head_sinks``); None: unless ``compiled_on``.
+        head_sinks: Whether the head sums its weight's gradient where it makes it
+            (``PhaseContext.head_sinks``); None: as a run compiled as ``compiled_on`` does.
     """
     measurements = measurements or Measurements()
     replayed = measurements.meta_results
     engine = PhasedEngine(plan, layout, AttentionKernel.on_meta(kernel))
     # Metered eager, but with the head's gradient as the run computes it.
-    sinks = compiled_on is None if head_sinks is None else head_sinks
+    compiled = compiled_on is not None
+    sinks = sinks_in_head(compiled, engine.context.dtype) if head_sinks is None else head_sinks
     engine.context = dataclasses.replace(engine.context, head_sinks=sinks)
     row = plan.sequence_length + plan.model.label_columns
     shape = (plan.gradient_accumulation, plan.micro_batch_size, row)
@@ -315,7 +317,9 @@ def measured_working_set(
         plan = run.engine_plan(memory).shrunk(layers, micro_batches=2, passes=2)
         mesh = run.mesh  # without its pipeline axis, as the rank's stage above
         layout = ParallelLayout.shapes_only(mesh.dp, mesh.tp1, mesh.tp2, cp=mesh.cp)
-        step = meta_step(plan, layout, kernel, measurements, head_sinks=not compiled)
+        step = meta_step(
+            plan, layout, kernel, measurements, head_sinks=sinks_in_head(compiled, whole.dtype)
+        )
         known[key] = step.working_set
     return known[key]
 

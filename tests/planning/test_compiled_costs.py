@@ -127,8 +127,7 @@ def _engine(*flags: str) -> tuple[PhasedEngine, str]:
 @pytest.mark.parametrize("recompute", ["full", "none"])
 def test_compiling_changes_a_steps_memory_bound_work_not_its_flops(recompute):
     engine, kernel = _engine("--recompute", recompute, "--dropout_prob", "0.1")
-    # The head as a compiled run computes it: autograd's weight gradient, not a sink's.
-    eager = meta_step(engine.plan, engine.layout, kernel, Measurements(), head_sinks=False)
+    eager = meta_step(engine.plan, engine.layout, kernel, Measurements())
     compiled = meta_step(engine.plan, engine.layout, kernel, Measurements(), compiled_on="cpu")
     assert compiled.flops == eager.flops
     changed = {schedule.LAYER_FORWARD, schedule.LAYER_BACKWARD, schedule.HEAD_PHASE}
@@ -159,8 +158,7 @@ def test_a_block_split_over_tp1_with_dropout_is_priced_region_by_region():
 def test_a_changed_window_counts_its_micro_batches():
     engine, kernel = _engine("--recompute", "full")
     changes = phase_changes(engine, kernel, "cpu")
-    # The head as a compiled run computes it: autograd's weight gradient, not a sink's.
-    eager = meta_step(engine.plan, engine.layout, kernel, Measurements(), head_sinks=False)
+    eager = meta_step(engine.plan, engine.layout, kernel, Measurements())
     compiled = meta_step(engine.plan, engine.layout, kernel, Measurements(), compiled_on="cpu")
     for before, after in zip(eager.windows, compiled.windows, strict=True):
         change = changes.get(before.kind, CostChange())

@@ -13,7 +13,10 @@ inductor's own schedule prices at four times eager's kernel (gpt3_175B_h100x256'
 3.9 GB more per micro-batch; execution/planning/compiled_costs.py).
 
 What the graphs leave out runs eagerly between them, exactly as without ``--compile``:
-collectives of an axis larger than one (:mod:`modelling.parallel`). Residual and embedding
+collectives of an axis larger than one (:mod:`modelling.parallel`), and in float32 the head's
+projection, whose weight's gradient is summed in place (:mod:`modelling.grad_sinks`;
+:func:`~execution.engine.phases.phase_context.sinks_in_head`): the head compiles as two
+graphs, its norm's and its cross-entropy's. Residual and embedding
 dropout stay in the graph as one op drawing eager's mask from a tensor seed
 (:meth:`BlockSeeds.as_tensors`, which :class:`~execution.engine.phases.step.Step` hands a
 compiled part), and so does attention with dropout

@@ -51,8 +51,8 @@ def head(step: Step, phase: Phase) -> None:
         pieces = batch.micro_batches * context.cp.size
         # Filled on the device: a tensor of host data would be a blocking copy (a sync).
         scale = torch.full((), context.plan.loss_scaling / pieces, device=context.device)
-        # The vocabulary-wide weight's gradient summed as it is made (modelling.grad_sinks);
-        # a compiled head keeps autograd's.
+        # The vocabulary-wide weight's gradient summed as it is made (modelling.grad_sinks;
+        # a compiled head runs the sunk projection between its graphs).
         if context.head_sinks:
             if tied:
                 sinks["word.weight"] = tied_acc.sink("word.weight")

@@ -50,8 +50,8 @@ class PhaseContext:
         compiled: The templates run compiled (``--compile``): dropout seeds go to them as
             tensors (:mod:`execution.engine.phases.compiled`).
         head_sinks: The head sums its vocabulary-wide weight's gradient where it makes it
-            (:mod:`modelling.grad_sinks`): an eager head does; a compiled one keeps autograd's,
-            and a dry run that prices a compiled run meters its (eager) head so.
+            (:mod:`modelling.grad_sinks`; :func:`sinks_in_head`), and a dry run that prices
+            the run meters its head so.
     """
 
     plan: EnginePlan
@@ -72,3 +72,12 @@ class PhaseContext:
     tied_across_stages: bool
     compiled: bool = False
     head_sinks: bool = True
+
+
+def sinks_in_head(compiled: bool, dtype: torch.dtype) -> bool:
+    """Whether the head sums its projection's gradient where it makes it
+    (:mod:`modelling.grad_sinks`): an eager head always; a compiled one where the sink
+    multiplies into the float32 sum in the product's own kernel (float32 compute), since the
+    sunk projection runs between the head's graphs. In 16 bits a sink makes the product and
+    adds it, as autograd's gradient is added, and would only split the compiled head."""
+    return not compiled or dtype == torch.float32
