@@ -359,11 +359,12 @@ class WordEmbedding(nn.Module):
     ) -> torch.Tensor:
         """``grad_sinks``: where the table's gradient is summed, by parameter name
         (:mod:`modelling.grad_sinks`; given by whoever differentiates it)."""
-        x = reduce_from(self._word_rows(ids, grad_sinks), self.tp1)
+        x = reduce_from(self._rows(ids, grad_sinks), self.tp1)
         return dropout(x, self.dropout_prob, seed, self.cp, self.tp2)
 
-    def _word_rows(self, ids: torch.Tensor, grad_sinks: Mapping[str, GradSink]) -> torch.Tensor:
-        """This tp1 shard's word rows of ``ids``, the table's gradient into its sink."""
+    def _rows(self, ids: torch.Tensor, grad_sinks: Mapping[str, GradSink]) -> torch.Tensor:
+        """This tp1 shard's part of the embedding of ``ids`` (its word rows), the table's
+        gradient into its sink; summed over tp1 by :meth:`forward`."""
         return lookup_rows(self.word.weight, ids, self.tp1, grad_sinks.get("word.weight"))
 
 
@@ -405,18 +406,14 @@ class Embedding(WordEmbedding):
         positions = torch.arange(start, start + ids.shape[1], device=ids.device)
         return super().whole(ids, start) + F.embedding(positions, self.position.weight)
 
-    def forward(
-        self,
-        ids: torch.Tensor,
-        seed: int | None = None,
-        grad_sinks: Mapping[str, GradSink] = NO_SINKS,
-    ) -> torch.Tensor:
+    def _rows(self, ids: torch.Tensor, grad_sinks: Mapping[str, GradSink]) -> torch.Tensor:
+        """Its word rows and its position rows (positions from ``cp.rank`` times the piece's
+        length)."""
         start = self.cp.rank * ids.shape[-1]
         positions = torch.arange(start, start + ids.shape[-1], device=ids.device).expand_as(ids)
-        x = self._word_rows(ids, grad_sinks) + lookup_rows(
+        return super()._rows(ids, grad_sinks) + lookup_rows(
             self.position.weight, positions, self.tp1
         )
-        return dropout(reduce_from(x, self.tp1), self.dropout_prob, seed, self.cp, self.tp2)
 
 
 def lookup_rows(
