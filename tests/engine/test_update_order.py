@@ -147,9 +147,11 @@ def test_a_load_waits_for_its_own_row_alone(monkeypatch):
 
     batches = global_batches(config, 2)
     lrs = learning_rates(2)
+    # Held from before the first step: its update starts on its own thread as the step ends,
+    # and on a loaded machine had written the first layer before a hold set after the step.
+    engine.state.refresh_weight_copy = hold_the_first_layer
     engine.train_step(engine_batch(engine, batches[0], 0), 0, lrs[0])
     events.clear()
-    engine.state.refresh_weight_copy = hold_the_first_layer
     monkeypatch.setattr(RowUpdates, "wait", waits_release)
     monkeypatch.setitem(BODIES, EMBEDDING_FORWARD, embedding_forward)
     engine.train_step(engine_batch(engine, batches[1], 0), 1, lrs[1])
