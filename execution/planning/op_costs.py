@@ -51,6 +51,15 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
         return VIEW
     if func.namespace in _COLLECTIVES:  # priced as a collective (time_model), by its bytes
         return COLLECTIVE
+    if packet in _LOOKUPS:
+        # The rows or elements its index selects (read, then written out), and the index:
+        # an embedding lookup of a few tokens reads a few rows of its table, not all of it.
+        indices = [t for t in tensors((*args[1:], *kwargs.values())) if not t.is_floating_point()]
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        return OpCost(
+            kernel=True,
+            nbytes=sum(map(_nbytes, indices)) + 2 * sum(_nbytes(t) for t in tensors(results)),
+        )
     if packet in _INDEXED_UPDATES:
         # Only the elements its index selects: as many as the index or source has, read and
         # written, besides the index and source themselves.
@@ -111,6 +120,12 @@ _INDEXED_UPDATES = frozenset(
     getattr(aten, name)
     for name in ("index_add_", "index_put_", "scatter_add_", "scatter_", "index_copy_")
     if hasattr(aten, name)
+)
+
+# Ops that read only what an index selects: an embedding's rows, the cross-entropy's target
+# logits (``gather``).
+_LOOKUPS = frozenset(
+    getattr(aten, name) for name in ("embedding", "index_select", "gather") if hasattr(aten, name)
 )
 
 # Ops that allocate or describe a tensor without touching its elements; ``_unsafe_view``

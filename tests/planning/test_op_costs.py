@@ -97,3 +97,23 @@ def test_an_indexed_update_moves_the_rows_it_selects_not_the_whole_tensor():
     with StepMeter() as meter:
         logits.scatter_add_(-1, labels, ones)
     assert meter.costs.memory_bytes == 4 * 8 + 4 * 4 + 2 * 4 * 4
+
+
+def test_a_lookup_moves_the_rows_it_selects_not_the_whole_table():
+    """An embedding lookup of 6 ids in a 50,000 x 8 float32 table reads the 6 ids and 6 rows
+    and writes the 6 x 8 result: 48 + 2 x 192 bytes, not the table's 1.6 MB (a micro-batch of
+    one short sequence had its lookup priced at eight times what the phase took). The
+    cross-entropy's ``gather`` of one logit per row of 4 x 1000: 4 ids, 4 floats read and
+    written."""
+    table, ids = torch.empty(50_000, 8, device=META), torch.zeros(6, dtype=torch.long, device=META)
+    logits = torch.empty(4, 1000, device=META)
+    labels = torch.zeros(4, 1, dtype=torch.long, device=META)
+    with StepMeter() as meter:
+        torch.nn.functional.embedding(ids, table)
+    assert (meter.costs.kernels, meter.costs.memory_bytes) == (1, 6 * 8 + 2 * 192)
+    with StepMeter() as meter:
+        logits.gather(-1, labels)
+    assert meter.costs.memory_bytes == 4 * 8 + 2 * 4 * 4
+    with StepMeter() as meter:
+        table.index_select(0, ids)
+    assert meter.costs.memory_bytes == 6 * 8 + 2 * 192
