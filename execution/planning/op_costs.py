@@ -55,10 +55,8 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
         # The rows or elements its index selects (read, then written out), and the index:
         # an embedding lookup of a few tokens reads a few rows of its table, not all of it.
         indices = [t for t in tensors((*args[1:], *kwargs.values())) if not t.is_floating_point()]
-        results = out if isinstance(out, (tuple, list)) else (out,)
         return OpCost(
-            kernel=True,
-            nbytes=sum(map(_nbytes, indices)) + 2 * sum(_nbytes(t) for t in tensors(results)),
+            kernel=True, nbytes=sum(map(_nbytes, indices)) + 2 * _result_bytes(out, tensors)
         )
     if packet in _INDEXED_UPDATES:
         # Only the elements its index selects: as many as the index or source has, read and
@@ -68,8 +66,7 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
         return OpCost(kernel=True, nbytes=sum(map(_nbytes, others)) + 2 * touched)
     nbytes = sum(_nbytes(t) for t in tensors((*args, *kwargs.values())))
     if all(r.alias_info is None for r in schema.returns):  # a new tensor: written too
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        nbytes += sum(_nbytes(t) for t in tensors(results))
+        nbytes += _result_bytes(out, tensors)
     elif packet not in _OVERWRITES:  # in place: what it updates is read, then written
         nbytes += sum(_nbytes(t) for t in tensors(_updated(schema, args, kwargs)))
     if packet not in MATMULS:
@@ -96,6 +93,11 @@ def _updated(schema, args: tuple, kwargs: dict) -> list:
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+def _result_bytes(out, tensors) -> int:
+    """Bytes of what an op returned (one tensor, or several)."""
+    return sum(map(_nbytes, tensors(out if isinstance(out, (tuple, list)) else (out,))))
 
 
 # In-place ops that write their tensor without reading it (the rest read what they update).
