@@ -70,6 +70,7 @@ def test_reference_layouts():
     ex = pod64.execution
     assert (ex.data_parallel, ex.tensor_parallel_1, ex.tensor_parallel_2) == (4, 4, 4)
     assert pod64.training.global_batch_size == 512 and pod64.model.hidden_size == 2560
+    assert ex.micro_batch_size == 4  # not the reference's 1: the host would set its pace
     for layout in (pod256, pod64):  # the paper's 300B tokens, so the schedule decays fully
         assert layout.training.steps * layout.tokens_per_step == pytest.approx(300e9, rel=1e-3)
         assert layout.training.optimizer.decay_tokens == 260e9
