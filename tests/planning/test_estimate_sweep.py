@@ -104,8 +104,8 @@ def _offered(run: RunShape, measurements: Measurements) -> dict[str, list]:
 
 def sweep_preset(preset: str) -> list[tuple[str, dict, int, int, bool]]:
     """Each estimate of the preset's sweep (module docstring): (what was run, its figures, the
-    host bytes it measured, the planner's count of them, whether it is the plan a dry run of
-    the preset as it ships makes: its fastest mode, that mode's first placement)."""
+    host bytes it measured, the planner's count of them, whether it is the placement and
+    recompute mode a dry run of the preset as it ships plans)."""
     measurements = Measurements()  # compiled parts priced once per shape
     rows = []
     for index, (flags, full, run) in enumerate(_runs(preset)):
