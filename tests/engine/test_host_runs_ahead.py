@@ -30,12 +30,10 @@ from collections import Counter
 import pytest
 import torch
 
-from execution.engine.engine import PhasedEngine, StepHooks
+from execution.engine.engine import StepHooks
 from execution.engine.storage import streams
 from execution.parallel.mesh import ParallelLayout
-from execution.planning.planner import plan_for_process
-from execution.planning.run_shape import RunShape
-from tests.distributed import CPU, global_batches, replica_batch
+from tests.distributed import CPU, global_batches, planned_engine, replica_batch
 from tests.reference import small_config
 from utils.torch_private import TorchDispatchMode
 
@@ -98,17 +96,10 @@ class HostWaits(TorchDispatchMode):
                 cls.synchronize = original
 
 
-def _engine(config) -> PhasedEngine:
-    layout = ParallelLayout.single(CPU)
-    run = RunShape.of(config)
-    plan, _ = plan_for_process(run, layout)
-    with streams.late_side_streams():
-        return PhasedEngine(run.engine_plan(plan), layout)
-
-
 def _waits(config, on_phase=None) -> HostWaits:
     """The host's waits in the second step (the first allocates and measures)."""
-    engine = _engine(config)
+    with streams.late_side_streams():
+        engine = planned_engine(config, ParallelLayout.single(CPU))
     batches = global_batches(config, 2, seed=1)
     engine.train_step(replica_batch(config, batches[0], 0), 0, 1e-3, StepHooks())
     waits = HostWaits()
