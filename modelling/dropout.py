@@ -77,17 +77,33 @@ def keep_mask(
     return mask.bernoulli_(1 - p, generator=generator).div_(1 - p)
 
 
-@torch.library.custom_op("phased::keep_mask", mutates_args=())
-def _keep_mask_op(
+# A tensor seed's draw as one op of the dispatcher, defined on its own library rather than
+# with torch.library.custom_op: a compiled graph calls it with autograd off, and custom_op's
+# Python layers around the call (its autograd wrapper, redispatch, output checks) took
+# the host 18 us a call, more than the draw itself (10 us). Its output has no gradient, so
+# the dispatcher's own autograd fallback serves it.
+_OPS = torch.library.Library("phased", "FRAGMENT")
+_OPS.define(
+    "keep_mask(Tensor seed, SymInt[] shape, float p, ScalarType dtype, Device device) -> Tensor"
+)
+
+
+def _keep_mask_of_tensor_seed(
     seed: torch.Tensor, shape: list[int], p: float, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
     """:func:`keep_mask` of a tensor seed: one op a compiled graph keeps, drawing eager's mask."""
     return keep_mask(tuple(shape), p, int(seed), dtype, device)
 
 
-@_keep_mask_op.register_fake
+_OPS.impl("keep_mask", _keep_mask_of_tensor_seed, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("phased::keep_mask", lib=_OPS)
 def _(seed, shape, p, dtype, device):
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+_keep_mask_op = torch.ops.phased.keep_mask.default
 
 
 def dropout(

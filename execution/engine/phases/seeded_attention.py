@@ -63,11 +63,22 @@ def seeded_attention_op(
     """Causal attention with dropout ``p`` drawn as
     ``fused_attention_with_dropout(q, k, v, p, mix_seed(seed, first_head))`` draws it, as one
     op of a compiled graph (module docstring); ``kernel`` from :func:`dropout_kernel`."""
-    return _seeded_attention(q, k, v, seed, p, first_head, kernel)[0]
+    return _SeededAttention.apply(q, k, v, seed, p, first_head, kernel)
 
 
-@torch.library.custom_op("phased::seeded_attention", mutates_args=())
-def _seeded_attention(
+# The forward as one op of the dispatcher, on a library of its own, and its gradient as an
+# autograd function around it, rather than torch.library.custom_op: a compiled graph calls the
+# op with autograd off, where custom_op's Python layers around the call (its autograd wrapper,
+# redispatch, output checks) took the host about 40 us a call, half the math path's own time
+# at a small width; and eager, an autograd function costs less than custom_op's wrapper.
+_OPS = torch.library.Library("phased", "FRAGMENT")
+_OPS.define(
+    "seeded_attention(Tensor q, Tensor k, Tensor v, Tensor seed, float p, int first_head,"
+    " str kernel) -> (Tensor, Tensor, Tensor, Tensor)"
+)
+
+
+def _seeded_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -80,7 +91,10 @@ def _seeded_attention(
         return _forward(q, k, v, p, kernel)
 
 
-@_seeded_attention.register_fake
+_OPS.impl("seeded_attention", _seeded_forward, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("phased::seeded_attention", lib=_OPS)
 def _(q, k, v, seed, p, first_head, kernel):
     return _forward(q, k, v, p, kernel)  # the kernel's meta function: shapes, no draw
 
@@ -101,35 +115,51 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p: float, kernel
     return out, dropped, q.new_empty(0), q.new_empty(0)
 
 
-def _save(ctx, inputs, output) -> None:
-    q, k, v, _, p, _, kernel = inputs
-    ctx.p, ctx.kernel = p, kernel
-    ctx.save_for_backward(q, k, v, *output)
+class _SeededAttention(torch.autograd.Function):
+    """The op's output, and SDPA's backward from what its forward kept (no draw in the
+    backward)."""
 
+    @staticmethod
+    def forward(ctx, q, k, v, seed, p, first_head, kernel):
+        output = torch.ops.phased.seeded_attention.default(q, k, v, seed, p, first_head, kernel)
+        ctx.p, ctx.kernel = p, kernel
+        ctx.save_for_backward(q, k, v, *output)
+        return output[0]
 
-def _backward(ctx, grad, *_):
-    # The fused kernels' logsumexp and random state (FlashAttention's state and its unused
-    # second tensor, the memory-efficient kernel's philox seed and offset), or the math
-    # path's dropped probabilities and two empty tensors (_forward).
-    q, k, v, out, lse_or_dropped, state, state_2 = ctx.saved_tensors
-    p, backward = ctx.p, sdpa_backward_ops()
-    if ctx.kernel == "flash":
-        # No cumulative sequence lengths: the batch is dense, each sequence whole.
-        seq_q, seq_k = q.shape[2], k.shape[2]
-        dq, dk, dv = backward["flash"](
-            grad, q, k, v, out, lse_or_dropped, None, None, seq_q, seq_k, p, True, state, state_2
-        )
-    elif ctx.kernel == "efficient":
-        wanted = [True, True, True, False]  # q, k, v; no attention bias
-        dq, dk, dv, _ = backward["efficient"](
-            grad, q, k, v, None, out, lse_or_dropped, state, state_2, p, wanted, True
-        )
-    else:
-        dq, dk, dv = _math_backward(grad, q, k, v, lse_or_dropped, p)
-    return dq, dk, dv, None, None, None, None
-
-
-_seeded_attention.register_autograd(_backward, setup_context=_save)
+    @staticmethod
+    def backward(ctx, grad):
+        # The fused kernels' logsumexp and random state (FlashAttention's state and its unused
+        # second tensor, the memory-efficient kernel's philox seed and offset), or the math
+        # path's dropped probabilities and two empty tensors (_forward).
+        q, k, v, out, lse_or_dropped, state, state_2 = ctx.saved_tensors
+        p, backward = ctx.p, sdpa_backward_ops()
+        if ctx.kernel == "flash":
+            # No cumulative sequence lengths: the batch is dense, each sequence whole.
+            seq_q, seq_k = q.shape[2], k.shape[2]
+            dq, dk, dv = backward["flash"](
+                grad,
+                q,
+                k,
+                v,
+                out,
+                lse_or_dropped,
+                None,
+                None,
+                seq_q,
+                seq_k,
+                p,
+                True,
+                state,
+                state_2,
+            )
+        elif ctx.kernel == "efficient":
+            wanted = [True, True, True, False]  # q, k, v; no attention bias
+            dq, dk, dv, _ = backward["efficient"](
+                grad, q, k, v, None, out, lse_or_dropped, state, state_2, p, wanted, True
+            )
+        else:
+            dq, dk, dv = _math_backward(grad, q, k, v, lse_or_dropped, p)
+        return dq, dk, dv, None, None, None, None
 
 
 def _math_backward(
