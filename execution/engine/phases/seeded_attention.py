@@ -134,23 +134,10 @@ class _SeededAttention(torch.autograd.Function):
         q, k, v, out, lse_or_dropped, state, state_2 = ctx.saved_tensors
         p, backward = ctx.p, sdpa_backward_ops()
         if ctx.kernel == "flash":
-            # No cumulative sequence lengths: the batch is dense, each sequence whole.
             seq_q, seq_k = q.shape[2], k.shape[2]
+            dense = (None, None)  # no cumulative sequence lengths: each sequence whole
             dq, dk, dv = backward["flash"](
-                grad,
-                q,
-                k,
-                v,
-                out,
-                lse_or_dropped,
-                None,
-                None,
-                seq_q,
-                seq_k,
-                p,
-                True,
-                state,
-                state_2,
+                grad, q, k, v, out, lse_or_dropped, *dense, seq_q, seq_k, p, True, state, state_2
             )
         elif ctx.kernel == "efficient":
             wanted = [True, True, True, False]  # q, k, v; no attention bias
