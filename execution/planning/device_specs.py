@@ -68,6 +68,10 @@ class DeviceSpec:
         fresh_memory_gb_per_s: Rate at which a new block of ``fresh_memory_threshold`` bytes
             or more is first touched (a CPU's allocator maps such blocks anew each time and
             their pages fault in; 0: blocks are reused, as CUDA's caching allocator does).
+        random_draw_ns: Time per random number a draw (dropout's mask: ``bernoulli_``) takes
+            beyond its bytes' time at ``device_memory_gb_per_s``, in nanoseconds: a CPU's
+            generator computes each number (a few nanoseconds each, ten or more times its
+            bytes' time); a GPU's keeps up with its memory (0: not measured, or none).
         host_adamw_elements_per_s: Elements the engine's host AdamW updates per second, as one
             rank runs it (its thread pool over cache-sized chunks, the 16-bit weight copy
             refreshed on a GPU); 0: not measured, the update's bytes at
@@ -112,6 +116,7 @@ class DeviceSpec:
     device_type: str = "cuda"
     fresh_memory_gb_per_s: float = 0.0
     fresh_memory_threshold: int = 0
+    random_draw_ns: float = 0.0
     host_adamw_elements_per_s: float = 0.0
     host_phase_us: tuple[tuple, ...] = ()
     attention_kernel_seconds: tuple[tuple[str, int, int, int, int, str, float, float], ...] = ()
@@ -367,6 +372,7 @@ FIELD_RULES = {
     "shared_memory_gb_per_s": UNMEASURED_OK,
     "ranks_on_host": (_count, "an integer >= 1"),
     "fresh_memory_threshold": (lambda v: v == 0 or _count(v), "an integer >= 0"),
+    "random_draw_ns": (_non_negative, "a finite number >= 0"),
     "host_adamw_elements_per_s": UNMEASURED_OK,
     "host_phase_us": (
         _table(

@@ -5,7 +5,8 @@ FLOPs over the matmul rate of its shape and its bytes (read and written) over me
 plus the host's time to launch it. Matmuls are kept by shape, since the rate depends on it;
 fused attention kernels by FLOPs, since they reach their own share of the peak; every other
 kernel (layer norm, GELU, softmax, dropout, residual adds, the loss, copies on the device) by
-its bytes alone: it is memory-bound.
+its bytes alone: it is memory-bound. A random draw also counts its elements: a CPU's generator
+computes each number, which takes longer than moving its bytes (``random_draw_ns``).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ MATMULS = frozenset({aten.mm, aten.addmm, aten.bmm, aten.baddbmm})
 
 @dataclass(frozen=True)
 class OpCost:
-    """One op: whether it runs a kernel, its bytes, its matmul shape if it is one, and
-    whether it is a copy across the host link (``link``)."""
+    """One op: whether it runs a kernel, its bytes, its matmul shape if it is one, whether it
+    is a copy across the host link (``link``), and the random numbers it draws."""
 
     kernel: bool
     nbytes: int = 0
     matmul: tuple[int, int, int] | None = None
     link: bool = False
+    random_elements: int = 0
 
 
 VIEW = OpCost(kernel=False)
@@ -69,6 +71,9 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
         nbytes += _result_bytes(out, tensors)
     elif packet not in _OVERWRITES:  # in place: what it updates is read, then written
         nbytes += sum(_nbytes(t) for t in tensors(_updated(schema, args, kwargs)))
+    if packet in _RANDOM_DRAWS:  # one number per element of what it fills
+        drawn = tensors(out if isinstance(out, (tuple, list)) else (out,))[0].numel()
+        return OpCost(kernel=True, nbytes=nbytes, random_elements=drawn)
     if packet not in MATMULS:
         return OpCost(kernel=True, nbytes=nbytes)
     a, b = (args[1], args[2]) if packet in (aten.addmm, aten.baddbmm) else (args[0], args[1])
@@ -112,6 +117,25 @@ _OVERWRITES = frozenset(
         "uniform_",
         "bernoulli_",
         "random_",
+    )
+    if hasattr(aten, name)
+)
+
+# Ops that draw a random number for each element of their (first) result: dropout's masks.
+_RANDOM_DRAWS = frozenset(
+    getattr(aten, name)
+    for name in (
+        "bernoulli",
+        "bernoulli_",
+        "uniform_",
+        "normal_",
+        "random_",
+        "exponential_",
+        "native_dropout",
+        "rand",
+        "rand_like",
+        "randn",
+        "randn_like",
     )
     if hasattr(aten, name)
 )
@@ -161,6 +185,7 @@ class OpCosts:
         allocations: Bytes of new storages by size class (the power of two at or below),
             for devices whose allocator hands large blocks out fresh (a CPU's, whose pages
             fault in on first touch; CUDA's caching allocator reuses them).
+        random_elements: Random numbers drawn (their kernels' bytes are in ``memory_bytes``).
     """
 
     kernels: int = 0
@@ -169,6 +194,7 @@ class OpCosts:
     link_bytes: int = 0
     matmuls: Counter = field(default_factory=Counter)
     allocations: Counter = field(default_factory=Counter)
+    random_elements: int = 0
 
     def allocated(self, nbytes: int) -> None:
         if nbytes:
@@ -186,6 +212,7 @@ class OpCosts:
             self.attention_bytes += cost.nbytes
         else:
             self.memory_bytes += cost.nbytes
+        self.random_elements += cost.random_elements
 
     def copy(self) -> OpCosts:
         return OpCosts(
@@ -195,6 +222,7 @@ class OpCosts:
             self.link_bytes,
             Counter(self.matmuls),
             Counter(self.allocations),
+            self.random_elements,
         )
 
     def __sub__(self, earlier: OpCosts) -> OpCosts:
@@ -205,6 +233,7 @@ class OpCosts:
             self.link_bytes - earlier.link_bytes,
             self.matmuls - earlier.matmuls,
             self.allocations - earlier.allocations,
+            self.random_elements - earlier.random_elements,
         )
 
     def __iadd__(self, other: OpCosts) -> OpCosts:
@@ -214,6 +243,7 @@ class OpCosts:
         self.link_bytes += other.link_bytes
         self.matmuls.update(other.matmuls)
         self.allocations.update(other.allocations)
+        self.random_elements += other.random_elements
         return self
 
 
@@ -221,7 +251,8 @@ def device_seconds(costs: OpCosts, attention_flops: float, spec: DeviceSpec) -> 
     """Seconds of the ops in ``costs`` on ``spec``, by kind: ``matmul`` (each at the rate of its
     shape, or its bytes' time where that is longer), ``attention`` (fused kernels at the
     attention share of the peak, or their bytes' time), ``memory_bound``, ``launch`` and
-    ``fresh_memory`` (first touch of large new blocks, where the allocator does not keep them)."""
+    ``fresh_memory`` (first touch of large new blocks, where the allocator does not keep them);
+    random draws are memory-bound, plus their numbers' time beyond their bytes'."""
     bandwidth = spec.memory_rate(spec.device_memory_gb_per_s) * 1e9
     matmul = 0.0
     for (m, n, k, nbytes), count in costs.matmuls.items():
@@ -233,7 +264,8 @@ def device_seconds(costs: OpCosts, attention_flops: float, spec: DeviceSpec) -> 
     return {
         "matmul": matmul,
         "attention": max(attention_flops / attention_rate, costs.attention_bytes / bandwidth),
-        "memory_bound": (costs.memory_bytes + link) / bandwidth,
+        "memory_bound": (costs.memory_bytes + link) / bandwidth
+        + costs.random_elements * spec.random_draw_ns * 1e-9,
         "launch": costs.kernels * spec.launch_overhead_us * 1e-6,
         "fresh_memory": _fresh_seconds(costs, spec),
     }

@@ -225,8 +225,9 @@ def test_free_memory_is_what_the_host_has_available_not_its_installed_pages():
 
 
 def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_share_it():
-    """spec_fields on measurements made up by hand. Without a link (a CPU) host memory stands
-    in for it. With one: each direction's rate is the one it had while the other ran (1 GB
+    """spec_fields on measurements made up by hand. A draw's time beyond its bytes' is its
+    ``random_draw_ns`` (0 where the bytes take longer). Without a link (a CPU) host memory
+    stands in for it. With one: each direction's rate is the one it had while the other ran (1 GB
     each way in 40 ms: 25 GB/s), and the one rate the time model prices loads and stores
     together at is the slowest of each direction alone (50 and 45 GB/s) and both at once
     (2 GB in 40 ms: 50 GB/s): 45 GB/s; were both at once slower (2 GB in 50 ms: 40 GB/s),
@@ -242,6 +243,8 @@ def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_
         "attention_kernels": {"cases": []},
         "collectives": {"rates": []},
         "fresh_memory": {"gb_per_s": 0.0, "threshold": 0},
+        # 4 MB written in 5 ms: 0.2 ms of it the bytes' at 20 GB/s, 4.8 ns beyond a number.
+        "random": {"elements": 10**6, "bytes": 4 * 10**6, "seconds": 5e-3},
         "host_adamw": {"elements_per_s": 3.5e8},
         "shared_memory": {"gb_per_s": 30.0},
     }
@@ -251,6 +254,9 @@ def test_spec_fields_take_free_memory_the_update_rate_and_the_link_as_both_ways_
     assert (fields["memory_gb"], fields["host_memory_gb"]) == (70.5, 100.25)
     assert fields["host_adamw_elements_per_s"] == 3.5e8
     assert fields["shared_memory_gb_per_s"] == 30.0
+    assert fields["random_draw_ns"] == pytest.approx(4.8)
+    keeping_up = measured | {"random": {"elements": 10**6, "bytes": 4 * 10**6, "seconds": 1e-4}}
+    assert calibrate.spec_fields(keeping_up, CPU)["random_draw_ns"] == 0.0
     assert fields["h2d_gb_per_s"] == fields["d2h_gb_per_s"] == fields["host_link_gb_per_s"] == 12.0
 
     def link(both_seconds: float) -> dict:

@@ -148,6 +148,7 @@ def test_not_measured_may_be_zero_or_null(tmp_path):
         waited_collective_us=None,
         fresh_memory_gb_per_s=0.0,
         fresh_memory_threshold=0,
+        random_draw_ns=0.0,
         host_adamw_elements_per_s=0.0,
         matmul_tflops=[],
         collective_gb_per_s=[],

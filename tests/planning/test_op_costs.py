@@ -79,6 +79,32 @@ def test_a_residual_dropout_on_meta_prices_the_draw_it_makes_on_a_device():
     with StepMeter() as meter:
         dropout(x, 0.1, seed=7)
     assert (meter.costs.kernels, meter.costs.memory_bytes) == (3, 12 * x.numel())
+    assert meter.costs.random_elements == x.numel()  # the draw: one number an element
+
+
+def test_a_draw_costs_its_numbers_beyond_its_bytes_where_the_device_computes_them_slowly():
+    """A CPU's generator computes each number (``random_draw_ns`` of them beyond the bytes'
+    time): dropout of 4,096 floats on such a spec (4 ns a number) adds 4096 x 4 ns to the
+    memory-bound time of its 6 x 16 KiB (as above, in float32); ``add_`` (3 x 16 KiB) and
+    ``exp_`` (2 x 16 KiB) draw nothing. The data sheet's GPU (0: it keeps up with memory)
+    prices the same ops by their bytes alone. A draw that fills a tensor of its own
+    (``rand``, ``native_dropout``) counts what it makes."""
+    x = torch.empty(2, 32, 64, device=META)
+    with StepMeter() as meter:
+        dropout(x, 0.1, seed=7)
+        x.add_(x).exp_()
+    gpu = SPECS["h100_sxm"]
+    cpu = dataclasses.replace(gpu, random_draw_ns=4.0)
+    bandwidth = gpu.device_memory_gb_per_s * 1e9
+    by_bytes = (6 + 3 + 2) * 4 * 4096 / bandwidth
+    assert device_seconds(meter.costs, 0, gpu)["memory_bound"] == pytest.approx(by_bytes)
+    assert device_seconds(meter.costs, 0, cpu)["memory_bound"] == pytest.approx(
+        by_bytes + 4096 * 4e-9
+    )
+    with StepMeter() as meter:
+        torch.rand(3, 5, device=META)
+        torch.ops.aten.native_dropout(x, 0.1, True)
+    assert meter.costs.random_elements == 15 + 4096
 
 
 def test_an_indexed_update_moves_the_rows_it_selects_not_the_whole_tensor():

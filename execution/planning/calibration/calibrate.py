@@ -15,6 +15,9 @@ rates, say) is one more entry in both places.
   as the engine's buffers are (registered pages), each direction alone and both at once on two
   streams, as the engine's loads and stores run.
 - launch: host time per small kernel, from a long run of tiny in-place adds.
+- random: dropout's draw (``bernoulli_``) over a large tensor in the compute dtype; its time
+  beyond its bytes' at the memory rate, per number, is ``random_draw_ns`` (a CPU's generator
+  computes each number: a few nanoseconds, ten or more times its bytes' time).
 - host_memory: host memory bandwidth from a large host copy.
 - shared_memory (CPU only): the large copy on every core at once, what the ranks of a run on
   the host share (``DeviceSpec.memory_rate``).
@@ -70,6 +73,7 @@ from execution.planning.calibration.kernels import (
     measure_launch,
     measure_matmul,
     measure_memory,
+    measure_random,
     measure_shared_memory,
     median_pass,
 )
@@ -176,6 +180,7 @@ MEASUREMENTS: dict[str, Callable[[torch.device, Sizes], dict]] = {
     "attention": measure_attention,
     "attention_kernels": measure_attention_kernels,
     "fresh_memory": measure_fresh_memory,
+    "random": measure_random,
     "host_adamw": measure_host_adamw,
     "collectives": measure_collectives,
 }
@@ -233,8 +238,16 @@ def spec_fields(measured: dict, device: torch.device) -> dict:
         "fresh_memory_gb_per_s": measured["fresh_memory"]["gb_per_s"],
         "shared_memory_gb_per_s": measured["shared_memory"]["gb_per_s"],
         "fresh_memory_threshold": measured["fresh_memory"]["threshold"],
+        "random_draw_ns": random_draw_ns(measured["random"], measured["memory"]["gb_per_s"]),
         "host_adamw_elements_per_s": measured["host_adamw"]["elements_per_s"],
     }
+
+
+def random_draw_ns(draw: dict, memory_gb_per_s: float) -> float:
+    """Nanoseconds per number of a timed draw beyond its bytes' time at the memory rate (0
+    where the bytes take as long: the draw keeps up with memory)."""
+    beyond = draw["seconds"] - draw["bytes"] / (memory_gb_per_s * 1e9)
+    return max(beyond, 0.0) / draw["elements"] * 1e9
 
 
 def _timed(name: str, measure: Callable[..., dict], *args) -> dict:

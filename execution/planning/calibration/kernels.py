@@ -80,6 +80,18 @@ def measure_memory(device: torch.device, sizes) -> dict:
     }
 
 
+def measure_random(device: torch.device, sizes) -> dict:
+    """Dropout's draw (``bernoulli_``) over a tensor of the copy's bytes in the compute dtype:
+    its seconds, elements and the bytes the time model counts for it (what it writes), whose
+    time at the memory rate ``calibrate.py`` takes out of it (``random_draw_ns``)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    mask = torch.empty(sizes.copy_bytes // dtype.itemsize, dtype=dtype, device=device)
+    timing = timed(lambda: mask.bernoulli_(0.9), device, sizes.repeats)
+    nbytes = mask.numel() * mask.element_size()
+    record = {"elements": mask.numel(), "bytes": nbytes, "seconds": timing.seconds}
+    return record | {"timing": timing.record()}
+
+
 def measure_launch(device: torch.device, sizes) -> dict:
     """Host time per launch: many tiny kernels queued back to back, one sync at the end, so the
     time is the launches' and not the kernels' (on a CPU, the dispatcher's per-op cost)."""
