@@ -165,6 +165,16 @@ RUNS = {
         "--context_parallel 2 --micro_batch_size 2 --global_batch_size 4 --placement resident "
         "--passes 1",
     ),
+    # With dropout: a CPU's generator draws each mask's numbers at a few nanoseconds each.
+    "dropout test p1 resident full": (
+        1,
+        f"{TEST} --passes 1 --placement resident --recompute full --dropout_prob 0.1",
+    ),
+    "dropout compiled tiny p1 resident none": (
+        1,
+        "--config tiny --passes 1 --placement resident --recompute none --compile true "
+        "--dropout_prob 0.1",
+    ),
     "other tp1 2 L3 h192 s64": (
         2,
         "--config tiny --layers 3 --hidden_size 192 --heads 6 --sequence_length 64 "
@@ -180,8 +190,14 @@ AXES = {
     "tensor_parallel_1": "tp1",
     "tensor_parallel_2": "tp2",
 }
-COMMON = "--dropout_prob 0 --precision float32 --eval_every 0 --seed 1"
-MODEL = ["--config", "tiny", *shlex.split(COMMON)]  # the ranking check's
+COMMON = "--precision float32 --eval_every 0 --seed 1"
+MODEL = ["--config", "tiny", "--dropout_prob", "0", *shlex.split(COMMON)]  # the ranking check's
+
+
+def run_flags(flags: str) -> list[str]:
+    """A run's flags with the common ones; without dropout unless it sets its own."""
+    dropout = [] if "--dropout_prob" in flags else ["--dropout_prob", "0"]
+    return [*shlex.split(flags), *dropout, *shlex.split(COMMON)]
 
 
 def _run(command: list[str]) -> None:
@@ -198,7 +214,7 @@ def spec_file(threads: int, spec_dir: Path, round_: int = 0) -> Path:
     if not path.exists():
         command = [sys.executable, "-m", "benchmarks.calibrate", "--device", "cpu"]
         command += ["--threads", str(threads), "--output", str(path)]
-        command += ["--host_dropout", "0"]  # the runs' (COMMON)
+        command += ["--host_dropout", "0", "0.1"]  # the runs' (RUNS)
         _run(command)
     return path
 
@@ -327,7 +343,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs = {}
     for name in args.runs:
         processes, flags = RUNS[name]
-        runs[name] = (processes, [*shlex.split(flags), *shlex.split(COMMON)])
+        runs[name] = (processes, run_flags(flags))
     keys = ("step_time_s", "compute_s", "memory_bound_s", "overhead_s", "host_optimizer_s")
     keys += ("copies_s", "collectives_s", "exposed_comm_s", "bubble_s")
     estimates: dict[str, list[dict]] = {name: [] for name in runs}
