@@ -72,7 +72,7 @@ def op_cost(func, args: tuple, kwargs: dict, out, tensors) -> OpCost:
     elif packet not in _OVERWRITES:  # in place: what it updates is read, then written
         nbytes += sum(_nbytes(t) for t in tensors(_updated(schema, args, kwargs)))
     if packet in _RANDOM_DRAWS:  # one number per element of what it fills
-        drawn = tensors(out if isinstance(out, (tuple, list)) else (out,))[0].numel()
+        drawn = result_tensors(out, tensors)[0].numel()
         return OpCost(kernel=True, nbytes=nbytes, random_elements=drawn)
     if packet not in MATMULS:
         return OpCost(kernel=True, nbytes=nbytes)
@@ -100,9 +100,14 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def result_tensors(out, tensors) -> list[torch.Tensor]:
+    """The tensors an op returned (one tensor, or several)."""
+    return tensors(out if isinstance(out, (tuple, list)) else (out,))
+
+
 def _result_bytes(out, tensors) -> int:
     """Bytes of what an op returned (one tensor, or several)."""
-    return sum(map(_nbytes, tensors(out if isinstance(out, (tuple, list)) else (out,))))
+    return sum(map(_nbytes, result_tensors(out, tensors)))
 
 
 # In-place ops that write their tensor without reading it (the rest read what they update).

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import flop_registry
 
-from execution.planning.op_costs import OpCost, OpCosts, op_cost
+from execution.planning.op_costs import OpCost, OpCosts, op_cost, result_tensors
 from utils.torch_private import TorchDispatchMode
 
 
@@ -122,7 +122,7 @@ class StepMeter(TorchDispatchMode):
             self.attention_flops += flops
         self.costs.add(cost, attention)
         inputs = None
-        for t in _tensors(out if isinstance(out, (tuple, list)) else (out,)):
+        for t in result_tensors(out, _tensors):
             storage = t.untyped_storage()
             key = id(storage)
             if key in self._counted:
